@@ -1,0 +1,43 @@
+# Two entry points for people: `make run` and `make test` (see README).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+DEPS := $(VENV)/.deps-stamp
+export VIRTUAL_ENV := $(abspath $(VENV))
+export PATH := $(abspath $(VENV))/bin:$(PATH)
+
+.PHONY: run test build test-rust test-python lint bench clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+$(DEPS): requirements-dev.txt | $(PY)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements-dev.txt
+	touch $@
+
+build: $(DEPS)
+	$(VENV)/bin/maturin develop --release --quiet
+
+run: build
+	$(VENV)/bin/kvpool simulate
+
+test: build test-rust test-python
+
+test-rust:
+	cargo test -p kvpool --release
+
+test-python: build
+	$(PY) -m pytest -q
+
+lint: build
+	cargo fmt --all --check
+	cargo clippy --workspace --all-targets -- -D warnings
+	$(VENV)/bin/ruff check python tests benches
+	$(PY) -m mypy.stubtest kvpool._core --allowlist stubtest-allowlist.txt
+
+bench:
+	cargo bench -p kvpool
+
+clean:
+	rm -rf $(VENV) target
