@@ -1,2 +1,38 @@
-"""kvpool: a Rust-accelerated KV-cache block manager for LLM serving engines."""
-from kvpool._core import *  # noqa: F401,F403
+"""kvpool: a Rust-accelerated KV-cache block manager for LLM serving engines.
+
+The Rust core (``kvpool._core``) provides block handles, free lists, the prefix cache and the
+sequence-level pool; ``kvpool.kernels`` holds the GPU data plane; ``kvpool simulate`` is a
+serving-workload simulator built on the pool. The rules cited as "R<n>" are those of DESIGN.md.
+"""
+
+from kvpool._core import (
+    DEFAULT_HASH_SEED,
+    Block,
+    BlockManager,
+    BlockManagerPool,
+    InvariantError,
+    KVEvent,
+    KVPoolError,
+    OutOfBlocksError,
+    PrefixCache,
+    Sequence,
+    SingleBlockManager,
+    __version__,
+    hash_blocks,
+)
+
+__all__ = [
+    "DEFAULT_HASH_SEED",
+    "Block",
+    "BlockManager",
+    "BlockManagerPool",
+    "InvariantError",
+    "KVEvent",
+    "KVPoolError",
+    "OutOfBlocksError",
+    "PrefixCache",
+    "Sequence",
+    "SingleBlockManager",
+    "__version__",
+    "hash_blocks",
+]

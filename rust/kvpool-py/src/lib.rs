@@ -1,6 +1,31 @@
+//! Python bindings of the kvpool core (`kvpool._core`): thin wrappers that validate, make one
+//! core call and map the error. Every class is frozen with a lock inside (R28).
+
+mod convert;
+mod errors;
+mod manager;
+mod pool;
+
 use pyo3::prelude::*;
+
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = m.py();
     m.add("__version__", kvpool::version())?;
+    m.add("DEFAULT_HASH_SEED", kvpool::DEFAULT_HASH_SEED)?;
+    m.add("KVPoolError", py.get_type::<errors::KVPoolError>())?;
+    m.add(
+        "OutOfBlocksError",
+        py.get_type::<errors::OutOfBlocksError>(),
+    )?;
+    m.add("InvariantError", py.get_type::<errors::InvariantError>())?;
+    m.add_class::<manager::PyBlock>()?;
+    m.add_class::<manager::PyBlockManager>()?;
+    m.add_class::<manager::PySingleBlockManager>()?;
+    m.add_class::<manager::PyPrefixCache>()?;
+    m.add_function(wrap_pyfunction!(manager::hash_blocks, m)?)?;
+    m.add_class::<pool::PySequence>()?;
+    m.add_class::<pool::PyBlockManagerPool>()?;
+    m.add_class::<pool::PyKvEvent>()?;
     Ok(())
 }

@@ -1,2 +1,33 @@
-//! placeholder
-pub fn version() -> &'static str { env!("CARGO_PKG_VERSION") }
+//! kvpool core: the scheduler-side KV-cache block manager of an LLM serving engine.
+//!
+//! Pure Rust (no Python): free lists, `Block` handles whose last drop returns the id, a
+//! hash-keyed prefix cache with prefix-closed LRU eviction, and the sequence-level pool. The
+//! rules cited as "R<n>" are those of the project's DESIGN.md.
+
+pub mod block;
+pub mod error;
+pub mod free_list;
+pub mod hash;
+pub mod manager;
+pub mod pool;
+pub mod prefix_cache;
+pub mod sequence;
+mod sync;
+
+pub use block::Block;
+pub use error::{KvPoolError, Result};
+pub use free_list::FreeList;
+pub use hash::{BlockHash, BlockHasher, DEFAULT_HASH_SEED};
+pub use manager::{
+    BlockCounts, BlockManager, BlockManagerImpl, ManagerConfig, SingleBlockManager, MAX_BLOCKS,
+};
+pub use prefix_cache::{CacheEvent, CacheStats, ExtraKey, PrefixCache, Probe};
+
+/// The crate version.
+pub fn version() -> &'static str {
+    env!("CARGO_PKG_VERSION")
+}
+pub use pool::{
+    BlockManagerPool, KvCacheManager, KvEvent, KvEventKind, PoolConfig, PoolStats, RankStats,
+};
+pub use sequence::Sequence;

@@ -1,0 +1,515 @@
+//! `kvpool.Sequence`, `kvpool.BlockManagerPool`, `kvpool.KVEvent`.
+//! Each method validates, makes one core call and maps the error. Lock order: pool, then
+//! sequences in argument order; no lock is held while Python code runs.
+
+use kvpool::{BlockManagerPool, KvCacheManager, PoolConfig, RankStats, Sequence};
+use numpy::ndarray::Array2;
+use numpy::{IntoPyArray, PyArray1, PyArray2};
+use parking_lot::Mutex;
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict, PyList};
+
+use crate::convert;
+use crate::errors::{type_error, value_error, IntoPyResult};
+use crate::manager::{counts_dict, hasher};
+
+/// A request's tokens and KV-cache state (block table, computed tokens, dp rank).
+#[pyclass(frozen, module = "kvpool", name = "Sequence")]
+pub struct PySequence {
+    pub(crate) inner: Mutex<Sequence>,
+}
+
+#[pymethods]
+impl PySequence {
+    #[new]
+    #[pyo3(signature = (token_ids, *, seq_id = None, extra_key = None))]
+    fn new(
+        token_ids: &Bound<'_, PyAny>,
+        seq_id: Option<u64>,
+        extra_key: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Self> {
+        let tokens = convert::tokens(token_ids, "token_ids")?;
+        let key = convert::extra_key(extra_key, "extra_key")?;
+        Ok(Self {
+            inner: Mutex::new(Sequence::new(tokens, seq_id, key.as_deref())),
+        })
+    }
+
+    /// Caller-visible id (a process-unique counter unless given).
+    #[getter]
+    fn seq_id(&self) -> u64 {
+        self.inner.lock().seq_id()
+    }
+
+    /// The extra key (cache salt) as bytes, or None.
+    #[getter]
+    fn extra_key<'py>(&self, py: Python<'py>) -> Option<Bound<'py, PyBytes>> {
+        self.inner.lock().extra_key().map(|k| PyBytes::new(py, k))
+    }
+
+    fn __len__(&self) -> usize {
+        self.inner.lock().len()
+    }
+
+    /// Token ids (prompt plus appended), as a list of int.
+    #[getter]
+    fn token_ids(&self) -> Vec<u32> {
+        self.inner.lock().tokens().to_vec()
+    }
+
+    /// Appends one token (append the sampled token, then call may_append: R16).
+    fn append_token(&self, token: &Bound<'_, PyAny>) -> PyResult<()> {
+        let token = token
+            .extract::<i64>()
+            .map_err(|_| type_error("token", "must be an int"))
+            .and_then(|t| {
+                u32::try_from(t).map_err(|_| value_error("token", "must be in [0, 2**32)"))
+            })?;
+        self.inner.lock().append_token(token);
+        Ok(())
+    }
+
+    /// Appends several tokens (a list of int or a 1-D integer numpy array).
+    fn append_tokens(&self, token_ids: &Bound<'_, PyAny>) -> PyResult<()> {
+        let tokens = convert::tokens(token_ids, "token_ids")?;
+        self.inner.lock().append_tokens(&tokens);
+        Ok(())
+    }
+
+    /// The block table: int32 array of physical block ids, one per logical block.
+    #[getter]
+    fn block_table<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i32>> {
+        let ids: Vec<i32> = self.inner.lock().block_ids().map(|id| id as i32).collect();
+        ids.into_pyarray(py)
+    }
+
+    /// The block table of group g (group 0: the full-attention table).
+    fn group_block_table<'py>(
+        &self,
+        py: Python<'py>,
+        group: usize,
+    ) -> PyResult<Bound<'py, PyArray1<i32>>> {
+        if group != 0 {
+            return Err(value_error(
+                "group",
+                format!("this sequence has 1 group, got {group}"),
+            ));
+        }
+        Ok(self.block_table(py))
+    }
+
+    /// Number of entries of the block table.
+    #[getter]
+    fn num_blocks(&self) -> usize {
+        self.inner.lock().blocks().len()
+    }
+
+    /// Tokens whose KV came from the prefix cache at allocation.
+    #[getter]
+    fn num_cached_tokens(&self) -> usize {
+        self.inner.lock().num_cached_tokens()
+    }
+
+    /// Tokens whose KV exists; the engine advances it after each step (R17). Lowering it, or
+    /// setting it past len(seq) or past what the block table holds, is a ValueError.
+    #[getter]
+    fn num_computed_tokens(&self) -> usize {
+        self.inner.lock().num_computed_tokens()
+    }
+
+    #[setter]
+    fn set_num_computed_tokens(&self, value: &Bound<'_, PyAny>) -> PyResult<()> {
+        let n = value
+            .extract::<i64>()
+            .map_err(|_| type_error("num_computed_tokens", "must be an int"))?;
+        let n = usize::try_from(n)
+            .map_err(|_| value_error("num_computed_tokens", format!("must be >= 0, got {n}")))?;
+        self.inner.lock().set_num_computed_tokens(n).py()
+    }
+
+    /// Data-parallel rank once allocated (kept across deallocate: R13), else None.
+    #[getter]
+    fn dp_rank(&self) -> Option<usize> {
+        self.inner.lock().dp_rank()
+    }
+
+    /// The sequence's single block id while allocated, else None.
+    #[getter]
+    fn single_block_id(&self) -> Option<u32> {
+        self.inner.lock().single_block_id()
+    }
+
+    /// Live linear-state slot (hybrid models), else None.
+    #[getter]
+    fn linear_state_slot(&self) -> Option<u32> {
+        None
+    }
+
+    /// Checkpoint slot to restore the linear state from, else None.
+    #[getter]
+    fn linear_state_restore_slot(&self) -> Option<u32> {
+        None
+    }
+
+    /// Whether the sequence holds blocks of a pool.
+    #[getter]
+    fn is_allocated(&self) -> bool {
+        self.inner.lock().is_allocated()
+    }
+
+    fn __repr__(&self) -> String {
+        format!("{:?}", self.inner.lock())
+    }
+}
+
+/// Python-visible KV event (R21).
+#[pyclass(frozen, module = "kvpool", name = "KVEvent", get_all)]
+pub struct PyKvEvent {
+    /// "stored", "removed" or "cleared".
+    kind: String,
+    /// 16-byte hashes of the blocks.
+    block_hashes: Vec<Py<PyBytes>>,
+    /// Hash of the parent of the first block, None for a chain's first block.
+    parent_hash: Option<Py<PyBytes>>,
+    /// Token ids of the stored blocks (empty otherwise).
+    token_ids: Vec<u32>,
+    block_size: usize,
+    dp_rank: usize,
+    extra_key: Option<Py<PyBytes>>,
+}
+
+#[pymethods]
+impl PyKvEvent {
+    fn __repr__(&self) -> String {
+        format!(
+            "KVEvent(kind={:?}, blocks={}, dp_rank={}, block_size={})",
+            self.kind,
+            self.block_hashes.len(),
+            self.dp_rank,
+            self.block_size
+        )
+    }
+}
+
+fn rank_dict<'py>(py: Python<'py>, r: &RankStats) -> PyResult<Bound<'py, PyDict>> {
+    let d = counts_dict(py, &r.counts)?;
+    d.set_item("prefix_query_tokens", r.prefix_query_tokens)?;
+    d.set_item("prefix_hit_tokens", r.prefix_hit_tokens)?;
+    d.set_item("num_evictions", r.num_evictions)?;
+    d.set_item("num_free_single_blocks", r.num_free_single_blocks)?;
+    d.set_item("num_live_slots", r.num_live_slots)?;
+    d.set_item("num_pending_checkpoints", r.num_pending_checkpoints)?;
+    d.set_item("num_committed_checkpoints", r.num_committed_checkpoints)?;
+    d.set_item("host", py.None())?;
+    Ok(d)
+}
+
+/// Sequence-level KV-cache manager: per dp rank one BlockManager and one SingleBlockManager.
+#[pyclass(frozen, module = "kvpool", name = "BlockManagerPool")]
+pub struct PyBlockManagerPool {
+    inner: Mutex<BlockManagerPool>,
+    num_blocks: usize,
+    block_size: usize,
+    dp_size: usize,
+    enable_prefix_cache: bool,
+}
+
+fn seq_ref<'a, 'py>(obj: &'a Bound<'py, PyAny>) -> PyResult<&'a Bound<'py, PySequence>> {
+    obj.cast::<PySequence>().map_err(|_| {
+        type_error(
+            "seq",
+            format!("must be a kvpool.Sequence, got {}", obj.get_type()),
+        )
+    })
+}
+
+fn seq_list<'py>(seqs: &Bound<'py, PyAny>) -> PyResult<Vec<Bound<'py, PySequence>>> {
+    seqs.try_iter()
+        .map_err(|_| type_error("seqs", "must be an iterable of kvpool.Sequence"))?
+        .map(|item| {
+            let item = item?;
+            item.cast_into::<PySequence>().map_err(|e| {
+                type_error(
+                    "seqs",
+                    format!(
+                        "must contain kvpool.Sequence, got {}",
+                        e.into_inner().get_type()
+                    ),
+                )
+            })
+        })
+        .collect()
+}
+
+fn check_group(group: i64) -> PyResult<()> {
+    if group != 0 {
+        return Err(value_error(
+            "group",
+            format!("this pool has 1 group (0), got {group}"),
+        ));
+    }
+    Ok(())
+}
+
+fn optional_count(value: Option<i64>, name: &str) -> PyResult<Option<usize>> {
+    value
+        .map(|v| {
+            usize::try_from(v).map_err(|_| value_error(name, format!("must be >= 0, got {v}")))
+        })
+        .transpose()
+}
+
+#[pymethods]
+impl PyBlockManagerPool {
+    #[new]
+    #[pyo3(signature = (
+        num_blocks, block_size, *, dp_size = 1, enable_prefix_cache = true, num_single_blocks = None,
+        linear_state_slots = 0, checkpoint_interval = None, linear_state_match = "deepest",
+        concurrent = false, enable_events = false, hash_seed = None, sliding_window = None,
+        swa_num_blocks = None, debug_hash_bits = None
+    ))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        num_blocks: i64,
+        block_size: i64,
+        dp_size: i64,
+        enable_prefix_cache: bool,
+        num_single_blocks: Option<i64>,
+        linear_state_slots: i64,
+        checkpoint_interval: Option<i64>,
+        linear_state_match: &str,
+        concurrent: bool,
+        enable_events: bool,
+        hash_seed: Option<&Bound<'_, PyAny>>,
+        sliding_window: Option<i64>,
+        swa_num_blocks: Option<i64>,
+        debug_hash_bits: Option<u32>,
+    ) -> PyResult<Self> {
+        let _ = concurrent; // every Python pool is thread-safe (R28)
+        let num_blocks = optional_count(Some(num_blocks), "num_blocks")?.unwrap_or(0);
+        let block_size = optional_count(Some(block_size), "block_size")?.unwrap_or(0);
+        let dp_size = optional_count(Some(dp_size), "dp_size")?.unwrap_or(0);
+        let num_single_blocks = optional_count(num_single_blocks, "num_single_blocks")?;
+        if !matches!(linear_state_match, "deepest" | "contiguous") {
+            return Err(value_error(
+                "linear_state_match",
+                format!("must be 'deepest' or 'contiguous', got {linear_state_match:?}"),
+            ));
+        }
+        if linear_state_slots < 0 {
+            return Err(value_error(
+                "linear_state_slots",
+                format!("must be >= 0, got {linear_state_slots}"),
+            ));
+        }
+        if linear_state_slots > 0 || checkpoint_interval.is_some() {
+            return Err(value_error(
+                "linear_state_slots",
+                "linear-state caching is not available in this kvpool build",
+            ));
+        }
+        if sliding_window.is_some() || swa_num_blocks.is_some() {
+            return Err(value_error(
+                "sliding_window",
+                "sliding-window groups are not available in this kvpool build",
+            ));
+        }
+        let config = PoolConfig {
+            num_blocks,
+            block_size,
+            dp_size,
+            enable_prefix_cache,
+            num_single_blocks,
+            hasher: hasher(hash_seed, debug_hash_bits)?,
+            enable_events,
+        };
+        let pool = BlockManagerPool::new(config).py()?;
+        Ok(Self {
+            inner: Mutex::new(pool),
+            num_blocks,
+            block_size,
+            dp_size,
+            enable_prefix_cache,
+        })
+    }
+
+    /// Block ids per rank, padding block included.
+    #[getter]
+    fn num_blocks(&self) -> usize {
+        self.num_blocks
+    }
+    /// Tokens per block.
+    #[getter]
+    fn block_size(&self) -> usize {
+        self.block_size
+    }
+    /// Number of data-parallel ranks.
+    #[getter]
+    fn dp_size(&self) -> usize {
+        self.dp_size
+    }
+    /// Whether each rank keeps a prefix cache.
+    #[getter]
+    fn enable_prefix_cache(&self) -> bool {
+        self.enable_prefix_cache
+    }
+
+    /// What allocate(seq, num_tokens) would return, with no side effect (R15).
+    #[pyo3(signature = (seq, num_tokens = None))]
+    fn can_allocate(&self, seq: &Bound<'_, PyAny>, num_tokens: Option<i64>) -> PyResult<bool> {
+        let seq = seq_ref(seq)?;
+        let n = optional_count(num_tokens, "num_tokens")?;
+        let mut pool = self.inner.lock();
+        let mut seq = seq.get().inner.lock();
+        pool.can_allocate(&mut seq, n).py()
+    }
+
+    /// Gives seq blocks for num_tokens tokens (default len(seq)) after a prefix-cache match
+    /// (R8, R13, R14); on a sequence that holds blocks, grows its table (chunked prefill).
+    /// All-or-nothing: False leaves the pool and the sequence exactly as they were.
+    #[pyo3(signature = (seq, num_tokens = None))]
+    fn allocate(&self, seq: &Bound<'_, PyAny>, num_tokens: Option<i64>) -> PyResult<bool> {
+        let seq = seq_ref(seq)?;
+        let n = optional_count(num_tokens, "num_tokens")?;
+        let mut pool = self.inner.lock();
+        let mut seq = seq.get().inner.lock();
+        pool.allocate(&mut seq, n).py()
+    }
+
+    /// Whether the blocks for len(seq) + lookahead tokens can be had (R16).
+    ///
+    /// len(seq) already counts the token whose KV the next step writes: append the sampled
+    /// token first, then ask. With block_size 4: 4 tokens fill one block; after append_token
+    /// (5 tokens) one more block is needed; at 6 tokens nothing is. lookahead reserves room for
+    /// speculative tokens.
+    #[pyo3(signature = (seq, lookahead = 0))]
+    fn can_append(&self, seq: &Bound<'_, PyAny>, lookahead: i64) -> PyResult<bool> {
+        let seq = seq_ref(seq)?;
+        let lookahead = optional_count(Some(lookahead), "lookahead")?.unwrap_or(0);
+        let pool = self.inner.lock();
+        let seq = seq.get().inner.lock();
+        pool.can_append(&seq, lookahead).py()
+    }
+
+    /// Takes the blocks can_append asks about (all-or-nothing; False if they cannot be had, R16).
+    #[pyo3(signature = (seq, lookahead = 0))]
+    fn may_append(&self, seq: &Bound<'_, PyAny>, lookahead: i64) -> PyResult<bool> {
+        let seq = seq_ref(seq)?;
+        let lookahead = optional_count(Some(lookahead), "lookahead")?.unwrap_or(0);
+        let mut pool = self.inner.lock();
+        let mut seq = seq.get().inner.lock();
+        pool.may_append(&mut seq, lookahead).py()
+    }
+
+    /// Publishes the full blocks inside seq.num_computed_tokens in the prefix cache (R17).
+    fn cache(&self, seq: &Bound<'_, PyAny>) -> PyResult<()> {
+        let seq = seq_ref(seq)?;
+        let mut pool = self.inner.lock();
+        let mut seq = seq.get().inner.lock();
+        pool.cache(&mut seq).py()
+    }
+
+    /// cache(seq), then releases its blocks and single block and resets it (R18).
+    fn deallocate(&self, seq: &Bound<'_, PyAny>) -> PyResult<()> {
+        let seq = seq_ref(seq)?;
+        let mut pool = self.inner.lock();
+        let mut seq = seq.get().inner.lock();
+        pool.deallocate(&mut seq).py()
+    }
+
+    /// Block tables of seqs: int32 array [len(seqs), max_blocks], padded with 0 (R19).
+    #[pyo3(signature = (seqs, group = 0))]
+    fn block_tables<'py>(
+        &self,
+        py: Python<'py>,
+        seqs: &Bound<'py, PyAny>,
+        group: i64,
+    ) -> PyResult<Bound<'py, PyArray2<i32>>> {
+        check_group(group)?;
+        let seqs = seq_list(seqs)?;
+        let (table, width) = {
+            let pool = self.inner.lock();
+            let guards: Vec<_> = seqs.iter().map(|s| s.get().inner.lock()).collect();
+            let refs: Vec<&Sequence> = guards.iter().map(|g| &**g).collect();
+            pool.block_tables(&refs).py()?
+        };
+        let array = Array2::from_shape_vec((seqs.len(), width), table).expect("shape matches");
+        Ok(array.into_pyarray(py))
+    }
+
+    /// Cache slots (int64) of tokens [num_computed_tokens, len) of every sequence, concatenated:
+    /// slot = block_id * block_size + position % block_size (R19).
+    #[pyo3(signature = (seqs, group = 0))]
+    fn slot_mapping<'py>(
+        &self,
+        py: Python<'py>,
+        seqs: &Bound<'py, PyAny>,
+        group: i64,
+    ) -> PyResult<Bound<'py, PyArray1<i64>>> {
+        check_group(group)?;
+        let seqs = seq_list(seqs)?;
+        let slots = {
+            let pool = self.inner.lock();
+            let guards: Vec<_> = seqs.iter().map(|s| s.get().inner.lock()).collect();
+            let refs: Vec<&Sequence> = guards.iter().map(|g| &**g).collect();
+            pool.slot_mapping(&refs).py()?
+        };
+        Ok(slots.into_pyarray(py))
+    }
+
+    /// Counts, prefix-cache and slot statistics, totals and per rank (R20).
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let stats = self.inner.lock().stats();
+        let dict = rank_dict(py, &stats.total)?;
+        let ranks = PyList::empty(py);
+        for r in &stats.ranks {
+            ranks.append(rank_dict(py, r)?)?;
+        }
+        dict.set_item("ranks", ranks)?;
+        Ok(dict)
+    }
+
+    /// Walks every structure; raises InvariantError if a rule is broken (R20).
+    fn check(&self, py: Python<'_>) -> PyResult<()> {
+        let inner = &self.inner;
+        py.detach(|| inner.lock().check()).py()
+    }
+
+    /// Returns and clears the recorded KV events (R21); [] unless enable_events.
+    fn drain_events<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let events = self.inner.lock().drain_events();
+        let out = PyList::empty(py);
+        for e in events {
+            let event = PyKvEvent {
+                kind: e.kind.as_str().to_owned(),
+                block_hashes: e
+                    .block_hashes
+                    .iter()
+                    .map(|h| PyBytes::new(py, &h.to_bytes()).unbind())
+                    .collect(),
+                parent_hash: e
+                    .parent_hash
+                    .map(|h| PyBytes::new(py, &h.to_bytes()).unbind()),
+                token_ids: e.token_ids,
+                block_size: e.block_size,
+                dp_rank: e.dp_rank,
+                extra_key: e.extra_key.map(|k| PyBytes::new(py, &k).unbind()),
+            };
+            out.append(Bound::new(py, event)?)?;
+        }
+        Ok(out)
+    }
+
+    /// Drops every cached entry of every rank; blocks sequences hold stay with them (R12).
+    fn reset_prefix_cache(&self) {
+        self.inner.lock().reset_prefix_cache();
+    }
+
+    fn __repr__(&self) -> String {
+        let stats = self.inner.lock().stats();
+        format!(
+            "BlockManagerPool(num_blocks={}, block_size={}, dp_size={}, free={}, cached={}, used={})",
+            self.num_blocks, self.block_size, self.dp_size, stats.total.counts.free, stats.total.counts.cached, stats.total.counts.used
+        )
+    }
+}

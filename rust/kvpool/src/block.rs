@@ -1,0 +1,276 @@
+//! `Block` handles and the `BlockStore` they point into.
+//!
+//! A [`Block`] is shared ownership of one physical block id, with exactly `Arc`'s semantics:
+//! cloning raises the id's reference count, dropping lowers it, and the drop that takes it to
+//! zero pushes the id back to the store's free list: never earlier, never twice (R4). The
+//! records live in one slab (`BlockStore`): one atomic state word per id, no heap allocation
+//! per block.
+//!
+//! State word of an id (one `AtomicU32`, so every transition is observed exactly once):
+//! - bits 0..30: reference count (handles, including the prefix cache's if cached);
+//! - bit 30 `QUEUED`: the id sits in the `released` stack, waiting for the prefix cache to put
+//!   it on its LRU list (set only together with the transition described next, cleared only by
+//!   the cache after popping it; so `QUEUED` <=> in the stack);
+//! - bit 31 `CACHED`: the prefix cache holds one of the references.
+//!
+//! Invariants (R2): an id is **free** iff its count is 0 (then it is in the free list exactly
+//! once), **cached** iff its state is `CACHED | 1` (only the cache holds it), **used** otherwise.
+//! `cache_only` counts the cached ids; it changes only on the transitions `CACHED|2 -> CACHED|1`
+//! (a handle drop: +1) and `CACHED|1 -> CACHED|2 / 0` (the cache hands out or evicts: -1), each
+//! of which is a single atomic update of the state word, so the count cannot drift.
+//! A handle drop never takes a lock (R27): it only touches the state word, the free list and the
+//! `released` stack, all lock-free.
+
+use crossbeam_utils::CachePadded;
+
+use crate::free_list::FreeList;
+use crate::hash::BlockHash;
+use crate::sync::{Arc, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+
+pub(crate) const COUNT_MASK: u32 = (1 << 30) - 1;
+pub(crate) const QUEUED: u32 = 1 << 30;
+pub(crate) const CACHED: u32 = 1 << 31;
+
+/// The slab behind every [`Block`] of one manager.
+pub(crate) struct BlockStore {
+    /// Unique per store: lets managers recognise their own handles.
+    pub(crate) block_size: u32,
+    states: Box<[AtomicU32]>,
+    hashes: Box<[[AtomicU64; 2]]>,
+    pub(crate) free: FreeList,
+    /// Ids that just became cache-only, for the prefix cache's LRU (see module doc).
+    pub(crate) released: FreeList,
+    cache_only: CachePadded<AtomicUsize>,
+}
+
+impl BlockStore {
+    /// A store of `num_blocks` ids whose free list holds `1..num_blocks` (id 0 is the padding
+    /// block and is never handed out, R1).
+    pub(crate) fn new(num_blocks: usize, block_size: u32) -> Self {
+        Self {
+            block_size,
+            states: (0..num_blocks).map(|_| AtomicU32::new(0)).collect(),
+            hashes: (0..num_blocks)
+                .map(|_| [AtomicU64::new(0), AtomicU64::new(0)])
+                .collect(),
+            free: FreeList::with_ids(num_blocks, 1..num_blocks as u32),
+            released: FreeList::new(num_blocks),
+            cache_only: CachePadded::new(AtomicUsize::new(0)),
+        }
+    }
+
+    pub(crate) fn num_blocks(&self) -> usize {
+        self.states.len()
+    }
+
+    /// Number of cached (cache-only) ids.
+    #[inline]
+    pub(crate) fn num_cache_only(&self) -> usize {
+        // Relaxed: a counter snapshot, exact at quiescence (module doc).
+        self.cache_only.load(Ordering::Relaxed)
+    }
+
+    #[inline]
+    pub(crate) fn state(&self, id: u32) -> u32 {
+        // Acquire: pairs with the Release of `mark_cached` so a reader that sees CACHED sees the
+        // hash written before it.
+        self.states[id as usize].load(Ordering::Acquire)
+    }
+
+    /// Turns a freshly popped free id into its first handle.
+    #[inline]
+    pub(crate) fn take(self: &Arc<Self>, id: u32) -> Block {
+        // Relaxed: the id came out of the free list through an Acquire pop, which already orders
+        // everything its previous owner did; only the count itself changes here.
+        let previous = self.states[id as usize].fetch_add(1, Ordering::Relaxed);
+        debug_assert_eq!(previous & COUNT_MASK, 0, "allocated id {id} was not free");
+        Block {
+            store: Arc::clone(self),
+            id,
+        }
+    }
+
+    /// Adds a handle to a block someone already holds (the caller proves it with `&Block` or, for
+    /// the cache, with `CACHED`). Returns the previous state.
+    #[inline]
+    fn retain(&self, id: u32) -> u32 {
+        // Relaxed: like `Arc::clone`, a new reference is made from an existing one, so no other
+        // memory needs ordering; the count cannot be zero concurrently.
+        self.states[id as usize].fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// Drops one handle of `id` (see module doc for the transitions).
+    #[inline]
+    fn release(&self, id: u32) {
+        let state = &self.states[id as usize];
+        // Relaxed: the CAS below re-validates.
+        let mut current = state.load(Ordering::Relaxed);
+        loop {
+            let count = current & COUNT_MASK;
+            debug_assert!(count >= 1, "release of block {id} with no handle");
+            let to_cache_only = current & CACHED != 0 && count == 2;
+            let mut new = current - 1;
+            if to_cache_only {
+                new |= QUEUED;
+            }
+            // AcqRel: Release so this handle's uses happen-before whoever frees or evicts the
+            // block next; Acquire so the last dropper sees every other handle's uses (as Arc's
+            // drop does). Relaxed on failure: retry with the fresh value.
+            match state.compare_exchange_weak(current, new, Ordering::AcqRel, Ordering::Relaxed) {
+                Ok(_) => {
+                    if count == 1 {
+                        // Last handle: never CACHED here (the cache would hold one more).
+                        self.free.push(id);
+                    } else if to_cache_only {
+                        // Relaxed: a statistic made exact by the single state transition above.
+                        self.cache_only.fetch_add(1, Ordering::Relaxed);
+                        if current & QUEUED == 0 {
+                            self.released.push(id);
+                        }
+                    }
+                    return;
+                }
+                Err(actual) => current = actual,
+            }
+        }
+    }
+
+    /// Called by the prefix cache to hand out a new handle of a cached block.
+    #[inline]
+    pub(crate) fn retain_cached(self: &Arc<Self>, id: u32) -> Block {
+        let previous = self.retain(id);
+        debug_assert!(previous & CACHED != 0);
+        if previous & COUNT_MASK == 1 {
+            // Relaxed: see `release`.
+            self.cache_only.fetch_sub(1, Ordering::Relaxed);
+        }
+        Block {
+            store: Arc::clone(self),
+            id,
+        }
+    }
+
+    /// The prefix cache takes its reference on a block the caller holds, with its hash.
+    pub(crate) fn mark_cached(&self, id: u32, hash: BlockHash) {
+        let [high, low] = &self.hashes[id as usize];
+        // Relaxed: published by the Release below.
+        high.store((hash.0 >> 64) as u64, Ordering::Relaxed);
+        low.store(hash.0 as u64, Ordering::Relaxed);
+        // Release: a reader that acquires the state and sees CACHED sees the hash.
+        let previous = self.states[id as usize].fetch_add(CACHED | 1, Ordering::Release);
+        debug_assert!(previous & CACHED == 0 && previous & COUNT_MASK >= 1);
+    }
+
+    /// The prefix cache drops its reference (eviction or reset). Returns whether the block was
+    /// cache-only (and is now free).
+    pub(crate) fn unmark_cached(&self, id: u32) -> bool {
+        // AcqRel: as in `release`, this may be the last reference.
+        let previous = self.states[id as usize].fetch_sub(CACHED | 1, Ordering::AcqRel);
+        debug_assert!(previous & CACHED != 0);
+        if previous & COUNT_MASK == 1 {
+            // Relaxed: see `release`.
+            self.cache_only.fetch_sub(1, Ordering::Relaxed);
+            self.free.push(id);
+            true
+        } else {
+            false
+        }
+    }
+
+    /// Clears `QUEUED` after the id was popped from `released`; returns the state after.
+    pub(crate) fn clear_queued(&self, id: u32) -> u32 {
+        // Acquire: see the state as of the transition that queued it (or later).
+        self.states[id as usize].fetch_and(!QUEUED, Ordering::Acquire) & !QUEUED
+    }
+
+    /// The hash recorded for a cached id (garbage if not cached).
+    pub(crate) fn hash_of(&self, id: u32) -> BlockHash {
+        let [high, low] = &self.hashes[id as usize];
+        // Relaxed: ordered by the caller's Acquire load of the state.
+        BlockHash(
+            (u128::from(high.load(Ordering::Relaxed)) << 64)
+                | u128::from(low.load(Ordering::Relaxed)),
+        )
+    }
+}
+
+/// Shared ownership of one physical KV block (R4).
+///
+/// `Clone` shares it (the reference count rises); dropping the last handle returns the id to
+/// the free list of the manager that handed it out. Managers take handles back by value in
+/// `deallocate`, so a handle cannot be released twice.
+pub struct Block {
+    store: Arc<BlockStore>,
+    id: u32,
+}
+
+impl Block {
+    /// The physical block id (never 0: the padding block is never handed out).
+    #[inline]
+    pub fn id(&self) -> u32 {
+        self.id
+    }
+
+    /// Tokens per block of the manager this block belongs to.
+    pub fn block_size(&self) -> usize {
+        self.store.block_size as usize
+    }
+
+    /// Number of handles, the prefix cache's included.
+    pub fn ref_count(&self) -> u32 {
+        self.store.state(self.id) & COUNT_MASK
+    }
+
+    /// Whether the prefix cache holds this block.
+    pub fn is_cached(&self) -> bool {
+        self.store.state(self.id) & CACHED != 0
+    }
+
+    /// The block's chained hash (R6) while it is in the prefix cache.
+    pub fn hash(&self) -> Option<BlockHash> {
+        self.is_cached().then(|| self.store.hash_of(self.id))
+    }
+
+    /// Whether this handle was handed out by the manager that owns `store`.
+    #[inline]
+    pub(crate) fn belongs_to(&self, store: &Arc<BlockStore>) -> bool {
+        Arc::ptr_eq(&self.store, store)
+    }
+}
+
+impl Clone for Block {
+    #[inline]
+    fn clone(&self) -> Self {
+        self.store.retain(self.id);
+        Self {
+            store: Arc::clone(&self.store),
+            id: self.id,
+        }
+    }
+}
+
+impl Drop for Block {
+    #[inline]
+    fn drop(&mut self) {
+        self.store.release(self.id);
+    }
+}
+
+impl std::fmt::Debug for Block {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Block")
+            .field("id", &self.id)
+            .field("ref_count", &self.ref_count())
+            .field("cached", &self.is_cached())
+            .finish()
+    }
+}
+
+impl PartialEq for Block {
+    /// Two handles are equal when they share the same physical block of the same manager.
+    fn eq(&self, other: &Self) -> bool {
+        self.id == other.id && Arc::ptr_eq(&self.store, &other.store)
+    }
+}
+
+impl Eq for Block {}

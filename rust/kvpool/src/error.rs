@@ -1,0 +1,53 @@
+//! The one error type of the core.
+//!
+//! Every fallible public entry returns [`Result<T>`]; no public path panics on bad input. The
+//! bindings map [`KvPoolError::InvalidArgument`] to `ValueError`, [`KvPoolError::OutOfBlocks`] to
+//! `kvpool.OutOfBlocksError` and [`KvPoolError::Invariant`] to `kvpool.InvariantError` (R29).
+
+/// Errors of the kvpool core.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum KvPoolError {
+    /// A manager cannot hand out what was asked for: `requested` blocks with `available` free or
+    /// evictable (R3). Nothing was changed.
+    #[error("out of blocks: requested {requested}, available {available}")]
+    OutOfBlocks { requested: usize, available: usize },
+    /// An argument is out of its domain; `name` is the argument's name. Nothing was changed.
+    #[error("{name}: {message}")]
+    InvalidArgument { name: &'static str, message: String },
+    /// A structure broke one of the contract's rules (found by `check()`).
+    #[error("invariant violated: {0}")]
+    Invariant(String),
+}
+
+/// `Result` with [`KvPoolError`].
+pub type Result<T> = std::result::Result<T, KvPoolError>;
+
+impl KvPoolError {
+    /// Builds an [`KvPoolError::InvalidArgument`].
+    pub fn invalid(name: &'static str, message: impl Into<String>) -> Self {
+        Self::InvalidArgument {
+            name,
+            message: message.into(),
+        }
+    }
+}
+
+/// Returns `Err(InvalidArgument)` from the enclosing function unless `cond` holds.
+macro_rules! ensure_arg {
+    ($cond:expr, $name:expr, $($fmt:tt)+) => {
+        if !$cond {
+            return Err($crate::error::KvPoolError::invalid($name, format!($($fmt)+)));
+        }
+    };
+}
+pub(crate) use ensure_arg;
+
+/// Returns `Err(Invariant)` from the enclosing function unless `cond` holds.
+macro_rules! ensure_invariant {
+    ($cond:expr, $($fmt:tt)+) => {
+        if !$cond {
+            return Err($crate::error::KvPoolError::Invariant(format!($($fmt)+)));
+        }
+    };
+}
+pub(crate) use ensure_invariant;

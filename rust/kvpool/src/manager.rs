@@ -1,0 +1,445 @@
+//! `trait BlockManager` and `BlockManagerImpl`: the physical allocator with its prefix cache.
+//!
+//! Invariants (R1-R5, checked by [`BlockManager::check`]):
+//! - id 0 is the padding block: never in the free list, never handed out (R1);
+//! - every id in `1..num_blocks` is free, cached or used (R2), and the counts are read off that
+//!   state: `free` is the free list's length, `cached` the store's cache-only count, `used` the
+//!   rest, so they always add up to `num_total_blocks`;
+//! - `allocate(n)` is all-or-nothing and evicts only what it needs (R3);
+//! - `deallocate` is the logical release of handles; the id returns to the free list when the
+//!   last handle (maybe the cache's) goes (R4, R5).
+
+use crate::block::{Block, BlockStore, CACHED, COUNT_MASK};
+use crate::error::{ensure_arg, ensure_invariant, KvPoolError, Result};
+use crate::hash::{BlockHash, BlockHasher};
+use crate::prefix_cache::{ExtraKey, PrefixCache};
+use crate::sync::Arc;
+
+/// Most blocks one manager may own (ids are u32 with two bits of the state word reserved).
+pub const MAX_BLOCKS: usize = 1 << 30;
+
+/// Block counts of a manager (R2): `free + cached + used == total`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct BlockCounts {
+    /// Allocatable ids (`num_blocks - 1`).
+    pub total: usize,
+    /// In the free list.
+    pub free: usize,
+    /// Held only by the prefix cache (evictable).
+    pub cached: usize,
+    /// Held by at least one handle outside the cache.
+    pub used: usize,
+}
+
+impl BlockCounts {
+    /// `free + cached`: what `allocate` can hand out.
+    pub fn available(&self) -> usize {
+        self.free + self.cached
+    }
+
+    /// `used / total`.
+    pub fn usage(&self) -> f64 {
+        if self.total == 0 {
+            0.0
+        } else {
+            self.used as f64 / self.total as f64
+        }
+    }
+}
+
+/// The physical allocator interface (the seed's `BlockManager`).
+pub trait BlockManager {
+    /// Tokens per block.
+    fn block_size(&self) -> usize;
+    /// Block counts (R2).
+    fn counts(&self) -> BlockCounts;
+    /// `n` fresh blocks, evicting cached ones if needed; all-or-nothing (R3).
+    fn allocate(&mut self, n: usize) -> Result<Vec<Block>>;
+    /// Logical release of handles (R5).
+    fn deallocate(&mut self, blocks: Vec<Block>) -> Result<()>;
+    /// Handles of the longest cached prefix of `tokens` (R7).
+    fn allocate_shared(&mut self, tokens: &[u32], extra_key: Option<&[u8]>) -> Vec<Block>;
+    /// Publishes the full blocks of `tokens` held in `blocks` (R9); returns how many are new.
+    fn cache(
+        &mut self,
+        tokens: &[u32],
+        blocks: &[Block],
+        extra_key: Option<&[u8]>,
+    ) -> Result<usize>;
+    /// Evicts up to `n` cached blocks (R10); returns how many.
+    fn evict(&mut self, n: usize) -> usize;
+    /// Drops every cached entry (R12).
+    fn reset_prefix_cache(&mut self);
+    /// Walks every structure (R2, R10).
+    fn check(&self) -> Result<()>;
+}
+
+/// Options of a [`BlockManagerImpl`].
+#[derive(Clone, Copy, Debug)]
+pub struct ManagerConfig {
+    /// Ids in the pool, padding block 0 included (>= 2).
+    pub num_blocks: usize,
+    /// Tokens per block (>= 1).
+    pub block_size: usize,
+    /// Keep a prefix cache.
+    pub enable_prefix_cache: bool,
+    /// Hasher of the prefix cache (seed, debug truncation).
+    pub hasher: BlockHasher,
+}
+
+impl ManagerConfig {
+    /// Defaults: prefix cache on, default seed.
+    pub fn new(num_blocks: usize, block_size: usize) -> Self {
+        Self {
+            num_blocks,
+            block_size,
+            enable_prefix_cache: true,
+            hasher: BlockHasher::default(),
+        }
+    }
+
+    /// Validates the numbers (R1).
+    pub fn validate(&self) -> Result<()> {
+        ensure_arg!(
+            self.num_blocks >= 2,
+            "num_blocks",
+            "must be at least 2 (block 0 is the padding block), got {}",
+            self.num_blocks
+        );
+        ensure_arg!(
+            self.num_blocks <= MAX_BLOCKS,
+            "num_blocks",
+            "must be at most {MAX_BLOCKS}, got {}",
+            self.num_blocks
+        );
+        ensure_arg!(
+            self.block_size >= 1,
+            "block_size",
+            "must be at least 1, got {}",
+            self.block_size
+        );
+        ensure_arg!(
+            self.block_size <= 1 << 16,
+            "block_size",
+            "must be at most 65536, got {}",
+            self.block_size
+        );
+        ensure_arg!(
+            self.num_blocks
+                .checked_mul(self.block_size)
+                .is_some_and(|t| t < 1 << 40),
+            "num_blocks",
+            "num_blocks * block_size is too large"
+        );
+        Ok(())
+    }
+}
+
+/// Plain allocator with an optional prefix cache and the padding block (the seed's
+/// `BlockManagerImpl`).
+pub struct BlockManagerImpl {
+    store: Arc<BlockStore>,
+    cache: Option<PrefixCache>,
+    hasher: BlockHasher,
+}
+
+impl BlockManagerImpl {
+    /// A manager per `config` (R1: id 0 reserved).
+    pub fn new(config: ManagerConfig) -> Result<Self> {
+        config.validate()?;
+        let store = Arc::new(BlockStore::new(config.num_blocks, config.block_size as u32));
+        let cache = config
+            .enable_prefix_cache
+            .then(|| PrefixCache::new(Arc::clone(&store), config.hasher));
+        Ok(Self {
+            store,
+            cache,
+            hasher: config.hasher,
+        })
+    }
+
+    /// Ids in the pool, padding included.
+    pub fn num_blocks(&self) -> usize {
+        self.store.num_blocks()
+    }
+
+    /// The prefix cache, if enabled.
+    pub fn prefix_cache(&self) -> Option<&PrefixCache> {
+        self.cache.as_ref()
+    }
+
+    /// The prefix cache, if enabled.
+    pub fn prefix_cache_mut(&mut self) -> Option<&mut PrefixCache> {
+        self.cache.as_mut()
+    }
+
+    /// The hasher used for chains (also when the cache is off).
+    pub fn hasher(&self) -> &BlockHasher {
+        &self.hasher
+    }
+
+    /// Whether `block` was handed out by this manager.
+    pub fn owns(&self, block: &Block) -> bool {
+        block.belongs_to(&self.store)
+    }
+
+    /// Number of free plus cached blocks.
+    #[inline]
+    pub fn num_available(&self) -> usize {
+        self.store.free.len() + self.store.num_cache_only()
+    }
+
+    /// Appends `n` fresh blocks to `out` (all-or-nothing, R3).
+    pub fn allocate_into(&mut self, n: usize, out: &mut Vec<Block>) -> Result<()> {
+        let free = self.store.free.len();
+        if n > free {
+            let available = free + self.store.num_cache_only();
+            if n > available {
+                return Err(KvPoolError::OutOfBlocks {
+                    requested: n,
+                    available,
+                });
+            }
+            if let Some(cache) = self.cache.as_mut() {
+                cache.evict(n - free);
+            }
+        }
+        out.reserve(n);
+        for taken in 0..n {
+            match self.store.free.pop() {
+                Some(id) => out.push(self.store.take(id)),
+                None => {
+                    // Only reachable when cached blocks could not be evicted because the caller
+                    // holds descendants of them (released a chain's head, kept its tail).
+                    let available = taken + self.store.free.len();
+                    out.truncate(out.len() - taken);
+                    return Err(KvPoolError::OutOfBlocks {
+                        requested: n,
+                        available,
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Chain hashes for `tokens` with this manager's hasher.
+    pub fn hash_chain(&self, tokens: &[u32], extra_key: Option<&[u8]>) -> Vec<BlockHash> {
+        self.hasher.chain(tokens, self.block_size(), extra_key)
+    }
+
+    fn check_owned(&self, blocks: &[Block], name: &'static str) -> Result<()> {
+        for block in blocks {
+            ensure_arg!(
+                self.owns(block),
+                name,
+                "block {} belongs to another manager",
+                block.id()
+            );
+        }
+        Ok(())
+    }
+}
+
+impl BlockManager for BlockManagerImpl {
+    fn block_size(&self) -> usize {
+        self.store.block_size as usize
+    }
+
+    fn counts(&self) -> BlockCounts {
+        let total = self.store.num_blocks() - 1;
+        let free = self.store.free.len();
+        let cached = self.store.num_cache_only();
+        BlockCounts {
+            total,
+            free,
+            cached,
+            used: total.saturating_sub(free + cached),
+        }
+    }
+
+    fn allocate(&mut self, n: usize) -> Result<Vec<Block>> {
+        let mut out = Vec::with_capacity(n);
+        self.allocate_into(n, &mut out)?;
+        Ok(out)
+    }
+
+    fn deallocate(&mut self, blocks: Vec<Block>) -> Result<()> {
+        self.check_owned(&blocks, "blocks")?;
+        // Deepest first: the tail of a chain becomes evictable before its head.
+        drop(blocks.into_iter().rev());
+        Ok(())
+    }
+
+    fn allocate_shared(&mut self, tokens: &[u32], extra_key: Option<&[u8]>) -> Vec<Block> {
+        let Some(cache) = self.cache.as_mut() else {
+            return Vec::new();
+        };
+        let hashes = cache
+            .hasher()
+            .chain(tokens, self.store.block_size as usize, extra_key);
+        let mut out = Vec::new();
+        let hit = cache.match_prefix(&hashes, tokens, extra_key, hashes.len(), &mut out);
+        cache.record_query(hashes.len(), hit);
+        out
+    }
+
+    fn cache(
+        &mut self,
+        tokens: &[u32],
+        blocks: &[Block],
+        extra_key: Option<&[u8]>,
+    ) -> Result<usize> {
+        self.check_owned(blocks, "blocks")?;
+        let block_size = self.block_size();
+        let Some(cache) = self.cache.as_mut() else {
+            return Ok(0);
+        };
+        let full = (tokens.len() / block_size).min(blocks.len());
+        let hashes = cache
+            .hasher()
+            .chain(&tokens[..full * block_size], block_size, extra_key);
+        let key: Option<ExtraKey> = extra_key.map(Arc::from);
+        Ok(cache.insert(&hashes, tokens, blocks, 0, key.as_ref()).0)
+    }
+
+    fn evict(&mut self, n: usize) -> usize {
+        self.cache.as_mut().map_or(0, |cache| cache.evict(n))
+    }
+
+    fn reset_prefix_cache(&mut self) {
+        if let Some(cache) = self.cache.as_mut() {
+            cache.reset();
+        }
+    }
+
+    fn check(&self) -> Result<()> {
+        let n = self.store.num_blocks();
+        let free_ids = self.store.free.snapshot();
+        ensure_invariant!(
+            free_ids.len() == self.store.free.len(),
+            "free list holds {} ids but counts {}",
+            free_ids.len(),
+            self.store.free.len()
+        );
+        let mut in_free = vec![false; n];
+        for &id in &free_ids {
+            ensure_invariant!(id != 0, "padding block 0 is in the free list (R1)");
+            ensure_invariant!((id as usize) < n, "free id {id} out of range");
+            ensure_invariant!(!in_free[id as usize], "id {id} is twice in the free list");
+            in_free[id as usize] = true;
+        }
+        ensure_invariant!(
+            self.store.state(0) & COUNT_MASK == 0,
+            "padding block 0 was handed out (R1)"
+        );
+        let mut cached = 0;
+        for id in 1..n as u32 {
+            let state = self.store.state(id);
+            let count = state & COUNT_MASK;
+            ensure_invariant!(
+                (count == 0) == in_free[id as usize],
+                "block {id}: count {count} but {} the free list (R2, R4)",
+                if in_free[id as usize] { "in" } else { "not in" }
+            );
+            if state & CACHED != 0 {
+                ensure_invariant!(
+                    self.cache.is_some(),
+                    "block {id} is cached with the cache off"
+                );
+                if count == 1 {
+                    cached += 1;
+                }
+            }
+        }
+        let counts = self.counts();
+        ensure_invariant!(
+            counts.cached == cached,
+            "num_cached_blocks is {} but {cached} blocks are cache-only (R2)",
+            counts.cached
+        );
+        ensure_invariant!(
+            counts.free + counts.cached + counts.used == counts.total,
+            "free {} + cached {} + used {} != total {} (R2)",
+            counts.free,
+            counts.cached,
+            counts.used,
+            counts.total
+        );
+        if let Some(cache) = &self.cache {
+            cache.check()?;
+        }
+        Ok(())
+    }
+}
+
+/// One id per sequence (block size 1, id 0 reserved, no prefix cache): the seed's
+/// `SingleBlockManager`, also the slot allocator of the linear-state cache.
+pub struct SingleBlockManager {
+    inner: BlockManagerImpl,
+}
+
+impl SingleBlockManager {
+    /// A manager of `num_slots` ids, id 0 reserved (R1).
+    pub fn new(num_slots: usize) -> Result<Self> {
+        let mut config = ManagerConfig::new(num_slots, 1);
+        config.enable_prefix_cache = false;
+        config.validate().map_err(|e| match e {
+            KvPoolError::InvalidArgument { message, .. } => {
+                KvPoolError::invalid("num_slots", message)
+            }
+            other => other,
+        })?;
+        Ok(Self {
+            inner: BlockManagerImpl::new(config)?,
+        })
+    }
+
+    /// Whether `block` came from this manager.
+    pub fn owns(&self, block: &Block) -> bool {
+        self.inner.owns(block)
+    }
+
+    /// One slot, or `None` if exhausted.
+    pub fn allocate_one(&mut self) -> Option<Block> {
+        self.inner
+            .store
+            .free
+            .pop()
+            .map(|id| self.inner.store.take(id))
+    }
+}
+
+impl BlockManager for SingleBlockManager {
+    fn block_size(&self) -> usize {
+        1
+    }
+    fn counts(&self) -> BlockCounts {
+        self.inner.counts()
+    }
+    fn allocate(&mut self, n: usize) -> Result<Vec<Block>> {
+        self.inner.allocate(n)
+    }
+    fn deallocate(&mut self, blocks: Vec<Block>) -> Result<()> {
+        self.inner.deallocate(blocks)
+    }
+    fn allocate_shared(&mut self, _tokens: &[u32], _extra_key: Option<&[u8]>) -> Vec<Block> {
+        Vec::new()
+    }
+    fn cache(
+        &mut self,
+        _tokens: &[u32],
+        blocks: &[Block],
+        _extra_key: Option<&[u8]>,
+    ) -> Result<usize> {
+        self.inner.check_owned(blocks, "blocks")?;
+        Ok(0)
+    }
+    fn evict(&mut self, _n: usize) -> usize {
+        0
+    }
+    fn reset_prefix_cache(&mut self) {}
+    fn check(&self) -> Result<()> {
+        self.inner.check()
+    }
+}

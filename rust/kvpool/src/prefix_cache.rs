@@ -1,0 +1,624 @@
+//! `PrefixCache`: hash-keyed cache of full KV blocks with prefix-closed LRU eviction.
+//!
+//! Invariants (checked by [`PrefixCache::check`]):
+//! - every entry is a full block of a chain: key = its chained hash (R6), with its tokens, its
+//!   parent entry (or none for a chain's first block, then its extra key) kept beside it; a hit
+//!   compares hash, parent and tokens, so a hash collision never hands out the wrong KV (R7);
+//! - the cached set is closed under prefix: an entry's parent is an entry (R10), and
+//!   `children` counts the entries whose parent it is;
+//! - the cache holds exactly one reference of each entry's block (`CACHED` in its state word);
+//! - the LRU list holds exactly the cache-only entries (state `CACHED|1`) that the cache has
+//!   been told about; the others sit in the store's `released` stack (state has `QUEUED`) until
+//!   the next operation drains it. Entries enter the LRU at the newest end when their last
+//!   outside handle goes, deepest first within a batch, so the oldest entry is a leaf whenever
+//!   sequences release whole prefixes, and a chain is evicted from its tail (R10, R11).
+//!
+//! Eviction takes the oldest cache-only entry that has no children; a block some sequence holds
+//! is never on the list, so it is never evicted. Everything is O(1) per block except the scan
+//! past cache-only entries whose children are still held, which only arises when a caller
+//! releases the front of a chain while keeping its tail.
+
+use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
+
+use crate::block::{Block, BlockStore, CACHED, COUNT_MASK, QUEUED};
+use crate::error::{ensure_invariant, Result};
+use crate::hash::{BlockHash, BlockHasher};
+use crate::sync::Arc;
+
+const NIL: u32 = u32::MAX;
+
+/// The map's hasher: keys are already uniformly distributed 128-bit hashes.
+#[derive(Default)]
+pub(crate) struct IdentityHasher(u64);
+
+impl Hasher for IdentityHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = self.0.rotate_left(8) ^ u64::from(b);
+        }
+    }
+    fn write_u128(&mut self, value: u128) {
+        self.0 = (value as u64) ^ ((value >> 64) as u64);
+    }
+}
+
+type HashIndex = HashMap<u128, u32, BuildHasherDefault<IdentityHasher>>;
+
+/// Extra key of a chain (cache salt, LoRA id, model namespace).
+pub type ExtraKey = Arc<[u8]>;
+
+#[derive(Clone)]
+struct Entry {
+    hash: BlockHash,
+    parent: u32,
+    depth: u32,
+    children: u32,
+    prev: u32,
+    next: u32,
+    live: bool,
+    in_lru: bool,
+    extra_key: Option<ExtraKey>,
+}
+
+impl Default for Entry {
+    fn default() -> Self {
+        Self {
+            hash: BlockHash(0),
+            parent: NIL,
+            depth: 0,
+            children: 0,
+            prev: NIL,
+            next: NIL,
+            live: false,
+            in_lru: false,
+            extra_key: None,
+        }
+    }
+}
+
+/// What happened in the cache, for KV events (R21).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum CacheEvent {
+    /// Consecutive blocks of one chain became matchable.
+    Stored {
+        block_hashes: Vec<BlockHash>,
+        parent_hash: Option<BlockHash>,
+        token_ids: Vec<u32>,
+        extra_key: Option<ExtraKey>,
+    },
+    /// Blocks left the cache (eviction).
+    Removed {
+        block_hashes: Vec<BlockHash>,
+        extra_key: Option<ExtraKey>,
+    },
+    /// Every entry was dropped (`reset`).
+    Cleared,
+}
+
+/// Counters of the cache's life.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CacheStats {
+    /// Tokens of full blocks looked up by recorded queries.
+    pub query_tokens: u64,
+    /// Tokens of those that hit.
+    pub hit_tokens: u64,
+    /// Blocks evicted.
+    pub evictions: u64,
+    /// Blocks inserted.
+    pub insertions: u64,
+}
+
+/// Result of a side-effect-free lookup.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Probe {
+    /// Leading blocks that would hit.
+    pub matched: usize,
+    /// How many of those are cache-only now (a match would make them used).
+    pub cache_only: usize,
+}
+
+/// Hash-keyed prefix cache over the blocks of one [`BlockStore`].
+pub struct PrefixCache {
+    store: Arc<BlockStore>,
+    hasher: BlockHasher,
+    block_size: usize,
+    index: HashIndex,
+    entries: Vec<Entry>,
+    tokens: Vec<u32>,
+    oldest: u32,
+    newest: u32,
+    lru_len: usize,
+    epoch: u64,
+    stats: CacheStats,
+    events: Option<Vec<CacheEvent>>,
+    scratch: Vec<u32>,
+}
+
+impl PrefixCache {
+    pub(crate) fn new(store: Arc<BlockStore>, hasher: BlockHasher) -> Self {
+        let n = store.num_blocks();
+        let block_size = store.block_size as usize;
+        Self {
+            store,
+            hasher,
+            block_size,
+            index: HashIndex::default(),
+            entries: vec![Entry::default(); n],
+            tokens: vec![0; n * block_size],
+            oldest: NIL,
+            newest: NIL,
+            lru_len: 0,
+            epoch: 0,
+            stats: CacheStats::default(),
+            events: None,
+            scratch: Vec::new(),
+        }
+    }
+
+    /// The hasher (seed) of this cache.
+    pub fn hasher(&self) -> &BlockHasher {
+        &self.hasher
+    }
+
+    /// Number of cached blocks (entries), held or not.
+    pub fn len(&self) -> usize {
+        self.index.len()
+    }
+
+    /// Whether the cache is empty.
+    pub fn is_empty(&self) -> bool {
+        self.index.is_empty()
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> CacheStats {
+        self.stats
+    }
+
+    /// Incremented by every `reset`; lets callers know published blocks were dropped.
+    pub fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    /// Starts (or stops) recording [`CacheEvent`]s.
+    pub fn set_record_events(&mut self, on: bool) {
+        self.events = if on { Some(Vec::new()) } else { None };
+    }
+
+    /// Takes the recorded events.
+    pub fn take_events(&mut self) -> Vec<CacheEvent> {
+        self.events.as_mut().map(std::mem::take).unwrap_or_default()
+    }
+
+    /// Adds to the query/hit statistics.
+    pub fn record_query(&mut self, query_blocks: usize, hit_blocks: usize) {
+        self.stats.query_tokens += (query_blocks * self.block_size) as u64;
+        self.stats.hit_tokens += (hit_blocks * self.block_size) as u64;
+    }
+
+    /// The block id cached under `hash`, if any.
+    pub fn block_id(&self, hash: BlockHash) -> Option<u32> {
+        self.index.get(&hash.0).copied()
+    }
+
+    /// Whether `hash` is cached.
+    pub fn contains(&self, hash: BlockHash) -> bool {
+        self.index.contains_key(&hash.0)
+    }
+
+    fn block_tokens(&self, id: u32) -> &[u32] {
+        let start = id as usize * self.block_size;
+        &self.tokens[start..start + self.block_size]
+    }
+
+    /// The entry for block `i` of a chain, verified (R7): same hash, same parent entry (or same
+    /// extra key for a chain's first block) and same tokens.
+    #[inline]
+    fn find(
+        &self,
+        hash: BlockHash,
+        parent: u32,
+        extra_key: Option<&[u8]>,
+        tokens: &[u32],
+    ) -> Option<u32> {
+        let &id = self.index.get(&hash.0)?;
+        let entry = &self.entries[id as usize];
+        let same_parent =
+            entry.parent == parent && (parent != NIL || entry.extra_key.as_deref() == extra_key);
+        (same_parent && self.block_tokens(id) == tokens).then_some(id)
+    }
+
+    /// Counts the leading blocks of a chain that would hit, without any side effect.
+    /// `hashes` are the chain's hashes (R6) of the full blocks of `tokens`.
+    pub fn probe(
+        &self,
+        hashes: &[BlockHash],
+        tokens: &[u32],
+        extra_key: Option<&[u8]>,
+        max_blocks: usize,
+    ) -> Probe {
+        let mut probe = Probe::default();
+        let mut parent = NIL;
+        for (i, &hash) in hashes.iter().enumerate().take(max_blocks) {
+            let block = &tokens[i * self.block_size..(i + 1) * self.block_size];
+            match self.find(hash, parent, extra_key, block) {
+                Some(id) => {
+                    let state = self.store.state(id);
+                    if state & (CACHED | COUNT_MASK) == CACHED | 1 {
+                        probe.cache_only += 1;
+                    }
+                    probe.matched += 1;
+                    parent = id;
+                }
+                None => break,
+            }
+        }
+        probe
+    }
+
+    /// Hands out new handles of the leading cached blocks of a chain (at most `max_blocks`),
+    /// appended to `out`; returns how many. Matched blocks become used, so they leave the LRU.
+    pub fn match_prefix(
+        &mut self,
+        hashes: &[BlockHash],
+        tokens: &[u32],
+        extra_key: Option<&[u8]>,
+        max_blocks: usize,
+        out: &mut Vec<Block>,
+    ) -> usize {
+        let mut parent = NIL;
+        let mut matched = 0;
+        for (i, &hash) in hashes.iter().enumerate().take(max_blocks) {
+            let block = &tokens[i * self.block_size..(i + 1) * self.block_size];
+            let Some(id) = self.find(hash, parent, extra_key, block) else {
+                break;
+            };
+            if self.entries[id as usize].in_lru {
+                self.lru_unlink(id);
+            }
+            out.push(self.store.retain_cached(id));
+            matched += 1;
+            parent = id;
+        }
+        matched
+    }
+
+    /// Records the full blocks `start..` of a chain (R9): `hashes[i]`, `tokens[i*bs..]` and
+    /// `blocks[i]` describe block i; blocks `..start` must already be cached as this chain's.
+    /// Stops at the first block whose hash is cached with another block (first writer wins) or
+    /// whose block is cached under another hash; the rest stays private. Returns (number newly
+    /// cached, index where it stopped). The caller guarantees every block belongs to this cache's
+    /// store.
+    pub fn insert(
+        &mut self,
+        hashes: &[BlockHash],
+        tokens: &[u32],
+        blocks: &[Block],
+        start: usize,
+        extra_key: Option<&ExtraKey>,
+    ) -> (usize, usize) {
+        let end = hashes
+            .len()
+            .min(blocks.len())
+            .min(tokens.len() / self.block_size);
+        let mut parent = NIL;
+        if start > 0 && start <= end {
+            let previous = &blocks[start - 1];
+            if self.index.get(&hashes[start - 1].0) != Some(&previous.id()) {
+                return (0, start);
+            }
+            parent = previous.id();
+        }
+        let mut newly = 0;
+        let mut stored_from = None;
+        let mut i = start;
+        while i < end {
+            let hash = hashes[i];
+            let block = &blocks[i];
+            let id = block.id();
+            if let Some(&cached) = self.index.get(&hash.0) {
+                if cached != id {
+                    break;
+                }
+                parent = id;
+                i += 1;
+                continue;
+            }
+            if block.is_cached() || id == 0 {
+                break;
+            }
+            let block_tokens = &tokens[i * self.block_size..(i + 1) * self.block_size];
+            let at = id as usize * self.block_size;
+            self.tokens[at..at + self.block_size].copy_from_slice(block_tokens);
+            let depth = if parent == NIL {
+                0
+            } else {
+                self.entries[parent as usize].depth + 1
+            };
+            if parent != NIL {
+                self.entries[parent as usize].children += 1;
+            }
+            self.entries[id as usize] = Entry {
+                hash,
+                parent,
+                depth,
+                live: true,
+                extra_key: extra_key.cloned(),
+                ..Entry::default()
+            };
+            self.index.insert(hash.0, id);
+            self.store.mark_cached(id, hash);
+            stored_from.get_or_insert(i);
+            newly += 1;
+            parent = id;
+            i += 1;
+        }
+        self.stats.insertions += newly as u64;
+        if let (Some(from), Some(events)) = (stored_from, self.events.as_mut()) {
+            let parent_hash = (from > 0).then(|| hashes[from - 1]);
+            events.push(CacheEvent::Stored {
+                block_hashes: hashes[from..i].to_vec(),
+                parent_hash,
+                token_ids: tokens[from * self.block_size..i * self.block_size].to_vec(),
+                extra_key: extra_key.cloned(),
+            });
+        }
+        (newly, i)
+    }
+
+    /// Moves the blocks whose last outside handle went away onto the LRU list.
+    pub(crate) fn drain_released(&mut self) {
+        let mut batch = std::mem::take(&mut self.scratch);
+        while let Some(id) = self.store.released.pop() {
+            let state = self.store.clear_queued(id);
+            let entry = &self.entries[id as usize];
+            if state & (CACHED | COUNT_MASK) == CACHED | 1 && entry.live && !entry.in_lru {
+                batch.push(id);
+            }
+        }
+        if batch.len() > 1 {
+            // Deepest first, so that parents end up newer than their children (R10, R11).
+            batch.sort_unstable_by_key(|&id| std::cmp::Reverse(self.entries[id as usize].depth));
+        }
+        for &id in &batch {
+            self.lru_push_newest(id);
+        }
+        batch.clear();
+        self.scratch = batch;
+    }
+
+    /// Evicts up to `n` cache-only blocks, least recently used leaves first (R10); returns how
+    /// many went back to the free list.
+    pub fn evict(&mut self, n: usize) -> usize {
+        self.drain_released();
+        let mut evicted = 0;
+        let mut cursor = self.oldest;
+        let mut removed = Vec::new();
+        while evicted < n && cursor != NIL {
+            let id = cursor;
+            cursor = self.entries[id as usize].next;
+            if self.entries[id as usize].children > 0 {
+                continue;
+            }
+            let (hash, key) = self.remove_entry(id);
+            if self.events.is_some() {
+                removed.push((hash, key));
+            }
+            evicted += 1;
+        }
+        self.stats.evictions += evicted as u64;
+        if let Some(events) = self.events.as_mut() {
+            for (hash, extra_key) in removed {
+                events.push(CacheEvent::Removed {
+                    block_hashes: vec![hash],
+                    extra_key,
+                });
+            }
+        }
+        evicted
+    }
+
+    /// Removes a cache-only leaf on the LRU and frees its block.
+    fn remove_entry(&mut self, id: u32) -> (BlockHash, Option<ExtraKey>) {
+        self.lru_unlink(id);
+        let entry = std::mem::take(&mut self.entries[id as usize]);
+        self.index.remove(&entry.hash.0);
+        if entry.parent != NIL {
+            self.entries[entry.parent as usize].children -= 1;
+        }
+        let freed = self.store.unmark_cached(id);
+        debug_assert!(freed, "evicted block {id} was held");
+        (entry.hash, entry.extra_key)
+    }
+
+    /// Drops every entry (R12): cache-only blocks go back to the free list, held blocks stay
+    /// with their holders (they are just no longer cached).
+    pub fn reset(&mut self) {
+        self.drain_released();
+        let ids: Vec<u32> = self.index.values().copied().collect();
+        self.index.clear();
+        for id in ids {
+            self.entries[id as usize] = Entry::default();
+            self.store.unmark_cached(id);
+        }
+        self.oldest = NIL;
+        self.newest = NIL;
+        self.lru_len = 0;
+        self.epoch += 1;
+        if let Some(events) = self.events.as_mut() {
+            events.push(CacheEvent::Cleared);
+        }
+    }
+
+    fn lru_push_newest(&mut self, id: u32) {
+        let newest = self.newest;
+        {
+            let entry = &mut self.entries[id as usize];
+            entry.prev = newest;
+            entry.next = NIL;
+            entry.in_lru = true;
+        }
+        if newest == NIL {
+            self.oldest = id;
+        } else {
+            self.entries[newest as usize].next = id;
+        }
+        self.newest = id;
+        self.lru_len += 1;
+    }
+
+    fn lru_unlink(&mut self, id: u32) {
+        let (prev, next) = {
+            let entry = &mut self.entries[id as usize];
+            if !entry.in_lru {
+                return;
+            }
+            entry.in_lru = false;
+            (
+                std::mem::replace(&mut entry.prev, NIL),
+                std::mem::replace(&mut entry.next, NIL),
+            )
+        };
+        if prev == NIL {
+            self.oldest = next;
+        } else {
+            self.entries[prev as usize].next = next;
+        }
+        if next == NIL {
+            self.newest = prev;
+        } else {
+            self.entries[next as usize].prev = prev;
+        }
+        self.lru_len -= 1;
+    }
+
+    /// Block ids on the LRU list, oldest first (cache-only blocks the cache knows about).
+    pub fn lru_order(&self) -> Vec<u32> {
+        let mut ids = Vec::with_capacity(self.lru_len);
+        let mut id = self.oldest;
+        while id != NIL && ids.len() <= self.entries.len() {
+            ids.push(id);
+            id = self.entries[id as usize].next;
+        }
+        ids
+    }
+
+    /// Hashes of every entry (unordered).
+    pub fn hashes(&self) -> Vec<BlockHash> {
+        self.index.keys().map(|&h| BlockHash(h)).collect()
+    }
+
+    /// Walks every structure and verifies the invariants in the module doc.
+    pub fn check(&self) -> Result<()> {
+        let n = self.entries.len();
+        let mut children = vec![0u32; n];
+        let mut cache_only = 0usize;
+        for (&hash, &id) in &self.index {
+            ensure_invariant!((id as usize) < n && id != 0, "cached id {id} out of range");
+            let entry = &self.entries[id as usize];
+            ensure_invariant!(
+                entry.live,
+                "index names block {id} but its entry is not live"
+            );
+            ensure_invariant!(
+                entry.hash.0 == hash,
+                "block {id} indexed under a foreign hash"
+            );
+            let state = self.store.state(id);
+            ensure_invariant!(
+                state & CACHED != 0,
+                "cached block {id} lacks the cache's reference"
+            );
+            let count = state & COUNT_MASK;
+            ensure_invariant!(count >= 1, "cached block {id} has count 0");
+            if count == 1 {
+                cache_only += 1;
+                ensure_invariant!(
+                    entry.in_lru || state & QUEUED != 0,
+                    "cache-only block {id} is neither on the LRU nor queued for it"
+                );
+            } else {
+                ensure_invariant!(
+                    !entry.in_lru,
+                    "held block {id} is on the eviction list (R10)"
+                );
+            }
+            ensure_invariant!(
+                self.store.hash_of(id) == entry.hash,
+                "block {id}'s recorded hash differs from its entry"
+            );
+            let parent_hash = if entry.parent == NIL {
+                ensure_invariant!(
+                    entry.depth == 0,
+                    "root block {id} has depth {}",
+                    entry.depth
+                );
+                self.hasher.root(entry.extra_key.as_deref())
+            } else {
+                let parent = &self.entries[entry.parent as usize];
+                ensure_invariant!(
+                    parent.live,
+                    "cached block {id}'s parent {} is not cached (R10 prefix closure)",
+                    entry.parent
+                );
+                ensure_invariant!(
+                    parent.depth + 1 == entry.depth,
+                    "depth of block {id} is off"
+                );
+                children[entry.parent as usize] += 1;
+                parent.hash
+            };
+            ensure_invariant!(
+                self.hasher.hash_block(parent_hash, self.block_tokens(id)) == entry.hash,
+                "block {id}'s tokens do not hash to its key (R6)"
+            );
+        }
+        for (id, entry) in self.entries.iter().enumerate() {
+            if entry.live {
+                ensure_invariant!(
+                    entry.children == children[id],
+                    "block {id} counts {} children, has {}",
+                    entry.children,
+                    children[id]
+                );
+            } else {
+                ensure_invariant!(!entry.in_lru, "dead entry {id} on the LRU");
+                if id > 0 {
+                    ensure_invariant!(
+                        self.store.state(id as u32) & CACHED == 0,
+                        "block {id} is marked cached but has no entry"
+                    );
+                }
+            }
+        }
+        ensure_invariant!(
+            cache_only == self.store.num_cache_only(),
+            "cached-block count {} differs from the {} cache-only entries (R2)",
+            self.store.num_cache_only(),
+            cache_only
+        );
+        let order = self.lru_order();
+        ensure_invariant!(
+            order.len() == self.lru_len,
+            "LRU list length differs from its count"
+        );
+        let mut seen = vec![false; n];
+        let mut prev = NIL;
+        for &id in &order {
+            ensure_invariant!(!seen[id as usize], "block {id} twice on the LRU");
+            seen[id as usize] = true;
+            let entry = &self.entries[id as usize];
+            ensure_invariant!(
+                entry.in_lru && entry.prev == prev,
+                "LRU links broken at block {id}"
+            );
+            prev = id;
+        }
+        ensure_invariant!(prev == self.newest, "LRU tail pointer is off");
+        Ok(())
+    }
+}
