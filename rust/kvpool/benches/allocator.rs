@@ -1,1 +1,139 @@
-fn main() {}
+//! Allocator throughput (`cargo bench` from the repository root). Targets in DESIGN.md
+//! section 4: allocate+free of one block <= 20 ns; allocation with eviction <= 60 ns per
+//! evicted block; hash + match of a 2048-token prompt (128 blocks of 16) <= 5 us.
+
+use std::hint::black_box;
+use std::time::{Duration, Instant};
+
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use kvpool::{
+    BlockManager, BlockManagerImpl, BlockManagerPool, KvCacheManager, ManagerConfig, PoolConfig, Sequence,
+};
+
+fn manager(num_blocks: usize, block_size: usize) -> BlockManagerImpl {
+    BlockManagerImpl::new(ManagerConfig::new(num_blocks, block_size)).unwrap()
+}
+
+fn prompt(len: u32, salt: u32) -> Vec<u32> {
+    (0..len).map(|i| i.wrapping_mul(2_654_435_761) ^ salt).collect()
+}
+
+fn allocate_free(c: &mut Criterion) {
+    let mut group = c.benchmark_group("allocate_then_free");
+    let mut m = manager(4096, 16);
+    group.throughput(Throughput::Elements(1));
+    group.bench_function("one_block", |b| {
+        b.iter(|| {
+            let blocks = m.allocate(black_box(1)).unwrap();
+            drop(blocks);
+        })
+    });
+    for n in [16usize, 64, 1024] {
+        group.throughput(Throughput::Elements(n as u64));
+        group.bench_with_input(BenchmarkId::new("blocks", n), &n, |b, &n| {
+            b.iter(|| {
+                let blocks = m.allocate(black_box(n)).unwrap();
+                m.deallocate(blocks).unwrap();
+            })
+        });
+    }
+    group.finish();
+}
+
+/// Every allocated block must first be evicted from a full cache (64 cache-only blocks, no free
+/// ones); the refill of the cache is not timed.
+fn allocate_with_eviction(c: &mut Criterion) {
+    let mut group = c.benchmark_group("allocate_with_eviction");
+    group.throughput(Throughput::Elements(64));
+    group.bench_function("64_blocks_all_evicted", |b| {
+        let mut m = manager(65, 16);
+        let tokens = prompt(64 * 16, 1);
+        b.iter_custom(|iters| {
+            let mut total = Duration::ZERO;
+            for i in 0..iters {
+                let blocks = m.allocate(64).unwrap();
+                let mut tokens = tokens.clone();
+                tokens[0] = i as u32;
+                m.cache(&tokens, &blocks, None).unwrap();
+                m.deallocate(blocks).unwrap();
+                let start = Instant::now();
+                let blocks = m.allocate(black_box(64)).unwrap();
+                total += start.elapsed();
+                drop(blocks);
+                m.reset_prefix_cache();
+            }
+            total
+        })
+    });
+    group.finish();
+}
+
+fn prefix_cache(c: &mut Criterion) {
+    let mut group = c.benchmark_group("prefix_cache_2048_tokens_bs16");
+    let tokens = prompt(2048, 7);
+    let mut m = manager(1024, 16);
+    let blocks = m.allocate(128).unwrap();
+    m.cache(&tokens, &blocks, None).unwrap();
+    group.throughput(Throughput::Elements(128));
+    group.bench_function("hash_and_match_128_blocks", |b| {
+        b.iter(|| {
+            let hit = m.allocate_shared(black_box(&tokens), None);
+            assert_eq!(hit.len(), 128);
+            hit
+        })
+    });
+    let hasher = *m.hasher();
+    group.bench_function("hash_only_128_blocks", |b| b.iter(|| hasher.chain(black_box(&tokens), 16, None)));
+    drop(blocks);
+    group.bench_function("hash_and_insert_128_blocks", |b| {
+        let mut m = manager(1024, 16);
+        b.iter_custom(|iters| {
+            let mut total = Duration::ZERO;
+            for _ in 0..iters {
+                let blocks = m.allocate(128).unwrap();
+                let start = Instant::now();
+                let newly = m.cache(black_box(&tokens), &blocks, None).unwrap();
+                total += start.elapsed();
+                assert_eq!(newly, 128);
+                drop(blocks);
+                m.reset_prefix_cache();
+            }
+            total
+        })
+    });
+    group.finish();
+}
+
+/// One request through the pool: allocate (hitting a shared 1024-token prefix), publish,
+/// deallocate; 2048 tokens, block size 16.
+fn pool_request(c: &mut Criterion) {
+    let mut group = c.benchmark_group("pool_request_2048_tokens_bs16");
+    let mut p = BlockManagerPool::new(PoolConfig::new(4096, 16)).unwrap();
+    let shared = prompt(1024, 3);
+    let mut warm = Sequence::new(shared.clone(), None, None);
+    assert!(p.allocate(&mut warm, None).unwrap());
+    warm.set_num_computed_tokens(1024).unwrap();
+    p.cache(&mut warm).unwrap();
+    let mut salt = 0u32;
+    group.throughput(Throughput::Elements(1));
+    group.bench_function("allocate_cache_deallocate", |b| {
+        b.iter(|| {
+            salt = salt.wrapping_add(1);
+            let mut tokens = shared.clone();
+            tokens.extend(prompt(1024, salt));
+            let mut seq = Sequence::new(tokens, None, None);
+            assert!(p.allocate(&mut seq, None).unwrap());
+            seq.set_num_computed_tokens(2048).unwrap();
+            p.cache(&mut seq).unwrap();
+            p.deallocate(&mut seq).unwrap();
+        })
+    });
+    group.finish();
+}
+
+criterion_group! {
+    name = benches;
+    config = Criterion::default().warm_up_time(Duration::from_millis(500)).measurement_time(Duration::from_secs(2));
+    targets = allocate_free, allocate_with_eviction, prefix_cache, pool_request
+}
+criterion_main!(benches);

@@ -268,6 +268,9 @@ impl BlockManager for BlockManagerImpl {
         self.check_owned(&blocks, "blocks")?;
         // Deepest first: the tail of a chain becomes evictable before its head.
         drop(blocks.into_iter().rev());
+        if let Some(cache) = self.cache.as_mut() {
+            cache.drain_released();
+        }
         Ok(())
     }
 

@@ -625,7 +625,11 @@ impl KvCacheManager for BlockManagerPool {
             return Ok(());
         }
         self.publish(seq);
+        let rank = seq.dp_rank;
         seq.reset();
+        if let Some(cache) = rank.and_then(|r| self.ranks[r].blocks.prefix_cache_mut()) {
+            cache.drain_released();
+        }
         Ok(())
     }
 }

@@ -270,6 +270,7 @@ impl PrefixCache {
         max_blocks: usize,
         out: &mut Vec<Block>,
     ) -> usize {
+        self.drain_released();
         let mut parent = NIL;
         let mut matched = 0;
         for (i, &hash) in hashes.iter().enumerate().take(max_blocks) {
@@ -301,6 +302,7 @@ impl PrefixCache {
         start: usize,
         extra_key: Option<&ExtraKey>,
     ) -> (usize, usize) {
+        self.drain_released();
         let end = hashes
             .len()
             .min(blocks.len())
@@ -371,7 +373,7 @@ impl PrefixCache {
     }
 
     /// Moves the blocks whose last outside handle went away onto the LRU list.
-    pub(crate) fn drain_released(&mut self) {
+    pub fn drain_released(&mut self) {
         let mut batch = std::mem::take(&mut self.scratch);
         while let Some(id) = self.store.released.pop() {
             let state = self.store.clear_queued(id);
@@ -381,8 +383,10 @@ impl PrefixCache {
             }
         }
         if batch.len() > 1 {
-            // Deepest first, so that parents end up newer than their children (R10, R11).
-            batch.sort_unstable_by_key(|&id| std::cmp::Reverse(self.entries[id as usize].depth));
+            // Release order (the stack pops newest first), then deepest first within it, so that
+            // parents end up newer than their children (R10, R11).
+            batch.reverse();
+            batch.sort_by_key(|&id| std::cmp::Reverse(self.entries[id as usize].depth));
         }
         for &id in &batch {
             self.lru_push_newest(id);

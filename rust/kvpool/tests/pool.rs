@@ -1,0 +1,233 @@
+//! Lifecycle tests of `BlockManagerPool` (R8, R13-R21) and a proptest of random pool workloads
+//! checking R2 and `check()` after every step.
+
+use kvpool::{BlockManagerPool, KvCacheManager, KvEventKind, PoolConfig, Sequence};
+use proptest::prelude::*;
+
+fn pool(num_blocks: usize, block_size: usize) -> BlockManagerPool {
+    BlockManagerPool::new(PoolConfig::new(num_blocks, block_size)).unwrap()
+}
+
+fn table(seq: &Sequence) -> Vec<u32> {
+    seq.block_ids().collect()
+}
+
+#[test]
+fn seed_scenario_end_to_end() {
+    let mut p = pool(16, 4);
+    let total = p.counts(0).free;
+    let mut a = Sequence::new((0..11).collect(), None, None);
+    assert!(p.allocate(&mut a, None).unwrap());
+    assert_eq!(table(&a).len(), 3, "11 tokens -> 3 blocks, last with 1 free slot");
+    let mut b = Sequence::new((100..104).collect(), None, None);
+    assert!(p.allocate(&mut b, None).unwrap());
+    assert_eq!(table(&b).len(), 1);
+    b.append_token(104);
+    assert!(p.can_append(&b, 0).unwrap(), "5th token crosses into a new block");
+    let free = p.counts(0).free;
+    assert!(p.may_append(&mut b, 0).unwrap());
+    assert_eq!(table(&b).len(), 2);
+    assert_eq!(p.counts(0).free, free - 1);
+    b.append_token(105);
+    assert!(p.may_append(&mut b, 0).unwrap());
+    assert_eq!(table(&b).len(), 2, "6 tokens fit in 2 blocks");
+    p.deallocate(&mut a).unwrap();
+    p.deallocate(&mut b).unwrap();
+    let counts = p.counts(0);
+    assert_eq!(counts.free + counts.cached, total, "every block is back (free or cached)");
+    assert_eq!(counts.used, 0);
+    p.check().unwrap();
+}
+
+#[test]
+fn r8_a_match_leaves_one_token_and_preemption_rehits_its_prefix() {
+    let mut p = pool(16, 4);
+    let mut a = Sequence::new((0..8).collect(), None, None);
+    assert!(p.allocate(&mut a, None).unwrap());
+    a.set_num_computed_tokens(8).unwrap();
+    p.deallocate(&mut a).unwrap();
+    assert_eq!(a.len(), 8, "tokens kept");
+    assert_eq!(a.dp_rank(), Some(0), "rank kept");
+    assert!(p.allocate(&mut a, None).unwrap());
+    assert_eq!(a.num_cached_tokens(), 4, "block-aligned: the last block is recomputed (R8)");
+    assert_eq!(a.num_computed_tokens(), 4);
+    p.check().unwrap();
+}
+
+#[test]
+fn r13_rank_choice_and_stickiness() {
+    let mut config = PoolConfig::new(8, 2);
+    config.dp_size = 2;
+    let mut p = BlockManagerPool::new(config).unwrap();
+    let mut a = Sequence::new(vec![1; 6], None, None);
+    assert!(p.allocate(&mut a, None).unwrap());
+    assert_eq!(a.dp_rank(), Some(0), "tie: lowest rank");
+    let mut b = Sequence::new(vec![2; 2], None, None);
+    assert!(p.allocate(&mut b, None).unwrap());
+    assert_eq!(b.dp_rank(), Some(1), "most available blocks");
+    p.deallocate(&mut a).unwrap();
+    let mut c = Sequence::new(vec![3; 10], None, None);
+    assert!(p.allocate(&mut c, None).unwrap());
+    assert_eq!(c.dp_rank(), Some(0));
+    assert!(!p.allocate(&mut a, None).unwrap(), "rank 0 is full: no fallback to rank 1");
+    assert_eq!(a.dp_rank(), Some(0));
+    p.check().unwrap();
+}
+
+#[test]
+fn r14_failure_changes_nothing_and_chunked_prefill_grows() {
+    let mut p = pool(6, 2);
+    let mut a = Sequence::new((0..6).collect(), None, None);
+    assert!(p.allocate(&mut a, Some(2)).unwrap());
+    assert_eq!(table(&a).len(), 1);
+    assert!(p.allocate(&mut a, Some(6)).unwrap());
+    assert_eq!(table(&a).len(), 3);
+    let mut b = Sequence::new((10..16).collect(), None, None);
+    let before = p.stats();
+    assert!(!p.can_allocate(&mut b, None).unwrap());
+    assert!(!p.allocate(&mut b, None).unwrap());
+    assert_eq!(p.stats(), before);
+    assert_eq!(b.dp_rank(), None);
+    assert!(table(&b).is_empty());
+    assert!(p.allocate(&mut a, Some(7)).is_err(), "num_tokens > len is a ValueError");
+    assert!(p.allocate(&mut a, Some(0)).is_err());
+}
+
+#[test]
+fn r17_only_computed_full_blocks_are_published() {
+    let mut p = pool(16, 4);
+    let mut a = Sequence::new((0..10).collect(), None, None);
+    assert!(p.allocate(&mut a, None).unwrap());
+    a.set_num_computed_tokens(5).unwrap();
+    p.cache(&mut a).unwrap();
+    assert_eq!(p.block_manager(0).unwrap().prefix_cache().unwrap().len(), 1);
+    assert!(a.set_num_computed_tokens(4).is_err(), "lowering is an error");
+    assert!(a.set_num_computed_tokens(11).is_err(), "past len");
+    a.set_num_computed_tokens(10).unwrap();
+    p.cache(&mut a).unwrap();
+    assert_eq!(p.block_manager(0).unwrap().prefix_cache().unwrap().len(), 2);
+}
+
+#[test]
+fn r18_foreign_sequences_are_rejected() {
+    let mut p1 = pool(8, 2);
+    let mut p2 = pool(8, 2);
+    let mut a = Sequence::new(vec![1, 2, 3], None, None);
+    assert!(p1.allocate(&mut a, None).unwrap());
+    assert!(p2.deallocate(&mut a).is_err());
+    assert!(p2.allocate(&mut a, None).is_err());
+    assert!(p2.cache(&mut a).is_err());
+    p1.deallocate(&mut a).unwrap();
+    p1.deallocate(&mut a).unwrap(); // no-op
+    assert!(p2.allocate(&mut a, None).unwrap(), "after release it may go anywhere");
+}
+
+#[test]
+fn r19_exports_and_r21_events() {
+    let mut config = PoolConfig::new(16, 4);
+    config.enable_events = true;
+    let mut p = BlockManagerPool::new(config).unwrap();
+    let mut a = Sequence::new((0..9).collect(), None, Some(b"salt"));
+    assert!(p.allocate(&mut a, None).unwrap());
+    let (tables, width) = p.block_tables(&[&a]).unwrap();
+    assert_eq!(width, 3);
+    let ids = table(&a);
+    assert_eq!(tables, ids.iter().map(|&i| i as i32).collect::<Vec<_>>());
+    let slots = p.slot_mapping(&[&a]).unwrap();
+    assert_eq!(slots.len(), 9);
+    assert_eq!(slots[5], i64::from(ids[1]) * 4 + 1);
+    a.set_num_computed_tokens(9).unwrap();
+    p.cache(&mut a).unwrap();
+    let events = p.drain_events();
+    assert_eq!(events.len(), 1);
+    assert_eq!(events[0].kind, KvEventKind::Stored);
+    assert_eq!(events[0].block_hashes.len(), 2);
+    assert_eq!(events[0].parent_hash, None);
+    assert_eq!(events[0].token_ids, (0..8).collect::<Vec<u32>>());
+    assert_eq!(events[0].extra_key.as_deref(), Some(&b"salt"[..]));
+    p.reset_prefix_cache();
+    assert_eq!(p.drain_events()[0].kind, KvEventKind::Cleared);
+    assert!(p.drain_events().is_empty());
+}
+
+#[derive(Clone, Debug)]
+enum Op {
+    Admit(u8, usize),
+    Step(usize, usize),
+    Finish(usize),
+    Reset,
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        3 => (0u8..3, 1usize..14).prop_map(|(g, n)| Op::Admit(g, n)),
+        5 => (any::<usize>(), 1usize..4).prop_map(|(i, n)| Op::Step(i, n)),
+        2 => any::<usize>().prop_map(Op::Finish),
+        1 => Just(Op::Reset),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 128, ..ProptestConfig::default() })]
+    /// Random serving workloads: can_allocate predicts allocate (R15), counts add up (R2),
+    /// check() holds after every step, and every id is free at the end.
+    #[test]
+    fn random_pool_workload(ops in proptest::collection::vec(op(), 1..150), dp in 1usize..3) {
+        let mut config = PoolConfig::new(10, 2);
+        config.dp_size = dp;
+        let mut p = BlockManagerPool::new(config).unwrap();
+        let mut running: Vec<Sequence> = Vec::new();
+        for op in ops {
+            match op {
+                Op::Admit(group, len) => {
+                    let tokens: Vec<u32> = (0..len as u32).map(|i| u32::from(group) * 1000 + i).collect();
+                    let mut seq = Sequence::new(tokens, None, None);
+                    let predicted = p.can_allocate(&mut seq, None).unwrap();
+                    let before = p.stats();
+                    let ok = p.allocate(&mut seq, None).unwrap();
+                    prop_assert_eq!(predicted, ok, "R15");
+                    if ok {
+                        running.push(seq);
+                    } else {
+                        prop_assert_eq!(p.stats(), before, "R14");
+                    }
+                }
+                Op::Step(i, n) if !running.is_empty() => {
+                    let index = i % running.len();
+                    let seq = &mut running[index];
+                    let computed = seq.len();
+                    seq.set_num_computed_tokens(computed).unwrap();
+                    p.cache(seq).unwrap();
+                    seq.append_tokens(&vec![7; n]);
+                    let predicted = p.can_append(seq, 0).unwrap();
+                    prop_assert_eq!(predicted, p.may_append(seq, 0).unwrap(), "R16");
+                    if !predicted {
+                        // Preempt by recompute.
+                        let mut seq = running.swap_remove(index);
+                        p.deallocate(&mut seq).unwrap();
+                    }
+                }
+                Op::Finish(i) if !running.is_empty() => {
+                    let mut seq = running.swap_remove(i % running.len());
+                    p.deallocate(&mut seq).unwrap();
+                }
+                Op::Reset => p.reset_prefix_cache(),
+                _ => {}
+            }
+            for seq in &running {
+                p.check_sequence(seq).unwrap();
+            }
+            if let Err(e) = p.check() {
+                prop_assert!(false, "check failed: {e}");
+            }
+        }
+        for seq in &mut running {
+            p.deallocate(seq).unwrap();
+        }
+        p.reset_prefix_cache();
+        p.check().unwrap();
+        for rank in 0..dp {
+            prop_assert_eq!(p.counts(rank).free, 9);
+        }
+    }
+}
