@@ -125,3 +125,37 @@ pub fn block_hash(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<kvpool::BlockH
         .map_err(|_| value_error(name, "must be exactly 16 bytes"))?;
     Ok(kvpool::BlockHash::from_bytes(array))
 }
+
+/// An integer argument (int or anything with `__index__`, bool excluded), named in errors.
+pub fn int(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<i128> {
+    if obj.is_instance_of::<pyo3::types::PyBool>()
+        || !(obj.is_instance_of::<PyInt>() || obj.hasattr("__index__")?)
+    {
+        return Err(type_error(
+            name,
+            format!("must be an int, got {}", obj.get_type().name()?),
+        ));
+    }
+    obj.extract::<i128>().map_err(|_| {
+        pyo3::exceptions::PyOverflowError::new_err(format!("{name}: integer out of range"))
+    })
+}
+
+/// A count (`>= 0`), named in errors.
+pub fn count(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<usize> {
+    let value = int(obj, name)?;
+    if value < 0 {
+        return Err(value_error(name, format!("must be >= 0, got {value}")));
+    }
+    usize::try_from(value).map_err(|_| {
+        pyo3::exceptions::PyOverflowError::new_err(format!("{name}: {value} is too large"))
+    })
+}
+
+/// An optional count: None stays None.
+pub fn optional_count(obj: Option<&Bound<'_, PyAny>>, name: &str) -> PyResult<Option<usize>> {
+    match obj {
+        Some(obj) if !obj.is_none() => count(obj, name).map(Some),
+        _ => Ok(None),
+    }
+}

@@ -211,8 +211,12 @@ pub fn hasher(
     }
 }
 
-fn check_count(n: i64, name: &str) -> PyResult<usize> {
-    usize::try_from(n).map_err(|_| value_error(name, format!("must be >= 0, got {n}")))
+fn check_count(n: &Bound<'_, PyAny>, name: &str) -> PyResult<usize> {
+    convert::count(n, name)
+}
+
+pub fn debug_bits(bits: Option<&Bound<'_, PyAny>>) -> PyResult<Option<u32>> {
+    Ok(convert::optional_count(bits, "debug_hash_bits")?.map(|b| b.min(1 << 20) as u32))
 }
 
 /// Plain block allocator with a prefix cache (the seed's BlockManagerImpl).
@@ -229,11 +233,11 @@ impl PyBlockManager {
     #[new]
     #[pyo3(signature = (num_blocks, block_size, *, enable_prefix_cache = true, hash_seed = None, debug_hash_bits = None))]
     fn new(
-        num_blocks: i64,
-        block_size: i64,
+        num_blocks: &Bound<'_, PyAny>,
+        block_size: &Bound<'_, PyAny>,
         enable_prefix_cache: bool,
         hash_seed: Option<&Bound<'_, PyAny>>,
-        debug_hash_bits: Option<u32>,
+        debug_hash_bits: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         let num_blocks = check_count(num_blocks, "num_blocks")?;
         let block_size = check_count(block_size, "block_size")?;
@@ -241,7 +245,7 @@ impl PyBlockManager {
             num_blocks,
             block_size,
             enable_prefix_cache,
-            hasher: hasher(hash_seed, debug_hash_bits)?,
+            hasher: hasher(hash_seed, debug_bits(debug_hash_bits)?)?,
         };
         let manager = BlockManagerImpl::new(config).py()?;
         Ok(Self {
@@ -294,7 +298,7 @@ impl PyBlockManager {
     }
 
     /// n fresh blocks (R3); OutOfBlocksError if free + cached < n, changing nothing.
-    fn allocate<'py>(&self, py: Python<'py>, n: i64) -> PyResult<Bound<'py, PyList>> {
+    fn allocate<'py>(&self, py: Python<'py>, n: &Bound<'_, PyAny>) -> PyResult<Bound<'py, PyList>> {
         let n = check_count(n, "n")?;
         let blocks = self.inner.lock().allocate(n).py()?;
         blocks_to_list(py, blocks)
@@ -343,7 +347,7 @@ impl PyBlockManager {
     }
 
     /// Evicts up to n cached blocks, least recently used leaves first (R10).
-    fn evict(&self, n: i64) -> PyResult<usize> {
+    fn evict(&self, n: &Bound<'_, PyAny>) -> PyResult<usize> {
         let n = check_count(n, "n")?;
         Ok(self.inner.lock().evict(n))
     }
@@ -494,7 +498,7 @@ pub struct PySingleBlockManager {
 #[pymethods]
 impl PySingleBlockManager {
     #[new]
-    fn new(num_slots: i64) -> PyResult<Self> {
+    fn new(num_slots: &Bound<'_, PyAny>) -> PyResult<Self> {
         let num_slots = check_count(num_slots, "num_slots")?;
         Ok(Self {
             inner: Mutex::new(SingleBlockManager::new(num_slots).py()?),
@@ -532,7 +536,7 @@ impl PySingleBlockManager {
         self.inner.lock().counts().free
     }
     /// n fresh slots; OutOfBlocksError if fewer are free, changing nothing.
-    fn allocate<'py>(&self, py: Python<'py>, n: i64) -> PyResult<Bound<'py, PyList>> {
+    fn allocate<'py>(&self, py: Python<'py>, n: &Bound<'_, PyAny>) -> PyResult<Bound<'py, PyList>> {
         let n = check_count(n, "n")?;
         let blocks = self.inner.lock().allocate(n).py()?;
         blocks_to_list(py, blocks)
@@ -570,7 +574,7 @@ impl PySingleBlockManager {
         Ok(0)
     }
     /// No prefix cache: always 0.
-    fn evict(&self, n: i64) -> PyResult<usize> {
+    fn evict(&self, n: &Bound<'_, PyAny>) -> PyResult<usize> {
         check_count(n, "n")?;
         Ok(0)
     }
@@ -594,11 +598,12 @@ impl PySingleBlockManager {
 pub fn hash_blocks<'py>(
     py: Python<'py>,
     token_ids: &Bound<'py, PyAny>,
-    block_size: i64,
+    block_size: &Bound<'py, PyAny>,
     extra_key: Option<&Bound<'py, PyAny>>,
     hash_seed: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<Bound<'py, PyList>> {
     let tokens = convert::tokens(token_ids, "token_ids")?;
+    let block_size = convert::count(block_size, "block_size")?;
     if block_size < 1 {
         return Err(value_error(
             "block_size",
@@ -607,7 +612,7 @@ pub fn hash_blocks<'py>(
     }
     let key = convert::extra_key(extra_key, "extra_key")?;
     let hasher = BlockHasher::new(convert::hash_seed(hash_seed)?);
-    let hashes = py.detach(|| hasher.chain(&tokens, block_size as usize, key.as_deref()));
+    let hashes = py.detach(|| hasher.chain(&tokens, block_size, key.as_deref()));
     PyList::new(
         py,
         hashes.into_iter().map(|h| PyBytes::new(py, &h.to_bytes())),

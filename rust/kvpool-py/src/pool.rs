@@ -241,7 +241,11 @@ fn seq_list<'py>(seqs: &Bound<'py, PyAny>) -> PyResult<Vec<Bound<'py, PySequence
         .collect()
 }
 
-fn check_group(group: i64) -> PyResult<()> {
+fn check_group(group: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
+    let group = match group {
+        Some(g) if !g.is_none() => convert::int(g, "group")?,
+        _ => 0,
+    };
     if group != 0 {
         return Err(value_error(
             "group",
@@ -251,57 +255,58 @@ fn check_group(group: i64) -> PyResult<()> {
     Ok(())
 }
 
-fn optional_count(value: Option<i64>, name: &str) -> PyResult<Option<usize>> {
-    value
-        .map(|v| {
-            usize::try_from(v).map_err(|_| value_error(name, format!("must be >= 0, got {v}")))
-        })
-        .transpose()
+fn optional_count(value: Option<&Bound<'_, PyAny>>, name: &str) -> PyResult<Option<usize>> {
+    convert::optional_count(value, name)
 }
 
 #[pymethods]
 impl PyBlockManagerPool {
     #[new]
     #[pyo3(signature = (
-        num_blocks, block_size, *, dp_size = 1, enable_prefix_cache = true, num_single_blocks = None,
-        linear_state_slots = 0, checkpoint_interval = None, linear_state_match = "deepest",
+        num_blocks, block_size, *, dp_size = None, enable_prefix_cache = true, num_single_blocks = None,
+        linear_state_slots = None, checkpoint_interval = None, linear_state_match = None,
         concurrent = false, enable_events = false, hash_seed = None, sliding_window = None,
         swa_num_blocks = None, debug_hash_bits = None
-    ))]
+    ), text_signature = "(num_blocks, block_size, *, dp_size=1, enable_prefix_cache=True, num_single_blocks=None, linear_state_slots=0, checkpoint_interval=None, linear_state_match='deepest', concurrent=False, enable_events=False, hash_seed=None, sliding_window=None, swa_num_blocks=None, debug_hash_bits=None)")]
     #[allow(clippy::too_many_arguments)]
     fn new(
-        num_blocks: i64,
-        block_size: i64,
-        dp_size: i64,
+        num_blocks: &Bound<'_, PyAny>,
+        block_size: &Bound<'_, PyAny>,
+        dp_size: Option<&Bound<'_, PyAny>>,
         enable_prefix_cache: bool,
-        num_single_blocks: Option<i64>,
-        linear_state_slots: i64,
-        checkpoint_interval: Option<i64>,
-        linear_state_match: &str,
+        num_single_blocks: Option<&Bound<'_, PyAny>>,
+        linear_state_slots: Option<&Bound<'_, PyAny>>,
+        checkpoint_interval: Option<&Bound<'_, PyAny>>,
+        linear_state_match: Option<&Bound<'_, PyAny>>,
         concurrent: bool,
         enable_events: bool,
         hash_seed: Option<&Bound<'_, PyAny>>,
-        sliding_window: Option<i64>,
-        swa_num_blocks: Option<i64>,
-        debug_hash_bits: Option<u32>,
+        sliding_window: Option<&Bound<'_, PyAny>>,
+        swa_num_blocks: Option<&Bound<'_, PyAny>>,
+        debug_hash_bits: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         let _ = concurrent; // every Python pool is thread-safe (R28)
-        let num_blocks = optional_count(Some(num_blocks), "num_blocks")?.unwrap_or(0);
-        let block_size = optional_count(Some(block_size), "block_size")?.unwrap_or(0);
-        let dp_size = optional_count(Some(dp_size), "dp_size")?.unwrap_or(0);
+        let num_blocks = convert::count(num_blocks, "num_blocks")?;
+        let block_size = convert::count(block_size, "block_size")?;
+        let dp_size = optional_count(dp_size, "dp_size")?.unwrap_or(1);
         let num_single_blocks = optional_count(num_single_blocks, "num_single_blocks")?;
-        if !matches!(linear_state_match, "deepest" | "contiguous") {
+        let linear_state_match: String = match linear_state_match {
+            Some(m) if !m.is_none() => m
+                .extract()
+                .map_err(|_| type_error("linear_state_match", "must be a str"))?,
+            _ => "deepest".to_owned(),
+        };
+        if !matches!(linear_state_match.as_str(), "deepest" | "contiguous") {
             return Err(value_error(
                 "linear_state_match",
                 format!("must be 'deepest' or 'contiguous', got {linear_state_match:?}"),
             ));
         }
-        if linear_state_slots < 0 {
-            return Err(value_error(
-                "linear_state_slots",
-                format!("must be >= 0, got {linear_state_slots}"),
-            ));
-        }
+        let linear_state_slots =
+            optional_count(linear_state_slots, "linear_state_slots")?.unwrap_or(0);
+        let checkpoint_interval = optional_count(checkpoint_interval, "checkpoint_interval")?;
+        let sliding_window = optional_count(sliding_window, "sliding_window")?;
+        let swa_num_blocks = optional_count(swa_num_blocks, "swa_num_blocks")?;
         if linear_state_slots > 0 || checkpoint_interval.is_some() {
             return Err(value_error(
                 "linear_state_slots",
@@ -320,7 +325,7 @@ impl PyBlockManagerPool {
             dp_size,
             enable_prefix_cache,
             num_single_blocks,
-            hasher: hasher(hash_seed, debug_hash_bits)?,
+            hasher: hasher(hash_seed, crate::manager::debug_bits(debug_hash_bits)?)?,
             enable_events,
         };
         let pool = BlockManagerPool::new(config).py()?;
@@ -356,7 +361,11 @@ impl PyBlockManagerPool {
 
     /// What allocate(seq, num_tokens) would return, with no side effect (R15).
     #[pyo3(signature = (seq, num_tokens = None))]
-    fn can_allocate(&self, seq: &Bound<'_, PyAny>, num_tokens: Option<i64>) -> PyResult<bool> {
+    fn can_allocate(
+        &self,
+        seq: &Bound<'_, PyAny>,
+        num_tokens: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<bool> {
         let seq = seq_ref(seq)?;
         let n = optional_count(num_tokens, "num_tokens")?;
         let mut pool = self.inner.lock();
@@ -368,7 +377,11 @@ impl PyBlockManagerPool {
     /// (R8, R13, R14); on a sequence that holds blocks, grows its table (chunked prefill).
     /// All-or-nothing: False leaves the pool and the sequence exactly as they were.
     #[pyo3(signature = (seq, num_tokens = None))]
-    fn allocate(&self, seq: &Bound<'_, PyAny>, num_tokens: Option<i64>) -> PyResult<bool> {
+    fn allocate(
+        &self,
+        seq: &Bound<'_, PyAny>,
+        num_tokens: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<bool> {
         let seq = seq_ref(seq)?;
         let n = optional_count(num_tokens, "num_tokens")?;
         let mut pool = self.inner.lock();
@@ -382,20 +395,28 @@ impl PyBlockManagerPool {
     /// token first, then ask. With block_size 4: 4 tokens fill one block; after append_token
     /// (5 tokens) one more block is needed; at 6 tokens nothing is. lookahead reserves room for
     /// speculative tokens.
-    #[pyo3(signature = (seq, lookahead = 0))]
-    fn can_append(&self, seq: &Bound<'_, PyAny>, lookahead: i64) -> PyResult<bool> {
+    #[pyo3(signature = (seq, lookahead = None), text_signature = "(self, seq, lookahead=0)")]
+    fn can_append(
+        &self,
+        seq: &Bound<'_, PyAny>,
+        lookahead: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<bool> {
         let seq = seq_ref(seq)?;
-        let lookahead = optional_count(Some(lookahead), "lookahead")?.unwrap_or(0);
+        let lookahead = optional_count(lookahead, "lookahead")?.unwrap_or(0);
         let pool = self.inner.lock();
         let seq = seq.get().inner.lock();
         pool.can_append(&seq, lookahead).py()
     }
 
     /// Takes the blocks can_append asks about (all-or-nothing; False if they cannot be had, R16).
-    #[pyo3(signature = (seq, lookahead = 0))]
-    fn may_append(&self, seq: &Bound<'_, PyAny>, lookahead: i64) -> PyResult<bool> {
+    #[pyo3(signature = (seq, lookahead = None), text_signature = "(self, seq, lookahead=0)")]
+    fn may_append(
+        &self,
+        seq: &Bound<'_, PyAny>,
+        lookahead: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<bool> {
         let seq = seq_ref(seq)?;
-        let lookahead = optional_count(Some(lookahead), "lookahead")?.unwrap_or(0);
+        let lookahead = optional_count(lookahead, "lookahead")?.unwrap_or(0);
         let mut pool = self.inner.lock();
         let mut seq = seq.get().inner.lock();
         pool.may_append(&mut seq, lookahead).py()
@@ -418,12 +439,12 @@ impl PyBlockManagerPool {
     }
 
     /// Block tables of seqs: int32 array [len(seqs), max_blocks], padded with 0 (R19).
-    #[pyo3(signature = (seqs, group = 0))]
+    #[pyo3(signature = (seqs, group = None), text_signature = "(self, seqs, group=0)")]
     fn block_tables<'py>(
         &self,
         py: Python<'py>,
         seqs: &Bound<'py, PyAny>,
-        group: i64,
+        group: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyArray2<i32>>> {
         check_group(group)?;
         let seqs = seq_list(seqs)?;
@@ -439,12 +460,12 @@ impl PyBlockManagerPool {
 
     /// Cache slots (int64) of tokens [num_computed_tokens, len) of every sequence, concatenated:
     /// slot = block_id * block_size + position % block_size (R19).
-    #[pyo3(signature = (seqs, group = 0))]
+    #[pyo3(signature = (seqs, group = None), text_signature = "(self, seqs, group=0)")]
     fn slot_mapping<'py>(
         &self,
         py: Python<'py>,
         seqs: &Bound<'py, PyAny>,
-        group: i64,
+        group: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyArray1<i64>>> {
         check_group(group)?;
         let seqs = seq_list(seqs)?;

@@ -7,7 +7,8 @@ use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use kvpool::{
-    BlockManager, BlockManagerImpl, BlockManagerPool, KvCacheManager, ManagerConfig, PoolConfig, Sequence,
+    BlockManager, BlockManagerImpl, BlockManagerPool, KvCacheManager, ManagerConfig, PoolConfig,
+    Sequence,
 };
 
 fn manager(num_blocks: usize, block_size: usize) -> BlockManagerImpl {
@@ -15,7 +16,9 @@ fn manager(num_blocks: usize, block_size: usize) -> BlockManagerImpl {
 }
 
 fn prompt(len: u32, salt: u32) -> Vec<u32> {
-    (0..len).map(|i| i.wrapping_mul(2_654_435_761) ^ salt).collect()
+    (0..len)
+        .map(|i| i.wrapping_mul(2_654_435_761) ^ salt)
+        .collect()
 }
 
 fn allocate_free(c: &mut Criterion) {
@@ -83,7 +86,9 @@ fn prefix_cache(c: &mut Criterion) {
         })
     });
     let hasher = *m.hasher();
-    group.bench_function("hash_only_128_blocks", |b| b.iter(|| hasher.chain(black_box(&tokens), 16, None)));
+    group.bench_function("hash_only_128_blocks", |b| {
+        b.iter(|| hasher.chain(black_box(&tokens), 16, None))
+    });
     drop(blocks);
     group.bench_function("hash_and_insert_128_blocks", |b| {
         let mut m = manager(1024, 16);

@@ -259,6 +259,13 @@ impl BlockManager for BlockManagerImpl {
     }
 
     fn allocate(&mut self, n: usize) -> Result<Vec<Block>> {
+        let available = self.num_available();
+        if n > available {
+            return Err(KvPoolError::OutOfBlocks {
+                requested: n,
+                available,
+            });
+        }
         let mut out = Vec::with_capacity(n);
         self.allocate_into(n, &mut out)?;
         Ok(out)

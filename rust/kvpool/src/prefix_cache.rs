@@ -400,19 +400,29 @@ impl PrefixCache {
     pub fn evict(&mut self, n: usize) -> usize {
         self.drain_released();
         let mut evicted = 0;
-        let mut cursor = self.oldest;
         let mut removed = Vec::new();
-        while evicted < n && cursor != NIL {
-            let id = cursor;
-            cursor = self.entries[id as usize].next;
-            if self.entries[id as usize].children > 0 {
-                continue;
+        // One pass suffices unless an entry was skipped for having children (a caller released a
+        // chain's head but kept its tail); a later pass retries those whose children went.
+        loop {
+            let before = evicted;
+            let mut skipped = false;
+            let mut cursor = self.oldest;
+            while evicted < n && cursor != NIL {
+                let id = cursor;
+                cursor = self.entries[id as usize].next;
+                if self.entries[id as usize].children > 0 {
+                    skipped = true;
+                    continue;
+                }
+                let (hash, key) = self.remove_entry(id);
+                if self.events.is_some() {
+                    removed.push((hash, key));
+                }
+                evicted += 1;
             }
-            let (hash, key) = self.remove_entry(id);
-            if self.events.is_some() {
-                removed.push((hash, key));
+            if evicted == n || !skipped || evicted == before {
+                break;
             }
-            evicted += 1;
         }
         self.stats.evictions += evicted as u64;
         if let Some(events) = self.events.as_mut() {

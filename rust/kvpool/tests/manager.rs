@@ -1,7 +1,10 @@
 //! Lifecycle tests of `BlockManagerImpl` and `SingleBlockManager` (R1-R12), seed examples
 //! included, plus a proptest model-based test of random operation sequences.
 
-use kvpool::{Block, BlockHasher, BlockManager, BlockManagerImpl, KvPoolError, ManagerConfig, SingleBlockManager};
+use kvpool::{
+    Block, BlockHasher, BlockManager, BlockManagerImpl, KvPoolError, ManagerConfig,
+    SingleBlockManager,
+};
 use proptest::prelude::*;
 
 fn manager(num_blocks: usize, block_size: usize) -> BlockManagerImpl {
@@ -18,7 +21,13 @@ fn r1_padding_block_is_never_handed_out() {
     assert_eq!(m.counts().total, 4);
     let blocks = m.allocate(4).unwrap();
     assert!(!ids(&blocks).contains(&0));
-    assert!(matches!(m.allocate(1), Err(KvPoolError::OutOfBlocks { requested: 1, available: 0 })));
+    assert!(matches!(
+        m.allocate(1),
+        Err(KvPoolError::OutOfBlocks {
+            requested: 1,
+            available: 0
+        })
+    ));
     for bad in [(0, 4), (1, 4), (4, 0)] {
         assert!(matches!(
             BlockManagerImpl::new(ManagerConfig::new(bad.0, bad.1)),
@@ -35,7 +44,11 @@ fn seed_eleven_tokens_take_three_blocks_and_shared_block_frees_at_zero() {
     let a = m.allocate(11usize.div_ceil(4)).unwrap();
     assert_eq!(a.len(), 3);
     assert_eq!(3 * 4 - tokens.len(), 1);
-    assert_eq!(m.cache(&tokens, &a, None).unwrap(), 2, "only full blocks are cached (R6)");
+    assert_eq!(
+        m.cache(&tokens, &a, None).unwrap(),
+        2,
+        "only full blocks are cached (R6)"
+    );
     // Another sequence shares the first two blocks.
     let b = m.allocate_shared(&tokens, None);
     assert_eq!(ids(&b), ids(&a[..2]));
@@ -45,9 +58,17 @@ fn seed_eleven_tokens_take_three_blocks_and_shared_block_frees_at_zero() {
     let counts = m.counts();
     assert_eq!((counts.used, counts.cached), (2, 0));
     m.deallocate(b).unwrap();
-    assert_eq!(m.counts().cached, 2, "deallocate != free: the cache still holds them (R5)");
+    assert_eq!(
+        m.counts().cached,
+        2,
+        "deallocate != free: the cache still holds them (R5)"
+    );
     m.reset_prefix_cache();
-    assert_eq!(m.counts().free, 15, "last reference gone: ids back in the free list (R4)");
+    assert_eq!(
+        m.counts().free,
+        15,
+        "last reference gone: ids back in the free list (R4)"
+    );
     m.check().unwrap();
 }
 
@@ -86,7 +107,11 @@ fn r10_eviction_is_lru_and_leaves_first_and_never_held() {
     assert_eq!(m.evict(1), 1);
     let order = m.prefix_cache().unwrap().lru_order();
     assert!(!order.contains(&b_ids[1]), "B's tail went first");
-    assert_eq!(order, vec![b_ids[0], a_ids[2], a_ids[1], a_ids[0]], "leaves before parents");
+    assert_eq!(
+        order,
+        vec![b_ids[0], a_ids[2], a_ids[1], a_ids[0]],
+        "leaves before parents"
+    );
     // Hold A's head: its descendants stay evictable, the head itself never is.
     let head = m.allocate_shared(&chain_a[..2], None);
     assert_eq!(m.evict(100), 3, "B's head and A's two tail blocks");
@@ -138,9 +163,17 @@ fn r9_first_writer_wins_and_the_rest_stays_private() {
     let first = m.allocate(3).unwrap();
     let second = m.allocate(3).unwrap();
     assert_eq!(m.cache(&tokens[..4], &first[..2], None).unwrap(), 2);
-    assert_eq!(m.cache(&tokens, &second, None).unwrap(), 0, "block 0 is cached with another id: stop");
+    assert_eq!(
+        m.cache(&tokens, &second, None).unwrap(),
+        0,
+        "block 0 is cached with another id: stop"
+    );
     assert!(!second[2].is_cached());
-    assert_eq!(m.cache(&tokens, &first, None).unwrap(), 1, "the owner extends its own chain");
+    assert_eq!(
+        m.cache(&tokens, &first, None).unwrap(),
+        1,
+        "the owner extends its own chain"
+    );
     m.check().unwrap();
 }
 
@@ -177,9 +210,16 @@ fn foreign_blocks_are_rejected() {
     let mut m1 = manager(8, 2);
     let mut m2 = manager(8, 2);
     let a = m1.allocate(1).unwrap();
-    assert!(matches!(m2.cache(&[1, 2], &a, None), Err(KvPoolError::InvalidArgument { name: "blocks", .. })));
+    assert!(matches!(
+        m2.cache(&[1, 2], &a, None),
+        Err(KvPoolError::InvalidArgument { name: "blocks", .. })
+    ));
     assert!(m2.deallocate(a).is_err());
-    assert_eq!(m1.counts().free, 7, "the rejected handles were dropped, not lost");
+    assert_eq!(
+        m1.counts().free,
+        7,
+        "the rejected handles were dropped, not lost"
+    );
     m1.check().unwrap();
     m2.check().unwrap();
 }
@@ -211,7 +251,9 @@ fn op() -> impl Strategy<Value = Op> {
 /// Token chains: chain c, block i has tokens [c/2, i, i] so chains 0/1 and 2/3 share nothing
 /// and every block of a chain differs.
 fn chain_tokens(chain: u8, blocks: usize) -> Vec<u32> {
-    (0..blocks).flat_map(|i| [u32::from(chain), i as u32]).collect()
+    (0..blocks)
+        .flat_map(|i| [u32::from(chain), i as u32])
+        .collect()
 }
 
 proptest! {

@@ -18,12 +18,19 @@ fn seed_scenario_end_to_end() {
     let total = p.counts(0).free;
     let mut a = Sequence::new((0..11).collect(), None, None);
     assert!(p.allocate(&mut a, None).unwrap());
-    assert_eq!(table(&a).len(), 3, "11 tokens -> 3 blocks, last with 1 free slot");
+    assert_eq!(
+        table(&a).len(),
+        3,
+        "11 tokens -> 3 blocks, last with 1 free slot"
+    );
     let mut b = Sequence::new((100..104).collect(), None, None);
     assert!(p.allocate(&mut b, None).unwrap());
     assert_eq!(table(&b).len(), 1);
     b.append_token(104);
-    assert!(p.can_append(&b, 0).unwrap(), "5th token crosses into a new block");
+    assert!(
+        p.can_append(&b, 0).unwrap(),
+        "5th token crosses into a new block"
+    );
     let free = p.counts(0).free;
     assert!(p.may_append(&mut b, 0).unwrap());
     assert_eq!(table(&b).len(), 2);
@@ -34,7 +41,11 @@ fn seed_scenario_end_to_end() {
     p.deallocate(&mut a).unwrap();
     p.deallocate(&mut b).unwrap();
     let counts = p.counts(0);
-    assert_eq!(counts.free + counts.cached, total, "every block is back (free or cached)");
+    assert_eq!(
+        counts.free + counts.cached,
+        total,
+        "every block is back (free or cached)"
+    );
     assert_eq!(counts.used, 0);
     p.check().unwrap();
 }
@@ -49,7 +60,11 @@ fn r8_a_match_leaves_one_token_and_preemption_rehits_its_prefix() {
     assert_eq!(a.len(), 8, "tokens kept");
     assert_eq!(a.dp_rank(), Some(0), "rank kept");
     assert!(p.allocate(&mut a, None).unwrap());
-    assert_eq!(a.num_cached_tokens(), 4, "block-aligned: the last block is recomputed (R8)");
+    assert_eq!(
+        a.num_cached_tokens(),
+        4,
+        "block-aligned: the last block is recomputed (R8)"
+    );
     assert_eq!(a.num_computed_tokens(), 4);
     p.check().unwrap();
 }
@@ -69,7 +84,10 @@ fn r13_rank_choice_and_stickiness() {
     let mut c = Sequence::new(vec![3; 10], None, None);
     assert!(p.allocate(&mut c, None).unwrap());
     assert_eq!(c.dp_rank(), Some(0));
-    assert!(!p.allocate(&mut a, None).unwrap(), "rank 0 is full: no fallback to rank 1");
+    assert!(
+        !p.allocate(&mut a, None).unwrap(),
+        "rank 0 is full: no fallback to rank 1"
+    );
     assert_eq!(a.dp_rank(), Some(0));
     p.check().unwrap();
 }
@@ -89,7 +107,10 @@ fn r14_failure_changes_nothing_and_chunked_prefill_grows() {
     assert_eq!(p.stats(), before);
     assert_eq!(b.dp_rank(), None);
     assert!(table(&b).is_empty());
-    assert!(p.allocate(&mut a, Some(7)).is_err(), "num_tokens > len is a ValueError");
+    assert!(
+        p.allocate(&mut a, Some(7)).is_err(),
+        "num_tokens > len is a ValueError"
+    );
     assert!(p.allocate(&mut a, Some(0)).is_err());
 }
 
@@ -101,7 +122,10 @@ fn r17_only_computed_full_blocks_are_published() {
     a.set_num_computed_tokens(5).unwrap();
     p.cache(&mut a).unwrap();
     assert_eq!(p.block_manager(0).unwrap().prefix_cache().unwrap().len(), 1);
-    assert!(a.set_num_computed_tokens(4).is_err(), "lowering is an error");
+    assert!(
+        a.set_num_computed_tokens(4).is_err(),
+        "lowering is an error"
+    );
     assert!(a.set_num_computed_tokens(11).is_err(), "past len");
     a.set_num_computed_tokens(10).unwrap();
     p.cache(&mut a).unwrap();
@@ -119,7 +143,10 @@ fn r18_foreign_sequences_are_rejected() {
     assert!(p2.cache(&mut a).is_err());
     p1.deallocate(&mut a).unwrap();
     p1.deallocate(&mut a).unwrap(); // no-op
-    assert!(p2.allocate(&mut a, None).unwrap(), "after release it may go anywhere");
+    assert!(
+        p2.allocate(&mut a, None).unwrap(),
+        "after release it may go anywhere"
+    );
 }
 
 #[test]
