@@ -2,7 +2,7 @@
 
 use numpy::{PyReadonlyArray1, PyUntypedArrayMethods};
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyInt, PyString};
+use pyo3::types::{PyBytes, PyInt, PyList, PyString, PyTuple};
 
 use crate::errors::{type_error, value_error};
 
@@ -29,6 +29,21 @@ pub fn tokens(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<u32>> {
     if obj.is_instance_of::<PyString>() || obj.is_instance_of::<PyBytes>() {
         return Err(type_error(name, TOKENS_TYPE));
     }
+    // Lists and tuples first: the common case, and cheap to recognise.
+    if obj.is_instance_of::<PyList>() || obj.is_instance_of::<PyTuple>() {
+        if let Ok(tokens) = obj.extract::<Vec<u32>>() {
+            return Ok(tokens);
+        }
+    } else if obj.cast::<numpy::PyUntypedArray>().is_ok() {
+        return tokens_from_array(obj, name);
+    }
+    if let Ok(tokens) = obj.extract::<Vec<u32>>() {
+        return Ok(tokens);
+    }
+    tokens_fallback(obj, name)
+}
+
+fn tokens_from_array(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<u32>> {
     if let Ok(array) = obj.extract::<PyReadonlyArray1<'_, i64>>() {
         return from_array(array, name);
     }
@@ -63,9 +78,10 @@ pub fn tokens(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<u32>> {
             ),
         ));
     }
-    if let Ok(tokens) = obj.extract::<Vec<u32>>() {
-        return Ok(tokens);
-    }
+    Err(type_error(name, TOKENS_TYPE))
+}
+
+fn tokens_fallback(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<u32>> {
     // Tell out-of-range ints (ValueError) from non-ints (TypeError).
     let iter = obj.try_iter().map_err(|_| type_error(name, TOKENS_TYPE))?;
     for item in iter {

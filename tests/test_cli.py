@@ -1,0 +1,163 @@
+"""`kvpool simulate` end to end, through a subprocess (`python -m kvpool`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import kvpool
+import pytest
+
+pytestmark = pytest.mark.skipif(not hasattr(kvpool, "BlockManagerPool"), reason="pool not built")
+
+ROOT = Path(__file__).resolve().parents[1]
+TRACES = ROOT / "examples" / "traces"
+SMALL = ["-n", "40", "--max-prompt-len", "512", "--output-len", "16"]
+
+
+def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", COLUMNS="120")
+    return subprocess.run([sys.executable, "-m", "kvpool", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT, env=env)
+
+
+def assert_clean_failure(p: subprocess.CompletedProcess[str], *needles: str) -> None:
+    assert p.returncode != 0, p.stdout
+    assert "Traceback" not in p.stderr and "Traceback" not in p.stdout, p.stderr
+    for n in needles:
+        assert n in p.stderr, p.stderr
+
+
+def test_default_run() -> None:
+    p = run("simulate", timeout=240)
+    assert p.returncode == 0, p.stderr
+    for row in ("requests", "prefix hit rate", "peak usage", "preemptions", "evictions", "scheduler overhead"):
+        assert row in p.stdout
+    assert "5,000 / 5,000" in p.stdout
+
+
+def test_trace_runs() -> None:
+    for trace in sorted(TRACES.glob("*.jsonl")):
+        p = run("simulate", "--trace", str(trace), "--check")
+        assert p.returncode == 0, p.stderr
+        assert "trace" in p.stdout and "prefix hit rate" in p.stdout
+
+
+def test_json_schema(tmp_path: Path) -> None:
+    p = run("simulate", *SMALL, "--json", "--timeline", "--save-trace", str(tmp_path / "w.jsonl"))
+    assert p.returncode == 0, p.stderr
+    d = json.loads(p.stdout)
+    assert set(d) >= {"config", "summary", "execute", "timeline"}
+    s = d["summary"]
+    for key, typ in [("requests", int), ("finished", int), ("prompt_tokens", int), ("output_tokens", int),
+                     ("prefix_hit_rate", float), ("peak_usage", float), ("mean_usage", float),
+                     ("preemptions", int), ("evictions", int), ("host_loads", int), ("host_offloads", int),
+                     ("checkpoint_hits", int), ("sched_us_per_step_mean", float), ("steps", int)]:
+        assert isinstance(s[key], typ), key
+    assert s["finished"] == s["requests"] == 40
+    assert d["config"]["num_blocks"] == 6144 and d["config"]["workload"] == "mixed"
+    assert d["execute"] is None
+    assert len(d["timeline"]) == s["steps"] and {"usage", "running", "waiting", "hit_rate"} <= set(d["timeline"][0])
+    # the saved workload replays to the same result
+    q = run("simulate", "--trace", str(tmp_path / "w.jsonl"), "--json")
+    assert q.returncode == 0, q.stderr
+    assert json.loads(q.stdout)["summary"]["prefix_hit_tokens"] == s["prefix_hit_tokens"]
+
+
+def test_plot_writes_png(tmp_path: Path) -> None:
+    out = tmp_path / "sim.png"
+    p = run("simulate", *SMALL, "--plot", str(out))
+    assert p.returncode == 0, p.stderr
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert out.stat().st_size > 10_000
+
+
+def test_execute_cpu_backend() -> None:
+    p = run("simulate", "-w", "system_prompt", "-n", "8", "--max-prompt-len", "256", "--output-len", "8",
+            "--num-blocks", "256", "--execute", "--backend", "numpy", "--check-every", "4", "--json")
+    assert p.returncode == 0, p.stderr
+    e = json.loads(p.stdout)["execute"]
+    assert e["backend"] == "numpy" and e["ok"] and e["checked_sequences"] > 0
+    assert e["max_abs_error"] < 1e-3
+
+
+def test_sweep_table_and_json() -> None:
+    p = run("simulate", *SMALL, "--sweep", "num_blocks=300,2000", "--sweep", "block_size=8,32")
+    assert p.returncode == 0, p.stderr
+    assert "num_blocks=300 block_size=8" in p.stdout and "num_blocks=2000 block_size=32" in p.stdout
+    q = run("simulate", *SMALL, "--sweep", "prefix_cache=on,off", "--json")
+    d = json.loads(q.stdout)["sweep"]
+    assert [x["label"] for x in d] == ["prefix_cache=on", "prefix_cache=off"]
+    assert d[1]["summary"]["prefix_hit_tokens"] == 0 < d[0]["summary"]["prefix_hit_tokens"]
+
+
+def test_capacity_from_model_shape() -> None:
+    p = run("simulate", *SMALL, "--gib", "2", "--model", "llama3-8b", "--json")
+    assert p.returncode == 0, p.stderr
+    c = json.loads(p.stdout)["config"]
+    # llama3-8b: 2 (K,V) * 32 layers * 8 heads * 128 dims * 2 bytes * 16 tokens = 2 MiB per block
+    assert c["num_blocks"] == 1024 and c["model"]["bytes_per_block"] == 2 << 20
+
+
+def test_dp_and_no_prefix_cache() -> None:
+    p = run("simulate", *SMALL, "--dp", "2", "--no-prefix-cache", "--check", "--json")
+    assert p.returncode == 0, p.stderr
+    s = json.loads(p.stdout)["summary"]
+    assert s["prefix_hit_tokens"] == 0 and s["finished"] == 40
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def test_bad_trace_line(tmp_path: Path) -> None:
+    t = tmp_path / "bad.jsonl"
+    t.write_text('{"prompt_len": 100, "output_len": 4}\n{"prompt_len": 100, oops}\n')
+    assert_clean_failure(run("simulate", "--trace", str(t)), f"{t}:2", "not valid JSON")
+    t.write_text('{"prompt_len": 100}\n')
+    assert_clean_failure(run("simulate", "--trace", str(t)), f"{t}:1", "output_len")
+
+
+def test_missing_trace() -> None:
+    assert_clean_failure(run("simulate", "--trace", "/no/such/trace.jsonl"), "cannot read trace")
+
+
+def test_request_longer_than_cache(tmp_path: Path) -> None:
+    t = tmp_path / "long.jsonl"
+    t.write_text('{"prompt_len": 5000, "output_len": 10}\n')
+    assert_clean_failure(run("simulate", "--trace", str(t), "--num-blocks", "64"), "request 0 needs 5009 tokens")
+
+
+def test_impossible_configurations() -> None:
+    assert_clean_failure(run("simulate", "--num-blocks", "1", "-n", "2"), "num_blocks")
+    assert_clean_failure(run("simulate", "--gib", "1"), "model shape")
+    assert_clean_failure(run("simulate", "--gib", "1", "--num-blocks", "9", "--model", "llama3-8b"), "not both")
+    assert_clean_failure(run("simulate", "--gib", "0.001", "--model", "llama3-70b"), "too small")
+    assert_clean_failure(run("simulate", "--checkpoint-interval", "64"), "linear_state_slots")
+
+
+def test_unknown_options() -> None:
+    assert_clean_failure(run("simulate", "--bogus"), "unrecognized arguments")
+    assert_clean_failure(run("simulate", "--workload", "nope"), "invalid choice")
+    assert_clean_failure(run("simulate", "--num-blocks", "ten"), "expected an integer")
+    assert_clean_failure(run("simulate", "--sweep", "colour=1,2"), "unknown key")
+    assert_clean_failure(run("simulate", "--sweep", "num_blocks"), "KEY=V1,V2")
+    assert_clean_failure(run("frobnicate"), "unknown command")
+
+
+def test_unavailable_features_fail_cleanly() -> None:
+    # features that may not be in this build yet: either they run, or they say so clearly
+    for args in (["--host-blocks", "512"], ["--linear-state-slots", "32", "--checkpoint-interval", "64"],
+                 ["--sliding-window", "256"]):
+        p = run("simulate", *SMALL, *args)
+        if p.returncode != 0:
+            assert_clean_failure(p, "not available in this kvpool build")
+
+
+def test_help() -> None:
+    p = run("simulate", "--help")
+    assert p.returncode == 0 and "--sweep" in p.stdout and "--execute" in p.stdout
+    p = run("--help")
+    assert p.returncode == 0 and "simulate" in p.stdout
