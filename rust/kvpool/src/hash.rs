@@ -92,7 +92,13 @@ impl BlockHasher {
     #[inline]
     pub fn hash_block(&self, parent: BlockHash, tokens: &[u32]) -> BlockHash {
         let len = 16 + 4 * tokens.len();
-        let digest = if tokens.len() <= STACK_TOKENS {
+        // Stack buffers sized for the common block sizes: zeroing a large one per block would
+        // cost as much as the hash itself.
+        let digest = if tokens.len() <= 16 {
+            let mut buf = [0u8; 16 + 4 * 16];
+            fill(&mut buf[..len], parent, tokens);
+            xxh3_128_with_seed(&buf[..len], self.seed)
+        } else if tokens.len() <= STACK_TOKENS {
             let mut buf = [0u8; 16 + 4 * STACK_TOKENS];
             fill(&mut buf[..len], parent, tokens);
             xxh3_128_with_seed(&buf[..len], self.seed)
