@@ -33,7 +33,7 @@ pub(crate) const CACHED: u32 = 1 << 31;
 
 /// The slab behind every [`Block`] of one manager.
 pub(crate) struct BlockStore {
-    /// Unique per store: lets managers recognise their own handles.
+    /// Tokens per block of the manager that owns this store.
     pub(crate) block_size: u32,
     states: Box<[AtomicU32]>,
     hashes: Box<[[AtomicU64; 2]]>,
