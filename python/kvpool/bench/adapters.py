@@ -500,15 +500,9 @@ class VllmAdapter(Adapter):
             self.block_size,
         )
 
-    def prefill_done(self, seqs, tokens):
-        for req, t in zip(seqs, tokens, strict=True):
-            req.num_computed_tokens = req.num_tokens
-            req.append_output_token_ids(t)
-
-    def decode_done(self, seqs, tokens):
-        for req, t in zip(seqs, tokens, strict=True):
-            req.num_computed_tokens += 1
-            req.append_output_token_ids(t)
+    # vLLM's Request objects advance exactly as the reference's do.
+    prefill_done = VllmRefAdapter.prefill_done
+    decode_done = VllmRefAdapter.decode_done
 
     def free(self, seqs):
         for req in seqs:

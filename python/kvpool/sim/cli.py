@@ -43,34 +43,26 @@ class UsageError(Exception):
     pass
 
 
-def _positive_int(s: str) -> int:
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {s!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {v}")
-    return v
+def _bounded(cast: type, low: float, strict: bool):
+    """An argparse type: `cast` of the text, at least `low` (above it when `strict`)."""
+    what = "an integer" if cast is int else "a number"
+    bound = f"{'>' if strict else '>='} {low}"
+
+    def parse(text: str):
+        try:
+            value = cast(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if value < low or (strict and value == low) or value != value:
+            raise argparse.ArgumentTypeError(f"expected {what} {bound}, got {text}")
+        return value
+
+    return parse
 
 
-def _nonneg_int(s: str) -> int:
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {s!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {v}")
-    return v
-
-
-def _pos_float(s: str) -> float:
-    try:
-        v = float(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {s!r}") from None
-    if not v > 0:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {s}")
-    return v
+_positive_int = _bounded(int, 1, strict=False)
+_nonneg_int = _bounded(int, 0, strict=False)
+_pos_float = _bounded(float, 0, strict=True)
 
 
 def _bool(s: str) -> bool:

@@ -110,14 +110,20 @@ pub fn take_handles(
             })
         })
         .collect::<PyResult<_>>()?;
+    // The same object twice would lock its mutex twice: find repeats first (O(n log n)).
+    let mut objects: Vec<(usize, u32)> = items
+        .iter()
+        .map(|i| (i.as_ptr() as usize, i.get().id))
+        .collect();
+    objects.sort_unstable();
+    if let Some(pair) = objects.windows(2).find(|pair| pair[0].0 == pair[1].0) {
+        return Err(value_error(
+            name,
+            format!("block {} is listed twice", pair[0].1),
+        ));
+    }
     let mut guards = Vec::with_capacity(items.len());
-    for (index, item) in items.iter().enumerate() {
-        if items[..index].iter().any(|other| other.is(item)) {
-            return Err(value_error(
-                name,
-                format!("block {} is listed twice", item.get().id),
-            ));
-        }
+    for item in &items {
         let guard = item.get().handle.lock();
         match guard.as_ref() {
             None => {
@@ -211,8 +217,22 @@ pub fn hasher(
     }
 }
 
-fn check_count(n: &Bound<'_, PyAny>, name: &str) -> PyResult<usize> {
-    convert::count(n, name)
+/// `allocate(n)` of either manager, as a list of `kvpool.Block`.
+fn allocate_list<'py, M: BlockManager>(
+    py: Python<'py>,
+    manager: &Mutex<M>,
+    n: &Bound<'_, PyAny>,
+) -> PyResult<Bound<'py, PyList>> {
+    let n = convert::count(n, "n")?;
+    let blocks = manager.lock().allocate(n).py()?;
+    blocks_to_list(py, blocks)
+}
+
+/// `deallocate(blocks)` of either manager: all handles checked before any is released.
+fn deallocate_list<M: BlockManager>(manager: &Mutex<M>, blocks: &Bound<'_, PyAny>) -> PyResult<()> {
+    let mut manager = manager.lock();
+    let handles = take_handles(blocks, "blocks", |b| manager.owns(b))?;
+    manager.deallocate(handles).py()
 }
 
 pub fn debug_bits(bits: Option<&Bound<'_, PyAny>>) -> PyResult<Option<u32>> {
@@ -239,8 +259,8 @@ impl PyBlockManager {
         hash_seed: Option<&Bound<'_, PyAny>>,
         debug_hash_bits: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
-        let num_blocks = check_count(num_blocks, "num_blocks")?;
-        let block_size = check_count(block_size, "block_size")?;
+        let num_blocks = convert::count(num_blocks, "num_blocks")?;
+        let block_size = convert::count(block_size, "block_size")?;
         let config = ManagerConfig {
             num_blocks,
             block_size,
@@ -299,16 +319,12 @@ impl PyBlockManager {
 
     /// n fresh blocks (R3); OutOfBlocksError if free + cached < n, changing nothing.
     fn allocate<'py>(&self, py: Python<'py>, n: &Bound<'_, PyAny>) -> PyResult<Bound<'py, PyList>> {
-        let n = check_count(n, "n")?;
-        let blocks = self.inner.lock().allocate(n).py()?;
-        blocks_to_list(py, blocks)
+        allocate_list(py, &self.inner, n)
     }
 
     /// Releases these handles (R5); a released handle again is a ValueError.
     fn deallocate(&self, blocks: &Bound<'_, PyAny>) -> PyResult<()> {
-        let mut manager = self.inner.lock();
-        let handles = take_handles(blocks, "blocks", |b| manager.owns(b))?;
-        manager.deallocate(handles).py()
+        deallocate_list(&self.inner, blocks)
     }
 
     /// Handles of the longest cached prefix of token_ids (R7).
@@ -348,7 +364,7 @@ impl PyBlockManager {
 
     /// Evicts up to n cached blocks, least recently used leaves first (R10).
     fn evict(&self, n: &Bound<'_, PyAny>) -> PyResult<usize> {
-        let n = check_count(n, "n")?;
+        let n = convert::count(n, "n")?;
         Ok(self.inner.lock().evict(n))
     }
 
@@ -394,7 +410,7 @@ impl PyBlockManager {
         let mut manager = self.inner.lock();
         match manager.prefix_cache_mut() {
             Some(cache) => {
-                cache.evict(0);
+                cache.drain_released();
                 cache.lru_order()
             }
             None => Vec::new(),
@@ -499,7 +515,7 @@ pub struct PySingleBlockManager {
 impl PySingleBlockManager {
     #[new]
     fn new(num_slots: &Bound<'_, PyAny>) -> PyResult<Self> {
-        let num_slots = check_count(num_slots, "num_slots")?;
+        let num_slots = convert::count(num_slots, "num_slots")?;
         Ok(Self {
             inner: Mutex::new(SingleBlockManager::new(num_slots).py()?),
             num_slots,
@@ -537,15 +553,11 @@ impl PySingleBlockManager {
     }
     /// n fresh slots; OutOfBlocksError if fewer are free, changing nothing.
     fn allocate<'py>(&self, py: Python<'py>, n: &Bound<'_, PyAny>) -> PyResult<Bound<'py, PyList>> {
-        let n = check_count(n, "n")?;
-        let blocks = self.inner.lock().allocate(n).py()?;
-        blocks_to_list(py, blocks)
+        allocate_list(py, &self.inner, n)
     }
     /// Releases these handles; a released handle again is a ValueError.
     fn deallocate(&self, blocks: &Bound<'_, PyAny>) -> PyResult<()> {
-        let mut manager = self.inner.lock();
-        let handles = take_handles(blocks, "blocks", |b| manager.owns(b))?;
-        manager.deallocate(handles).py()
+        deallocate_list(&self.inner, blocks)
     }
     /// No prefix cache: always [].
     #[pyo3(signature = (token_ids, *, extra_key = None))]
@@ -575,7 +587,7 @@ impl PySingleBlockManager {
     }
     /// No prefix cache: always 0.
     fn evict(&self, n: &Bound<'_, PyAny>) -> PyResult<usize> {
-        check_count(n, "n")?;
+        convert::count(n, "n")?;
         Ok(0)
     }
     fn reset_prefix_cache(&self) {}

@@ -241,6 +241,20 @@ fn seq_list<'py>(seqs: &Bound<'py, PyAny>) -> PyResult<Vec<Bound<'py, PySequence
         .collect()
 }
 
+impl PyBlockManagerPool {
+    /// Locks the pool, then `seq` (the lock order everywhere), and makes one core call.
+    fn with_seq<T>(
+        &self,
+        seq: &Bound<'_, PyAny>,
+        call: impl FnOnce(&mut BlockManagerPool, &mut Sequence) -> kvpool::Result<T>,
+    ) -> PyResult<T> {
+        let seq = seq_ref(seq)?;
+        let mut pool = self.inner.lock();
+        let mut seq = seq.get().inner.lock();
+        call(&mut pool, &mut seq).py()
+    }
+}
+
 fn check_group(group: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
     let group = match group {
         Some(g) if !g.is_none() => convert::int(g, "group")?,
@@ -366,11 +380,8 @@ impl PyBlockManagerPool {
         seq: &Bound<'_, PyAny>,
         num_tokens: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<bool> {
-        let seq = seq_ref(seq)?;
         let n = optional_count(num_tokens, "num_tokens")?;
-        let mut pool = self.inner.lock();
-        let mut seq = seq.get().inner.lock();
-        pool.can_allocate(&mut seq, n).py()
+        self.with_seq(seq, |pool, seq| pool.can_allocate(seq, n))
     }
 
     /// Gives seq blocks for num_tokens tokens (default len(seq)) after a prefix-cache match
@@ -382,11 +393,8 @@ impl PyBlockManagerPool {
         seq: &Bound<'_, PyAny>,
         num_tokens: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<bool> {
-        let seq = seq_ref(seq)?;
         let n = optional_count(num_tokens, "num_tokens")?;
-        let mut pool = self.inner.lock();
-        let mut seq = seq.get().inner.lock();
-        pool.allocate(&mut seq, n).py()
+        self.with_seq(seq, |pool, seq| pool.allocate(seq, n))
     }
 
     /// Whether the blocks for len(seq) + lookahead tokens can be had (R16).
@@ -401,11 +409,8 @@ impl PyBlockManagerPool {
         seq: &Bound<'_, PyAny>,
         lookahead: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<bool> {
-        let seq = seq_ref(seq)?;
         let lookahead = optional_count(lookahead, "lookahead")?.unwrap_or(0);
-        let pool = self.inner.lock();
-        let seq = seq.get().inner.lock();
-        pool.can_append(&seq, lookahead).py()
+        self.with_seq(seq, |pool, seq| pool.can_append(seq, lookahead))
     }
 
     /// Takes the blocks can_append asks about (all-or-nothing; False if they cannot be had, R16).
@@ -415,27 +420,18 @@ impl PyBlockManagerPool {
         seq: &Bound<'_, PyAny>,
         lookahead: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<bool> {
-        let seq = seq_ref(seq)?;
         let lookahead = optional_count(lookahead, "lookahead")?.unwrap_or(0);
-        let mut pool = self.inner.lock();
-        let mut seq = seq.get().inner.lock();
-        pool.may_append(&mut seq, lookahead).py()
+        self.with_seq(seq, |pool, seq| pool.may_append(seq, lookahead))
     }
 
     /// Publishes the full blocks inside seq.num_computed_tokens in the prefix cache (R17).
     fn cache(&self, seq: &Bound<'_, PyAny>) -> PyResult<()> {
-        let seq = seq_ref(seq)?;
-        let mut pool = self.inner.lock();
-        let mut seq = seq.get().inner.lock();
-        pool.cache(&mut seq).py()
+        self.with_seq(seq, |pool, seq| pool.cache(seq))
     }
 
     /// cache(seq), then releases its blocks and single block and resets it (R18).
     fn deallocate(&self, seq: &Bound<'_, PyAny>) -> PyResult<()> {
-        let seq = seq_ref(seq)?;
-        let mut pool = self.inner.lock();
-        let mut seq = seq.get().inner.lock();
-        pool.deallocate(&mut seq).py()
+        self.with_seq(seq, |pool, seq| pool.deallocate(seq))
     }
 
     /// Block tables of seqs: int32 array [len(seqs), max_blocks], padded with 0 (R19).

@@ -51,6 +51,8 @@ impl BlockCounts {
 pub trait BlockManager {
     /// Tokens per block.
     fn block_size(&self) -> usize;
+    /// Whether `block` was handed out by this manager.
+    fn owns(&self, block: &Block) -> bool;
     /// Block counts (R2).
     fn counts(&self) -> BlockCounts;
     /// `n` fresh blocks, evicting cached ones if needed; all-or-nothing (R3).
@@ -178,11 +180,6 @@ impl BlockManagerImpl {
         &self.hasher
     }
 
-    /// Whether `block` was handed out by this manager.
-    pub fn owns(&self, block: &Block) -> bool {
-        block.belongs_to(&self.store)
-    }
-
     /// Number of free plus cached blocks.
     #[inline]
     pub fn num_available(&self) -> usize {
@@ -246,6 +243,10 @@ impl BlockManager for BlockManagerImpl {
         self.store.block_size as usize
     }
 
+    fn owns(&self, block: &Block) -> bool {
+        block.belongs_to(&self.store)
+    }
+
     fn counts(&self) -> BlockCounts {
         let total = self.store.num_blocks() - 1;
         let free = self.store.free.len();
@@ -274,7 +275,9 @@ impl BlockManager for BlockManagerImpl {
     fn deallocate(&mut self, blocks: Vec<Block>) -> Result<()> {
         self.check_owned(&blocks, "blocks")?;
         // Deepest first: the tail of a chain becomes evictable before its head.
-        drop(blocks.into_iter().rev());
+        for block in blocks.into_iter().rev() {
+            drop(block);
+        }
         if let Some(cache) = self.cache.as_mut() {
             cache.drain_released();
         }
@@ -405,11 +408,6 @@ impl SingleBlockManager {
         })
     }
 
-    /// Whether `block` came from this manager.
-    pub fn owns(&self, block: &Block) -> bool {
-        self.inner.owns(block)
-    }
-
     /// One slot, or `None` if exhausted.
     pub fn allocate_one(&mut self) -> Option<Block> {
         self.inner
@@ -423,6 +421,9 @@ impl SingleBlockManager {
 impl BlockManager for SingleBlockManager {
     fn block_size(&self) -> usize {
         1
+    }
+    fn owns(&self, block: &Block) -> bool {
+        self.inner.owns(block)
     }
     fn counts(&self) -> BlockCounts {
         self.inner.counts()

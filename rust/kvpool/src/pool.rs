@@ -8,7 +8,6 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use crate::block::Block;
 use crate::error::{ensure_arg, ensure_invariant, Result};
 use crate::hash::{BlockHash, BlockHasher};
 use crate::manager::{
@@ -632,9 +631,4 @@ impl KvCacheManager for BlockManagerPool {
         }
         Ok(())
     }
-}
-
-/// Handles of `blocks` as ids (for tests and debugging).
-pub fn ids(blocks: &[Block]) -> Vec<u32> {
-    blocks.iter().map(Block::id).collect()
 }
