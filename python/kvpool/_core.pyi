@@ -27,6 +27,10 @@ __all__ = [
     "Sequence",
     "BlockManagerPool",
     "KVEvent",
+    "LinearStatePrefixCache",
+    "LinearStatePlan",
+    "SlidingWindowBlockManager",
+    "CompositeBlockManager",
 ]
 
 # Type aliases and TypedDicts below are stub-only (private: not present at runtime).
@@ -38,6 +42,7 @@ _ExtraKey: TypeAlias = bytes | str | None
 """Extra key (cache salt, LoRA id, ...): bytes, str (hashed as UTF-8) or None (R6)."""
 
 _LinearStateMatch: TypeAlias = Literal["deepest", "contiguous"]
+_LinearStateSave: TypeAlias = Literal["copy", "promote"]
 _EventKind: TypeAlias = Literal["stored", "removed", "cleared"]
 
 class _BlockCounts(TypedDict):
@@ -57,6 +62,18 @@ class _ManagerStats(_BlockCounts):
     num_evictions: int
     num_cache_entries: int
 
+class _WindowCounts(_BlockCounts):
+    """Block counts of the sliding-window group (R25) plus blocks released behind the window."""
+
+    num_releases: int
+
+class _CheckpointStats(TypedDict):
+    """``LinearStatePrefixCache.stats()``."""
+
+    hits: int
+    evictions: int
+    commits: int
+
 class _RankStats(_BlockCounts):
     """Statistics of one dp rank of a pool (R20)."""
 
@@ -67,6 +84,11 @@ class _RankStats(_BlockCounts):
     num_live_slots: int
     num_pending_checkpoints: int
     num_committed_checkpoints: int
+    num_free_linear_state_slots: int
+    linear_state_hits: int
+    num_checkpoint_evictions: int
+    num_checkpoint_commits: int
+    window: _WindowCounts | None
     host: _BlockCounts | None
 
 class _PoolStats(_RankStats):
@@ -454,7 +476,10 @@ class Sequence:
         block (a fresh copy)."""
 
     def group_block_table(self, group: int) -> NDArray[np.int32]:
-        """The block table of group ``group`` (0: full attention), int32 of shape ``[n]`` (R25).
+        """The block table of group ``group``, int32 of shape ``[n]`` (R25).
+
+        Group 0 is the full-attention table; group 1, in a pool built with ``sliding_window``,
+        the window table, whose entries behind the window are 0.
 
         Raises
         ------
@@ -493,11 +518,18 @@ class Sequence:
 
     @property
     def linear_state_slot(self) -> int | None:
-        """Live linear-state slot (hybrid models, R22), else None."""
+        """Live linear-state slot while allocated in a pool with linear state (R22), else None."""
 
     @property
     def linear_state_restore_slot(self) -> int | None:
-        """Checkpoint slot to restore the linear state from (R23), else None."""
+        """Checkpoint slot the live state is restored from at allocation (R23), else None.
+
+        None means the sequence starts from an empty recurrent state.
+        """
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """Tokens given at construction (the prompt; its last block boundary gets a checkpoint)."""
 
     @property
     def is_allocated(self) -> bool:
@@ -558,7 +590,8 @@ class BlockManagerPool:
     linear_state_match : {"deepest", "contiguous"}
         How a KV hit is trimmed to a checkpoint boundary (R23).
     concurrent : bool
-        Accepted for API compatibility; every Python pool is thread-safe (R27, R28).
+        Release the GIL in every call so threads run in parallel (R27, R28); every pool is
+        thread-safe either way, and batch exports always release it.
     enable_events : bool
         Record KV events for ``drain_events`` (R21).
     hash_seed : int or None
@@ -566,7 +599,10 @@ class BlockManagerPool:
     sliding_window : int or None
         Window in tokens of a sliding-window group 1 (R25).
     swa_num_blocks : int or None
-        Block ids per rank of the sliding-window group.
+        Block ids per rank of the sliding-window group; None: ``num_blocks``.
+    linear_state_save : {"copy", "promote"}
+        Save a checkpoint by copying the live state into a pending slot, or by promoting the
+        live slot (zero-copy; the sequence continues in a fresh slot) (R22).
     debug_hash_bits : int or None
         Truncate hashes to this many bits (1..128) to force collisions in tests.
 
@@ -592,6 +628,7 @@ class BlockManagerPool:
         hash_seed: int | None = None,
         sliding_window: int | None = None,
         swa_num_blocks: int | None = None,
+        linear_state_save: _LinearStateSave = "copy",
         debug_hash_bits: int | None = None,
     ) -> BlockManagerPool: ...
     @property
@@ -609,6 +646,14 @@ class BlockManagerPool:
     @property
     def enable_prefix_cache(self) -> bool:
         """Whether each rank keeps a prefix cache."""
+
+    @property
+    def concurrent(self) -> bool:
+        """Whether every call releases the GIL (built with ``concurrent=True``)."""
+
+    @property
+    def num_groups(self) -> int:
+        """Block groups of every sequence: 1, or 2 with ``sliding_window`` (R25)."""
 
     def can_allocate(self, seq: Sequence, num_tokens: int | None = None) -> bool:
         """What ``allocate(seq, num_tokens)`` would return, with no side effect (R15)."""
@@ -699,4 +744,263 @@ class BlockManagerPool:
         """Return and clear the recorded KV events (R21); ``[]`` unless ``enable_events``."""
 
     def reset_prefix_cache(self) -> None:
-        """Drop every cached entry of every rank; blocks sequences hold stay with them (R12)."""
+        """Drop every cached entry of every rank, every committed checkpoint nothing pins and
+        every sliding-window publication; blocks sequences hold stay with them (R12, R24)."""
+
+    def linear_state_cache(self, dp_rank: int) -> LinearStatePrefixCache:
+        """The linear-state cache of rank ``dp_rank``, a live view (R22).
+
+        Raises
+        ------
+        ValueError
+            ``dp_rank`` out of range, or the pool has no linear state.
+        """
+
+    def take_linear_state_plan(self) -> LinearStatePlan:
+        """The recurrent-state copies planned since the last call, for every rank (R24).
+
+        Execute them before the sequences' next forward step (restores first, then saves),
+        then confirm with ``commit_linear_state_plan``.
+        """
+
+    def commit_linear_state_plan(self, plan: LinearStatePlan) -> None:
+        """Confirm the copies of ``plan``: saved checkpoints become matchable, restored ones are
+        unpinned, cancelled saves free their slots (R24).
+
+        Raises
+        ------
+        ValueError
+            The plan was already committed or comes from another pool.
+        """
+
+# --- hybrid models (R22-R25) ------------------------------------------------------------------
+
+@final
+class LinearStatePrefixCache:
+    """Recurrent-state (GDN / Mamba) slots and their prefix checkpoints (R22).
+
+    Slot 0 is padding. A slot is free, live (held by a running sequence), a pending checkpoint
+    (reserved for a prefix hash, not matchable) or a committed checkpoint (matchable, LRU
+    evictable unless pinned by a planned restore). ``prefix_hash`` arguments are the 16-byte
+    chain hashes of ``hash_blocks``.
+
+    Parameters
+    ----------
+    num_slots : int
+        Slots including the padding slot 0 (at least 2).
+    """
+
+    def __new__(cls, num_slots: int) -> LinearStatePrefixCache: ...
+    @property
+    def num_slots(self) -> int:
+        """Slots including the padding slot 0."""
+
+    @property
+    def num_free_slots(self) -> int:
+        """Free slots."""
+
+    @property
+    def num_live_slots(self) -> int:
+        """Live slots (running sequences and ``acquire_live_slot``)."""
+
+    @property
+    def num_pending_checkpoints(self) -> int:
+        """Reserved checkpoints the worker has not written yet."""
+
+    @property
+    def num_committed_checkpoints(self) -> int:
+        """Matchable checkpoints."""
+
+    @property
+    def num_pinned_checkpoints(self) -> int:
+        """Committed checkpoints pinned by planned restores."""
+
+    def acquire_live_slot(self) -> int:
+        """Take a live slot, evicting the least-recently-used unpinned checkpoint if none is free.
+
+        Raises
+        ------
+        OutOfBlocksError
+            Every slot is live, pending or pinned.
+        """
+
+    def release_live_slot(self, slot: int) -> None:
+        """Release a slot taken with ``acquire_live_slot`` (anything else is a ValueError)."""
+
+    def reserve_checkpoint(self, prefix_hash: bytes) -> int | None:
+        """Reserve a slot for the checkpoint of ``prefix_hash`` (pending, not matchable).
+
+        Returns None if the hash is already pending or committed, or no slot can be had.
+        """
+
+    def commit_checkpoint(self, prefix_hash: bytes) -> None:
+        """Make the pending checkpoint of ``prefix_hash`` matchable (ValueError if none)."""
+
+    def cancel_checkpoint(self, prefix_hash: bytes) -> None:
+        """Drop the pending checkpoint of ``prefix_hash``; its slot is free again."""
+
+    def promote(self, live_slot: int, prefix_hash: bytes) -> int:
+        """Zero-copy save: ``live_slot`` becomes the committed checkpoint of ``prefix_hash``.
+
+        Returns
+        -------
+        int
+            The fresh live slot the sequence continues in.
+
+        Raises
+        ------
+        ValueError
+            ``live_slot`` is not a live slot of this cache, or the hash is already there.
+        OutOfBlocksError
+            No fresh slot can be had.
+        """
+
+    def contains(self, prefix_hash: bytes) -> bool:
+        """Whether a committed checkpoint of ``prefix_hash`` exists (pending ones never match)."""
+
+    def __contains__(self, key: bytes, /) -> bool: ...
+    def lookup(self, prefix_hash: bytes) -> int | None:
+        """Slot of the committed checkpoint of ``prefix_hash``, refreshing its recency."""
+
+    def evict(self, n: int) -> int:
+        """Evict up to ``n`` committed checkpoints, least recently used first, never pinned ones."""
+
+    def reset(self) -> None:
+        """Drop every committed checkpoint that nothing pins."""
+
+    def lru_order(self) -> list[int]:
+        """Unpinned committed checkpoint slots, least recently used first."""
+
+    def stats(self) -> _CheckpointStats:
+        """Counters: hits, evictions, commits."""
+
+    def check(self) -> None:
+        """Walk every structure; raises ``InvariantError`` if a rule is broken."""
+
+@final
+class LinearStatePlan:
+    """Recurrent-state copies for the worker (R24), from ``take_linear_state_plan``.
+
+    Execute every restore (``restore_src[i] -> restore_dst[i]``, e.g. with
+    ``kvpool.kernels.copy_linear_state``), then every save (``save_src[i] -> save_dst[i]``), then
+    call ``commit_linear_state_plan``. Slot arrays are int32 of shape ``[n]``.
+    """
+
+    @property
+    def dp_rank(self) -> NDArray[np.int32]:
+        """dp rank of every copy: the restores' ranks, then the saves'."""
+
+    @property
+    def restore_dp_rank(self) -> NDArray[np.int32]:
+        """dp rank of each restore."""
+
+    @property
+    def restore_src(self) -> NDArray[np.int32]:
+        """Checkpoint slots to read."""
+
+    @property
+    def restore_dst(self) -> NDArray[np.int32]:
+        """Live slots to write."""
+
+    @property
+    def save_dp_rank(self) -> NDArray[np.int32]:
+        """dp rank of each save."""
+
+    @property
+    def save_src(self) -> NDArray[np.int32]:
+        """Live slots to read."""
+
+    @property
+    def save_dst(self) -> NDArray[np.int32]:
+        """Pending checkpoint slots to write."""
+
+    @property
+    def save_hashes(self) -> list[bytes]:
+        """Prefix hash (16 bytes) of each saved checkpoint."""
+
+    def __len__(self) -> int:
+        """Number of copies."""
+
+    def __bool__(self) -> bool: ...
+
+@final
+class SlidingWindowBlockManager:
+    """Block allocator of a sliding-window group (R25).
+
+    Blocks whose tokens all lie before ``num_computed_tokens - window + 1`` can never be read
+    again; ``first_needed_block`` says where a sequence's table may start.
+
+    Parameters
+    ----------
+    num_blocks : int
+        Ids, padding block 0 included.
+    block_size : int
+        Tokens per block.
+    window : int
+        Window in tokens.
+    """
+
+    def __new__(cls, num_blocks: int, block_size: int, window: int) -> SlidingWindowBlockManager: ...
+    @property
+    def num_blocks(self) -> int:
+        """Ids, padding block included."""
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per block."""
+
+    @property
+    def window(self) -> int:
+        """Window in tokens."""
+
+    @property
+    def num_total_blocks(self) -> int: ...
+    @property
+    def num_free_blocks(self) -> int: ...
+    @property
+    def num_used_blocks(self) -> int: ...
+    def first_needed_block(self, num_computed_tokens: int) -> int:
+        """Index of the first block the query at ``num_computed_tokens`` can attend to."""
+
+    def allocate(self, n: int) -> list[Block]:
+        """``n`` fresh blocks; ``OutOfBlocksError`` if fewer are free, changing nothing."""
+
+    def deallocate(self, blocks: Iterable[Block]) -> None:
+        """Release these handles; a released handle again is a ValueError."""
+
+    def check(self) -> None:
+        """Walk every structure; raises ``InvariantError`` if a rule is broken."""
+
+@final
+class CompositeBlockManager:
+    """Several block groups in one manager, each with its own ids and block size (R25).
+
+    Parameters
+    ----------
+    groups : list of (num_blocks, block_size, window)
+        One tuple per group; ``window`` None for full attention, else the sliding window in
+        tokens.
+    """
+
+    def __new__(cls, groups: Iterable[tuple[int, int, int | None]]) -> CompositeBlockManager: ...
+    @property
+    def num_groups(self) -> int:
+        """Number of groups."""
+
+    def block_size(self, group: int) -> int:
+        """Tokens per block of ``group``."""
+
+    def window(self, group: int) -> int | None:
+        """Sliding window of ``group`` in tokens; None for full attention."""
+
+    def counts(self, group: int) -> _BlockCounts:
+        """Block counts of ``group``."""
+
+    def allocate(self, group: int, n: int) -> list[Block]:
+        """``n`` fresh blocks of ``group``; ``OutOfBlocksError`` if fewer are free."""
+
+    def deallocate(self, blocks: Iterable[Block]) -> None:
+        """Release these handles (of any group)."""
+
+    def check(self) -> None:
+        """Walk every group; raises ``InvariantError`` if a rule is broken."""

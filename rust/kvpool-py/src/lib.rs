@@ -3,6 +3,7 @@
 
 mod convert;
 mod errors;
+mod hybrid;
 mod manager;
 mod pool;
 
@@ -27,5 +28,9 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<pool::PySequence>()?;
     m.add_class::<pool::PyBlockManagerPool>()?;
     m.add_class::<pool::PyKvEvent>()?;
+    m.add_class::<hybrid::PyLinearStatePrefixCache>()?;
+    m.add_class::<hybrid::PyLinearStatePlan>()?;
+    m.add_class::<hybrid::PySlidingWindowBlockManager>()?;
+    m.add_class::<hybrid::PyCompositeBlockManager>()?;
     Ok(())
 }

@@ -184,7 +184,7 @@ pub fn borrow_handles(
     Ok(out)
 }
 
-fn blocks_to_list(py: Python<'_>, blocks: Vec<Block>) -> PyResult<Bound<'_, PyList>> {
+pub(crate) fn blocks_to_list(py: Python<'_>, blocks: Vec<Block>) -> PyResult<Bound<'_, PyList>> {
     let objects = blocks
         .into_iter()
         .map(|b| Bound::new(py, PyBlock::new(b)))
@@ -218,7 +218,7 @@ pub fn hasher(
 }
 
 /// `allocate(n)` of either manager, as a list of `kvpool.Block`.
-fn allocate_list<'py, M: BlockManager>(
+pub(crate) fn allocate_list<'py, M: BlockManager>(
     py: Python<'py>,
     manager: &Mutex<M>,
     n: &Bound<'_, PyAny>,
@@ -229,7 +229,10 @@ fn allocate_list<'py, M: BlockManager>(
 }
 
 /// `deallocate(blocks)` of either manager: all handles checked before any is released.
-fn deallocate_list<M: BlockManager>(manager: &Mutex<M>, blocks: &Bound<'_, PyAny>) -> PyResult<()> {
+pub(crate) fn deallocate_list<M: BlockManager>(
+    manager: &Mutex<M>,
+    blocks: &Bound<'_, PyAny>,
+) -> PyResult<()> {
     let mut manager = manager.lock();
     let handles = take_handles(blocks, "blocks", |b| manager.owns(b))?;
     manager.deallocate(handles).py()

@@ -2,7 +2,10 @@
 //! Each method validates, makes one core call and maps the error. Lock order: pool, then
 //! sequences in argument order; no lock is held while Python code runs.
 
-use kvpool::{BlockManagerPool, KvCacheManager, PoolConfig, RankStats, Sequence};
+use kvpool::{
+    BlockManagerPool, KvCacheManager, LinearStateMatch, LinearStateSave, PoolConfig, RankStats,
+    Sequence,
+};
 use numpy::ndarray::Array2;
 use numpy::{IntoPyArray, PyArray1, PyArray2};
 use parking_lot::Mutex;
@@ -11,6 +14,7 @@ use pyo3::types::{PyBytes, PyDict, PyList};
 
 use crate::convert;
 use crate::errors::{type_error, value_error, IntoPyResult};
+use crate::hybrid::{PyLinearStatePlan, PyLinearStatePrefixCache};
 use crate::manager::{counts_dict, hasher};
 
 /// A request's tokens and KV-cache state (block table, computed tokens, dp rank).
@@ -83,19 +87,24 @@ impl PySequence {
         ids.into_pyarray(py)
     }
 
-    /// The block table of group g (group 0: the full-attention table).
+    /// The block table of group g (int32): 0 is the full-attention table, 1 the sliding-window
+    /// table of a pool built with sliding_window (released entries are 0).
     fn group_block_table<'py>(
         &self,
         py: Python<'py>,
-        group: usize,
+        group: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyArray1<i32>>> {
-        if group != 0 {
-            return Err(value_error(
+        let g = convert::count(group, "group")?;
+        let seq = self.inner.lock();
+        let ids = seq.group_block_ids(g).ok_or_else(|| {
+            value_error(
                 "group",
-                format!("this sequence has 1 group, got {group}"),
-            ));
-        }
-        Ok(self.block_table(py))
+                format!("this sequence has {} group(s), got {g}", seq.num_groups()),
+            )
+        })?;
+        drop(seq);
+        let ids: Vec<i32> = ids.into_iter().map(|id| id as i32).collect();
+        Ok(ids.into_pyarray(py))
     }
 
     /// Number of entries of the block table.
@@ -142,13 +151,20 @@ impl PySequence {
     /// Live linear-state slot (hybrid models), else None.
     #[getter]
     fn linear_state_slot(&self) -> Option<u32> {
-        None
+        self.inner.lock().linear_state_slot()
     }
 
-    /// Checkpoint slot to restore the linear state from, else None.
+    /// Checkpoint slot the live state is restored from at allocation (R23), else None (the
+    /// sequence starts from an empty state).
     #[getter]
     fn linear_state_restore_slot(&self) -> Option<u32> {
-        None
+        self.inner.lock().linear_state_restore_slot()
+    }
+
+    /// Prompt tokens (those given at construction).
+    #[getter]
+    fn num_prompt_tokens(&self) -> usize {
+        self.inner.lock().num_prompt_tokens()
     }
 
     /// Whether the sequence holds blocks of a pool.
@@ -200,6 +216,18 @@ fn rank_dict<'py>(py: Python<'py>, r: &RankStats) -> PyResult<Bound<'py, PyDict>
     d.set_item("num_live_slots", r.num_live_slots)?;
     d.set_item("num_pending_checkpoints", r.num_pending_checkpoints)?;
     d.set_item("num_committed_checkpoints", r.num_committed_checkpoints)?;
+    d.set_item("num_free_linear_state_slots", r.num_free_linear_state_slots)?;
+    d.set_item("linear_state_hits", r.linear_state_hits)?;
+    d.set_item("num_checkpoint_evictions", r.num_checkpoint_evictions)?;
+    d.set_item("num_checkpoint_commits", r.num_checkpoint_commits)?;
+    match &r.window {
+        Some(w) => {
+            let window = counts_dict(py, w)?;
+            window.set_item("num_releases", r.num_window_releases)?;
+            d.set_item("window", window)?;
+        }
+        None => d.set_item("window", py.None())?,
+    }
     d.set_item("host", py.None())?;
     Ok(d)
 }
@@ -212,6 +240,7 @@ pub struct PyBlockManagerPool {
     block_size: usize,
     dp_size: usize,
     enable_prefix_cache: bool,
+    concurrent: bool,
 }
 
 fn seq_ref<'a, 'py>(obj: &'a Bound<'py, PyAny>) -> PyResult<&'a Bound<'py, PySequence>> {
@@ -242,31 +271,67 @@ fn seq_list<'py>(seqs: &Bound<'py, PyAny>) -> PyResult<Vec<Bound<'py, PySequence
 }
 
 impl PyBlockManagerPool {
-    /// Locks the pool, then `seq` (the lock order everywhere), and makes one core call.
-    fn with_seq<T>(
+    /// Locks the pool, then `seq` (the lock order everywhere), and makes one core call. A
+    /// concurrent pool releases the GIL first (R28): no lock is ever awaited while holding it.
+    fn with_seq<T: Send>(
         &self,
+        py: Python<'_>,
         seq: &Bound<'_, PyAny>,
-        call: impl FnOnce(&mut BlockManagerPool, &mut Sequence) -> kvpool::Result<T>,
+        call: impl FnOnce(&mut BlockManagerPool, &mut Sequence) -> kvpool::Result<T> + Send,
     ) -> PyResult<T> {
-        let seq = seq_ref(seq)?;
-        let mut pool = self.inner.lock();
-        let mut seq = seq.get().inner.lock();
-        call(&mut pool, &mut seq).py()
+        let seq = seq_ref(seq)?.get();
+        let run = || {
+            let mut pool = self.inner.lock();
+            let mut seq = seq.inner.lock();
+            call(&mut pool, &mut seq)
+        };
+        if self.concurrent {
+            py.detach(run).py()
+        } else {
+            run().py()
+        }
+    }
+
+    /// Locks the pool and makes one core call.
+    pub(crate) fn with_pool<T>(
+        &self,
+        call: impl FnOnce(&mut BlockManagerPool) -> kvpool::Result<T>,
+    ) -> PyResult<T> {
+        call(&mut self.inner.lock()).py()
+    }
+
+    /// Locks the pool and `seqs` (GIL released) for a batch export.
+    fn with_seqs<T: Send>(
+        &self,
+        py: Python<'_>,
+        seqs: &[Bound<'_, PySequence>],
+        call: impl FnOnce(&BlockManagerPool, &[&Sequence]) -> kvpool::Result<T> + Send,
+    ) -> PyResult<T> {
+        let seqs: Vec<&PySequence> = seqs.iter().map(|s| s.get()).collect();
+        py.detach(|| {
+            let pool = self.inner.lock();
+            let guards: Vec<_> = seqs.iter().map(|s| s.inner.lock()).collect();
+            let refs: Vec<&Sequence> = guards.iter().map(|g| &**g).collect();
+            call(&pool, &refs)
+        })
+        .py()
     }
 }
 
-fn check_group(group: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
-    let group = match group {
-        Some(g) if !g.is_none() => convert::int(g, "group")?,
-        _ => 0,
-    };
-    if group != 0 {
-        return Err(value_error(
-            "group",
-            format!("this pool has 1 group (0), got {group}"),
-        ));
+fn group_arg(group: Option<&Bound<'_, PyAny>>) -> PyResult<usize> {
+    match group {
+        Some(g) if !g.is_none() => convert::count(g, "group"),
+        _ => Ok(0),
     }
-    Ok(())
+}
+
+fn choice(value: Option<&Bound<'_, PyAny>>, name: &str, default: &str) -> PyResult<String> {
+    match value {
+        Some(v) if !v.is_none() => v
+            .extract::<String>()
+            .map_err(|_| type_error(name, "must be a str")),
+        _ => Ok(default.to_owned()),
+    }
 }
 
 fn optional_count(value: Option<&Bound<'_, PyAny>>, name: &str) -> PyResult<Option<usize>> {
@@ -280,8 +345,8 @@ impl PyBlockManagerPool {
         num_blocks, block_size, *, dp_size = None, enable_prefix_cache = true, num_single_blocks = None,
         linear_state_slots = None, checkpoint_interval = None, linear_state_match = None,
         concurrent = false, enable_events = false, hash_seed = None, sliding_window = None,
-        swa_num_blocks = None, debug_hash_bits = None
-    ), text_signature = "(num_blocks, block_size, *, dp_size=1, enable_prefix_cache=True, num_single_blocks=None, linear_state_slots=0, checkpoint_interval=None, linear_state_match='deepest', concurrent=False, enable_events=False, hash_seed=None, sliding_window=None, swa_num_blocks=None, debug_hash_bits=None)")]
+        swa_num_blocks = None, linear_state_save = None, debug_hash_bits = None
+    ), text_signature = "(num_blocks, block_size, *, dp_size=1, enable_prefix_cache=True, num_single_blocks=None, linear_state_slots=0, checkpoint_interval=None, linear_state_match='deepest', concurrent=False, enable_events=False, hash_seed=None, sliding_window=None, swa_num_blocks=None, linear_state_save='copy', debug_hash_bits=None)")]
     #[allow(clippy::too_many_arguments)]
     fn new(
         num_blocks: &Bound<'_, PyAny>,
@@ -297,42 +362,22 @@ impl PyBlockManagerPool {
         hash_seed: Option<&Bound<'_, PyAny>>,
         sliding_window: Option<&Bound<'_, PyAny>>,
         swa_num_blocks: Option<&Bound<'_, PyAny>>,
+        linear_state_save: Option<&Bound<'_, PyAny>>,
         debug_hash_bits: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
-        let _ = concurrent; // every Python pool is thread-safe (R28)
         let num_blocks = convert::count(num_blocks, "num_blocks")?;
         let block_size = convert::count(block_size, "block_size")?;
         let dp_size = optional_count(dp_size, "dp_size")?.unwrap_or(1);
         let num_single_blocks = optional_count(num_single_blocks, "num_single_blocks")?;
-        let linear_state_match: String = match linear_state_match {
-            Some(m) if !m.is_none() => m
-                .extract()
-                .map_err(|_| type_error("linear_state_match", "must be a str"))?,
-            _ => "deepest".to_owned(),
-        };
-        if !matches!(linear_state_match.as_str(), "deepest" | "contiguous") {
-            return Err(value_error(
-                "linear_state_match",
-                format!("must be 'deepest' or 'contiguous', got {linear_state_match:?}"),
-            ));
-        }
-        let linear_state_slots =
-            optional_count(linear_state_slots, "linear_state_slots")?.unwrap_or(0);
-        let checkpoint_interval = optional_count(checkpoint_interval, "checkpoint_interval")?;
-        let sliding_window = optional_count(sliding_window, "sliding_window")?;
-        let swa_num_blocks = optional_count(swa_num_blocks, "swa_num_blocks")?;
-        if linear_state_slots > 0 || checkpoint_interval.is_some() {
-            return Err(value_error(
-                "linear_state_slots",
-                "linear-state caching is not available in this kvpool build",
-            ));
-        }
-        if sliding_window.is_some() || swa_num_blocks.is_some() {
-            return Err(value_error(
-                "sliding_window",
-                "sliding-window groups are not available in this kvpool build",
-            ));
-        }
+        let linear_state_match = LinearStateMatch::parse(&choice(
+            linear_state_match,
+            "linear_state_match",
+            "deepest",
+        )?)
+        .py()?;
+        let linear_state_save =
+            LinearStateSave::parse(&choice(linear_state_save, "linear_state_save", "copy")?)
+                .py()?;
         let config = PoolConfig {
             num_blocks,
             block_size,
@@ -341,6 +386,13 @@ impl PyBlockManagerPool {
             num_single_blocks,
             hasher: hasher(hash_seed, crate::manager::debug_bits(debug_hash_bits)?)?,
             enable_events,
+            linear_state_slots: optional_count(linear_state_slots, "linear_state_slots")?
+                .unwrap_or(0),
+            checkpoint_interval: optional_count(checkpoint_interval, "checkpoint_interval")?,
+            linear_state_match,
+            linear_state_save,
+            sliding_window: optional_count(sliding_window, "sliding_window")?,
+            swa_num_blocks: optional_count(swa_num_blocks, "swa_num_blocks")?,
         };
         let pool = BlockManagerPool::new(config).py()?;
         Ok(Self {
@@ -349,6 +401,7 @@ impl PyBlockManagerPool {
             block_size,
             dp_size,
             enable_prefix_cache,
+            concurrent,
         })
     }
 
@@ -377,11 +430,12 @@ impl PyBlockManagerPool {
     #[pyo3(signature = (seq, num_tokens = None))]
     fn can_allocate(
         &self,
+        py: Python<'_>,
         seq: &Bound<'_, PyAny>,
         num_tokens: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<bool> {
         let n = optional_count(num_tokens, "num_tokens")?;
-        self.with_seq(seq, |pool, seq| pool.can_allocate(seq, n))
+        self.with_seq(py, seq, |pool, seq| pool.can_allocate(seq, n))
     }
 
     /// Gives seq blocks for num_tokens tokens (default len(seq)) after a prefix-cache match
@@ -390,11 +444,12 @@ impl PyBlockManagerPool {
     #[pyo3(signature = (seq, num_tokens = None))]
     fn allocate(
         &self,
+        py: Python<'_>,
         seq: &Bound<'_, PyAny>,
         num_tokens: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<bool> {
         let n = optional_count(num_tokens, "num_tokens")?;
-        self.with_seq(seq, |pool, seq| pool.allocate(seq, n))
+        self.with_seq(py, seq, |pool, seq| pool.allocate(seq, n))
     }
 
     /// Whether the blocks for len(seq) + lookahead tokens can be had (R16).
@@ -406,32 +461,34 @@ impl PyBlockManagerPool {
     #[pyo3(signature = (seq, lookahead = None), text_signature = "(self, seq, lookahead=0)")]
     fn can_append(
         &self,
+        py: Python<'_>,
         seq: &Bound<'_, PyAny>,
         lookahead: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<bool> {
         let lookahead = optional_count(lookahead, "lookahead")?.unwrap_or(0);
-        self.with_seq(seq, |pool, seq| pool.can_append(seq, lookahead))
+        self.with_seq(py, seq, |pool, seq| pool.can_append(seq, lookahead))
     }
 
     /// Takes the blocks can_append asks about (all-or-nothing; False if they cannot be had, R16).
     #[pyo3(signature = (seq, lookahead = None), text_signature = "(self, seq, lookahead=0)")]
     fn may_append(
         &self,
+        py: Python<'_>,
         seq: &Bound<'_, PyAny>,
         lookahead: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<bool> {
         let lookahead = optional_count(lookahead, "lookahead")?.unwrap_or(0);
-        self.with_seq(seq, |pool, seq| pool.may_append(seq, lookahead))
+        self.with_seq(py, seq, |pool, seq| pool.may_append(seq, lookahead))
     }
 
     /// Publishes the full blocks inside seq.num_computed_tokens in the prefix cache (R17).
-    fn cache(&self, seq: &Bound<'_, PyAny>) -> PyResult<()> {
-        self.with_seq(seq, |pool, seq| pool.cache(seq))
+    fn cache(&self, py: Python<'_>, seq: &Bound<'_, PyAny>) -> PyResult<()> {
+        self.with_seq(py, seq, |pool, seq| pool.cache(seq))
     }
 
     /// cache(seq), then releases its blocks and single block and resets it (R18).
-    fn deallocate(&self, seq: &Bound<'_, PyAny>) -> PyResult<()> {
-        self.with_seq(seq, |pool, seq| pool.deallocate(seq))
+    fn deallocate(&self, py: Python<'_>, seq: &Bound<'_, PyAny>) -> PyResult<()> {
+        self.with_seq(py, seq, |pool, seq| pool.deallocate(seq))
     }
 
     /// Block tables of seqs: int32 array [len(seqs), max_blocks], padded with 0 (R19).
@@ -442,14 +499,10 @@ impl PyBlockManagerPool {
         seqs: &Bound<'py, PyAny>,
         group: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyArray2<i32>>> {
-        check_group(group)?;
+        let group = group_arg(group)?;
         let seqs = seq_list(seqs)?;
-        let (table, width) = {
-            let pool = self.inner.lock();
-            let guards: Vec<_> = seqs.iter().map(|s| s.get().inner.lock()).collect();
-            let refs: Vec<&Sequence> = guards.iter().map(|g| &**g).collect();
-            pool.block_tables(&refs).py()?
-        };
+        let (table, width) =
+            self.with_seqs(py, &seqs, |pool, refs| pool.block_tables(refs, group))?;
         let array = Array2::from_shape_vec((seqs.len(), width), table).expect("shape matches");
         Ok(array.into_pyarray(py))
     }
@@ -463,14 +516,9 @@ impl PyBlockManagerPool {
         seqs: &Bound<'py, PyAny>,
         group: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyArray1<i64>>> {
-        check_group(group)?;
+        let group = group_arg(group)?;
         let seqs = seq_list(seqs)?;
-        let slots = {
-            let pool = self.inner.lock();
-            let guards: Vec<_> = seqs.iter().map(|s| s.get().inner.lock()).collect();
-            let refs: Vec<&Sequence> = guards.iter().map(|g| &**g).collect();
-            pool.slot_mapping(&refs).py()?
-        };
+        let slots = self.with_seqs(py, &seqs, |pool, refs| pool.slot_mapping(refs, group))?;
         Ok(slots.into_pyarray(py))
     }
 
@@ -517,9 +565,65 @@ impl PyBlockManagerPool {
         Ok(out)
     }
 
-    /// Drops every cached entry of every rank; blocks sequences hold stay with them (R12).
-    fn reset_prefix_cache(&self) {
-        self.inner.lock().reset_prefix_cache();
+    /// Drops every cached entry of every rank, every committed checkpoint nothing pins and
+    /// every sliding-window publication; blocks sequences hold stay with them (R12, R24).
+    fn reset_prefix_cache(&self, py: Python<'_>) {
+        let inner = &self.inner;
+        py.detach(|| inner.lock().reset_prefix_cache());
+    }
+
+    /// Whether the pool releases the GIL in every call (built with concurrent=True, R28).
+    #[getter]
+    fn concurrent(&self) -> bool {
+        self.concurrent
+    }
+
+    /// Block groups of every sequence: 1, or 2 with sliding_window (R25).
+    #[getter]
+    fn num_groups(&self) -> usize {
+        self.inner.lock().num_groups()
+    }
+
+    /// The linear-state cache of dp rank dp_rank (a live view, R22).
+    fn linear_state_cache(
+        slf: &Bound<'_, Self>,
+        dp_rank: &Bound<'_, PyAny>,
+    ) -> PyResult<PyLinearStatePrefixCache> {
+        let rank = convert::count(dp_rank, "dp_rank")?;
+        let this = slf.get();
+        if rank >= this.dp_size {
+            return Err(value_error(
+                "dp_rank",
+                format!("must be < dp_size {}, got {rank}", this.dp_size),
+            ));
+        }
+        if this.inner.lock().linear_state_cache(rank).is_none() {
+            return Err(value_error(
+                "dp_rank",
+                "this pool has no linear state (build it with linear_state_slots > 0)",
+            ));
+        }
+        Ok(PyLinearStatePrefixCache::view(slf.clone().unbind(), rank))
+    }
+
+    /// The recurrent-state copies planned since the last call, for every rank (R24). Execute
+    /// them before the sequences' next forward step, then commit_linear_state_plan(plan).
+    fn take_linear_state_plan(&self) -> PyLinearStatePlan {
+        PyLinearStatePlan {
+            plan: self.inner.lock().take_linear_state_plan(),
+        }
+    }
+
+    /// Confirms that the worker made the copies of plan: saved checkpoints become matchable and
+    /// restored ones unpinned (R24). A plan twice, or of another pool, is a ValueError.
+    fn commit_linear_state_plan(&self, plan: &Bound<'_, PyAny>) -> PyResult<()> {
+        let plan = plan.cast::<PyLinearStatePlan>().map_err(|_| {
+            type_error(
+                "plan",
+                format!("must be a kvpool.LinearStatePlan, got {}", plan.get_type()),
+            )
+        })?;
+        self.with_pool(|pool| pool.commit_linear_state_plan(&plan.get().plan))
     }
 
     fn __repr__(&self) -> String {

@@ -135,6 +135,37 @@ impl BlockStore {
         }
     }
 
+    /// A new handle of `id` if someone still holds it (count > 0), like `Weak::upgrade`; `None`
+    /// once the last handle is gone. Used by the sliding-window index, whose entries hold no
+    /// reference. Only for stores without a prefix cache (never `CACHED`, so the cache-only
+    /// count is not involved).
+    pub(crate) fn try_retain(self: &Arc<Self>, id: u32) -> Option<Block> {
+        let state = &self.states[id as usize];
+        // Relaxed: the CAS below re-validates.
+        let mut current = state.load(Ordering::Relaxed);
+        loop {
+            if current & COUNT_MASK == 0 {
+                return None;
+            }
+            // Acquire on success: like `Weak::upgrade`, see what the other holders published
+            // before their handles were made. Relaxed on failure: retry with the fresh value.
+            match state.compare_exchange_weak(
+                current,
+                current + 1,
+                Ordering::Acquire,
+                Ordering::Relaxed,
+            ) {
+                Ok(_) => {
+                    return Some(Block {
+                        store: Arc::clone(self),
+                        id,
+                    })
+                }
+                Err(actual) => current = actual,
+            }
+        }
+    }
+
     /// Called by the prefix cache to hand out a new handle of a cached block.
     #[inline]
     pub(crate) fn retain_cached(self: &Arc<Self>, id: u32) -> Block {

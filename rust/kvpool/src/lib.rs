@@ -5,29 +5,36 @@
 //! rules cited as "R<n>" are those of the project's DESIGN.md.
 
 pub mod block;
+pub mod composite;
 pub mod error;
 pub mod free_list;
 pub mod hash;
+pub mod linear_state;
 pub mod manager;
 pub mod pool;
 pub mod prefix_cache;
 pub mod sequence;
+pub mod sliding_window;
 mod sync;
 
 pub use block::Block;
+pub use composite::{CompositeBlockManager, GroupManager, GroupSpec, GroupTables};
 pub use error::{KvPoolError, Result};
 pub use free_list::FreeList;
 pub use hash::{BlockHash, BlockHasher, DEFAULT_HASH_SEED};
+pub use linear_state::{LinearStatePrefixCache, LinearStateStats};
 pub use manager::{
     BlockCounts, BlockManager, BlockManagerImpl, ManagerConfig, SingleBlockManager, MAX_BLOCKS,
 };
 pub use prefix_cache::{CacheEvent, CacheStats, ExtraKey, PrefixCache, Probe};
+pub use sliding_window::{SlidingWindowBlockManager, WindowTable};
 
 /// The crate version.
 pub fn version() -> &'static str {
     env!("CARGO_PKG_VERSION")
 }
 pub use pool::{
-    BlockManagerPool, KvCacheManager, KvEvent, KvEventKind, PoolConfig, PoolStats, RankStats,
+    BlockManagerPool, KvCacheManager, KvEvent, KvEventKind, LinearStateMatch, LinearStatePlan,
+    LinearStateSave, PoolConfig, PoolStats, RankStats,
 };
 pub use sequence::Sequence;

@@ -140,7 +140,7 @@ impl ManagerConfig {
 /// Plain allocator with an optional prefix cache and the padding block (the seed's
 /// `BlockManagerImpl`).
 pub struct BlockManagerImpl {
-    store: Arc<BlockStore>,
+    pub(crate) store: Arc<BlockStore>,
     cache: Option<PrefixCache>,
     hasher: BlockHasher,
 }
@@ -313,7 +313,9 @@ impl BlockManager for BlockManagerImpl {
             .hasher()
             .chain(&tokens[..full * block_size], block_size, extra_key);
         let key: Option<ExtraKey> = extra_key.map(Arc::from);
-        Ok(cache.insert(&hashes, tokens, blocks, 0, key.as_ref()).0)
+        Ok(cache
+            .insert(&hashes, tokens, blocks, 0, key.as_ref(), false)
+            .0)
     }
 
     fn evict(&mut self, n: usize) -> usize {

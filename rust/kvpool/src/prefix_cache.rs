@@ -294,6 +294,14 @@ impl PrefixCache {
     /// whose block is cached under another hash; the rest stays private. Returns (number newly
     /// cached, index where it stopped). The caller guarantees every block belongs to this cache's
     /// store.
+    ///
+    /// `releasing`: the caller drops every handle of `blocks` right after (a sequence being
+    /// deallocated). A block whose chain position is already cached with another block (same
+    /// hash, parent and tokens: a recomputed duplicate, e.g. after a linear-state trim) is then
+    /// skipped and the chain continues under the cached entry, so the rest of the sequence is
+    /// published too (R9's "publish the rest when the sequence releases it"). Safe because the
+    /// sequence's own blocks all become cache-only together: no cached parent keeps a held
+    /// child.
     pub fn insert(
         &mut self,
         hashes: &[BlockHash],
@@ -301,6 +309,7 @@ impl PrefixCache {
         blocks: &[Block],
         start: usize,
         extra_key: Option<&ExtraKey>,
+        releasing: bool,
     ) -> (usize, usize) {
         self.drain_released();
         let end = hashes
@@ -324,6 +333,13 @@ impl PrefixCache {
             let id = block.id();
             if let Some(&cached) = self.index.get(&hash.0) {
                 if cached != id {
+                    let block_tokens = &tokens[i * self.block_size..(i + 1) * self.block_size];
+                    let key = extra_key.map(|k| &**k);
+                    if releasing && self.find(hash, parent, key, block_tokens) == Some(cached) {
+                        parent = cached; // a duplicate: continue the chain under the original
+                        i += 1;
+                        continue;
+                    }
                     break;
                 }
                 parent = id;

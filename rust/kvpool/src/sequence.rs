@@ -11,6 +11,7 @@ use crate::block::Block;
 use crate::error::{ensure_arg, Result};
 use crate::hash::{BlockHash, BlockHasher};
 use crate::prefix_cache::ExtraKey;
+use crate::sliding_window::WindowTable;
 
 static NEXT_SEQ_ID: AtomicU64 = AtomicU64::new(1);
 
@@ -32,6 +33,18 @@ pub struct Sequence {
     /// Leading blocks known to be in the owner's cache as this chain's, and the cache epoch.
     pub(crate) num_published: usize,
     pub(crate) published_epoch: u64,
+    /// Tokens given at construction (the prompt): its last block boundary gets a checkpoint.
+    num_prompt_tokens: usize,
+    /// The sliding-window group's table (R25), when the pool has one.
+    pub(crate) window: Option<WindowTable>,
+    /// The live recurrent-state slot (R22).
+    pub(crate) linear_slot: Option<Block>,
+    /// The checkpoint slot the live state was restored from at allocation (R23).
+    pub(crate) restore_slot: Option<u32>,
+    /// Linear-state plan operations of this sequence not yet confirmed (R24).
+    pub(crate) linear_ops: Vec<u64>,
+    /// Computed tokens at the last planned save (no boundary is saved twice).
+    pub(crate) last_saved_boundary: usize,
 }
 
 impl Sequence {
@@ -39,6 +52,7 @@ impl Sequence {
     pub fn new(tokens: Vec<u32>, seq_id: Option<u64>, extra_key: Option<&[u8]>) -> Self {
         // Relaxed: only uniqueness matters.
         let seq_id = seq_id.unwrap_or_else(|| NEXT_SEQ_ID.fetch_add(1, Ordering::Relaxed));
+        let num_prompt_tokens = tokens.len();
         Self {
             seq_id,
             tokens,
@@ -54,7 +68,49 @@ impl Sequence {
             hashes_for: None,
             num_published: 0,
             published_epoch: 0,
+            num_prompt_tokens,
+            window: None,
+            linear_slot: None,
+            restore_slot: None,
+            linear_ops: Vec::new(),
+            last_saved_boundary: 0,
         }
+    }
+
+    /// Tokens given at construction (the prompt).
+    pub fn num_prompt_tokens(&self) -> usize {
+        self.num_prompt_tokens
+    }
+
+    /// The live recurrent-state slot while allocated in a pool with linear state (R22).
+    pub fn linear_state_slot(&self) -> Option<u32> {
+        self.linear_slot.as_ref().map(Block::id)
+    }
+
+    /// The checkpoint slot the live state is restored from (R23), or `None` if the sequence
+    /// starts from an empty state.
+    pub fn linear_state_restore_slot(&self) -> Option<u32> {
+        self.restore_slot
+    }
+
+    /// Number of groups whose tables the sequence holds (1, or 2 with a sliding window).
+    pub fn num_groups(&self) -> usize {
+        1 + usize::from(self.window.is_some())
+    }
+
+    /// The block table of group `group` (0: full attention; 1: the sliding window, released
+    /// entries 0), or `None` if the sequence has no such group.
+    pub fn group_block_ids(&self, group: usize) -> Option<Vec<u32>> {
+        match group {
+            0 => Some(self.block_ids().collect()),
+            1 => self.window.as_ref().map(|w| w.ids().collect()),
+            _ => None,
+        }
+    }
+
+    /// The sliding-window table, if any.
+    pub fn window_table(&self) -> Option<&WindowTable> {
+        self.window.as_ref()
     }
 
     /// Caller-visible id.
@@ -193,6 +249,13 @@ impl Sequence {
             drop(block);
         }
         self.single_block = None;
+        if let Some(window) = self.window.as_mut() {
+            window.clear();
+        }
+        self.linear_slot = None;
+        self.restore_slot = None;
+        self.linear_ops.clear();
+        self.last_saved_boundary = 0;
         self.num_cached_tokens = 0;
         self.num_computed_tokens = 0;
         self.num_published = 0;

@@ -156,11 +156,11 @@ fn r19_exports_and_r21_events() {
     let mut p = BlockManagerPool::new(config).unwrap();
     let mut a = Sequence::new((0..9).collect(), None, Some(b"salt"));
     assert!(p.allocate(&mut a, None).unwrap());
-    let (tables, width) = p.block_tables(&[&a]).unwrap();
+    let (tables, width) = p.block_tables(&[&a], 0).unwrap();
     assert_eq!(width, 3);
     let ids = table(&a);
     assert_eq!(tables, ids.iter().map(|&i| i as i32).collect::<Vec<_>>());
-    let slots = p.slot_mapping(&[&a]).unwrap();
+    let slots = p.slot_mapping(&[&a], 0).unwrap();
     assert_eq!(slots.len(), 9);
     assert_eq!(slots[5], i64::from(ids[1]) * 4 + 1);
     a.set_num_computed_tokens(9).unwrap();

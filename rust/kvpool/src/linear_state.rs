@@ -1,0 +1,593 @@
+//! `LinearStatePrefixCache`: recurrent-state (GDN / Mamba) slots and their prefix checkpoints
+//! (R22).
+//!
+//! A linear-attention layer keeps one fixed-size state per sequence instead of per-token KV. The
+//! scheduler manages *slots* of those states: slot 0 is padding, the others come from a
+//! [`SingleBlockManager`]. A slot is in exactly one state:
+//! - **free**: in the slot manager's free list;
+//! - **live**: held by a running sequence (the sequence holds the slot's handle), or acquired
+//!   through [`LinearStatePrefixCache::acquire_live_slot`] (the cache holds it for the caller);
+//! - **pending** checkpoint: reserved for a prefix hash; the worker will write the state into it;
+//!   never matchable;
+//! - **committed** checkpoint: matchable by prefix hash; on an O(1) LRU list unless pinned by a
+//!   planned restore (pinned checkpoints leave the list and come back at its tail).
+//!
+//! Invariants (checked by [`LinearStatePrefixCache::check`]): every pending or committed slot
+//! (and every slot acquired through the API) is held by one cache handle (a promoted slot may
+//! also be held by the pool's planned copy out of it until that copy is confirmed) and sits in the
+//! hash index (pending and committed) under its hash; the LRU list holds exactly the unpinned
+//! committed slots; `free + live + pending + committed == num_slots - 1`.
+
+use std::collections::HashMap;
+
+use crate::block::Block;
+use crate::error::{ensure_arg, ensure_invariant, KvPoolError, Result};
+use crate::hash::BlockHash;
+use crate::manager::{BlockManager, SingleBlockManager};
+
+const NIL: u32 = u32::MAX;
+
+/// What the cache holds a slot for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Held {
+    /// The cache does not hold this slot (free, or live in a sequence).
+    No,
+    /// Live, acquired through the API.
+    Live,
+    /// Pending checkpoint.
+    Pending,
+    /// Committed checkpoint.
+    Committed,
+}
+
+/// Counters of a [`LinearStatePrefixCache`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LinearStateStats {
+    /// Successful `lookup`s (restores planned by a pool count here).
+    pub hits: u64,
+    /// Committed checkpoints evicted (LRU or explicit `evict`).
+    pub evictions: u64,
+    /// Checkpoints committed (by `commit_checkpoint` or `promote`).
+    pub commits: u64,
+}
+
+/// Slots of recurrent states and the prefix checkpoints among them (R22).
+pub struct LinearStatePrefixCache {
+    slots: SingleBlockManager,
+    held: Vec<Option<Block>>,
+    kind: Vec<Held>,
+    hash_of: Vec<BlockHash>,
+    pins: Vec<u32>,
+    /// Pending and committed checkpoints by prefix hash.
+    index: HashMap<u128, u32>,
+    prev: Vec<u32>,
+    next: Vec<u32>,
+    /// Oldest unpinned committed checkpoint.
+    head: u32,
+    /// Newest unpinned committed checkpoint.
+    tail: u32,
+    num_live_held: usize,
+    num_pending: usize,
+    num_committed: usize,
+    num_pinned: usize,
+    stats: LinearStateStats,
+}
+
+impl LinearStatePrefixCache {
+    /// A cache of `num_slots` slots, slot 0 being padding (so `num_slots - 1` are usable).
+    pub fn new(num_slots: usize) -> Result<Self> {
+        let slots = SingleBlockManager::new(num_slots)?;
+        Ok(Self {
+            slots,
+            held: (0..num_slots).map(|_| None).collect(),
+            kind: vec![Held::No; num_slots],
+            hash_of: vec![BlockHash::default(); num_slots],
+            pins: vec![0; num_slots],
+            index: HashMap::new(),
+            prev: vec![NIL; num_slots],
+            next: vec![NIL; num_slots],
+            head: NIL,
+            tail: NIL,
+            num_live_held: 0,
+            num_pending: 0,
+            num_committed: 0,
+            num_pinned: 0,
+            stats: LinearStateStats::default(),
+        })
+    }
+
+    /// Slots including the padding slot 0.
+    pub fn num_slots(&self) -> usize {
+        self.kind.len()
+    }
+
+    /// Free slots.
+    pub fn num_free_slots(&self) -> usize {
+        self.slots.counts().free
+    }
+
+    /// Live slots (held by sequences or acquired through the API).
+    pub fn num_live_slots(&self) -> usize {
+        self.slots.counts().used - self.num_pending - self.num_committed
+    }
+
+    /// Pending checkpoints.
+    pub fn num_pending_checkpoints(&self) -> usize {
+        self.num_pending
+    }
+
+    /// Committed checkpoints.
+    pub fn num_committed_checkpoints(&self) -> usize {
+        self.num_committed
+    }
+
+    /// Committed checkpoints pinned by planned restores.
+    pub fn num_pinned_checkpoints(&self) -> usize {
+        self.num_pinned
+    }
+
+    /// Slots that `acquire_slot` could hand out: free plus unpinned committed.
+    pub fn num_available_slots(&self) -> usize {
+        self.num_free_slots() + self.num_committed - self.num_pinned
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> LinearStateStats {
+        self.stats
+    }
+
+    /// Whether `slot` is a handle of this cache's slot manager.
+    pub fn owns(&self, slot: &Block) -> bool {
+        self.slots.owns(slot)
+    }
+
+    fn unlink(&mut self, slot: u32) {
+        let (prev, next) = (self.prev[slot as usize], self.next[slot as usize]);
+        match prev {
+            NIL => self.head = next,
+            p => self.next[p as usize] = next,
+        }
+        match next {
+            NIL => self.tail = prev,
+            n => self.prev[n as usize] = prev,
+        }
+        self.prev[slot as usize] = NIL;
+        self.next[slot as usize] = NIL;
+    }
+
+    fn push_tail(&mut self, slot: u32) {
+        self.prev[slot as usize] = self.tail;
+        self.next[slot as usize] = NIL;
+        match self.tail {
+            NIL => self.head = slot,
+            t => self.next[t as usize] = slot,
+        }
+        self.tail = slot;
+    }
+
+    /// Evicts the least-recently-used unpinned committed checkpoint; false if there is none.
+    fn evict_one(&mut self) -> bool {
+        let slot = self.head;
+        if slot == NIL {
+            return false;
+        }
+        self.unlink(slot);
+        let hash = self.hash_of[slot as usize];
+        self.index.remove(&hash.0);
+        self.kind[slot as usize] = Held::No;
+        self.num_committed -= 1;
+        self.stats.evictions += 1;
+        self.held[slot as usize] = None; // drops the handle: the slot is free again
+        true
+    }
+
+    /// A slot handle for a sequence (R22): a free slot, evicting the least-recently-used
+    /// unpinned committed checkpoint if none is free; `None` when every slot is live, pending or
+    /// pinned.
+    pub fn acquire_slot(&mut self) -> Option<Block> {
+        if let Some(slot) = self.slots.allocate_one() {
+            return Some(slot);
+        }
+        if self.evict_one() {
+            return self.slots.allocate_one();
+        }
+        None
+    }
+
+    /// Takes a live slot that the cache holds for the caller; `OutOfBlocks` when every slot is
+    /// live, pending or pinned.
+    pub fn acquire_live_slot(&mut self) -> Result<u32> {
+        let slot = self.acquire_slot().ok_or(KvPoolError::OutOfBlocks {
+            requested: 1,
+            available: 0,
+        })?;
+        let id = slot.id();
+        self.held[id as usize] = Some(slot);
+        self.kind[id as usize] = Held::Live;
+        self.num_live_held += 1;
+        Ok(id)
+    }
+
+    fn check_slot(&self, slot: u32, name: &'static str) -> Result<()> {
+        ensure_arg!(
+            slot >= 1 && (slot as usize) < self.num_slots(),
+            name,
+            "must be in 1..{}, got {slot}",
+            self.num_slots()
+        );
+        Ok(())
+    }
+
+    /// Releases a live slot taken with [`Self::acquire_live_slot`].
+    pub fn release_live_slot(&mut self, slot: u32) -> Result<()> {
+        self.check_slot(slot, "slot")?;
+        ensure_arg!(
+            self.kind[slot as usize] == Held::Live,
+            "slot",
+            "slot {slot} is not a live slot acquired from this cache"
+        );
+        self.kind[slot as usize] = Held::No;
+        self.num_live_held -= 1;
+        self.held[slot as usize] = None;
+        Ok(())
+    }
+
+    /// Reserves a slot for the checkpoint of `prefix_hash` (pending: not matchable). `None` if
+    /// the hash is already pending or committed, or if no slot can be had (R22).
+    pub fn reserve_checkpoint(&mut self, prefix_hash: BlockHash) -> Option<u32> {
+        if self.index.contains_key(&prefix_hash.0) {
+            return None;
+        }
+        let slot = self.acquire_slot()?;
+        let id = slot.id();
+        self.held[id as usize] = Some(slot);
+        self.kind[id as usize] = Held::Pending;
+        self.hash_of[id as usize] = prefix_hash;
+        self.index.insert(prefix_hash.0, id);
+        self.num_pending += 1;
+        Some(id)
+    }
+
+    fn pending_slot(&self, prefix_hash: BlockHash) -> Result<u32> {
+        match self.index.get(&prefix_hash.0) {
+            Some(&slot) if self.kind[slot as usize] == Held::Pending => Ok(slot),
+            Some(_) => Err(KvPoolError::invalid(
+                "prefix_hash",
+                "the checkpoint is already committed",
+            )),
+            None => Err(KvPoolError::invalid(
+                "prefix_hash",
+                "no pending checkpoint for this hash (reserve_checkpoint first)",
+            )),
+        }
+    }
+
+    /// Makes the pending checkpoint of `prefix_hash` matchable (the worker wrote its state).
+    /// Returns its slot.
+    pub fn commit_checkpoint(&mut self, prefix_hash: BlockHash) -> Result<u32> {
+        let slot = self.pending_slot(prefix_hash)?;
+        self.kind[slot as usize] = Held::Committed;
+        self.num_pending -= 1;
+        self.num_committed += 1;
+        self.stats.commits += 1;
+        self.push_tail(slot);
+        Ok(slot)
+    }
+
+    /// Drops the pending checkpoint of `prefix_hash` (its save was cancelled); the slot is free.
+    pub fn cancel_checkpoint(&mut self, prefix_hash: BlockHash) -> Result<()> {
+        let slot = self.pending_slot(prefix_hash)?;
+        self.index.remove(&prefix_hash.0);
+        self.kind[slot as usize] = Held::No;
+        self.num_pending -= 1;
+        self.held[slot as usize] = None;
+        Ok(())
+    }
+
+    /// Zero-copy save of a sequence's state: `live` becomes the committed checkpoint of
+    /// `prefix_hash` and a fresh live slot comes back (the worker reads the old slot and writes
+    /// the new one). `Err(live)` hands the slot back unchanged if the hash is already pending or
+    /// committed, or no fresh slot can be had.
+    pub fn promote_slot(
+        &mut self,
+        live: Block,
+        prefix_hash: BlockHash,
+    ) -> std::result::Result<Block, Block> {
+        if self.index.contains_key(&prefix_hash.0) || !self.owns(&live) {
+            return Err(live);
+        }
+        let Some(fresh) = self.acquire_slot() else {
+            return Err(live);
+        };
+        self.adopt_committed(live, prefix_hash);
+        Ok(fresh)
+    }
+
+    fn adopt_committed(&mut self, slot: Block, prefix_hash: BlockHash) {
+        let id = slot.id();
+        self.held[id as usize] = Some(slot);
+        self.kind[id as usize] = Held::Committed;
+        self.hash_of[id as usize] = prefix_hash;
+        self.index.insert(prefix_hash.0, id);
+        self.num_committed += 1;
+        self.stats.commits += 1;
+        self.push_tail(id);
+    }
+
+    /// [`Self::promote_slot`] for a live slot acquired through the API: returns the new live
+    /// slot; `ValueError`-style errors name the argument and change nothing.
+    pub fn promote(&mut self, live_slot: u32, prefix_hash: BlockHash) -> Result<u32> {
+        self.check_slot(live_slot, "live_slot")?;
+        ensure_arg!(
+            self.kind[live_slot as usize] == Held::Live,
+            "live_slot",
+            "slot {live_slot} is not a live slot acquired from this cache"
+        );
+        ensure_arg!(
+            !self.index.contains_key(&prefix_hash.0),
+            "prefix_hash",
+            "a checkpoint of this hash is already pending or committed"
+        );
+        let fresh = self.acquire_slot().ok_or(KvPoolError::OutOfBlocks {
+            requested: 1,
+            available: 0,
+        })?;
+        let old = self.held[live_slot as usize]
+            .take()
+            .expect("live slot held");
+        self.num_live_held -= 1;
+        self.adopt_committed(old, prefix_hash);
+        let id = fresh.id();
+        self.held[id as usize] = Some(fresh);
+        self.kind[id as usize] = Held::Live;
+        self.num_live_held += 1;
+        Ok(id)
+    }
+
+    /// Whether a committed checkpoint of `prefix_hash` exists (pending ones never match).
+    pub fn contains(&self, prefix_hash: BlockHash) -> bool {
+        self.peek(prefix_hash).is_some()
+    }
+
+    /// The slot of the committed checkpoint of `prefix_hash`, without touching recency.
+    pub fn peek(&self, prefix_hash: BlockHash) -> Option<u32> {
+        let &slot = self.index.get(&prefix_hash.0)?;
+        (self.kind[slot as usize] == Held::Committed).then_some(slot)
+    }
+
+    /// The slot of the committed checkpoint of `prefix_hash`, refreshing its recency (a hit).
+    pub fn lookup(&mut self, prefix_hash: BlockHash) -> Option<u32> {
+        let slot = self.peek(prefix_hash)?;
+        if self.pins[slot as usize] == 0 {
+            self.unlink(slot);
+            self.push_tail(slot);
+        }
+        self.stats.hits += 1;
+        Some(slot)
+    }
+
+    /// Whether a pending checkpoint of `prefix_hash` exists.
+    pub fn is_pending(&self, prefix_hash: BlockHash) -> bool {
+        self.index
+            .get(&prefix_hash.0)
+            .is_some_and(|&slot| self.kind[slot as usize] == Held::Pending)
+    }
+
+    /// Whether the committed checkpoint of `prefix_hash` is pinned.
+    pub fn is_pinned(&self, prefix_hash: BlockHash) -> bool {
+        self.peek(prefix_hash)
+            .is_some_and(|slot| self.pins[slot as usize] > 0)
+    }
+
+    /// Pins the committed checkpoint of `prefix_hash` (a restore from it is planned): it cannot
+    /// be evicted until unpinned. Returns its slot.
+    pub fn pin(&mut self, prefix_hash: BlockHash) -> Result<u32> {
+        let slot = self.peek(prefix_hash).ok_or_else(|| {
+            KvPoolError::invalid("prefix_hash", "no committed checkpoint for this hash")
+        })?;
+        if self.pins[slot as usize] == 0 {
+            self.unlink(slot);
+            self.num_pinned += 1;
+        }
+        self.pins[slot as usize] += 1;
+        Ok(slot)
+    }
+
+    /// Undoes one [`Self::pin`]; the last unpin puts the checkpoint back at the LRU tail.
+    pub fn unpin(&mut self, prefix_hash: BlockHash) -> Result<()> {
+        let slot = self
+            .peek(prefix_hash)
+            .filter(|&slot| self.pins[slot as usize] > 0)
+            .ok_or_else(|| {
+                KvPoolError::invalid("prefix_hash", "no pinned checkpoint for this hash")
+            })?;
+        self.pins[slot as usize] -= 1;
+        if self.pins[slot as usize] == 0 {
+            self.num_pinned -= 1;
+            self.push_tail(slot);
+        }
+        Ok(())
+    }
+
+    /// Evicts up to `n` committed checkpoints, least recently used first, never pinned ones.
+    /// Returns how many.
+    pub fn evict(&mut self, n: usize) -> usize {
+        let mut evicted = 0;
+        while evicted < n && self.evict_one() {
+            evicted += 1;
+        }
+        evicted
+    }
+
+    /// Drops every committed checkpoint that nothing pins (R24's `reset_prefix_cache`).
+    pub fn reset(&mut self) {
+        while self.evict_one() {}
+    }
+
+    /// Committed checkpoints from least to most recently used (unpinned ones only).
+    pub fn lru_order(&self) -> Vec<u32> {
+        let mut order = Vec::with_capacity(self.num_committed);
+        let mut slot = self.head;
+        while slot != NIL {
+            order.push(slot);
+            slot = self.next[slot as usize];
+        }
+        order
+    }
+
+    /// Walks every structure (R22 invariants; see module doc).
+    pub fn check(&self) -> Result<()> {
+        self.slots.check()?;
+        let (mut live, mut pending, mut committed, mut pinned) = (0, 0, 0, 0);
+        for slot in 0..self.num_slots() {
+            let kind = self.kind[slot];
+            ensure_invariant!(
+                (kind == Held::No) == self.held[slot].is_none(),
+                "linear-state slot {slot}: state {kind:?} disagrees with the held handle"
+            );
+            if let Some(handle) = &self.held[slot] {
+                // A pool's planned copy may hold one more handle of a promoted slot until the
+                // copy is confirmed; nothing else may.
+                ensure_invariant!(
+                    handle.ref_count() <= 2 && (kind == Held::Committed || handle.ref_count() == 1),
+                    "linear-state slot {slot} ({kind:?}) has {} handles",
+                    handle.ref_count()
+                );
+            }
+            match kind {
+                Held::No => {}
+                Held::Live => live += 1,
+                Held::Pending | Held::Committed => {
+                    let hash = self.hash_of[slot];
+                    ensure_invariant!(
+                        self.index.get(&hash.0) == Some(&(slot as u32)),
+                        "checkpoint slot {slot} is not indexed under its hash"
+                    );
+                    if kind == Held::Pending {
+                        pending += 1;
+                        ensure_invariant!(self.pins[slot] == 0, "pending slot {slot} is pinned");
+                    } else {
+                        committed += 1;
+                        pinned += usize::from(self.pins[slot] > 0);
+                    }
+                }
+            }
+            if kind != Held::Committed {
+                ensure_invariant!(self.pins[slot] == 0, "slot {slot} pinned but not committed");
+            }
+        }
+        ensure_invariant!(
+            live == self.num_live_held
+                && pending == self.num_pending
+                && committed == self.num_committed
+                && pinned == self.num_pinned,
+            "linear-state counters drifted (live {live}/{}, pending {pending}/{}, committed \
+             {committed}/{}, pinned {pinned}/{})",
+            self.num_live_held,
+            self.num_pending,
+            self.num_committed,
+            self.num_pinned
+        );
+        ensure_invariant!(
+            self.index.len() == pending + committed,
+            "checkpoint index holds {} hashes for {} checkpoints",
+            self.index.len(),
+            pending + committed
+        );
+        let order = self.lru_order();
+        ensure_invariant!(
+            order.len() == committed - pinned,
+            "LRU holds {} checkpoints, expected {} unpinned committed",
+            order.len(),
+            committed - pinned
+        );
+        for (i, &slot) in order.iter().enumerate() {
+            ensure_invariant!(
+                self.kind[slot as usize] == Held::Committed && self.pins[slot as usize] == 0,
+                "LRU entry {slot} is not an unpinned committed checkpoint"
+            );
+            let expected_prev = if i == 0 { NIL } else { order[i - 1] };
+            ensure_invariant!(
+                self.prev[slot as usize] == expected_prev,
+                "LRU links broken at slot {slot}"
+            );
+        }
+        ensure_invariant!(
+            self.tail == order.last().copied().unwrap_or(NIL),
+            "LRU tail is wrong"
+        );
+        let counts = self.slots.counts();
+        ensure_invariant!(
+            counts.free + self.num_live_slots() + pending + committed == counts.total,
+            "free + live + pending + committed != usable slots"
+        );
+        Ok(())
+    }
+}
+
+impl std::fmt::Debug for LinearStatePrefixCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LinearStatePrefixCache")
+            .field("num_slots", &self.num_slots())
+            .field("free", &self.num_free_slots())
+            .field("live", &self.num_live_slots())
+            .field("pending", &self.num_pending)
+            .field("committed", &self.num_committed)
+            .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn h(x: u128) -> BlockHash {
+        BlockHash(x)
+    }
+
+    #[test]
+    fn pending_never_matches_and_commit_makes_it_matchable() {
+        let mut cache = LinearStatePrefixCache::new(4).unwrap();
+        let slot = cache.reserve_checkpoint(h(1)).unwrap();
+        assert!(!cache.contains(h(1)));
+        assert_eq!(cache.lookup(h(1)), None);
+        assert_eq!(cache.reserve_checkpoint(h(1)), None);
+        assert_eq!(cache.commit_checkpoint(h(1)).unwrap(), slot);
+        assert_eq!(cache.lookup(h(1)), Some(slot));
+        assert_eq!(cache.reserve_checkpoint(h(1)), None);
+        cache.check().unwrap();
+    }
+
+    #[test]
+    fn lru_eviction_skips_pinned() {
+        let mut cache = LinearStatePrefixCache::new(4).unwrap();
+        for x in 1..=3 {
+            cache.reserve_checkpoint(h(x)).unwrap();
+            cache.commit_checkpoint(h(x)).unwrap();
+        }
+        cache.pin(h(1)).unwrap();
+        cache.lookup(h(2));
+        // LRU: 3 then 2 (1 pinned); a live slot evicts 3.
+        let live = cache.acquire_live_slot().unwrap();
+        assert!(!cache.contains(h(3)) && cache.contains(h(1)) && cache.contains(h(2)));
+        cache.check().unwrap();
+        let _ = cache.acquire_live_slot().unwrap(); // evicts 2
+        assert!(cache.acquire_live_slot().is_err()); // 1 is pinned
+        cache.unpin(h(1)).unwrap();
+        assert!(cache.acquire_live_slot().is_ok());
+        cache.release_live_slot(live).unwrap();
+        cache.check().unwrap();
+    }
+
+    #[test]
+    fn promotion_commits_the_old_slot() {
+        let mut cache = LinearStatePrefixCache::new(3).unwrap();
+        let live = cache.acquire_live_slot().unwrap();
+        let fresh = cache.promote(live, h(9)).unwrap();
+        assert_ne!(fresh, live);
+        assert_eq!(cache.lookup(h(9)), Some(live));
+        assert_eq!(cache.num_live_slots(), 1);
+        assert!(cache.promote(fresh, h(9)).is_err());
+        cache.check().unwrap();
+    }
+}

@@ -1,0 +1,392 @@
+//! `SlidingWindowBlockManager`: the block group of sliding-window attention layers (R25).
+//!
+//! A layer with window `w` lets the query at position `p` attend to positions `[p - w + 1, p]`.
+//! Once a sequence has computed `c` tokens, its next query is at `c`, so every block whose tokens
+//! all lie before `c - w + 1` can never be read again: [`SlidingWindowBlockManager::slide`]
+//! releases those blocks and their table entries become the padding id 0. A fresh prefill holds
+//! all its blocks (the step that computes them needs them).
+//!
+//! Prefix sharing (the rule kvpool chooses, DESIGN.md R25): a window block is shareable only
+//! while some sequence still holds it. The manager keeps an index `chain hash -> block id` of
+//! the published window blocks, whose entries hold *no* reference: when the last holder
+//! releases a block it is free at once (window blocks never linger in a cache, which is what
+//! makes a window group small), and its index entry goes stale. A prefix hit at block boundary
+//! `k` is valid only if every block the next query can attend to, `[first_needed(k * bs), k)`,
+//! is still held by someone and indexed under the chain's hash with the same tokens; the hit
+//! then takes new handles on exactly those blocks (entries before them are 0). This is
+//! SGLang's SWA radix cache idea without its tombstones, or vLLM's sliding-window manager with
+//! only held blocks in the cache. It never hands out a released block: an entry is used only
+//! after [`BlockStore::try_retain`] proves the block is still held, and the id's publication is
+//! cleared whenever the manager hands the id out again.
+//!
+//! Invariants (checked by [`SlidingWindowBlockManager::check`]): those of the block manager
+//! (R1-R5); index entries name real ids (stale ones are skipped on lookup and pruned in bulk
+//! when the index outgrows twice the number of ids).
+//!
+//! [`BlockStore::try_retain`]: crate::block::BlockStore
+
+use std::collections::HashMap;
+
+use crate::block::Block;
+use crate::error::{ensure_arg, ensure_invariant, Result};
+use crate::hash::BlockHash;
+use crate::manager::{BlockCounts, BlockManager, BlockManagerImpl, ManagerConfig};
+
+/// A sequence's table in a sliding-window group: `released` leading entries are padding (0),
+/// then the blocks it still holds.
+#[derive(Debug, Default)]
+pub struct WindowTable {
+    pub(crate) released: usize,
+    pub(crate) blocks: Vec<Block>,
+    /// Leading blocks published in the window index.
+    pub(crate) published: usize,
+}
+
+impl WindowTable {
+    /// Entries of the table (released ones included).
+    pub fn len(&self) -> usize {
+        self.released + self.blocks.len()
+    }
+
+    /// Whether the table has no entries.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Released (padding) leading entries.
+    pub fn num_released(&self) -> usize {
+        self.released
+    }
+
+    /// Handles still held, from entry `num_released()` on.
+    pub fn blocks(&self) -> &[Block] {
+        &self.blocks
+    }
+
+    /// Block id of every entry, 0 for released ones.
+    pub fn ids(&self) -> impl Iterator<Item = u32> + '_ {
+        std::iter::repeat_n(0, self.released).chain(self.blocks.iter().map(Block::id))
+    }
+
+    /// The block of entry `index`, if held.
+    pub fn get(&self, index: usize) -> Option<&Block> {
+        index
+            .checked_sub(self.released)
+            .and_then(|i| self.blocks.get(i))
+    }
+
+    /// Drops every handle and empties the table.
+    pub fn clear(&mut self) {
+        self.blocks.clear();
+        self.released = 0;
+        self.published = 0;
+    }
+}
+
+/// Block allocator of a sliding-window group (window `window` tokens).
+pub struct SlidingWindowBlockManager {
+    inner: BlockManagerImpl,
+    window: usize,
+    sharing: Option<WindowIndex>,
+}
+
+/// Chain hash -> block id of published window blocks (entries hold no reference).
+struct WindowIndex {
+    index: HashMap<u128, u32>,
+    /// The hash each id is published under, if any (cleared when the id is handed out).
+    published: Vec<Option<BlockHash>>,
+    tokens: Vec<u32>,
+}
+
+impl SlidingWindowBlockManager {
+    /// `num_blocks` ids (padding 0 included) of `block_size` tokens for a window of `window`
+    /// tokens; `enable_sharing` keeps the index that lets prefix hits share held blocks.
+    pub fn new(
+        num_blocks: usize,
+        block_size: usize,
+        window: usize,
+        enable_sharing: bool,
+    ) -> Result<Self> {
+        ensure_arg!(window >= 1, "window", "must be at least 1, got {window}");
+        let mut config = ManagerConfig::new(num_blocks, block_size);
+        config.enable_prefix_cache = false;
+        let inner = BlockManagerImpl::new(config)?;
+        let sharing = enable_sharing.then(|| WindowIndex {
+            index: HashMap::new(),
+            published: vec![None; num_blocks],
+            tokens: vec![0; num_blocks * block_size],
+        });
+        Ok(Self {
+            inner,
+            window,
+            sharing,
+        })
+    }
+
+    /// The window, in tokens.
+    pub fn window(&self) -> usize {
+        self.window
+    }
+
+    /// Whether prefix hits may share held window blocks.
+    pub fn sharing(&self) -> bool {
+        self.sharing.is_some()
+    }
+
+    /// Free blocks.
+    pub fn num_free(&self) -> usize {
+        self.inner.store.free.len()
+    }
+
+    /// Index of the first block the query at position `num_computed_tokens` can attend to: the
+    /// blocks before it hold only tokens before `num_computed_tokens - window + 1`.
+    pub fn first_needed_block(&self, num_computed_tokens: usize) -> usize {
+        (num_computed_tokens + 1).saturating_sub(self.window) / self.block_size()
+    }
+
+    /// Releases the blocks of `table` no future query can attend to (R25); returns how many.
+    pub fn slide(&self, table: &mut WindowTable, num_computed_tokens: usize) -> usize {
+        let first = self
+            .first_needed_block(num_computed_tokens)
+            .min(table.len());
+        if first <= table.released {
+            return 0;
+        }
+        let count = first - table.released;
+        // Oldest first: drop the handles; ids nobody else holds are free at once.
+        table.blocks.drain(..count);
+        table.released = first;
+        count
+    }
+
+    /// How many blocks `slide` would make free right now (held only by this table).
+    pub fn releasable(&self, table: &WindowTable, num_computed_tokens: usize) -> usize {
+        let first = self
+            .first_needed_block(num_computed_tokens)
+            .min(table.len());
+        (table.released..first)
+            .filter(|&i| table.get(i).is_some_and(|b| b.ref_count() == 1))
+            .count()
+    }
+
+    /// Grows `table` to `num_entries` entries with fresh blocks (all-or-nothing, R3).
+    pub fn grow(&mut self, table: &mut WindowTable, num_entries: usize) -> Result<()> {
+        let need = num_entries.saturating_sub(table.len());
+        if need == 0 {
+            return Ok(());
+        }
+        let before = table.blocks.len();
+        self.inner.allocate_into(need, &mut table.blocks)?;
+        if let Some(sharing) = self.sharing.as_mut() {
+            for block in &table.blocks[before..] {
+                sharing.published[block.id() as usize] = None;
+            }
+        }
+        Ok(())
+    }
+
+    /// Publishes the held blocks of `table` among its first `num_full` entries (full blocks
+    /// whose KV exists) under their chain hashes, so prefix hits can share them.
+    pub fn publish(
+        &mut self,
+        table: &mut WindowTable,
+        hashes: &[BlockHash],
+        tokens: &[u32],
+        num_full: usize,
+    ) {
+        let block_size = self.block_size();
+        let Some(sharing) = self.sharing.as_mut() else {
+            return;
+        };
+        let end = num_full.min(table.len()).min(hashes.len());
+        let start = table.published.max(table.released);
+        for i in start..end {
+            let Some(block) = table.get(i) else { continue };
+            let id = block.id() as usize;
+            let hash = hashes[i];
+            if sharing.published[id].is_some() {
+                continue; // matched from another sequence: already published
+            }
+            if let Some(&other) = sharing.index.get(&hash.0) {
+                let held = self.inner.store.state(other) & crate::block::COUNT_MASK != 0;
+                if held && sharing.published[other as usize] == Some(hash) {
+                    continue; // first writer wins (R9): another held block has this chain
+                }
+            }
+            sharing.published[id] = Some(hash);
+            sharing.tokens[id * block_size..(id + 1) * block_size]
+                .copy_from_slice(&tokens[i * block_size..(i + 1) * block_size]);
+            sharing.index.insert(hash.0, id as u32);
+        }
+        table.published = table.published.max(end);
+        if sharing.index.len() > 2 * sharing.published.len() + 64 {
+            let store = &self.inner.store;
+            let published = &sharing.published;
+            sharing.index.retain(|&hash, &mut id| {
+                store.state(id) & crate::block::COUNT_MASK != 0
+                    && published[id as usize].map(|h| h.0) == Some(hash)
+            });
+        }
+    }
+
+    /// The held, published block of chain hash `hash` with these `tokens`, if any.
+    fn find(&self, hash: BlockHash, tokens: &[u32]) -> Option<u32> {
+        let sharing = self.sharing.as_ref()?;
+        let &id = sharing.index.get(&hash.0)?;
+        let block_size = self.block_size();
+        let held = self.inner.store.state(id) & crate::block::COUNT_MASK != 0;
+        (held
+            && sharing.published[id as usize] == Some(hash)
+            && sharing.tokens[id as usize * block_size..(id as usize + 1) * block_size] == *tokens)
+            .then_some(id)
+    }
+
+    /// Whether a prefix hit at block boundary `k` is valid for this group: every block the next
+    /// query can attend to is held and published under the chain (module doc).
+    pub fn hit_valid(&self, hashes: &[BlockHash], tokens: &[u32], k: usize) -> bool {
+        if k == 0 {
+            return true;
+        }
+        let block_size = self.block_size();
+        let first = self.first_needed_block(k * block_size);
+        (first..k).rev().all(|i| {
+            self.find(hashes[i], &tokens[i * block_size..(i + 1) * block_size])
+                .is_some()
+        })
+    }
+
+    /// Fills an empty `table` for a hit at boundary `k` (after [`Self::hit_valid`]): entries
+    /// before the window are padding, the window's blocks are shared. False (table untouched)
+    /// if a block was released meanwhile.
+    pub fn take_hit(
+        &self,
+        table: &mut WindowTable,
+        hashes: &[BlockHash],
+        tokens: &[u32],
+        k: usize,
+    ) -> bool {
+        debug_assert!(table.is_empty());
+        let block_size = self.block_size();
+        let first = self.first_needed_block(k * block_size);
+        let mut blocks = Vec::with_capacity(k - first);
+        for i in first..k {
+            let Some(id) = self.find(hashes[i], &tokens[i * block_size..(i + 1) * block_size])
+            else {
+                return false;
+            };
+            match self.inner.store.try_retain(id) {
+                Some(block) => blocks.push(block),
+                None => return false,
+            }
+        }
+        table.released = first;
+        table.blocks = blocks;
+        table.published = k;
+        true
+    }
+
+    /// Forgets every published block (the blocks stay with their holders).
+    pub fn reset_sharing(&mut self) {
+        if let Some(sharing) = self.sharing.as_mut() {
+            sharing.index.clear();
+            sharing.published.iter_mut().for_each(|p| *p = None);
+        }
+    }
+
+    /// Index entries that still point at a held, published block.
+    pub fn num_shared_entries(&self) -> usize {
+        let Some(sharing) = self.sharing.as_ref() else {
+            return 0;
+        };
+        sharing
+            .index
+            .iter()
+            .filter(|(&hash, &id)| {
+                self.inner.store.state(id) & crate::block::COUNT_MASK != 0
+                    && sharing.published[id as usize].map(|h| h.0) == Some(hash)
+            })
+            .count()
+    }
+}
+
+impl BlockManager for SlidingWindowBlockManager {
+    fn block_size(&self) -> usize {
+        self.inner.block_size()
+    }
+    fn owns(&self, block: &Block) -> bool {
+        self.inner.owns(block)
+    }
+    fn counts(&self) -> BlockCounts {
+        self.inner.counts()
+    }
+    fn allocate(&mut self, n: usize) -> Result<Vec<Block>> {
+        let blocks = self.inner.allocate(n)?;
+        if let Some(sharing) = self.sharing.as_mut() {
+            for block in &blocks {
+                sharing.published[block.id() as usize] = None;
+            }
+        }
+        Ok(blocks)
+    }
+    fn deallocate(&mut self, blocks: Vec<Block>) -> Result<()> {
+        self.inner.deallocate(blocks)
+    }
+    fn allocate_shared(&mut self, _tokens: &[u32], _extra_key: Option<&[u8]>) -> Vec<Block> {
+        Vec::new()
+    }
+    fn cache(
+        &mut self,
+        _tokens: &[u32],
+        blocks: &[Block],
+        _extra_key: Option<&[u8]>,
+    ) -> Result<usize> {
+        for block in blocks {
+            ensure_arg!(
+                self.owns(block),
+                "blocks",
+                "block {} belongs to another manager",
+                block.id()
+            );
+        }
+        Ok(0)
+    }
+    fn evict(&mut self, _n: usize) -> usize {
+        0
+    }
+    fn reset_prefix_cache(&mut self) {
+        self.reset_sharing();
+    }
+    fn check(&self) -> Result<()> {
+        self.inner.check()?;
+        if let Some(sharing) = &self.sharing {
+            for &id in sharing.index.values() {
+                ensure_invariant!(
+                    (id as usize) < sharing.published.len() && id != 0,
+                    "window index entry points at id {id}"
+                );
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn seed_window_example() {
+        // R25: block size 4, window 8, 20-token prefill then one appended token.
+        let mut manager = SlidingWindowBlockManager::new(16, 4, 8, false).unwrap();
+        let mut table = WindowTable::default();
+        manager.grow(&mut table, 5).unwrap();
+        assert_eq!(manager.slide(&mut table, 0), 0);
+        assert_eq!(table.len(), 5);
+        manager.grow(&mut table, 6).unwrap(); // 21 tokens
+        assert_eq!(manager.releasable(&table, 20), 3);
+        assert_eq!(manager.slide(&mut table, 20), 3);
+        assert_eq!(table.ids().take(3).collect::<Vec<_>>(), vec![0, 0, 0]);
+        assert_eq!(manager.num_free(), 15 - 3);
+        manager.check().unwrap();
+    }
+}
