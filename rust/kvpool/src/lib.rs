@@ -8,6 +8,7 @@ pub mod block;
 pub mod error;
 pub mod free_list;
 pub mod hash;
+pub mod hierarchy;
 pub mod manager;
 pub mod pool;
 pub mod prefix_cache;
@@ -18,6 +19,10 @@ pub use block::Block;
 pub use error::{KvPoolError, Result};
 pub use free_list::FreeList;
 pub use hash::{BlockHash, BlockHasher, DEFAULT_HASH_SEED};
+pub use hierarchy::{
+    HierarchyBlockManagerPool, HierarchyConfig, HierarchyStats, HostStats, OffloadPolicy,
+    TransferDirection, TransferPlan,
+};
 pub use manager::{
     BlockCounts, BlockManager, BlockManagerImpl, ManagerConfig, SingleBlockManager, MAX_BLOCKS,
 };

@@ -232,12 +232,18 @@ impl BlockManagerPool {
         self.ranks.get(rank).map(|r| &r.blocks)
     }
 
+    /// host tier (R26): the block manager of `rank`, mutable (hierarchy.rs publishes loads).
+    pub(crate) fn block_manager_mut(&mut self, rank: usize) -> Option<&mut BlockManagerImpl> {
+        self.ranks.get_mut(rank).map(|r| &mut r.blocks)
+    }
+
     /// Block counts of `rank`.
     pub fn counts(&self, rank: usize) -> BlockCounts {
         self.ranks[rank].blocks.counts()
     }
 
-    fn check_owner(&self, seq: &Sequence) -> Result<bool> {
+    // host tier (R26): pub(crate) for hierarchy.rs
+    pub(crate) fn check_owner(&self, seq: &Sequence) -> Result<bool> {
         match seq.owner {
             None => Ok(false),
             Some(owner) if owner == self.id => Ok(true),
@@ -311,7 +317,8 @@ impl BlockManagerPool {
     }
 
     /// Moves the caches' events into the pool's list (R21).
-    fn collect_events(&mut self, rank_index: usize) {
+    // host tier (R26): pub(crate) for hierarchy.rs
+    pub(crate) fn collect_events(&mut self, rank_index: usize) {
         let Some(events) = self.events.as_mut() else {
             return;
         };

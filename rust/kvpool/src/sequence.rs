@@ -10,7 +10,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use crate::block::Block;
 use crate::error::{ensure_arg, Result};
 use crate::hash::{BlockHash, BlockHasher};
+use crate::hierarchy::LoadTicket; // host tier (R26)
 use crate::prefix_cache::ExtraKey;
+use crate::sync::Arc; // host tier (R26)
 
 static NEXT_SEQ_ID: AtomicU64 = AtomicU64::new(1);
 
@@ -32,6 +34,8 @@ pub struct Sequence {
     /// Leading blocks known to be in the owner's cache as this chain's, and the cache epoch.
     pub(crate) num_published: usize,
     pub(crate) published_epoch: u64,
+    /// host tier (R26): the host load of this allocation, until the pool folds it in.
+    pub(crate) host_load: Option<Arc<LoadTicket>>,
 }
 
 impl Sequence {
@@ -54,6 +58,7 @@ impl Sequence {
             hashes_for: None,
             num_published: 0,
             published_epoch: 0,
+            host_load: None, // host tier (R26)
         }
     }
 
@@ -113,16 +118,17 @@ impl Sequence {
 
     /// Tokens whose KV came from the prefix cache at allocation.
     pub fn num_cached_tokens(&self) -> usize {
-        self.num_cached_tokens
+        self.num_cached_tokens.max(self.host_loaded_tokens()) // host tier (R26)
     }
 
     /// Tokens whose KV exists (advanced by the engine after each step, R17).
     pub fn num_computed_tokens(&self) -> usize {
-        self.num_computed_tokens
+        self.num_computed_tokens.max(self.host_loaded_tokens()) // host tier (R26)
     }
 
     /// Advances `num_computed_tokens` (R17): never lowers, never past `len` or the table.
     pub fn set_num_computed_tokens(&mut self, n: usize) -> Result<()> {
+        self.fold_host_load(); // host tier (R26)
         ensure_arg!(
             n >= self.num_computed_tokens,
             "num_computed_tokens",
@@ -197,6 +203,7 @@ impl Sequence {
         self.num_computed_tokens = 0;
         self.num_published = 0;
         self.owner = None;
+        self.host_load = None; // host tier (R26): an unconfirmed load no longer applies
     }
 }
 
