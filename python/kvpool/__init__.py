@@ -10,6 +10,7 @@ from kvpool._core import (
     Block,
     BlockManager,
     BlockManagerPool,
+    HierarchyBlockManagerPool,
     InvariantError,
     KVEvent,
     KVPoolError,
@@ -17,6 +18,7 @@ from kvpool._core import (
     PrefixCache,
     Sequence,
     SingleBlockManager,
+    TransferPlan,
     __version__,
     hash_blocks,
 )
@@ -26,6 +28,7 @@ __all__ = [
     "Block",
     "BlockManager",
     "BlockManagerPool",
+    "HierarchyBlockManagerPool",
     "InvariantError",
     "KVEvent",
     "KVPoolError",
@@ -33,6 +36,7 @@ __all__ = [
     "PrefixCache",
     "Sequence",
     "SingleBlockManager",
+    "TransferPlan",
     "__version__",
     "hash_blocks",
 ]

@@ -3,6 +3,7 @@
 
 mod convert;
 mod errors;
+mod hierarchy; // host tier (R26)
 mod manager;
 mod pool;
 
@@ -27,5 +28,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<pool::PySequence>()?;
     m.add_class::<pool::PyBlockManagerPool>()?;
     m.add_class::<pool::PyKvEvent>()?;
+    m.add_class::<hierarchy::PyHierarchyBlockManagerPool>()?; // host tier (R26)
+    m.add_class::<hierarchy::PyTransferPlan>()?; // host tier (R26)
     Ok(())
 }

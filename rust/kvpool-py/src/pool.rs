@@ -530,3 +530,56 @@ impl PyBlockManagerPool {
         )
     }
 }
+
+// host tier (R26): helpers shared with hierarchy.rs (additive; the pool above is unchanged).
+
+/// `seq` as a `kvpool.Sequence`, else a TypeError naming it.
+pub(crate) fn sequence_arg<'a, 'py>(
+    obj: &'a Bound<'py, PyAny>,
+) -> PyResult<&'a Bound<'py, PySequence>> {
+    seq_ref(obj)
+}
+
+/// `seqs` as a list of `kvpool.Sequence`, else a TypeError naming it.
+pub(crate) fn sequence_list<'py>(
+    seqs: &Bound<'py, PyAny>,
+) -> PyResult<Vec<Bound<'py, PySequence>>> {
+    seq_list(seqs)
+}
+
+/// Validates the `group` argument of block_tables / slot_mapping.
+pub(crate) fn group_arg(group: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
+    check_group(group)
+}
+
+/// The stats dict of one rank (or the totals) of a pool (R20).
+pub(crate) fn rank_stats_dict<'py>(py: Python<'py>, r: &RankStats) -> PyResult<Bound<'py, PyDict>> {
+    rank_dict(py, r)
+}
+
+/// Core KV events as a list of `kvpool.KVEvent` (R21).
+pub(crate) fn events_list<'py>(
+    py: Python<'py>,
+    events: Vec<kvpool::KvEvent>,
+) -> PyResult<Bound<'py, PyList>> {
+    let out = PyList::empty(py);
+    for e in events {
+        let event = PyKvEvent {
+            kind: e.kind.as_str().to_owned(),
+            block_hashes: e
+                .block_hashes
+                .iter()
+                .map(|h| PyBytes::new(py, &h.to_bytes()).unbind())
+                .collect(),
+            parent_hash: e
+                .parent_hash
+                .map(|h| PyBytes::new(py, &h.to_bytes()).unbind()),
+            token_ids: e.token_ids,
+            block_size: e.block_size,
+            dp_rank: e.dp_rank,
+            extra_key: e.extra_key.map(|k| PyBytes::new(py, &k).unbind()),
+        };
+        out.append(Bound::new(py, event)?)?;
+    }
+    Ok(out)
+}

@@ -6,14 +6,16 @@
 //!
 //! - **load** (host -> device), planned by `allocate` of a sequence that holds nothing: after the
 //!   device match (R8) the chain continues in the host cache; host hits get the fresh device blocks
-//!   of their table entries. The pending record holds the host sources and the device chain
-//!   (matched blocks plus destinations). `complete_loads` publishes the chain in the device cache
-//!   and marks the sequence's [`LoadTicket`] done.
+//!   of their table entries. The pending record holds the chain from block 0 on both tiers
+//!   (host: the hit; device: matched blocks plus destinations). `complete_loads` publishes the
+//!   device chain in the device cache and marks the sequence's [`LoadTicket`] done.
 //! - **offload** (device -> host), planned by `deallocate`: the sequence's full computed blocks
 //!   after the longest prefix already on host (and before the first block already being
 //!   offloaded) get host blocks (host LRU may evict; if the host is short, the longest prefix that
-//!   fits). The record holds the device sources and the host chain (the pinned host prefix plus
-//!   destinations). `complete_offloads` publishes the chain in the host cache.
+//!   fits). The record holds the chain from block 0 on both tiers (device: the sequence's blocks;
+//!   host: the pinned host prefix plus destinations). `complete_offloads` publishes the host
+//!   chain in the host cache. Holding whole chains keeps R15 exact: no held block ever has a
+//!   cache-only ancestor, which would count as available but could not be evicted (R10).
 //!
 //! The ticket scheme: the caller owns the [`Sequence`], so `complete_loads` cannot reach it. A load
 //! shares an `Arc<LoadTicket>` (a done flag and the token count the load brings the sequence to)
@@ -180,15 +182,16 @@ impl Sequence {
     }
 }
 
-/// A chain of blocks in transfer: blocks `start..hashes.len()` are copied from `src` to
-/// `chain[start..]`; `chain[..start]` is the destination tier's prefix the chain hangs from.
+/// A chain of blocks in transfer: blocks `start..hashes.len()` are copied from `src[start..]`
+/// to `chain[start..]`. Both tiers hold the whole chain from block 0, so no pinned block ever
+/// has a cache-only ancestor (which would count as evictable but could not be evicted, R10).
 struct Pending {
     hashes: Vec<BlockHash>,
     tokens: Vec<u32>,
     extra_key: Option<ExtraKey>,
     /// Destination tier: the whole chain (prefix plus destinations).
     chain: Vec<Block>,
-    /// Source tier: one block per destination.
+    /// Source tier: the whole chain (prefix plus sources).
     src: Vec<Block>,
     start: usize,
     /// Loads: the ticket of the sequence.
@@ -274,7 +277,7 @@ pub struct HierarchyBlockManagerPool {
 }
 
 fn pending_len(records: &[Pending]) -> usize {
-    records.iter().map(|r| r.src.len()).sum()
+    records.iter().map(|r| r.src.len() - r.start).sum()
 }
 
 impl HierarchyBlockManagerPool {
@@ -401,9 +404,6 @@ impl HierarchyBlockManagerPool {
         let hashes = seq.hashes(end).to_vec();
         let matched = cache.match_prefix(&hashes, seq.tokens(), seq.extra_key(), end, &mut src);
         debug_assert_eq!(matched, end);
-        // Only the blocks past the device hit are sources; the rest go back (a hit: R11).
-        let src: Vec<Block> = src.drain(device_hit..).collect();
-        cache.drain_released();
         host.hit_tokens += (loads * bs) as u64;
         let ticket = Arc::new(LoadTicket {
             done: AtomicU32::new(0),
@@ -475,7 +475,7 @@ impl HierarchyBlockManagerPool {
             tokens: seq.tokens()[..end * bs].to_vec(),
             extra_key: seq.extra_key_arc().cloned(),
             chain,
-            src: seq.blocks[on_host..end].to_vec(),
+            src: seq.blocks[..end].to_vec(),
             start: on_host,
             ticket: None,
         });
@@ -494,7 +494,7 @@ impl HierarchyBlockManagerPool {
             let n = pending_len(&records);
             let (mut src, mut dst) = (Vec::with_capacity(n), Vec::with_capacity(n));
             for r in &records {
-                src.extend(r.src.iter().map(|b| b.id() as i32));
+                src.extend(r.src[r.start..].iter().map(|b| b.id() as i32));
                 dst.extend(r.chain[r.start..].iter().map(|b| b.id() as i32));
             }
             // Relaxed: only uniqueness matters.
@@ -716,10 +716,18 @@ impl HierarchyBlockManagerPool {
                 .check()
                 .map_err(|e| in_rank(e, rank, "host tier"))?;
             records[rank].extend(host.loads.iter().map(|r| (TransferDirection::Load, r)));
-            records[rank].extend(host.offloads.iter().map(|r| (TransferDirection::Offload, r)));
+            records[rank].extend(
+                host.offloads
+                    .iter()
+                    .map(|r| (TransferDirection::Offload, r)),
+            );
         }
         for taken in self.taken.values() {
-            ensure_invariant!(taken.rank < self.hosts.len(), "plan of rank {} out of range", taken.rank);
+            ensure_invariant!(
+                taken.rank < self.hosts.len(),
+                "plan of rank {} out of range",
+                taken.rank
+            );
             records[taken.rank].extend(taken.records.iter().map(|r| (taken.direction, r)));
         }
         let bs = self.pool.block_size();
@@ -732,7 +740,10 @@ impl HierarchyBlockManagerPool {
             for &(direction, r) in records {
                 let n = r.hashes.len();
                 ensure_invariant!(
-                    r.chain.len() == n && r.start + r.src.len() == n && r.tokens.len() == n * bs,
+                    r.chain.len() == n
+                        && r.src.len() == n
+                        && r.start < n
+                        && r.tokens.len() == n * bs,
                     "dp rank {rank}: pending {direction:?} record has inconsistent lengths"
                 );
                 let (src_tier, dst_tier): (&BlockManagerImpl, &BlockManagerImpl) = match direction {
@@ -741,7 +752,9 @@ impl HierarchyBlockManagerPool {
                 };
                 ensure_invariant!(
                     r.src.iter().all(|b| src_tier.owns(b) && b.ref_count() >= 1)
-                        && r.chain.iter().all(|b| dst_tier.owns(b) && b.ref_count() >= 1),
+                        && r.chain
+                            .iter()
+                            .all(|b| dst_tier.owns(b) && b.ref_count() >= 1),
                     "dp rank {rank}: pending {direction:?} names a block of the wrong tier (R26)"
                 );
                 for b in &r.chain[r.start..] {

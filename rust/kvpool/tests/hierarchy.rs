@@ -40,7 +40,10 @@ fn offload_holds_device_blocks_until_confirmed() {
     let st = p.stats();
     assert_eq!(st.device.total.counts.used, 3);
     assert_eq!(st.host.pending_offload_blocks, 3);
-    assert_eq!(st.host.counts.used, 3, "host destinations are held, not cached");
+    assert_eq!(
+        st.host.counts.used, 3,
+        "host destinations are held, not cached"
+    );
     p.check().unwrap();
     p.complete_offloads(&refs(&plans)).unwrap();
     let st = p.stats();
@@ -65,12 +68,19 @@ fn host_hit_after_device_eviction_loads_and_counts_after_confirmation() {
     let mut big = seq(1000..1060); // 15 blocks: every device block
     assert!(p.allocate(&mut big, None).unwrap());
     p.deallocate(&mut big).unwrap();
-    assert!(p.take_offload_plans().is_empty(), "nothing computed, nothing offloaded");
+    assert!(
+        p.take_offload_plans().is_empty(),
+        "nothing computed, nothing offloaded"
+    );
     assert_eq!(p.stats().device.total.counts.cached, 0);
 
     let mut b = seq(0..13);
     assert!(p.allocate(&mut b, None).unwrap());
-    assert_eq!(b.num_cached_tokens(), 0, "not cached before the load is confirmed");
+    assert_eq!(
+        b.num_cached_tokens(),
+        0,
+        "not cached before the load is confirmed"
+    );
     let loads = p.take_load_plans();
     assert_eq!(loads.len(), 1);
     assert_eq!(loads[0].len(), 3);
@@ -107,7 +117,10 @@ fn plans_complete_once_and_only_in_their_pool() {
     let twice = [&plans[0], &plans[0]];
     assert!(p.complete_offloads(&twice).is_err(), "listed twice");
     p.complete_offloads(&refs(&plans)).unwrap();
-    assert!(p.complete_offloads(&refs(&plans)).is_err(), "completed twice");
+    assert!(
+        p.complete_offloads(&refs(&plans)).is_err(),
+        "completed twice"
+    );
     p.check().unwrap();
 }
 
@@ -135,7 +148,11 @@ fn deallocate_during_pending_load_keeps_blocks_and_leaks_nothing() {
     let again = p.take_load_plans();
     assert!(again[0].dst.iter().all(|d| !loads[0].dst.contains(d)));
     p.complete_loads(&refs(&loads)).unwrap();
-    assert_eq!(b.num_cached_tokens(), 0, "an old ticket does not touch the new allocation");
+    assert_eq!(
+        b.num_cached_tokens(),
+        0,
+        "an old ticket does not touch the new allocation"
+    );
     p.complete_loads(&refs(&again)).unwrap();
     assert_eq!(b.num_cached_tokens(), 12);
     p.deallocate(&mut b).unwrap();
