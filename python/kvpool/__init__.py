@@ -11,6 +11,7 @@ from kvpool._core import (
     BlockManager,
     BlockManagerPool,
     CompositeBlockManager,
+    HierarchyBlockManagerPool,
     InvariantError,
     KVEvent,
     KVPoolError,
@@ -21,6 +22,7 @@ from kvpool._core import (
     Sequence,
     SingleBlockManager,
     SlidingWindowBlockManager,
+    TransferPlan,
     __version__,
     hash_blocks,
 )
@@ -31,6 +33,7 @@ __all__ = [
     "BlockManager",
     "BlockManagerPool",
     "CompositeBlockManager",
+    "HierarchyBlockManagerPool",
     "InvariantError",
     "KVEvent",
     "KVPoolError",
@@ -41,6 +44,7 @@ __all__ = [
     "Sequence",
     "SingleBlockManager",
     "SlidingWindowBlockManager",
+    "TransferPlan",
     "__version__",
     "hash_blocks",
 ]

@@ -31,6 +31,8 @@ __all__ = [
     "LinearStatePlan",
     "SlidingWindowBlockManager",
     "CompositeBlockManager",
+    "HierarchyBlockManagerPool",
+    "TransferPlan",
 ]
 
 # Type aliases and TypedDicts below are stub-only (private: not present at runtime).
@@ -95,6 +97,41 @@ class _PoolStats(_RankStats):
     """``BlockManagerPool.stats()``: totals over all ranks plus ``ranks``, one dict per rank."""
 
     ranks: list[_RankStats]
+
+class _HostStats(_BlockCounts):
+    """The host tier of a ``HierarchyBlockManagerPool`` rank (R26): counts plus transfers."""
+
+    prefix_query_tokens: int
+    prefix_hit_tokens: int
+    num_evictions: int
+    num_loaded_blocks: int
+    num_offloaded_blocks: int
+    num_pending_load_blocks: int
+    num_pending_offload_blocks: int
+
+class _HierarchyRankStats(_BlockCounts):
+    """Statistics of one dp rank of a ``HierarchyBlockManagerPool``: device tier plus ``host``."""
+
+    prefix_query_tokens: int
+    prefix_hit_tokens: int
+    num_evictions: int
+    num_free_single_blocks: int
+    num_live_slots: int
+    num_pending_checkpoints: int
+    num_committed_checkpoints: int
+    num_free_linear_state_slots: int
+    linear_state_hits: int
+    num_checkpoint_evictions: int
+    num_checkpoint_commits: int
+    window: _WindowCounts | None
+    host: _HostStats
+
+class _HierarchyPoolStats(_HierarchyRankStats):
+    """``HierarchyBlockManagerPool.stats()``: totals plus ``ranks``, one dict per rank."""
+
+    ranks: list[_HierarchyRankStats]
+
+_OffloadPolicy: TypeAlias = Literal["on_deallocate", "on_evict"]
 
 __version__: Final[str]
 """Version of the kvpool core."""
@@ -1004,3 +1041,195 @@ class CompositeBlockManager:
 
     def check(self) -> None:
         """Walk every group; raises ``InvariantError`` if a rule is broken."""
+
+# --- host tier (R26) --------------------------------------------------------------------------
+
+@final
+class TransferPlan:
+    """Block copies of one dp rank in one direction: copy block ``src[i]`` to block ``dst[i]``.
+
+    Made by ``HierarchyBlockManagerPool.take_load_plans`` / ``take_offload_plans``; run it with
+    one ``kvpool.kernels.swap_blocks`` call per cache array (or ``kvpool.transfer``'s executors),
+    then hand it back to ``complete_loads`` / ``complete_offloads``.
+    """
+
+    @property
+    def dp_rank(self) -> int:
+        """The dp rank whose caches the ids index."""
+
+    @property
+    def src(self) -> NDArray[np.int32]:
+        """Source block ids, int32 ``[n]``: host ids for a load, device ids for an offload."""
+
+    @property
+    def dst(self) -> NDArray[np.int32]:
+        """Destination block ids, int32 ``[n]``, distinct: device ids for a load, host for an offload."""
+
+    @property
+    def direction(self) -> Literal["load", "offload"]:
+        """``"load"`` (host -> device) or ``"offload"`` (device -> host)."""
+
+    def __len__(self) -> int: ...
+
+@final
+class HierarchyBlockManagerPool:
+    """A ``BlockManagerPool`` with a host-memory KV tier per dp rank (R26).
+
+    Each rank has a device manager and a host manager (ids ``1..host_num_blocks-1``), each with
+    its own prefix cache. ``allocate`` continues the device prefix match in the host cache and
+    plans loads (host id -> device id) for the host hits; ``deallocate`` plans offloads (device
+    id -> host id) of the full computed blocks not yet on host. Blocks in a pending transfer are
+    held on both tiers until the engine confirms it; loaded tokens count in
+    ``num_cached_tokens`` / ``num_computed_tokens`` only after ``complete_loads``.
+
+    Parameters
+    ----------
+    num_blocks : int
+        Device block ids per rank, padding block 0 included.
+    host_num_blocks : int
+        Host block ids per rank, padding block 0 included (>= 2).
+    block_size : int
+        Tokens per block (both tiers).
+    offload_policy : {"on_deallocate", "on_evict"}
+        ``"on_deallocate"``: a released sequence's full computed blocks not on host are
+        offloaded. ``"on_evict"``: only the blocks that the release makes evictable (held by
+        nothing but the device cache); a block another sequence holds goes when its last
+        holder releases it.
+    dp_size, enable_prefix_cache, num_single_blocks, concurrent, enable_events, hash_seed, debug_hash_bits
+        As for ``BlockManagerPool``. Without the device prefix cache the host tier stays idle.
+    linear_state_slots, checkpoint_interval, linear_state_match, sliding_window, swa_num_blocks
+        Not available with a host tier in this build (ValueError if set).
+
+    Raises
+    ------
+    ValueError
+        An argument is out of range (the message names it).
+    """
+
+    def __new__(
+        cls,
+        num_blocks: int,
+        host_num_blocks: int,
+        block_size: int,
+        *,
+        dp_size: int = 1,
+        enable_prefix_cache: bool = True,
+        num_single_blocks: int | None = None,
+        offload_policy: _OffloadPolicy = "on_deallocate",
+        linear_state_slots: int = 0,
+        checkpoint_interval: int | None = None,
+        linear_state_match: _LinearStateMatch = "deepest",
+        concurrent: bool = False,
+        enable_events: bool = False,
+        hash_seed: int | None = None,
+        sliding_window: int | None = None,
+        swa_num_blocks: int | None = None,
+        debug_hash_bits: int | None = None,
+    ) -> HierarchyBlockManagerPool: ...
+    @property
+    def num_blocks(self) -> int:
+        """Device block ids per rank, padding block included."""
+
+    @property
+    def host_num_blocks(self) -> int:
+        """Host block ids per rank, padding block included."""
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per block."""
+
+    @property
+    def dp_size(self) -> int:
+        """Number of data-parallel ranks."""
+
+    @property
+    def enable_prefix_cache(self) -> bool:
+        """Whether each rank keeps a device prefix cache."""
+
+    @property
+    def offload_policy(self) -> _OffloadPolicy:
+        """``"on_deallocate"`` or ``"on_evict"``."""
+
+    def can_allocate(self, seq: Sequence, num_tokens: int | None = None) -> bool:
+        """What ``allocate(seq, num_tokens)`` would return, with no side effect on either tier (R15)."""
+
+    def allocate(self, seq: Sequence, num_tokens: int | None = None) -> bool:
+        """Device match, host match past it, then new blocks (R8, R13, R14, R26).
+
+        Host hits get fresh device blocks (their table entries) and a load plan; they are
+        trimmed to what the device can hold, so success is decided exactly as for
+        ``BlockManagerPool``. On a sequence that holds blocks, grows its table.
+
+        Returns
+        -------
+        bool
+            False if the blocks cannot be had; both tiers and ``seq`` are then unchanged.
+        """
+
+    def can_append(self, seq: Sequence, lookahead: int = 0) -> bool:
+        """Whether the blocks for ``len(seq) + lookahead`` tokens can be had (R16)."""
+
+    def may_append(self, seq: Sequence, lookahead: int = 0) -> bool:
+        """Take the blocks ``can_append`` asks about (all or nothing)."""
+
+    def cache(self, seq: Sequence) -> None:
+        """Publish the full computed blocks in the device prefix cache (R17)."""
+
+    def deallocate(self, seq: Sequence) -> None:
+        """``cache(seq)``, plan the offload of its blocks not yet on host, release it (R18, R26).
+
+        Offloaded device blocks stay held until ``complete_offloads``.
+        """
+
+    def take_load_plans(self) -> list[TransferPlan]:
+        """Load plans (host -> device) made since the last call, one per rank that has any.
+
+        Run them before the step that needs the blocks, then call ``complete_loads``.
+        """
+
+    def take_offload_plans(self) -> list[TransferPlan]:
+        """Offload plans (device -> host) made since the last call, one per rank that has any."""
+
+    def complete_loads(self, plans: Iterable[TransferPlan]) -> None:
+        """Confirm that ``plans`` ran: loaded tokens count as cached and computed (R26).
+
+        Raises
+        ------
+        ValueError
+            A plan of another pool, an offload plan, a plan listed twice or already completed;
+            nothing is changed then.
+        """
+
+    def complete_offloads(self, plans: Iterable[TransferPlan]) -> None:
+        """Confirm that ``plans`` ran: the host blocks become matchable, device blocks are released.
+
+        Raises
+        ------
+        ValueError
+            A plan of another pool, a load plan, a plan listed twice or already completed;
+            nothing is changed then.
+        """
+
+    def block_tables(self, seqs: Iterable[Sequence], group: int = 0) -> NDArray[np.int32]:
+        """Block tables of ``seqs``: int32 ``[len(seqs), max_blocks]``, padded with 0 (R19)."""
+
+    def slot_mapping(self, seqs: Iterable[Sequence], group: int = 0) -> NDArray[np.int64]:
+        """Cache slots (int64) of tokens ``[num_computed_tokens, len)`` of every sequence (R19)."""
+
+    def stats(self) -> _HierarchyPoolStats:
+        """Device statistics (R20) with ``host`` (host counts and transfers), totals and per rank."""
+
+    def check(self) -> None:
+        """Walk both tiers of every rank and every pending plan.
+
+        Raises
+        ------
+        InvariantError
+            A rule is broken.
+        """
+
+    def drain_events(self) -> list[KVEvent]:
+        """Return and clear the device tier's KV events (R21)."""
+
+    def reset_prefix_cache(self) -> None:
+        """Drop every cached entry of both tiers; held and pending blocks stay held (R12, R26)."""

@@ -3,6 +3,7 @@
 
 mod convert;
 mod errors;
+mod hierarchy; // host tier (R26)
 mod hybrid;
 mod manager;
 mod pool;
@@ -32,5 +33,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<hybrid::PyLinearStatePlan>()?;
     m.add_class::<hybrid::PySlidingWindowBlockManager>()?;
     m.add_class::<hybrid::PyCompositeBlockManager>()?;
+    m.add_class::<hierarchy::PyHierarchyBlockManagerPool>()?; // host tier (R26)
+    m.add_class::<hierarchy::PyTransferPlan>()?; // host tier (R26)
     Ok(())
 }

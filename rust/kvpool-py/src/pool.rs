@@ -207,7 +207,7 @@ impl PyKvEvent {
     }
 }
 
-fn rank_dict<'py>(py: Python<'py>, r: &RankStats) -> PyResult<Bound<'py, PyDict>> {
+pub(crate) fn rank_dict<'py>(py: Python<'py>, r: &RankStats) -> PyResult<Bound<'py, PyDict>> {
     let d = counts_dict(py, &r.counts)?;
     d.set_item("prefix_query_tokens", r.prefix_query_tokens)?;
     d.set_item("prefix_hit_tokens", r.prefix_hit_tokens)?;
@@ -243,7 +243,7 @@ pub struct PyBlockManagerPool {
     concurrent: bool,
 }
 
-fn seq_ref<'a, 'py>(obj: &'a Bound<'py, PyAny>) -> PyResult<&'a Bound<'py, PySequence>> {
+pub(crate) fn seq_ref<'a, 'py>(obj: &'a Bound<'py, PyAny>) -> PyResult<&'a Bound<'py, PySequence>> {
     obj.cast::<PySequence>().map_err(|_| {
         type_error(
             "seq",
@@ -252,7 +252,7 @@ fn seq_ref<'a, 'py>(obj: &'a Bound<'py, PyAny>) -> PyResult<&'a Bound<'py, PySeq
     })
 }
 
-fn seq_list<'py>(seqs: &Bound<'py, PyAny>) -> PyResult<Vec<Bound<'py, PySequence>>> {
+pub(crate) fn seq_list<'py>(seqs: &Bound<'py, PyAny>) -> PyResult<Vec<Bound<'py, PySequence>>> {
     seqs.try_iter()
         .map_err(|_| type_error("seqs", "must be an iterable of kvpool.Sequence"))?
         .map(|item| {
@@ -318,7 +318,7 @@ impl PyBlockManagerPool {
     }
 }
 
-fn group_arg(group: Option<&Bound<'_, PyAny>>) -> PyResult<usize> {
+pub(crate) fn group_arg(group: Option<&Bound<'_, PyAny>>) -> PyResult<usize> {
     match group {
         Some(g) if !g.is_none() => convert::count(g, "group"),
         _ => Ok(0),
@@ -543,26 +543,7 @@ impl PyBlockManagerPool {
     /// Returns and clears the recorded KV events (R21); [] unless enable_events.
     fn drain_events<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         let events = self.inner.lock().drain_events();
-        let out = PyList::empty(py);
-        for e in events {
-            let event = PyKvEvent {
-                kind: e.kind.as_str().to_owned(),
-                block_hashes: e
-                    .block_hashes
-                    .iter()
-                    .map(|h| PyBytes::new(py, &h.to_bytes()).unbind())
-                    .collect(),
-                parent_hash: e
-                    .parent_hash
-                    .map(|h| PyBytes::new(py, &h.to_bytes()).unbind()),
-                token_ids: e.token_ids,
-                block_size: e.block_size,
-                dp_rank: e.dp_rank,
-                extra_key: e.extra_key.map(|k| PyBytes::new(py, &k).unbind()),
-            };
-            out.append(Bound::new(py, event)?)?;
-        }
-        Ok(out)
+        events_list(py, events)
     }
 
     /// Drops every cached entry of every rank, every committed checkpoint nothing pins and
@@ -633,4 +614,33 @@ impl PyBlockManagerPool {
             self.num_blocks, self.block_size, self.dp_size, stats.total.counts.free, stats.total.counts.cached, stats.total.counts.used
         )
     }
+}
+
+// host tier (R26): helpers shared with hierarchy.rs (additive; the pool above is unchanged).
+
+/// Core KV events as a list of `kvpool.KVEvent` (R21).
+pub(crate) fn events_list<'py>(
+    py: Python<'py>,
+    events: Vec<kvpool::KvEvent>,
+) -> PyResult<Bound<'py, PyList>> {
+    let out = PyList::empty(py);
+    for e in events {
+        let event = PyKvEvent {
+            kind: e.kind.as_str().to_owned(),
+            block_hashes: e
+                .block_hashes
+                .iter()
+                .map(|h| PyBytes::new(py, &h.to_bytes()).unbind())
+                .collect(),
+            parent_hash: e
+                .parent_hash
+                .map(|h| PyBytes::new(py, &h.to_bytes()).unbind()),
+            token_ids: e.token_ids,
+            block_size: e.block_size,
+            dp_rank: e.dp_rank,
+            extra_key: e.extra_key.map(|k| PyBytes::new(py, &k).unbind()),
+        };
+        out.append(Bound::new(py, event)?)?;
+    }
+    Ok(out)
 }

@@ -9,6 +9,7 @@ pub mod composite;
 pub mod error;
 pub mod free_list;
 pub mod hash;
+pub mod hierarchy;
 pub mod linear_state;
 pub mod manager;
 pub mod pool;
@@ -22,6 +23,10 @@ pub use composite::{CompositeBlockManager, GroupManager, GroupSpec, GroupTables}
 pub use error::{KvPoolError, Result};
 pub use free_list::FreeList;
 pub use hash::{BlockHash, BlockHasher, DEFAULT_HASH_SEED};
+pub use hierarchy::{
+    HierarchyBlockManagerPool, HierarchyConfig, HierarchyStats, HostStats, OffloadPolicy,
+    TransferDirection, TransferPlan,
+};
 pub use linear_state::{LinearStatePrefixCache, LinearStateStats};
 pub use manager::{
     BlockCounts, BlockManager, BlockManagerImpl, ManagerConfig, SingleBlockManager, MAX_BLOCKS,

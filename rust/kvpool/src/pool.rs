@@ -318,6 +318,15 @@ impl Rank {
     }
 }
 
+/// When the pool publishes a sequence's blocks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Publish {
+    /// `cache(seq)` after a step: may plan a checkpoint save.
+    Step,
+    /// `deallocate(seq)`.
+    Release { all_released: bool },
+}
+
 /// A planned first allocation (computed without side effects).
 struct Plan {
     rank: usize,
@@ -495,12 +504,18 @@ impl BlockManagerPool {
         self.ranks.get_mut(rank).and_then(|r| r.linear.as_mut())
     }
 
+    /// host tier (R26): the block manager of `rank`, mutable (hierarchy.rs publishes loads).
+    pub(crate) fn block_manager_mut(&mut self, rank: usize) -> Option<&mut BlockManagerImpl> {
+        self.ranks.get_mut(rank).map(|r| &mut r.blocks)
+    }
+
     /// Block counts of `rank`.
     pub fn counts(&self, rank: usize) -> BlockCounts {
         self.ranks[rank].blocks.counts()
     }
 
-    fn check_owner(&self, seq: &Sequence) -> Result<bool> {
+    // host tier (R26): pub(crate) for hierarchy.rs
+    pub(crate) fn check_owner(&self, seq: &Sequence) -> Result<bool> {
         match seq.owner {
             None => Ok(false),
             Some(owner) if owner == self.id => Ok(true),
@@ -637,7 +652,8 @@ impl BlockManagerPool {
     }
 
     /// Moves the caches' events into the pool's list (R21).
-    fn collect_events(&mut self, rank_index: usize) {
+    // host tier (R26): pub(crate) for hierarchy.rs
+    pub(crate) fn collect_events(&mut self, rank_index: usize) {
         let Some(events) = self.events.as_mut() else {
             return;
         };
@@ -1122,9 +1138,8 @@ impl BlockManagerPool {
     }
 
     /// Publishes the full computed blocks (R17) in the prefix cache and the window index, then
-    /// slides the window; plans a checkpoint save unless `releasing` (deallocate, which also
-    /// publishes past recomputed duplicates: see `PrefixCache::insert`).
-    fn publish(&mut self, seq: &mut Sequence, releasing: bool) {
+    /// slides the window; at a step, plans a checkpoint save (R24).
+    fn publish(&mut self, seq: &mut Sequence, when: Publish) {
         let Some(rank_index) = seq.dp_rank else {
             return;
         };
@@ -1147,7 +1162,7 @@ impl BlockManagerPool {
                     &seq.blocks[..full],
                     seq.num_published,
                     key.as_ref(),
-                    releasing,
+                    matches!(when, Publish::Release { all_released: true }),
                 );
                 seq.num_published = stop;
             }
@@ -1161,7 +1176,7 @@ impl BlockManagerPool {
         }
         self.collect_events(rank_index);
         self.slide(seq);
-        if !releasing {
+        if when == Publish::Step {
             self.plan_save(seq);
         }
     }
@@ -1315,16 +1330,25 @@ impl KvCacheManager for BlockManagerPool {
 
     fn cache(&mut self, seq: &mut Sequence) -> Result<()> {
         if self.check_owner(seq)? {
-            self.publish(seq, false);
+            self.publish(seq, Publish::Step);
         }
         Ok(())
     }
 
     fn deallocate(&mut self, seq: &mut Sequence) -> Result<()> {
+        self.release(seq, true)
+    }
+}
+
+impl BlockManagerPool {
+    /// R18's deallocate. `all_released`: nothing else keeps the sequence's blocks after this
+    /// (false when a host offload still holds them), so recomputed duplicates may be skipped
+    /// and the rest of the chain published (see `PrefixCache::insert`).
+    pub(crate) fn release(&mut self, seq: &mut Sequence, all_released: bool) -> Result<()> {
         if !self.check_owner(seq)? {
             return Ok(());
         }
-        self.publish(seq, true);
+        self.publish(seq, Publish::Release { all_released });
         self.cancel_ops(seq);
         let rank = seq.dp_rank;
         seq.reset();
@@ -1333,9 +1357,7 @@ impl KvCacheManager for BlockManagerPool {
         }
         Ok(())
     }
-}
 
-impl BlockManagerPool {
     /// Publishes the full computed window blocks only (before a slide in `may_append`).
     fn publish_window(&mut self, seq: &mut Sequence) {
         let Some(rank_index) = seq.dp_rank else {

@@ -10,8 +10,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use crate::block::Block;
 use crate::error::{ensure_arg, Result};
 use crate::hash::{BlockHash, BlockHasher};
+use crate::hierarchy::LoadTicket; // host tier (R26)
 use crate::prefix_cache::ExtraKey;
 use crate::sliding_window::WindowTable;
+use crate::sync::Arc; // host tier (R26)
 
 static NEXT_SEQ_ID: AtomicU64 = AtomicU64::new(1);
 
@@ -45,6 +47,8 @@ pub struct Sequence {
     pub(crate) linear_ops: Vec<u64>,
     /// Computed tokens at the last planned save (no boundary is saved twice).
     pub(crate) last_saved_boundary: usize,
+    /// host tier (R26): the host load of this allocation, until the pool folds it in.
+    pub(crate) host_load: Option<Arc<LoadTicket>>,
 }
 
 impl Sequence {
@@ -74,6 +78,7 @@ impl Sequence {
             restore_slot: None,
             linear_ops: Vec::new(),
             last_saved_boundary: 0,
+            host_load: None, // host tier (R26)
         }
     }
 
@@ -169,16 +174,17 @@ impl Sequence {
 
     /// Tokens whose KV came from the prefix cache at allocation.
     pub fn num_cached_tokens(&self) -> usize {
-        self.num_cached_tokens
+        self.num_cached_tokens.max(self.host_loaded_tokens()) // host tier (R26)
     }
 
     /// Tokens whose KV exists (advanced by the engine after each step, R17).
     pub fn num_computed_tokens(&self) -> usize {
-        self.num_computed_tokens
+        self.num_computed_tokens.max(self.host_loaded_tokens()) // host tier (R26)
     }
 
     /// Advances `num_computed_tokens` (R17): never lowers, never past `len` or the table.
     pub fn set_num_computed_tokens(&mut self, n: usize) -> Result<()> {
+        self.fold_host_load(); // host tier (R26)
         ensure_arg!(
             n >= self.num_computed_tokens,
             "num_computed_tokens",
@@ -260,6 +266,7 @@ impl Sequence {
         self.num_computed_tokens = 0;
         self.num_published = 0;
         self.owner = None;
+        self.host_load = None; // host tier (R26): an unconfirmed load no longer applies
     }
 }
 

@@ -1,0 +1,441 @@
+//! `kvpool.HierarchyBlockManagerPool` and `kvpool.TransferPlan` (R26).
+//! Each method validates, makes one core call and maps the error. Lock order: pool, then
+//! sequences in argument order; no lock is held while Python code runs.
+
+use kvpool::{
+    HierarchyBlockManagerPool, HierarchyConfig, HostStats, KvCacheManager, OffloadPolicy,
+    PoolConfig, Sequence, TransferDirection, TransferPlan,
+};
+use numpy::ndarray::Array2;
+use numpy::{IntoPyArray, PyArray1, PyArray2};
+use parking_lot::Mutex;
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList};
+
+use crate::convert;
+use crate::errors::{type_error, value_error, IntoPyResult};
+use crate::manager::{counts_dict, debug_bits, hasher};
+use crate::pool::{events_list, group_arg, rank_dict, seq_list, seq_ref, PySequence};
+
+/// Block copies of one dp rank in one direction: copy block ``src[i]`` to block ``dst[i]``.
+#[pyclass(frozen, module = "kvpool", name = "TransferPlan")]
+pub struct PyTransferPlan {
+    plan: TransferPlan,
+}
+
+#[pymethods]
+impl PyTransferPlan {
+    /// The dp rank whose caches the ids index.
+    #[getter]
+    fn dp_rank(&self) -> usize {
+        self.plan.dp_rank
+    }
+
+    /// Source block ids (int32 array [n]): host ids for a load, device ids for an offload.
+    #[getter]
+    fn src<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i32>> {
+        self.plan.src.clone().into_pyarray(py)
+    }
+
+    /// Destination block ids (int32 array [n], distinct): device ids for a load, host ids for an
+    /// offload.
+    #[getter]
+    fn dst<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i32>> {
+        self.plan.dst.clone().into_pyarray(py)
+    }
+
+    /// "load" (host -> device) or "offload" (device -> host).
+    #[getter]
+    fn direction(&self) -> &'static str {
+        match self.plan.direction() {
+            TransferDirection::Load => "load",
+            TransferDirection::Offload => "offload",
+        }
+    }
+
+    fn __len__(&self) -> usize {
+        self.plan.len()
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "TransferPlan(direction={:?}, dp_rank={}, blocks={})",
+            self.direction(),
+            self.plan.dp_rank,
+            self.plan.len()
+        )
+    }
+}
+
+fn host_dict<'py>(py: Python<'py>, h: &HostStats) -> PyResult<Bound<'py, PyDict>> {
+    let d = counts_dict(py, &h.counts)?;
+    d.set_item("prefix_query_tokens", h.query_tokens)?;
+    d.set_item("prefix_hit_tokens", h.hit_tokens)?;
+    d.set_item("num_evictions", h.evictions)?;
+    d.set_item("num_loaded_blocks", h.loaded_blocks)?;
+    d.set_item("num_offloaded_blocks", h.offloaded_blocks)?;
+    d.set_item("num_pending_load_blocks", h.pending_load_blocks)?;
+    d.set_item("num_pending_offload_blocks", h.pending_offload_blocks)?;
+    Ok(d)
+}
+
+fn plan_list<'py>(py: Python<'py>, plans: Vec<TransferPlan>) -> PyResult<Bound<'py, PyList>> {
+    let out = PyList::empty(py);
+    for plan in plans {
+        out.append(Bound::new(py, PyTransferPlan { plan })?)?;
+    }
+    Ok(out)
+}
+
+/// The plans of a `plans` argument (any iterable of kvpool.TransferPlan).
+fn plan_args<'py>(plans: &Bound<'py, PyAny>) -> PyResult<Vec<Bound<'py, PyTransferPlan>>> {
+    plans
+        .try_iter()
+        .map_err(|_| type_error("plans", "must be an iterable of kvpool.TransferPlan"))?
+        .map(|item| {
+            let item = item?;
+            item.cast_into::<PyTransferPlan>().map_err(|e| {
+                type_error(
+                    "plans",
+                    format!(
+                        "must contain kvpool.TransferPlan, got {}",
+                        e.into_inner().get_type()
+                    ),
+                )
+            })
+        })
+        .collect()
+}
+
+/// A BlockManagerPool with a host-memory KV tier per dp rank (R26).
+#[pyclass(frozen, module = "kvpool", name = "HierarchyBlockManagerPool")]
+pub struct PyHierarchyBlockManagerPool {
+    inner: Mutex<HierarchyBlockManagerPool>,
+    num_blocks: usize,
+    host_num_blocks: usize,
+    block_size: usize,
+    dp_size: usize,
+    enable_prefix_cache: bool,
+    offload_policy: OffloadPolicy,
+}
+
+impl PyHierarchyBlockManagerPool {
+    /// Locks the pool, then `seq` (the lock order everywhere), and makes one core call.
+    fn with_seq<T>(
+        &self,
+        seq: &Bound<'_, PyAny>,
+        call: impl FnOnce(&mut HierarchyBlockManagerPool, &mut Sequence) -> kvpool::Result<T>,
+    ) -> PyResult<T> {
+        let seq = seq_ref(seq)?;
+        let mut pool = self.inner.lock();
+        let mut seq = seq.get().inner.lock();
+        call(&mut pool, &mut seq).py()
+    }
+}
+
+fn optional_count(value: Option<&Bound<'_, PyAny>>, name: &str) -> PyResult<Option<usize>> {
+    convert::optional_count(value, name)
+}
+
+#[pymethods]
+impl PyHierarchyBlockManagerPool {
+    #[new]
+    #[pyo3(signature = (
+        num_blocks, host_num_blocks, block_size, *, dp_size = None, enable_prefix_cache = true,
+        num_single_blocks = None, offload_policy = None, linear_state_slots = None,
+        checkpoint_interval = None, linear_state_match = None, concurrent = false,
+        enable_events = false, hash_seed = None, sliding_window = None, swa_num_blocks = None,
+        debug_hash_bits = None
+    ), text_signature = "(num_blocks, host_num_blocks, block_size, *, dp_size=1, enable_prefix_cache=True, num_single_blocks=None, offload_policy='on_deallocate', linear_state_slots=0, checkpoint_interval=None, linear_state_match='deepest', concurrent=False, enable_events=False, hash_seed=None, sliding_window=None, swa_num_blocks=None, debug_hash_bits=None)")]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        num_blocks: &Bound<'_, PyAny>,
+        host_num_blocks: &Bound<'_, PyAny>,
+        block_size: &Bound<'_, PyAny>,
+        dp_size: Option<&Bound<'_, PyAny>>,
+        enable_prefix_cache: bool,
+        num_single_blocks: Option<&Bound<'_, PyAny>>,
+        offload_policy: Option<&Bound<'_, PyAny>>,
+        linear_state_slots: Option<&Bound<'_, PyAny>>,
+        checkpoint_interval: Option<&Bound<'_, PyAny>>,
+        linear_state_match: Option<&Bound<'_, PyAny>>,
+        concurrent: bool,
+        enable_events: bool,
+        hash_seed: Option<&Bound<'_, PyAny>>,
+        sliding_window: Option<&Bound<'_, PyAny>>,
+        swa_num_blocks: Option<&Bound<'_, PyAny>>,
+        debug_hash_bits: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Self> {
+        let _ = concurrent; // every Python pool is thread-safe (R28)
+        let num_blocks = convert::count(num_blocks, "num_blocks")?;
+        let host_num_blocks = convert::count(host_num_blocks, "host_num_blocks")?;
+        let block_size = convert::count(block_size, "block_size")?;
+        let dp_size = optional_count(dp_size, "dp_size")?.unwrap_or(1);
+        let num_single_blocks = optional_count(num_single_blocks, "num_single_blocks")?;
+        let offload_policy = match offload_policy {
+            Some(p) if !p.is_none() => {
+                let name: String = p
+                    .extract()
+                    .map_err(|_| type_error("offload_policy", "must be a str"))?;
+                OffloadPolicy::parse(&name).py()?
+            }
+            _ => OffloadPolicy::OnDeallocate,
+        };
+        if let Some(m) = linear_state_match.filter(|m| !m.is_none()) {
+            let m: String = m
+                .extract()
+                .map_err(|_| type_error("linear_state_match", "must be a str"))?;
+            if !matches!(m.as_str(), "deepest" | "contiguous") {
+                return Err(value_error(
+                    "linear_state_match",
+                    format!("must be 'deepest' or 'contiguous', got {m:?}"),
+                ));
+            }
+        }
+        let linear_state_slots =
+            optional_count(linear_state_slots, "linear_state_slots")?.unwrap_or(0);
+        let checkpoint_interval = optional_count(checkpoint_interval, "checkpoint_interval")?;
+        if linear_state_slots > 0 || checkpoint_interval.is_some() {
+            return Err(value_error(
+                "linear_state_slots",
+                "linear-state caching with a host tier is not available in this kvpool build",
+            ));
+        }
+        let sliding_window = optional_count(sliding_window, "sliding_window")?;
+        let swa_num_blocks = optional_count(swa_num_blocks, "swa_num_blocks")?;
+        if sliding_window.is_some() || swa_num_blocks.is_some() {
+            return Err(value_error(
+                "sliding_window",
+                "sliding-window groups with a host tier are not available in this kvpool build",
+            ));
+        }
+        let config = HierarchyConfig {
+            pool: PoolConfig {
+                num_blocks,
+                block_size,
+                dp_size,
+                enable_prefix_cache,
+                num_single_blocks,
+                hasher: hasher(hash_seed, debug_bits(debug_hash_bits)?)?,
+                enable_events,
+                ..PoolConfig::new(num_blocks, block_size)
+            },
+            host_num_blocks,
+            offload_policy,
+        };
+        let pool = HierarchyBlockManagerPool::new(config).py()?;
+        Ok(Self {
+            inner: Mutex::new(pool),
+            num_blocks,
+            host_num_blocks,
+            block_size,
+            dp_size,
+            enable_prefix_cache,
+            offload_policy,
+        })
+    }
+
+    /// Device block ids per rank, padding block included.
+    #[getter]
+    fn num_blocks(&self) -> usize {
+        self.num_blocks
+    }
+    /// Host block ids per rank, padding block included.
+    #[getter]
+    fn host_num_blocks(&self) -> usize {
+        self.host_num_blocks
+    }
+    /// Tokens per block (both tiers).
+    #[getter]
+    fn block_size(&self) -> usize {
+        self.block_size
+    }
+    /// Number of data-parallel ranks.
+    #[getter]
+    fn dp_size(&self) -> usize {
+        self.dp_size
+    }
+    /// Whether each rank keeps a device prefix cache (without it the host tier stays idle).
+    #[getter]
+    fn enable_prefix_cache(&self) -> bool {
+        self.enable_prefix_cache
+    }
+    /// "on_deallocate" or "on_evict".
+    #[getter]
+    fn offload_policy(&self) -> &'static str {
+        self.offload_policy.as_str()
+    }
+
+    /// What allocate(seq, num_tokens) would return, with no side effect on either tier (R15).
+    #[pyo3(signature = (seq, num_tokens = None))]
+    fn can_allocate(
+        &self,
+        seq: &Bound<'_, PyAny>,
+        num_tokens: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<bool> {
+        let n = optional_count(num_tokens, "num_tokens")?;
+        self.with_seq(seq, |pool, seq| pool.can_allocate(seq, n))
+    }
+
+    /// Device match, then host match past it (load plans for the host hits), then new blocks
+    /// (R14, R26). On a sequence that holds blocks, grows its table.
+    #[pyo3(signature = (seq, num_tokens = None))]
+    fn allocate(
+        &self,
+        seq: &Bound<'_, PyAny>,
+        num_tokens: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<bool> {
+        let n = optional_count(num_tokens, "num_tokens")?;
+        self.with_seq(seq, |pool, seq| pool.allocate(seq, n))
+    }
+
+    /// Whether the blocks for len(seq) + lookahead tokens can be had (R16).
+    #[pyo3(signature = (seq, lookahead = None), text_signature = "(self, seq, lookahead=0)")]
+    fn can_append(
+        &self,
+        seq: &Bound<'_, PyAny>,
+        lookahead: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<bool> {
+        let lookahead = optional_count(lookahead, "lookahead")?.unwrap_or(0);
+        self.with_seq(seq, |pool, seq| pool.can_append(seq, lookahead))
+    }
+
+    /// Takes the blocks can_append asks about (all-or-nothing, R16).
+    #[pyo3(signature = (seq, lookahead = None), text_signature = "(self, seq, lookahead=0)")]
+    fn may_append(
+        &self,
+        seq: &Bound<'_, PyAny>,
+        lookahead: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<bool> {
+        let lookahead = optional_count(lookahead, "lookahead")?.unwrap_or(0);
+        self.with_seq(seq, |pool, seq| pool.may_append(seq, lookahead))
+    }
+
+    /// Publishes the full computed blocks in the device prefix cache (R17).
+    fn cache(&self, seq: &Bound<'_, PyAny>) -> PyResult<()> {
+        self.with_seq(seq, |pool, seq| pool.cache(seq))
+    }
+
+    /// cache(seq), plans the offload of its full computed blocks not yet on host, then releases
+    /// it (R18, R26). Offloaded device blocks stay held until complete_offloads.
+    fn deallocate(&self, seq: &Bound<'_, PyAny>) -> PyResult<()> {
+        self.with_seq(seq, |pool, seq| pool.deallocate(seq))
+    }
+
+    /// Load plans (host -> device) made since the last call, one per rank that has any.
+    fn take_load_plans<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let plans = self.inner.lock().take_load_plans();
+        plan_list(py, plans)
+    }
+
+    /// Offload plans (device -> host) made since the last call, one per rank that has any.
+    fn take_offload_plans<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let plans = self.inner.lock().take_offload_plans();
+        plan_list(py, plans)
+    }
+
+    /// Confirms that load plans ran: loaded tokens count as cached and computed, loaded blocks
+    /// are published in the device cache (R26). Foreign or repeated plans: ValueError.
+    fn complete_loads(&self, plans: &Bound<'_, PyAny>) -> PyResult<()> {
+        let plans = plan_args(plans)?;
+        let refs: Vec<&TransferPlan> = plans.iter().map(|p| &p.get().plan).collect();
+        self.inner.lock().complete_loads(&refs).py()
+    }
+
+    /// Confirms that offload plans ran: the host blocks become matchable, the device blocks are
+    /// released (R26). Foreign or repeated plans: ValueError.
+    fn complete_offloads(&self, plans: &Bound<'_, PyAny>) -> PyResult<()> {
+        let plans = plan_args(plans)?;
+        let refs: Vec<&TransferPlan> = plans.iter().map(|p| &p.get().plan).collect();
+        self.inner.lock().complete_offloads(&refs).py()
+    }
+
+    /// Block tables of seqs: int32 array [len(seqs), max_blocks], padded with 0 (R19).
+    #[pyo3(signature = (seqs, group = None), text_signature = "(self, seqs, group=0)")]
+    fn block_tables<'py>(
+        &self,
+        py: Python<'py>,
+        seqs: &Bound<'py, PyAny>,
+        group: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyArray2<i32>>> {
+        if group_arg(group)? != 0 {
+            return Err(value_error("group", "a hierarchy pool has 1 group (0)"));
+        }
+        let seqs = seq_list(seqs)?;
+        let (table, width) = {
+            let pool = self.inner.lock();
+            let guards: Vec<_> = seqs.iter().map(|s| s.get().inner.lock()).collect();
+            let refs: Vec<&Sequence> = guards.iter().map(|g| &**g).collect();
+            pool.block_tables(&refs).py()?
+        };
+        let array = Array2::from_shape_vec((seqs.len(), width), table).expect("shape matches");
+        Ok(array.into_pyarray(py))
+    }
+
+    /// Cache slots (int64) of tokens [num_computed_tokens, len) of every sequence (R19).
+    #[pyo3(signature = (seqs, group = None), text_signature = "(self, seqs, group=0)")]
+    fn slot_mapping<'py>(
+        &self,
+        py: Python<'py>,
+        seqs: &Bound<'py, PyAny>,
+        group: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyArray1<i64>>> {
+        if group_arg(group)? != 0 {
+            return Err(value_error("group", "a hierarchy pool has 1 group (0)"));
+        }
+        let seqs: Vec<Bound<'py, PySequence>> = seq_list(seqs)?;
+        let slots = {
+            let pool = self.inner.lock();
+            let mut guards: Vec<_> = seqs.iter().map(|s| s.get().inner.lock()).collect();
+            let mut refs: Vec<&mut Sequence> = guards.iter_mut().map(|g| &mut **g).collect();
+            pool.slot_mapping(&mut refs).py()?
+        };
+        Ok(slots.into_pyarray(py))
+    }
+
+    /// Device counts and statistics (R20), with ``host``: the host tier's block counts plus
+    /// prefix_query_tokens / prefix_hit_tokens (host lookups past the device hit),
+    /// num_evictions, num_loaded_blocks, num_offloaded_blocks, num_pending_load_blocks and
+    /// num_pending_offload_blocks; totals and per rank.
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let stats = self.inner.lock().stats();
+        let dict = rank_dict(py, &stats.device.total)?;
+        dict.set_item("host", host_dict(py, &stats.host)?)?;
+        let ranks = PyList::empty(py);
+        for (r, h) in stats.device.ranks.iter().zip(&stats.host_ranks) {
+            let d = rank_dict(py, r)?;
+            d.set_item("host", host_dict(py, h)?)?;
+            ranks.append(d)?;
+        }
+        dict.set_item("ranks", ranks)?;
+        Ok(dict)
+    }
+
+    /// Walks both tiers of every rank and every pending plan; raises InvariantError (R20, R26).
+    fn check(&self, py: Python<'_>) -> PyResult<()> {
+        let inner = &self.inner;
+        py.detach(|| inner.lock().check()).py()
+    }
+
+    /// Returns and clears the device tier's KV events (R21); [] unless enable_events.
+    fn drain_events<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let events = self.inner.lock().drain_events();
+        events_list(py, events)
+    }
+
+    /// Drops every cached entry of both tiers; blocks that sequences or pending plans hold stay
+    /// with them (R12, R26).
+    fn reset_prefix_cache(&self) {
+        self.inner.lock().reset_prefix_cache();
+    }
+
+    fn __repr__(&self) -> String {
+        let stats = self.inner.lock().stats();
+        let (d, h) = (stats.device.total.counts, stats.host.counts);
+        format!(
+            "HierarchyBlockManagerPool(num_blocks={}, host_num_blocks={}, block_size={}, dp_size={}, free={}, cached={}, used={}, host_free={}, host_cached={}, host_used={})",
+            self.num_blocks, self.host_num_blocks, self.block_size, self.dp_size,
+            d.free, d.cached, d.used, h.free, h.cached, h.used
+        )
+    }
+}
