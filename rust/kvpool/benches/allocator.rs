@@ -136,9 +136,72 @@ fn pool_request(c: &mut Criterion) {
     group.finish();
 }
 
+/// Issue 4: the hybrid paths of the pool. The same request as `pool_request` in a pool with
+/// linear state (the 1024-token shared prefix has a committed checkpoint, so allocation trims
+/// and restores), and one decode step of a sequence with a sliding-window group (publish, slide
+/// one block out, grow one block in).
+fn pool_hybrid(c: &mut Criterion) {
+    let mut group = c.benchmark_group("pool_hybrid_bs16");
+    let mut config = PoolConfig::new(4096, 16);
+    config.linear_state_slots = 64;
+    let mut p = BlockManagerPool::new(config).unwrap();
+    let shared = prompt(1024, 3);
+    let mut warm = Sequence::new(shared.iter().copied().chain([7]).collect(), None, None);
+    assert!(p.allocate(&mut warm, None).unwrap());
+    warm.set_num_computed_tokens(1024).unwrap();
+    p.cache(&mut warm).unwrap(); // plans the prompt-end save at 1024
+    let plan = p.take_linear_state_plan();
+    p.commit_linear_state_plan(&plan).unwrap();
+    p.deallocate(&mut warm).unwrap();
+    let mut salt = 0u32;
+    group.throughput(Throughput::Elements(1));
+    group.bench_function("request_2048_tokens_linear_state_trim_and_restore", |b| {
+        b.iter(|| {
+            salt = salt.wrapping_add(1);
+            let mut tokens = shared.clone();
+            tokens.extend(prompt(1024, salt));
+            let mut seq = Sequence::new(tokens, None, None);
+            assert!(p.allocate(&mut seq, None).unwrap());
+            debug_assert_eq!(seq.num_cached_tokens(), 1024);
+            seq.set_num_computed_tokens(2048).unwrap();
+            p.cache(&mut seq).unwrap();
+            p.deallocate(&mut seq).unwrap();
+            let plan = p.take_linear_state_plan();
+            p.commit_linear_state_plan(&plan).unwrap();
+        })
+    });
+
+    let mut config = PoolConfig::new(4096, 16);
+    config.sliding_window = Some(128);
+    let mut p = BlockManagerPool::new(config).unwrap();
+    let mut seq = Sequence::new(prompt(1024, 5), None, None);
+    assert!(p.allocate(&mut seq, None).unwrap());
+    let mut token = 0u32;
+    group.throughput(Throughput::Elements(16));
+    group.bench_function("sliding_window_128_decode_16_steps", |b| {
+        b.iter(|| {
+            // 16 steps: one block in, one block out; restart before the table grows too long.
+            if seq.len() > 1024 + 16 * 512 {
+                p.deallocate(&mut seq).unwrap();
+                seq = Sequence::new(prompt(1024, 5 + token), None, None);
+                assert!(p.allocate(&mut seq, None).unwrap());
+            }
+            for _ in 0..16 {
+                let n = seq.len();
+                seq.set_num_computed_tokens(n).unwrap();
+                p.cache(&mut seq).unwrap();
+                token = token.wrapping_add(1);
+                seq.append_token(token);
+                assert!(p.may_append(&mut seq, 0).unwrap());
+            }
+        })
+    });
+    group.finish();
+}
+
 criterion_group! {
     name = benches;
     config = Criterion::default().warm_up_time(Duration::from_millis(500)).measurement_time(Duration::from_secs(2));
-    targets = allocate_free, allocate_with_eviction, prefix_cache, pool_request
+    targets = allocate_free, allocate_with_eviction, prefix_cache, pool_request, pool_hybrid
 }
 criterion_main!(benches);
