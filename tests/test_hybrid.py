@@ -390,10 +390,14 @@ def test_r25_seed_window_example():
     assert slots.tolist() == [int(window[5]) * BS]
     pool.check()
     pool.deallocate(seq)
+    window = pool.stats()["window"]
+    # The published blocks still in the window (entries 3, 4) are kept for a follow-up turn.
+    assert (window["num_free_blocks"], window["num_cached_blocks"]) == (13, 2)
+    pool.reset_prefix_cache()
     assert pool.stats()["window"]["num_free_blocks"] == 15
 
 
-def test_r25_window_hit_only_while_window_blocks_are_held():
+def test_r25_window_hit_only_while_window_blocks_are_held_or_kept():
     pool = kvpool.BlockManagerPool(128, BS, sliding_window=8)
     prompt = list(range(33))
     a = kvpool.Sequence(prompt)
@@ -402,15 +406,40 @@ def test_r25_window_hit_only_while_window_blocks_are_held():
     pool.cache(a)
     b = kvpool.Sequence(prompt)
     assert pool.allocate(b)
-    assert b.num_cached_tokens == 32
+    assert b.num_cached_tokens == 32, "a still holds the window blocks 6, 7"
     assert b.group_block_table(1).tolist()[:6] == [0] * 6
     pool.deallocate(a)
     pool.deallocate(b)
     c = kvpool.Sequence(prompt)
     assert pool.allocate(c)
-    assert c.num_cached_tokens == 0, "the window's blocks were released: no hit (R25)"
+    assert c.num_cached_tokens == 32, "the finished window tail is kept"
     pool.deallocate(c)
     pool.check()
+    # (Without the kept tail a hit would need released window blocks: none. The Rust test
+    # window_hits_only_while_the_window_is_held_or_kept evicts the tail alone to show it.)
+
+
+def test_r25_multi_turn_chat_with_a_window_rehits_the_previous_turn():
+    pool = kvpool.BlockManagerPool(512, BS, sliding_window=16, swa_num_blocks=64)
+    history = list(range(21))
+    hits = []
+    for turn in range(5):
+        history = history + [900 + turn] * 5
+        seq = kvpool.Sequence(history)
+        assert pool.allocate(seq)
+        hits.append(seq.num_cached_tokens)
+        seq.num_computed_tokens = len(seq)
+        pool.cache(seq)
+        for _ in range(7):
+            seq.append_token(7)
+            assert pool.may_append(seq)
+            seq.num_computed_tokens = len(seq) - 1
+            pool.cache(seq)
+        history = seq.token_ids
+        pool.deallocate(seq)
+        pool.check()
+    assert hits[0] == 0 and all(h > 0 for h in hits[1:])
+    assert pool.stats()["window"]["num_used_blocks"] == 0
 
 
 def test_r25_window_group_exhaustion_is_all_or_nothing():

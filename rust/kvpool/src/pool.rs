@@ -494,6 +494,11 @@ impl BlockManagerPool {
         self.ranks.get(rank).and_then(|r| r.window.as_ref())
     }
 
+    /// The sliding-window group's manager of `rank`, if any (to evict kept tails).
+    pub fn window_manager_mut(&mut self, rank: usize) -> Option<&mut SlidingWindowBlockManager> {
+        self.ranks.get_mut(rank).and_then(|r| r.window.as_mut())
+    }
+
     /// The linear-state cache of `rank`, if linear state is enabled (R22).
     pub fn linear_state_cache(&self, rank: usize) -> Option<&LinearStatePrefixCache> {
         self.ranks.get(rank).and_then(|r| r.linear.as_ref())
@@ -625,7 +630,8 @@ impl BlockManagerPool {
         let new_blocks = self.blocks_for(num_tokens).saturating_sub(probe.matched);
         let mut feasible = new_blocks <= rank.blocks.num_available() - probe.cache_only;
         if let Some(window) = &rank.window {
-            feasible &= new_blocks <= window.num_free();
+            let cost = window.hit_cost(seq.hashes(query_blocks), seq.tokens(), probe.matched);
+            feasible &= new_blocks <= window.num_available() - cost;
         }
         if let Some(linear) = &rank.linear {
             let pin_cost = restore.map_or(0, |h| usize::from(!linear.is_pinned(h)));
@@ -1106,7 +1112,7 @@ impl BlockManagerPool {
         let full_ok = need <= rank.blocks.num_available();
         let window_ok = match (&rank.window, &seq.window) {
             (Some(window), Some(table)) => {
-                need <= window.num_free() + window.releasable(table, seq.num_computed_tokens)
+                need <= window.num_available() + window.releasable(table, seq.num_computed_tokens)
             }
             _ => true,
         };
@@ -1123,7 +1129,11 @@ impl BlockManagerPool {
         }
         let rank = &mut self.ranks[rank_index];
         // Check the window group first so a failure there evicts nothing in the full group.
-        if rank.window.as_ref().is_some_and(|w| need > w.num_free()) {
+        if rank
+            .window
+            .as_ref()
+            .is_some_and(|w| need > w.num_available())
+        {
             return false;
         }
         let mut ok = rank.blocks.allocate_into(need, &mut seq.blocks).is_ok();
@@ -1350,6 +1360,11 @@ impl BlockManagerPool {
         }
         self.publish(seq, Publish::Release { all_released });
         self.cancel_ops(seq);
+        if let (Some(rank), Some(table)) = (seq.dp_rank, seq.window.as_ref()) {
+            if let Some(window) = self.ranks[rank].window.as_mut() {
+                window.keep_tail(table); // R25: the next turn continues from this window
+            }
+        }
         let rank = seq.dp_rank;
         seq.reset();
         if let Some(cache) = rank.and_then(|r| self.ranks[r].blocks.prefix_cache_mut()) {

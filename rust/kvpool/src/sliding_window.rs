@@ -7,27 +7,34 @@
 //! all its blocks (the step that computes them needs them).
 //!
 //! Prefix sharing (the rule kvpool chooses, DESIGN.md R25): a window block is shareable only
-//! while some sequence still holds it. The manager keeps an index `chain hash -> block id` of
-//! the published window blocks, whose entries hold *no* reference: when the last holder
-//! releases a block it is free at once (window blocks never linger in a cache, which is what
-//! makes a window group small), and its index entry goes stale. A prefix hit at block boundary
-//! `k` is valid only if every block the next query can attend to, `[first_needed(k * bs), k)`,
-//! is still held by someone and indexed under the chain's hash with the same tokens; the hit
-//! then takes new handles on exactly those blocks (entries before them are 0). This is
-//! SGLang's SWA radix cache idea without its tombstones, or vLLM's sliding-window manager with
-//! only held blocks in the cache. It never hands out a released block: an entry is used only
-//! after [`BlockStore::try_retain`] proves the block is still held, and the id's publication is
-//! cleared whenever the manager hands the id out again.
+//! while it is still held. The manager keeps an index `chain hash -> block id` of the published
+//! window blocks, whose entries hold *no* reference, and it holds two kinds of blocks:
+//! - blocks of running sequences; those a slide releases are free at once (released window
+//!   blocks never linger, which is what keeps a window group small);
+//! - the **window tail of finished sequences**: at deallocate the manager keeps the published
+//!   blocks still in the sequence's window (the `CACHED` bit of the store: evictable, counted
+//!   as cached, reclaimed oldest-first when the group runs short). They are exactly what the
+//!   next turn of a conversation needs: its hit ends where the previous turn stopped.
+//!
+//! A prefix hit at block boundary `k` is valid only if every block the next query can attend
+//! to, `[first_needed(k * bs), k)`, is held (by a sequence or as a kept tail) and indexed under
+//! the chain's hash with the same tokens; the hit then takes new handles on exactly those blocks
+//! (entries before them are 0). It never hands out a released block: an index entry is used only
+//! after the store proves the block is still held (an atomic "retain if alive"), and the id's
+//! publication is cleared whenever the manager hands the id out again. This is vLLM's
+//! sliding-window manager restricted to blocks inside some window, or SGLang's SWA radix cache
+//! without tombstones.
 //!
 //! Invariants (checked by [`SlidingWindowBlockManager::check`]): those of the block manager
-//! (R1-R5); index entries name real ids (stale ones are skipped on lookup and pruned in bulk
-//! when the index outgrows twice the number of ids).
+//! (R1-R5, with `cached` = kept tail blocks nothing else holds); a block has the `CACHED` bit
+//! iff it is in the kept list; index entries name real ids (stale ones are skipped on lookup and
+//! pruned in bulk when the index outgrows twice the number of ids).
 //!
 //! [`BlockStore::try_retain`]: crate::block::BlockStore
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 
-use crate::block::Block;
+use crate::block::{Block, CACHED, COUNT_MASK};
 use crate::error::{ensure_arg, ensure_invariant, Result};
 use crate::hash::BlockHash;
 use crate::manager::{BlockCounts, BlockManager, BlockManagerImpl, ManagerConfig};
@@ -88,6 +95,8 @@ pub struct SlidingWindowBlockManager {
     inner: BlockManagerImpl,
     window: usize,
     sharing: Option<WindowIndex>,
+    /// Kept window tails of finished sequences, oldest first (each with the `CACHED` bit).
+    kept: VecDeque<u32>,
 }
 
 /// Chain hash -> block id of published window blocks (entries hold no reference).
@@ -120,7 +129,86 @@ impl SlidingWindowBlockManager {
             inner,
             window,
             sharing,
+            kept: VecDeque::new(),
         })
+    }
+
+    /// Free blocks plus kept tail blocks nothing else holds: what `grow` can hand out.
+    pub fn num_available(&self) -> usize {
+        self.inner.num_available()
+    }
+
+    /// Clears the `QUEUED` marks the store sets when a kept block's other handles go (the kept
+    /// list is ordered by keep time, so the queue itself carries no information here).
+    fn drain_released(&self) {
+        let store = &self.inner.store;
+        while let Some(id) = store.released.pop() {
+            store.clear_queued(id);
+        }
+    }
+
+    /// Keeps the published blocks still in `table`'s window (a sequence being released) so a
+    /// later request continuing the same prefix can share them. Only with sharing on.
+    pub fn keep_tail(&mut self, table: &WindowTable) {
+        let Some(sharing) = self.sharing.as_ref() else {
+            return;
+        };
+        let end = table.published.min(table.len());
+        for i in table.released..end {
+            let Some(block) = table.get(i) else { continue };
+            let id = block.id();
+            let Some(hash) = sharing.published[id as usize] else {
+                continue;
+            };
+            if self.inner.store.state(id) & CACHED == 0 {
+                self.inner.store.mark_cached(id, hash);
+                self.kept.push_back(id);
+            }
+        }
+    }
+
+    /// Frees up to `n` kept blocks that nothing else holds, oldest first; returns how many.
+    pub fn evict(&mut self, n: usize) -> usize {
+        self.drain_released();
+        let store = &self.inner.store;
+        let mut evicted = 0;
+        let mut scanned = 0;
+        let total = self.kept.len();
+        while evicted < n && scanned < total {
+            let Some(id) = self.kept.pop_front() else {
+                break;
+            };
+            scanned += 1;
+            if store.state(id) & (CACHED | COUNT_MASK) == CACHED | 1 {
+                store.unmark_cached(id);
+                evicted += 1;
+            } else {
+                self.kept.push_back(id); // still in a running sequence's window
+            }
+        }
+        evicted
+    }
+
+    /// Drops every kept block (those still in running windows stay with their sequences).
+    fn drop_kept(&mut self) {
+        self.drain_released();
+        while let Some(id) = self.kept.pop_front() {
+            self.inner.store.unmark_cached(id);
+        }
+    }
+
+    /// Kept blocks among a hit's window blocks that nothing else holds (the hit makes them
+    /// used, so they no longer count as available).
+    pub fn hit_cost(&self, hashes: &[BlockHash], tokens: &[u32], k: usize) -> usize {
+        if k == 0 {
+            return 0;
+        }
+        let block_size = self.block_size();
+        let first = self.first_needed_block(k * block_size);
+        (first..k)
+            .filter_map(|i| self.find(hashes[i], &tokens[i * block_size..(i + 1) * block_size]))
+            .filter(|&id| self.inner.store.state(id) & (CACHED | COUNT_MASK) == CACHED | 1)
+            .count()
     }
 
     /// The window, in tokens.
@@ -174,6 +262,10 @@ impl SlidingWindowBlockManager {
         let need = num_entries.saturating_sub(table.len());
         if need == 0 {
             return Ok(());
+        }
+        let free = self.num_free();
+        if need > free && !self.kept.is_empty() {
+            self.evict(need - free);
         }
         let before = table.blocks.len();
         self.inner.allocate_into(need, &mut table.blocks)?;
@@ -274,7 +366,14 @@ impl SlidingWindowBlockManager {
             else {
                 return false;
             };
-            match self.inner.store.try_retain(id) {
+            let store = &self.inner.store;
+            let block = if store.state(id) & CACHED != 0 {
+                // Kept: the manager's own reference proves the block is alive.
+                Some(store.retain_cached(id))
+            } else {
+                store.try_retain(id)
+            };
+            match block {
                 Some(block) => blocks.push(block),
                 None => return false,
             }
@@ -285,8 +384,10 @@ impl SlidingWindowBlockManager {
         true
     }
 
-    /// Forgets every published block (the blocks stay with their holders).
+    /// Forgets every published block and drops the kept tails (blocks of running sequences
+    /// stay with them).
     pub fn reset_sharing(&mut self) {
+        self.drop_kept();
         if let Some(sharing) = self.sharing.as_mut() {
             sharing.index.clear();
             sharing.published.iter_mut().for_each(|p| *p = None);
@@ -350,14 +451,26 @@ impl BlockManager for SlidingWindowBlockManager {
         }
         Ok(0)
     }
-    fn evict(&mut self, _n: usize) -> usize {
-        0
+    fn evict(&mut self, n: usize) -> usize {
+        SlidingWindowBlockManager::evict(self, n)
     }
     fn reset_prefix_cache(&mut self) {
         self.reset_sharing();
     }
     fn check(&self) -> Result<()> {
-        self.inner.check()?;
+        self.inner.check_store(true)?;
+        let mut kept = vec![false; self.inner.num_blocks()];
+        for &id in &self.kept {
+            ensure_invariant!(!kept[id as usize], "window block {id} is kept twice");
+            kept[id as usize] = true;
+        }
+        for (id, &is_kept) in kept.iter().enumerate() {
+            let cached = self.inner.store.state(id as u32) & CACHED != 0;
+            ensure_invariant!(
+                cached == is_kept,
+                "window block {id}: CACHED bit {cached} but kept {is_kept}"
+            );
+        }
         if let Some(sharing) = &self.sharing {
             for &id in sharing.index.values() {
                 ensure_invariant!(

@@ -224,11 +224,16 @@ fn sliding_window_releases_blocks_behind_the_window() {
     pool.check().unwrap();
     pool.check_sequence(&a).unwrap();
     pool.deallocate(&mut a).unwrap();
+    // The published blocks still in the window (3 and 4) are kept for a follow-up request.
+    let counts = kvpool::BlockManager::counts(pool.window_manager(0).unwrap());
+    assert_eq!((counts.free, counts.cached, counts.used), (13, 2, 0));
+    pool.reset_prefix_cache();
     assert_eq!(pool.window_manager(0).unwrap().num_free(), 15);
+    pool.check().unwrap();
 }
 
 #[test]
-fn window_hits_only_while_the_window_is_held() {
+fn window_hits_only_while_the_window_is_held_or_kept() {
     let mut config = PoolConfig::new(64, 4);
     config.sliding_window = Some(8);
     let mut pool = BlockManagerPool::new(config).unwrap();
@@ -246,13 +251,28 @@ fn window_hits_only_while_the_window_is_held() {
     pool.check().unwrap();
     pool.deallocate(&mut a).unwrap();
     pool.deallocate(&mut b).unwrap();
-    // Nobody holds the window any more: the full-attention cache still has the prefix, but a
-    // hit would need released window blocks, so there is none (R25).
-    let mut c = Sequence::new(prompt, None, None);
+    // Both finished: the window tail they shared (blocks 6, 7) is kept, so a third request
+    // still hits all 8 blocks.
+    let window = kvpool::BlockManager::counts(pool.window_manager(0).unwrap());
+    assert_eq!((window.cached, window.used), (2, 0));
+    let mut c = Sequence::new(prompt.clone(), None, None);
     assert!(pool.allocate(&mut c, None).unwrap());
-    assert_eq!(c.num_cached_tokens(), 0);
+    assert_eq!(c.num_cached_tokens(), 32);
     pool.deallocate(&mut c).unwrap();
-    assert_eq!(pool.window_manager(0).unwrap().num_free(), 63);
+    // Without the kept tail (dropped by reset_prefix_cache, or evicted), the full-attention
+    // cache still has the prefix, but the hit would need released window blocks: none (R25).
+    pool.reset_prefix_cache();
+    let mut a = Sequence::new(prompt.clone(), None, None);
+    assert!(pool.allocate(&mut a, None).unwrap());
+    a.set_num_computed_tokens(33).unwrap();
+    pool.deallocate(&mut a).unwrap();
+    let kept = kvpool::BlockManager::counts(pool.window_manager(0).unwrap()).cached;
+    assert_eq!(kept, 2);
+    assert_eq!(pool.window_manager_mut(0).unwrap().evict(kept), 2);
+    let mut d = Sequence::new(prompt, None, None);
+    assert!(pool.allocate(&mut d, None).unwrap());
+    assert_eq!(d.num_cached_tokens(), 0);
+    pool.deallocate(&mut d).unwrap();
     pool.check().unwrap();
 }
 
