@@ -5,6 +5,7 @@
 //! rules cited as "R<n>" are those of the project's DESIGN.md.
 
 pub mod block;
+pub mod concurrent_manager;
 pub mod error;
 pub mod free_list;
 pub mod hash;
@@ -15,6 +16,7 @@ pub mod sequence;
 mod sync;
 
 pub use block::Block;
+pub use concurrent_manager::ConcurrentBlockManager;
 pub use error::{KvPoolError, Result};
 pub use free_list::FreeList;
 pub use hash::{BlockHash, BlockHasher, DEFAULT_HASH_SEED};
