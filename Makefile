@@ -30,7 +30,7 @@ test-rust:
 # loom models of the lock-free paths (rust/kvpool/tests/loom.rs); own target dir so the cfg flag
 # does not invalidate the normal build.
 test-loom:
-	RUSTFLAGS="--cfg kvpool_loom" LOOM_MAX_PREEMPTIONS=2 CARGO_TARGET_DIR=target/loom \
+	RUSTFLAGS="--cfg kvpool_loom" LOOM_MAX_PREEMPTIONS=3 CARGO_TARGET_DIR=target/loom \
 		cargo test -p kvpool --release --test loom
 
 test-python: build

@@ -155,18 +155,17 @@ impl ConcurrentBlockManager {
                 available,
             });
         }
-        // Terminates: insertions and matches need this lock, so while it is held the cache only
-        // shrinks; a round either completes, evicts at least one block, finds nothing to evict
-        // (and gives up), or saw a long enough list that racing threads emptied (and retries,
-        // now evicting).
+        // Terminates without spinning: insertions and matches need this lock, so while it is
+        // held the cache only shrinks, and every round that does not return evicted at least one
+        // block.
         loop {
             let missing = n - ids.len();
             let short = missing.saturating_sub(self.store.free.len());
-            let evicted = if short > 0 {
-                inner.prefix_cache_mut().map_or(0, |c| c.evict(short))
-            } else {
-                0
-            };
+            if short > 0 {
+                if let Some(cache) = inner.prefix_cache_mut() {
+                    cache.evict(short);
+                }
+            }
             while ids.len() < n {
                 match self.store.free.pop() {
                     Some(id) => ids.push(id),
@@ -176,9 +175,13 @@ impl ConcurrentBlockManager {
             if ids.len() == n {
                 return Ok(self.wrap(ids));
             }
-            if short > 0 && evicted == 0 {
-                // Cached blocks whose descendants are held cannot be evicted, or other threads
-                // took the ids freed by earlier rounds: give back everything (never partial).
+            // Came up short: some blocks could not be evicted (their descendants are held), or
+            // racing threads took the freed ids or hold ids for their own attempt. Evict for
+            // the rest; if nothing more can go, give back everything (never partial).
+            let more = inner
+                .prefix_cache_mut()
+                .map_or(0, |c| c.evict(n - ids.len()));
+            if more == 0 {
                 let available = ids.len() + self.num_available();
                 for &id in ids.iter().rev() {
                     self.store.free.push(id);

@@ -1,6 +1,6 @@
 //! loom models of the lock-free paths (R4, R27). Every interleaving of the atomics and of the
 //! cache lock, up to a preemption bound, is explored. Run with
-//! `RUSTFLAGS="--cfg kvpool_loom" LOOM_MAX_PREEMPTIONS=2 CARGO_TARGET_DIR=target/loom
+//! `RUSTFLAGS="--cfg kvpool_loom" LOOM_MAX_PREEMPTIONS=3 CARGO_TARGET_DIR=target/loom
 //! cargo test -p kvpool --release --test loom` (`make test-loom`). Models are kept tiny (2 or 3
 //! ids, 2 or 3 threads) so that the run takes seconds.
 #![cfg(kvpool_loom)]
@@ -157,5 +157,52 @@ fn eviction_racing_with_match_of_same_block() {
         assert_eq!(counts.used, 0, "{counts:?}");
         assert_eq!(counts.cached, still_cached, "{counts:?}");
         assert_eq!(counts.free, 1 - still_cached, "{counts:?}");
+    });
+}
+
+/// R3, R10, R27: an allocation that must evict (slow path, under the cache lock) races with a
+/// lock-free allocation of the last free id and with a match of the block it wants to evict:
+/// never partial, never an id twice, never a held block evicted, nothing lost.
+#[test]
+fn allocate_with_eviction_racing_with_allocate_and_match() {
+    loom::model(|| {
+        let m = manager(3, true);
+        let a = m.allocate(1).unwrap();
+        assert_eq!(m.cache(&[5], &a, None).unwrap(), 1);
+        m.deallocate(a).unwrap();
+        // Now: one cache-only block, one free id.
+        let m1 = Arc::clone(&m);
+        let t1 = thread::spawn(move || m1.allocate(2));
+        let m2 = Arc::clone(&m);
+        let t2 = thread::spawn(move || {
+            let hit = m2.allocate_shared(&[5], None);
+            for block in &hit {
+                assert!(
+                    block.is_cached() && block.ref_count() >= 2,
+                    "evicted while held"
+                );
+            }
+            hit.len()
+        });
+        let mine = m.allocate(1);
+        let big = t1.join().unwrap();
+        let hit = t2.join().unwrap();
+        let mut ids: Vec<u32> = Vec::new();
+        for result in [&big, &mine] {
+            if let Ok(blocks) = result {
+                ids.extend(blocks.iter().map(|b| b.id()));
+            }
+        }
+        assert_eq!(big.as_ref().map_or(2, Vec::len), 2, "partial allocation");
+        let total = ids.len();
+        ids.sort_unstable();
+        ids.dedup();
+        assert_eq!(ids.len(), total, "an id was handed out twice");
+        assert!(hit <= 1);
+        drop((big, mine));
+        m.check().unwrap();
+        let counts = m.counts();
+        assert_eq!(counts.used, 0, "{counts:?}");
+        assert_eq!(counts.free + counts.cached, 2, "{counts:?}");
     });
 }
