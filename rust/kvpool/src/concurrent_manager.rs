@@ -130,26 +130,48 @@ impl ConcurrentBlockManager {
         if n == 0 {
             return Ok(Vec::new());
         }
-        let mut ids = Vec::with_capacity(n);
-        // Fast path: `pop_n` is all-or-nothing by itself (gives back on a short list).
-        if self.store.free.len() >= n && self.store.free.pop_n(n, &mut ids) {
-            return Ok(self.wrap(ids));
+        let mut out = Vec::with_capacity(n);
+        if self.store.free.len() >= n {
+            // Fast path: no lock. Ids become handles as they are popped.
+            if self.pop_into(n, &mut out) {
+                return Ok(out);
+            }
+            // Racing threads took ids since `len()` was read: give back (never partial).
+            Self::give_back(&mut out);
         }
-        self.allocate_locked(n, ids)
+        self.allocate_locked(n, out)
+    }
+
+    /// Pops free ids into handles until `out` holds `n`; whether it got there.
+    #[inline]
+    fn pop_into(&self, n: usize, out: &mut Vec<Block>) -> bool {
+        while out.len() < n {
+            match self.store.free.pop() {
+                Some(id) => out.push(self.store.take(id)),
+                None => return false,
+            }
+        }
+        true
+    }
+
+    /// Drops fresh handles newest first: each is the id's only reference, so its drop pushes the
+    /// id back, and the free list ends up in its original order.
+    fn give_back(out: &mut Vec<Block>) {
+        while let Some(block) = out.pop() {
+            drop(block);
+        }
     }
 
     /// The slow path of `allocate`: under the cache lock, evict what the free list lacks, then
     /// take the ids, until `n` are held or nothing more can be evicted. Evicting before popping
     /// mirrors `BlockManagerImpl::allocate_into` (same ids, same order, single-threaded) and hands
     /// out the just-evicted (hottest) ids first.
-    fn allocate_locked(&self, n: usize, mut ids: Vec<u32>) -> Result<Vec<Block>> {
+    fn allocate_locked(&self, n: usize, mut out: Vec<Block>) -> Result<Vec<Block>> {
         let mut inner = self.inner.lock();
-        let available = ids.len() + self.num_available();
+        let available = out.len() + self.num_available();
         if n > available {
             // R3: nothing changed (no eviction, no LRU update).
-            for &id in ids.iter().rev() {
-                self.store.free.push(id);
-            }
+            Self::give_back(&mut out);
             return Err(KvPoolError::OutOfBlocks {
                 requested: n,
                 available,
@@ -159,45 +181,31 @@ impl ConcurrentBlockManager {
         // held the cache only shrinks, and every round that does not return evicted at least one
         // block.
         loop {
-            let missing = n - ids.len();
+            let missing = n - out.len();
             let short = missing.saturating_sub(self.store.free.len());
             if short > 0 {
                 if let Some(cache) = inner.prefix_cache_mut() {
                     cache.evict(short);
                 }
             }
-            while ids.len() < n {
-                match self.store.free.pop() {
-                    Some(id) => ids.push(id),
-                    None => break,
-                }
-            }
-            if ids.len() == n {
-                return Ok(self.wrap(ids));
+            if self.pop_into(n, &mut out) {
+                return Ok(out);
             }
             // Came up short: some blocks could not be evicted (their descendants are held), or
             // racing threads took the freed ids or hold ids for their own attempt. Evict for
             // the rest; if nothing more can go, give back everything (never partial).
             let more = inner
                 .prefix_cache_mut()
-                .map_or(0, |c| c.evict(n - ids.len()));
+                .map_or(0, |c| c.evict(n - out.len()));
             if more == 0 {
-                let available = ids.len() + self.num_available();
-                for &id in ids.iter().rev() {
-                    self.store.free.push(id);
-                }
+                let available = out.len() + self.num_available();
+                Self::give_back(&mut out);
                 return Err(KvPoolError::OutOfBlocks {
                     requested: n,
                     available,
                 });
             }
         }
-    }
-
-    /// Turns popped free ids into their first handles.
-    #[inline]
-    fn wrap(&self, ids: Vec<u32>) -> Vec<Block> {
-        ids.into_iter().map(|id| self.store.take(id)).collect()
     }
 
     fn check_owned(&self, blocks: &[Block], name: &'static str) -> Result<()> {
