@@ -355,7 +355,8 @@ class ConcurrentBlockManager:
         Raises
         ------
         OutOfBlocksError
-            ``free + cached < n``; nothing was changed.
+            ``free + cached < n`` (nothing was changed), or other threads took the blocks
+            first (blocks this call evicted then stay free); never a partial result.
         ValueError
             ``n < 0``.
         """
