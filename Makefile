@@ -28,9 +28,11 @@ test-rust:
 	cargo test -p kvpool --release
 
 # loom models of the lock-free paths (rust/kvpool/tests/loom.rs); own target dir so the cfg flag
-# does not invalidate the normal build.
+# does not invalidate the normal build; debug assertions on, so the state-word checks of
+# block.rs run in every explored interleaving.
 test-loom:
 	RUSTFLAGS="--cfg kvpool_loom" LOOM_MAX_PREEMPTIONS=3 CARGO_TARGET_DIR=target/loom \
+		CARGO_PROFILE_RELEASE_DEBUG_ASSERTIONS=true \
 		cargo test -p kvpool --release --test loom
 
 test-python: build

@@ -407,7 +407,14 @@ fn r27_stress_random_operations_on_many_threads() {
     std::thread::scope(|s| {
         for t in 0..4u64 {
             let (m, shadow) = (&m, &shadow);
-            s.spawn(move || worker(m, shadow, 0x9e37_79b9_7f4a_7c15 * (t + 1), deadline));
+            s.spawn(move || {
+                worker(
+                    m,
+                    shadow,
+                    0x9e37_79b9_7f4a_7c15u64.wrapping_mul(t + 1),
+                    deadline,
+                )
+            });
         }
     });
     shadow.mailbox.lock().unwrap().clear();
