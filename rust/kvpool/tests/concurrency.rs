@@ -263,6 +263,12 @@ fn kv_digest(tokens: &[u32], i: usize) -> u64 {
 }
 
 /// Shared state of the stress test besides the manager.
+///
+/// Orderings: `exclusive` is taken with an AcqRel swap and given back with a Release store, so a
+/// second taker of the same id would see the first one's flag (the test's own ownership check,
+/// independent of the manager's). `kv` is Relaxed: a writer stores before `cache()` and a reader
+/// loads after `allocate_shared()`, and the manager's cache lock orders the two. The counters are
+/// Relaxed statistics read after the threads are joined.
 struct Shadow {
     /// Set while a thread holds the id as a fresh, unpublished allocation: two threads never
     /// can (R4: an id is handed out at most once at a time).
