@@ -190,10 +190,8 @@ fn allocate_with_eviction_racing_with_allocate_and_match() {
         let big = t1.join().unwrap();
         let hit = t2.join().unwrap();
         let mut ids: Vec<u32> = Vec::new();
-        for result in [&big, &mine] {
-            if let Ok(blocks) = result {
-                ids.extend(blocks.iter().map(|b| b.id()));
-            }
+        for blocks in [&big, &mine].into_iter().flatten() {
+            ids.extend(blocks.iter().map(|b| b.id()));
         }
         assert_eq!(big.as_ref().map_or(2, Vec::len), 2, "partial allocation");
         let total = ids.len();
