@@ -405,7 +405,7 @@ class ConcurrentBlockManager:
         """Drop every cached entry; held blocks stay with their holders (R12)."""
 
     def check(self) -> None:
-        """Walk every structure.
+        """Walk every structure; exact only while no other thread uses the manager.
 
         Raises
         ------

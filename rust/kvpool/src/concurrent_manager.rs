@@ -47,6 +47,31 @@ use crate::sync::{Arc, Mutex};
 
 /// Thread-safe block allocator with a prefix cache: lock-free allocate (when the free list
 /// suffices) and handle drops, prefix cache behind one lock (R27).
+///
+/// ```
+/// use std::sync::Arc;
+/// use kvpool::{ConcurrentBlockManager, ManagerConfig};
+///
+/// let manager = Arc::new(ConcurrentBlockManager::new(ManagerConfig::new(64, 4)).unwrap());
+/// let tokens: Vec<u32> = (0..8).collect();
+/// let workers: Vec<_> = (0..4)
+///     .map(|_| {
+///         let manager = Arc::clone(&manager);
+///         let tokens = tokens.clone();
+///         std::thread::spawn(move || {
+///             let mut blocks = manager.allocate_shared(&tokens, None); // prefix hit
+///             blocks.extend(manager.allocate(2 - blocks.len()).unwrap()); // the rest
+///             manager.cache(&tokens, &blocks, None).unwrap(); // first writer wins (R9)
+///             manager.deallocate(blocks).unwrap();
+///         })
+///     })
+///     .collect();
+/// for worker in workers {
+///     worker.join().unwrap();
+/// }
+/// manager.check().unwrap(); // exact once no thread is working
+/// assert_eq!(manager.counts().used, 0);
+/// ```
 pub struct ConcurrentBlockManager {
     /// The same store as `inner`'s: used with no lock on the fast paths.
     store: Arc<BlockStore>,
