@@ -206,3 +206,27 @@ fn allocate_with_eviction_racing_with_allocate_and_match() {
         assert_eq!(counts.free + counts.cached, 2, "{counts:?}");
     });
 }
+
+/// R4, R12, R27: a reset races with the drop of the last outside handle of a cached block (the
+/// drop may queue the id just before the reset frees it): the id is freed exactly once, and a
+/// later life of the same id (allocated, cached, released) is queued and evictable as usual.
+#[test]
+fn reset_racing_with_drop_of_cached_block() {
+    loom::model(|| {
+        let m = manager(2, true);
+        let a = m.allocate(1).unwrap();
+        assert_eq!(m.cache(&[3], &a, None).unwrap(), 1);
+        let t = thread::spawn(move || drop(a));
+        m.reset_prefix_cache();
+        t.join().unwrap();
+        assert_all_free(&m);
+        // The next life of id 1.
+        let b = m.allocate(1).unwrap();
+        assert_eq!(m.cache(&[4], &b, None).unwrap(), 1);
+        m.deallocate(b).unwrap();
+        m.check().unwrap();
+        assert_eq!(m.counts().cached, 1);
+        assert_eq!(m.evict(1), 1);
+        assert_all_free(&m);
+    });
+}
