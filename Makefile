@@ -6,7 +6,7 @@ DEPS := $(VENV)/.deps-stamp
 export VIRTUAL_ENV := $(abspath $(VENV))
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: run test build test-rust test-python lint bench clean
+.PHONY: run test build test-rust test-loom test-python lint bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -22,10 +22,18 @@ build: $(DEPS)
 run: build
 	$(VENV)/bin/kvpool simulate
 
-test: build test-rust test-python
+test: build test-rust test-loom test-python
 
 test-rust:
 	cargo test -p kvpool --release
+
+# loom models of the lock-free paths (rust/kvpool/tests/loom.rs); own target dir so the cfg flag
+# does not invalidate the normal build; debug assertions on, so the state-word checks of
+# block.rs run in every explored interleaving.
+test-loom:
+	RUSTFLAGS="--cfg kvpool_loom" LOOM_MAX_PREEMPTIONS=3 CARGO_TARGET_DIR=target/loom \
+		CARGO_PROFILE_RELEASE_DEBUG_ASSERTIONS=true \
+		cargo test -p kvpool --release --test loom
 
 test-python: build
 	$(PY) -m pytest -q

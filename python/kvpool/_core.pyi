@@ -26,6 +26,7 @@ __all__ = [
     "hash_blocks",
     "Sequence",
     "BlockManagerPool",
+    "ConcurrentBlockManager",
     "KVEvent",
     "LinearStatePrefixCache",
     "LinearStatePlan",
@@ -315,6 +316,155 @@ class BlockManager:
 
     def check(self) -> None:
         """Walk every structure.
+
+        Raises
+        ------
+        InvariantError
+            A rule is broken.
+        """
+
+    def stats(self) -> _ManagerStats:
+        """Block counts and prefix-cache statistics."""
+
+    def eviction_order(self) -> list[int]:
+        """Block ids on the eviction list, oldest first (for tests and debugging)."""
+
+@final
+class ConcurrentBlockManager:
+    """Thread-safe block allocator with a prefix cache (the seed's ConcurrentBlockManagerImpl).
+
+    The same API and behaviour as :class:`BlockManager` (R1-R12), for many threads at once
+    (R27): allocation from the free list and every handle release are lock-free, the prefix
+    cache sits behind one lock that a handle release never takes, and every method releases the
+    GIL around its Rust work (R28). Counts read while other threads work are snapshots; they,
+    and ``check()``, are exact when no other thread is using the manager.
+
+    Parameters
+    ----------
+    num_blocks : int
+        Ids in the pool, padding block 0 included (``num_total_blocks == num_blocks - 1``).
+    block_size : int
+        Tokens per block, at least 1.
+    enable_prefix_cache : bool
+        Keep a prefix cache.
+    hash_seed : int or None
+        Seed of the block hash in ``[0, 2**64)``; None is ``DEFAULT_HASH_SEED``.
+    debug_hash_bits : int or None
+        Truncate hashes to this many bits (1..128) to force collisions in tests.
+
+    Raises
+    ------
+    ValueError
+        ``num_blocks < 2``, ``block_size < 1`` or an option out of range.
+    """
+
+    def __new__(
+        cls,
+        num_blocks: int,
+        block_size: int,
+        *,
+        enable_prefix_cache: bool = True,
+        hash_seed: int | None = None,
+        debug_hash_bits: int | None = None,
+    ) -> ConcurrentBlockManager: ...
+    @property
+    def num_blocks(self) -> int:
+        """Ids in the pool, padding block 0 included."""
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per block."""
+
+    @property
+    def enable_prefix_cache(self) -> bool:
+        """Whether a prefix cache is kept."""
+
+    @property
+    def num_total_blocks(self) -> int:
+        """Allocatable ids: ``num_blocks - 1`` (R1)."""
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Ids in the free list (R2)."""
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Ids held only by the prefix cache: evictable (R2)."""
+
+    @property
+    def num_used_blocks(self) -> int:
+        """Ids held by a handle outside the cache (R2)."""
+
+    @property
+    def num_available_blocks(self) -> int:
+        """``free + cached``: what ``allocate`` can hand out (R2)."""
+
+    @property
+    def prefix_cache(self) -> PrefixCache | None:
+        """Read-only view of the prefix cache, or None when disabled."""
+
+    def allocate(self, n: int) -> list[Block]:
+        """Allocate ``n`` fresh blocks, evicting cached ones if needed (R3).
+
+        Returns
+        -------
+        list[Block]
+            ``n`` handles; ``[]`` for ``n == 0``.
+
+        Raises
+        ------
+        OutOfBlocksError
+            ``free + cached < n`` (nothing was changed), or other threads took the blocks
+            first (blocks this call evicted then stay free); never a partial result.
+        ValueError
+            ``n < 0``.
+        """
+
+    def deallocate(self, blocks: Iterable[Block]) -> None:
+        """Release these handles (R5); all or nothing.
+
+        Raises
+        ------
+        ValueError
+            A handle was already released, is listed twice, or belongs to another manager.
+        TypeError
+            An item is not a :class:`Block`.
+        """
+
+    def allocate_shared(self, token_ids: _TokenIds, *, extra_key: _ExtraKey = None) -> list[Block]:
+        """Handles of the longest cached prefix of ``token_ids`` (R7).
+
+        Returns
+        -------
+        list[Block]
+            One new handle per matched full block, in order; ``[]`` on a miss.
+        """
+
+    def cache(
+        self, token_ids: _TokenIds, blocks: Iterable[Block], *, extra_key: _ExtraKey = None
+    ) -> int:
+        """Publish the full blocks of ``token_ids`` held in ``blocks`` in the prefix cache (R9).
+
+        Returns
+        -------
+        int
+            Number of blocks newly cached.
+        """
+
+    def evict(self, n: int) -> int:
+        """Evict up to ``n`` cached blocks, least recently used leaves first (R10).
+
+        Returns
+        -------
+        int
+            Number of blocks evicted.
+        """
+
+    def reset_prefix_cache(self) -> None:
+        """Drop every cached entry; held blocks stay with their holders (R12)."""
+
+    def check(self) -> None:
+        """Walk every structure; exact only while no other thread uses the manager.
 
         Raises
         ------

@@ -1,6 +1,7 @@
 //! Python bindings of the kvpool core (`kvpool._core`): thin wrappers that validate, make one
 //! core call and map the error. Every class is frozen with a lock inside (R28).
 
+mod concurrent;
 mod convert;
 mod errors;
 mod hierarchy; // host tier (R26)
@@ -23,6 +24,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("InvariantError", py.get_type::<errors::InvariantError>())?;
     m.add_class::<manager::PyBlock>()?;
     m.add_class::<manager::PyBlockManager>()?;
+    m.add_class::<concurrent::PyConcurrentBlockManager>()?;
     m.add_class::<manager::PySingleBlockManager>()?;
     m.add_class::<manager::PyPrefixCache>()?;
     m.add_function(wrap_pyfunction!(manager::hash_blocks, m)?)?;

@@ -403,9 +403,8 @@ impl PyBlockManager {
     /// Read-only view of the prefix cache, or None when disabled.
     #[getter]
     fn prefix_cache(&self) -> Option<PyPrefixCache> {
-        self.enable_prefix_cache.then(|| PyPrefixCache {
-            manager: Arc::clone(&self.inner),
-        })
+        self.enable_prefix_cache
+            .then(|| PyPrefixCache::new(CacheOwner::Plain(Arc::clone(&self.inner))))
     }
 
     /// Block ids on the eviction list, oldest first (for tests and debugging).
@@ -429,18 +428,29 @@ impl PyBlockManager {
     }
 }
 
-/// Read-only view of a BlockManager's prefix cache.
+/// The manager whose prefix cache a `PrefixCache` view shows.
+pub enum CacheOwner {
+    Plain(Arc<Mutex<BlockManagerImpl>>),
+    Concurrent(Arc<kvpool::ConcurrentBlockManager>),
+}
+
+/// Read-only view of a BlockManager's (or ConcurrentBlockManager's) prefix cache.
 #[pyclass(frozen, module = "kvpool", name = "PrefixCache")]
 pub struct PyPrefixCache {
-    manager: Arc<Mutex<BlockManagerImpl>>,
+    manager: CacheOwner,
 }
 
 impl PyPrefixCache {
-    fn with<T>(&self, f: impl FnOnce(&kvpool::PrefixCache) -> T) -> T {
-        let manager = self.manager.lock();
-        f(manager
-            .prefix_cache()
-            .expect("view exists only with a cache"))
+    pub fn new(manager: CacheOwner) -> Self {
+        Self { manager }
+    }
+
+    fn with<T: Default>(&self, f: impl FnOnce(&kvpool::PrefixCache) -> T) -> T {
+        match &self.manager {
+            CacheOwner::Plain(manager) => manager.lock().prefix_cache().map(f),
+            CacheOwner::Concurrent(manager) => manager.with_prefix_cache(f),
+        }
+        .unwrap_or_default()
     }
 }
 

@@ -3,12 +3,13 @@
 //! evicted block; hash + match of a 2048-token prompt (128 blocks of 16) <= 5 us.
 
 use std::hint::black_box;
+use std::sync::Barrier;
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use kvpool::{
-    BlockManager, BlockManagerImpl, BlockManagerPool, KvCacheManager, ManagerConfig, PoolConfig,
-    Sequence,
+    BlockManager, BlockManagerImpl, BlockManagerPool, ConcurrentBlockManager, KvCacheManager,
+    ManagerConfig, PoolConfig, Sequence,
 };
 
 fn manager(num_blocks: usize, block_size: usize) -> BlockManagerImpl {
@@ -199,9 +200,64 @@ fn pool_hybrid(c: &mut Criterion) {
     group.finish();
 }
 
+/// allocate(1) + drop of the handle (R27): the plain manager on one thread against the
+/// concurrent manager with 1, 2 and 4 threads hammering one shared instance. Time per iteration
+/// is the wall time for every thread to do one allocate+free (throughput counts all threads);
+/// target: the concurrent manager on one thread within 2x of the plain one.
+fn concurrent_allocate_free(c: &mut Criterion) {
+    let mut group = c.benchmark_group("plain_allocate_then_free_one_block");
+    group.throughput(Throughput::Elements(1));
+    let mut plain = manager(4096, 16);
+    group.bench_function(BenchmarkId::new("threads", 1), |b| {
+        b.iter(|| {
+            let blocks = plain.allocate(black_box(1)).unwrap();
+            drop(blocks);
+        })
+    });
+    group.finish();
+
+    let mut group = c.benchmark_group("concurrent_allocate_then_free_one_block");
+    let shared = ConcurrentBlockManager::new(ManagerConfig::new(4096, 16)).unwrap();
+    for threads in [1usize, 2, 4] {
+        group.throughput(Throughput::Elements(threads as u64));
+        group.bench_with_input(
+            BenchmarkId::new("threads", threads),
+            &threads,
+            |b, &threads| {
+                b.iter_custom(|iters| {
+                    let barrier = Barrier::new(threads);
+                    std::thread::scope(|s| {
+                        let workers: Vec<_> = (0..threads)
+                            .map(|_| {
+                                let (shared, barrier) = (&shared, &barrier);
+                                s.spawn(move || {
+                                    barrier.wait();
+                                    let start = Instant::now();
+                                    for _ in 0..iters {
+                                        let blocks = shared.allocate(black_box(1)).unwrap();
+                                        drop(blocks);
+                                    }
+                                    start.elapsed()
+                                })
+                            })
+                            .collect();
+                        workers
+                            .into_iter()
+                            .map(|w| w.join().unwrap())
+                            .max()
+                            .unwrap_or_default()
+                    })
+                })
+            },
+        );
+    }
+    group.finish();
+}
+
 criterion_group! {
     name = benches;
     config = Criterion::default().warm_up_time(Duration::from_millis(500)).measurement_time(Duration::from_secs(2));
-    targets = allocate_free, allocate_with_eviction, prefix_cache, pool_request, pool_hybrid
+    targets = allocate_free, allocate_with_eviction, prefix_cache, pool_request, pool_hybrid,
+        concurrent_allocate_free
 }
 criterion_main!(benches);

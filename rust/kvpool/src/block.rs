@@ -20,6 +20,29 @@
 //! of which is a single atomic update of the state word, so the count cannot drift.
 //! A handle drop never takes a lock (R27): it only touches the state word, the free list and the
 //! `released` stack, all lock-free.
+//!
+//! Concurrency (with [`crate::ConcurrentBlockManager`], R27). Handle clones and drops run on any
+//! thread at any time; every change of `CACHED` or of the cache's own reference (`mark_cached`,
+//! `retain_cached`, `unmark_cached`, `clear_queued`) runs under the cache's lock. Since each
+//! transition is one atomic read-modify-write (a CAS loop for drops), the races resolve as:
+//! - **last two handles dropped at once**: the two decrements are ordered on the state word; only
+//!   the one that moves the count `1 -> 0` pushes the id to the free list (exactly once), and for
+//!   a cached block only the one that moves `CACHED|2 -> CACHED|1` queues it.
+//! - **match vs. drop** of a cached block (`CACHED|2`): the match's `+1` and the drop's `-1`
+//!   commute. Drop first: `CACHED|1|QUEUED` is queued, then the match makes it
+//!   `CACHED|2|QUEUED`; the cache later pops it, clears `QUEUED`, sees a count of 2 and keeps it
+//!   off the LRU. Match first: `CACHED|3 -> CACHED|2`, nothing queued. The cache-only counter may
+//!   briefly see the match's `-1` before the drop's `+1` (see `num_cache_only`).
+//! - **evict vs. match**: both hold the lock. Only ids on the LRU are evicted, and an id is on
+//!   the LRU only while its state is `CACHED|1` (no handle outside the cache exists, so no thread
+//!   can clone or drop one): the LRU push re-reads the state after clearing `QUEUED`, and a match
+//!   unlinks the id before handing a handle out. So an eviction never frees a held block.
+//! - **drop vs. drain**: the cache pops an id, then clears `QUEUED` and reads the state in one
+//!   `fetch_and`. A drop in between sees `QUEUED` still set and does not push the id again; the
+//!   drain's read of the state then includes that drop. A drop after it queues the id anew.
+//! - **reset vs. drop**: `unmark_cached` may meet an id that a racing drop just queued
+//!   (`CACHED|1|QUEUED`); the id is freed with `QUEUED` still set and stays in the stack until the
+//!   next drain pops it and, seeing it uncached, skips it. `QUEUED` <=> in the stack still holds.
 
 use crossbeam_utils::CachePadded;
 
@@ -63,11 +86,18 @@ impl BlockStore {
         self.states.len()
     }
 
-    /// Number of cached (cache-only) ids.
+    /// Number of cached (cache-only) ids, clamped to `0..num_blocks`.
+    ///
+    /// The counter is updated right after the state-word transition that justifies it, not in
+    /// the same atomic step, so under concurrency it can lag: a handle drop's `+1` may land after
+    /// the cache's `-1` for the same id (the cache handed the block out again or evicted it in
+    /// between), and the raw word then wraps below zero for a moment. Reading it as signed and
+    /// clamping keeps every snapshot in range; at quiescence it is exact (R2).
     #[inline]
     pub(crate) fn num_cache_only(&self) -> usize {
         // Relaxed: a counter snapshot, exact at quiescence (module doc).
-        self.cache_only.load(Ordering::Relaxed)
+        let raw = self.cache_only.load(Ordering::Relaxed) as isize;
+        (raw.max(0) as usize).min(self.states.len())
     }
 
     #[inline]

@@ -43,7 +43,9 @@ use crate::manager::{BlockCounts, BlockManager, BlockManagerImpl, ManagerConfig}
 use crate::pool::{BlockManagerPool, KvCacheManager, KvEvent, PoolConfig, PoolStats};
 use crate::prefix_cache::ExtraKey;
 use crate::sequence::Sequence;
-use crate::sync::{Arc, AtomicU32, AtomicU64, Ordering};
+// std atomics, not the loom shim: ids and load tickets are not part of the loom models.
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::Arc;
 
 static NEXT_PLAN_ID: AtomicU64 = AtomicU64::new(1);
 static NEXT_HIERARCHY_ID: AtomicU64 = AtomicU64::new(1);

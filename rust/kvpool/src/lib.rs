@@ -6,6 +6,7 @@
 
 pub mod block;
 pub mod composite;
+pub mod concurrent_manager;
 pub mod error;
 pub mod free_list;
 pub mod hash;
@@ -20,6 +21,7 @@ mod sync;
 
 pub use block::Block;
 pub use composite::{CompositeBlockManager, GroupManager, GroupSpec, GroupTables};
+pub use concurrent_manager::ConcurrentBlockManager;
 pub use error::{KvPoolError, Result};
 pub use free_list::FreeList;
 pub use hash::{BlockHash, BlockHasher, DEFAULT_HASH_SEED};

@@ -175,6 +175,12 @@ impl BlockManagerImpl {
         self.cache.as_mut()
     }
 
+    /// The slab behind this manager's handles (shared with `ConcurrentBlockManager`'s lock-free
+    /// paths).
+    pub(crate) fn store(&self) -> &Arc<BlockStore> {
+        &self.store
+    }
+
     /// The hasher used for chains (also when the cache is off).
     pub fn hasher(&self) -> &BlockHasher {
         &self.hasher
@@ -312,7 +318,7 @@ impl BlockManager for BlockManagerImpl {
         let hashes = cache
             .hasher()
             .chain(&tokens[..full * block_size], block_size, extra_key);
-        let key: Option<ExtraKey> = extra_key.map(Arc::from);
+        let key: Option<ExtraKey> = extra_key.map(ExtraKey::from);
         Ok(cache
             .insert(&hashes, tokens, blocks, 0, key.as_ref(), false)
             .0)

@@ -339,6 +339,11 @@ struct Plan {
 }
 
 /// Per-rank block managers behind the sequence-level API.
+///
+/// Concurrency (R27): the pool is `Send + Sync`; methods that change it take `&mut self`, so
+/// threads share it behind a lock (the Python class does, and with `concurrent=True` releases the
+/// GIL while it waits and works). Handles are released lock-free: a sequence dropped on any
+/// thread returns its blocks without touching the pool or its lock.
 pub struct BlockManagerPool {
     id: u64,
     config: PoolConfig,
@@ -350,6 +355,13 @@ pub struct BlockManagerPool {
     next_op: u64,
     next_plan: u64,
 }
+
+// R27: the pool can be shared between threads (behind a lock).
+const _: fn() = || {
+    fn assert_send_sync<T: Send + Sync>() {}
+    assert_send_sync::<BlockManagerPool>();
+    assert_send_sync::<Sequence>();
+};
 
 fn rename(error: KvPoolError, from: &str, to: &'static str) -> KvPoolError {
     match error {

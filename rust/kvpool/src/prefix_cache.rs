@@ -48,8 +48,9 @@ impl Hasher for IdentityHasher {
 
 type HashIndex = HashMap<u128, u32, BuildHasherDefault<IdentityHasher>>;
 
-/// Extra key of a chain (cache salt, LoRA id, model namespace).
-pub type ExtraKey = Arc<[u8]>;
+/// Extra key of a chain (cache salt, LoRA id, model namespace). Immutable shared bytes: always
+/// `std::sync::Arc`, also under loom (see `sync.rs`).
+pub type ExtraKey = std::sync::Arc<[u8]>;
 
 #[derive(Clone)]
 struct Entry {
