@@ -147,13 +147,23 @@ def test_unknown_options() -> None:
     assert_clean_failure(run("frobnicate"), "unknown command")
 
 
-def test_unavailable_features_fail_cleanly() -> None:
-    # features that may not be in this build yet: either they run, or they say so clearly
-    for args in (["--host-blocks", "512"], ["--linear-state-slots", "32", "--checkpoint-interval", "64"],
-                 ["--sliding-window", "256"]):
-        p = run("simulate", *SMALL, *args)
-        if p.returncode != 0:
-            assert_clean_failure(p, "not available in this kvpool build")
+def test_hybrid_and_host_options_run() -> None:
+    """Issue 9's options for hybrid models and the host tier (issues 4 and 6) run end to end."""
+    cases = [
+        (["--linear-state-slots", "64", "--checkpoint-interval", "64", "-w", "chat"], "checkpoint_hits"),
+        (["--sliding-window", "256", "-w", "chat"], "prefix_hit_rate"),
+        (["--host-blocks", "512", "--num-blocks", "128", "-w", "chat"], "host_loads"),
+    ]
+    for args, key in cases:
+        p = run("simulate", *SMALL, *args, "--check", "--json")
+        assert p.returncode == 0, p.stderr
+        summary = json.loads(p.stdout)["summary"]
+        assert summary[key] > 0, (args, summary)
+
+
+def test_unavailable_combinations_fail_cleanly() -> None:
+    p = run("simulate", *SMALL, "--host-blocks", "512", "--linear-state-slots", "32")
+    assert_clean_failure(p, "not available in this kvpool build")
 
 
 def test_help() -> None:

@@ -100,6 +100,29 @@ def test_exact_fit_request() -> None:
     assert res.summary["finished"] == 1 and res.summary["peak_used_blocks"] == 10
 
 
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"linear_state_slots": 64, "checkpoint_interval": 64},
+        {"linear_state_slots": 64, "linear_state_match": "contiguous", "checkpoint_interval": 16},
+        {"sliding_window": 128, "swa_num_blocks": 256},
+        {"sliding_window": 64, "linear_state_slots": 64, "checkpoint_interval": 32, "dp_size": 2},
+    ],
+)
+def test_hybrid_models_check_every_step(options) -> None:
+    """Issue 4 in the scheduler loop: pool.check() after every step, every request finishes."""
+    options = dict(options)
+    dp = options.pop("dp_size", 1)
+    reqs = _small("chat", 40, seed=3)
+    res = run_simulation(SimConfig(num_blocks=512, block_size=16, dp_size=dp, check=True, **options), reqs)
+    _assert_complete(res, reqs)
+    s = res.summary
+    if "linear_state_match" not in options:  # contiguous needs a checkpoint at every block
+        assert s["prefix_hit_rate"] > 0
+        if options.get("linear_state_slots"):
+            assert s["checkpoint_hits"] > 0
+
+
 def test_bad_config() -> None:
     with pytest.raises(SimError):
         Simulator(SimConfig(num_blocks=1), [])
