@@ -915,6 +915,30 @@ class BlockManagerPool:
             A token is not held by its table yet (call ``may_append`` first).
         """
 
+    def advance(self, seqs: Iterable[Sequence], token_ids: _TokenIds) -> None:
+        """After a forward step, for every sequence in one call (GIL released).
+
+        For each ``seqs[i]``: ``num_computed_tokens = len(seq)`` (R17), ``cache(seq)``,
+        ``append_token(token_ids[i])``: the calls an engine makes per sequence after each step,
+        without the Python loop. Take the new tokens' slots with ``may_append_all``.
+
+        Raises
+        ------
+        ValueError
+            ``token_ids`` has another length, a sequence is listed twice, is not allocated in
+            this pool, or has tokens its table does not hold; nothing is changed.
+        """
+
+    def may_append_all(self, seqs: Iterable[Sequence], lookahead: int = 0) -> NDArray[np.bool_]:
+        """``may_append(seq, lookahead)`` for every sequence in one call (R16, GIL released).
+
+        Returns
+        -------
+        numpy.ndarray
+            bool of shape ``[len(seqs)]``: False where the blocks could not be had (that
+            sequence is unchanged; preempt it).
+        """
+
     def stats(self) -> _PoolStats:
         """Counts, prefix-cache and slot statistics, totals and per rank (R20)."""
 

@@ -122,20 +122,15 @@ class KvpoolAdapter(Adapter):
         return seqs, hits
 
     def decode_alloc(self, seqs):
-        may_append = self.pool.may_append
-        for seq in seqs:
-            if not may_append(seq):
-                raise RuntimeError("kvpool: may_append failed")
+        if not self.pool.may_append_all(seqs).all():  # one call for the batch (R16)
+            raise RuntimeError("kvpool: may_append failed")
 
     def export(self, seqs):
         return self.pool.block_tables(seqs), self.pool.slot_mapping(seqs)
 
     def prefill_done(self, seqs, tokens):
-        cache = self.pool.cache
-        for seq, t in zip(seqs, tokens, strict=True):
-            seq.num_computed_tokens = len(seq)
-            cache(seq)
-            seq.append_token(t)
+        # computed = len, cache, append the sampled token: one call for the batch (R17)
+        self.pool.advance(seqs, tokens)
 
     decode_done = prefill_done
 

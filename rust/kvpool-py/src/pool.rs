@@ -300,7 +300,8 @@ impl PyBlockManagerPool {
         call(&mut self.inner.lock()).py()
     }
 
-    /// Locks the pool and `seqs` (GIL released) for a batch export.
+    /// Locks the pool and `seqs` (GIL released) for a batch export. Each distinct sequence is
+    /// locked once, in address order (a list may name one sequence twice).
     fn with_seqs<T: Send>(
         &self,
         py: Python<'_>,
@@ -310,12 +311,58 @@ impl PyBlockManagerPool {
         let seqs: Vec<&PySequence> = seqs.iter().map(|s| s.get()).collect();
         py.detach(|| {
             let pool = self.inner.lock();
-            let guards: Vec<_> = seqs.iter().map(|s| s.inner.lock()).collect();
-            let refs: Vec<&Sequence> = guards.iter().map(|g| &**g).collect();
+            let (guards, slot) = lock_distinct(&seqs);
+            let refs: Vec<&Sequence> = slot.iter().map(|&g| &*guards[g]).collect();
             call(&pool, &refs)
         })
         .py()
     }
+}
+
+/// The sequences of `seqs`, which must all be distinct (a ValueError names `seqs` otherwise).
+fn distinct<'a>(seqs: &'a [Bound<'_, PySequence>]) -> PyResult<Vec<&'a PySequence>> {
+    let objects: Vec<&PySequence> = seqs.iter().map(|s| s.get()).collect();
+    let mut addresses: Vec<usize> = objects
+        .iter()
+        .map(|&s| std::ptr::from_ref(s) as usize)
+        .collect();
+    addresses.sort_unstable();
+    if addresses.windows(2).any(|w| w[0] == w[1]) {
+        return Err(value_error("seqs", "lists a sequence twice"));
+    }
+    Ok(objects)
+}
+
+/// `seq` is allocated in `pool` (a ValueError naming `seqs` otherwise).
+fn ensure_allocated(pool: &BlockManagerPool, seq: &Sequence) -> kvpool::Result<()> {
+    if pool.owns_sequence(seq)? {
+        Ok(())
+    } else {
+        Err(kvpool::KvPoolError::invalid(
+            "seqs",
+            format!("sequence {} is not allocated in this pool", seq.seq_id()),
+        ))
+    }
+}
+
+/// Locks every distinct sequence of `seqs` once, in address order; `slot[i]` is the guard of
+/// `seqs[i]`.
+fn lock_distinct<'a>(
+    seqs: &[&'a PySequence],
+) -> (Vec<parking_lot::MutexGuard<'a, Sequence>>, Vec<usize>) {
+    let mut order: Vec<usize> = (0..seqs.len()).collect();
+    order.sort_unstable_by_key(|&i| std::ptr::from_ref(seqs[i]) as usize);
+    let mut guards = Vec::with_capacity(seqs.len());
+    let mut slot = vec![0; seqs.len()];
+    let mut previous: Option<&PySequence> = None;
+    for i in order {
+        if !previous.is_some_and(|p| std::ptr::eq(p, seqs[i])) {
+            guards.push(seqs[i].inner.lock());
+            previous = Some(seqs[i]);
+        }
+        slot[i] = guards.len() - 1;
+    }
+    (guards, slot)
 }
 
 pub(crate) fn group_arg(group: Option<&Bound<'_, PyAny>>) -> PyResult<usize> {
@@ -551,6 +598,67 @@ impl PyBlockManagerPool {
     fn reset_prefix_cache(&self, py: Python<'_>) {
         let inner = &self.inner;
         py.detach(|| inner.lock().reset_prefix_cache());
+    }
+
+    /// After a forward step, for every sequence in one call (GIL released): marks every token
+    /// computed (R17), publishes the full blocks (cache) and appends token_ids[i] to seqs[i].
+    /// The same as those three calls per sequence without the Python loop; take the new
+    /// tokens' slots with may_append_all before the next step.
+    fn advance(
+        &self,
+        py: Python<'_>,
+        seqs: &Bound<'_, PyAny>,
+        token_ids: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let seqs = seq_list(seqs)?;
+        let tokens = convert::tokens(token_ids, "token_ids")?;
+        if tokens.len() != seqs.len() {
+            return Err(value_error(
+                "token_ids",
+                format!("has {} tokens for {} sequences", tokens.len(), seqs.len()),
+            ));
+        }
+        let objects = distinct(&seqs)?;
+        py.detach(|| {
+            let mut pool = self.inner.lock();
+            // Validate every sequence before changing any (R29: nothing half-changed).
+            for seq in &objects {
+                pool.check_sequence_owned(&seq.inner.lock())?;
+            }
+            for (seq, &token) in objects.iter().zip(&tokens) {
+                pool.advance(&mut seq.inner.lock(), token)?;
+            }
+            Ok(())
+        })
+        .py()
+    }
+
+    /// may_append(seq, lookahead) for every sequence in one call (GIL released, R16): a bool
+    /// array, False where the blocks could not be had (that sequence is unchanged).
+    #[pyo3(signature = (seqs, lookahead = None), text_signature = "(self, seqs, lookahead=0)")]
+    fn may_append_all<'py>(
+        &self,
+        py: Python<'py>,
+        seqs: &Bound<'py, PyAny>,
+        lookahead: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyArray1<bool>>> {
+        let lookahead = optional_count(lookahead, "lookahead")?.unwrap_or(0);
+        let seqs = seq_list(seqs)?;
+        let objects = distinct(&seqs)?;
+        let ok = py
+            .detach(|| {
+                let mut pool = self.inner.lock();
+                for seq in &objects {
+                    let seq = seq.inner.lock();
+                    ensure_allocated(&pool, &seq)?;
+                }
+                objects
+                    .iter()
+                    .map(|seq| pool.may_append(&mut seq.inner.lock(), lookahead))
+                    .collect::<kvpool::Result<Vec<bool>>>()
+            })
+            .py()?;
+        Ok(ok.into_pyarray(py))
     }
 
     /// Whether the pool releases the GIL in every call (built with concurrent=True, R28).

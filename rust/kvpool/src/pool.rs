@@ -1363,6 +1363,42 @@ impl KvCacheManager for BlockManagerPool {
 }
 
 impl BlockManagerPool {
+    /// Whether `seq` holds blocks of this pool (`ValueError`-style error if of another pool).
+    pub fn owns_sequence(&self, seq: &Sequence) -> Result<bool> {
+        self.check_owner(seq)
+    }
+
+    /// Checks what [`Self::advance`] requires of `seq` (allocated here, every token held)
+    /// without changing anything.
+    pub fn check_sequence_owned(&self, seq: &Sequence) -> Result<()> {
+        ensure_arg!(
+            self.check_owner(seq)?,
+            "seqs",
+            "sequence {} is not allocated in this pool",
+            seq.seq_id()
+        );
+        ensure_arg!(
+            seq.len() <= seq.capacity(),
+            "seqs",
+            "sequence {} has {} tokens but its table holds {}: call may_append first",
+            seq.seq_id(),
+            seq.len(),
+            seq.capacity()
+        );
+        Ok(())
+    }
+
+    /// After a forward step over every token of `seq`, in one call: `num_computed_tokens =
+    /// len(seq)` (R17), `cache(seq)` publishes the full blocks, and the sampled `token` is
+    /// appended (its slot comes from the next `may_append`, R16).
+    pub fn advance(&mut self, seq: &mut Sequence, token: u32) -> Result<()> {
+        self.check_sequence_owned(seq)?;
+        seq.num_computed_tokens = seq.len();
+        self.publish(seq, Publish::Step);
+        seq.append_token(token);
+        Ok(())
+    }
+
     /// R18's deallocate. `all_released`: nothing else keeps the sequence's blocks after this
     /// (false when a host offload still holds them), so recomputed duplicates may be skipped
     /// and the rest of the chain published (see `PrefixCache::insert`).
