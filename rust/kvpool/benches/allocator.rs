@@ -32,6 +32,12 @@ fn allocate_free(c: &mut Criterion) {
             drop(blocks);
         })
     });
+    group.bench_function("one_block_without_vec", |b| {
+        b.iter(|| {
+            let block = m.allocate_one().unwrap();
+            drop(black_box(block));
+        })
+    });
     for n in [16usize, 64, 1024] {
         group.throughput(Throughput::Elements(n as u64));
         group.bench_with_input(BenchmarkId::new("blocks", n), &n, |b, &n| {

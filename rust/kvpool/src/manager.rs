@@ -226,6 +226,18 @@ impl BlockManagerImpl {
         Ok(())
     }
 
+    /// One fresh block without a `Vec` (evicting a cached one if none is free): the hot path
+    /// of a decode step that crosses a block boundary.
+    #[inline]
+    pub fn allocate_one(&mut self) -> Result<Block> {
+        if let Some(id) = self.store.free.pop() {
+            return Ok(self.store.take(id));
+        }
+        let mut out = Vec::with_capacity(1);
+        self.allocate_into(1, &mut out)?;
+        Ok(out.pop().expect("allocate_into gave one block"))
+    }
+
     /// Chain hashes for `tokens` with this manager's hasher.
     pub fn hash_chain(&self, tokens: &[u32], extra_key: Option<&[u8]>) -> Vec<BlockHash> {
         self.hasher.chain(tokens, self.block_size(), extra_key)

@@ -330,3 +330,28 @@ proptest! {
         prop_assert_eq!(m.counts().free, num_blocks - 1, "every id came back exactly once");
     }
 }
+
+#[test]
+fn allocate_one_takes_free_then_evicts_then_fails_cleanly() {
+    // R3 for the single-block fast path.
+    let mut m = BlockManagerImpl::new(ManagerConfig::new(3, 2)).unwrap();
+    let a = m.allocate_one().unwrap();
+    let b = m.allocate_one().unwrap();
+    m.cache(&[1, 2, 3, 4], &[a.clone(), b.clone()], None)
+        .unwrap();
+    drop(b); // cache-only now; `a` still held
+    let c = m.allocate_one().unwrap(); // evicts b's block
+    assert_eq!(m.counts().cached, 0);
+    assert!(matches!(
+        m.allocate_one(),
+        Err(KvPoolError::OutOfBlocks { requested: 1, .. })
+    ));
+    drop((a, c));
+    m.check().unwrap();
+    let counts = m.counts();
+    assert_eq!(
+        (counts.free, counts.cached),
+        (1, 1),
+        "a's block stays cached (R5)"
+    );
+}
