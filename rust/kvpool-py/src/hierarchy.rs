@@ -3,8 +3,8 @@
 //! sequences in argument order; no lock is held while Python code runs.
 
 use kvpool::{
-    HierarchyBlockManagerPool, HierarchyConfig, HostStats, KvCacheManager, OffloadPolicy,
-    PoolConfig, Sequence, TransferDirection, TransferPlan,
+    HierarchyBlockManagerPool, HierarchyConfig, HostStats, KvCacheManager, OffloadPolicy, Sequence,
+    TransferDirection, TransferPlan,
 };
 use numpy::ndarray::Array2;
 use numpy::{IntoPyArray, PyArray1, PyArray2};
@@ -14,8 +14,8 @@ use pyo3::types::{PyDict, PyList};
 
 use crate::convert;
 use crate::errors::{type_error, value_error, IntoPyResult};
-use crate::manager::{counts_dict, debug_bits, hasher};
-use crate::pool::{events_list, group_arg, rank_dict, seq_list, seq_ref, PySequence};
+use crate::manager::counts_dict;
+use crate::pool::{events_list, group_arg, pool_config, rank_dict, seq_list, seq_ref, PySequence};
 
 /// Block copies of one dp rank in one direction: copy block ``src[i]`` to block ``dst[i]``.
 #[pyclass(frozen, module = "kvpool", name = "TransferPlan")]
@@ -167,11 +167,7 @@ impl PyHierarchyBlockManagerPool {
         debug_hash_bits: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         let _ = concurrent; // every Python pool is thread-safe (R28)
-        let num_blocks = convert::count(num_blocks, "num_blocks")?;
         let host_num_blocks = convert::count(host_num_blocks, "host_num_blocks")?;
-        let block_size = convert::count(block_size, "block_size")?;
-        let dp_size = optional_count(dp_size, "dp_size")?.unwrap_or(1);
-        let num_single_blocks = optional_count(num_single_blocks, "num_single_blocks")?;
         let offload_policy = match offload_policy {
             Some(p) if !p.is_none() => {
                 let name: String = p
@@ -181,45 +177,25 @@ impl PyHierarchyBlockManagerPool {
             }
             _ => OffloadPolicy::OnDeallocate,
         };
-        if let Some(m) = linear_state_match.filter(|m| !m.is_none()) {
-            let m: String = m
-                .extract()
-                .map_err(|_| type_error("linear_state_match", "must be a str"))?;
-            if !matches!(m.as_str(), "deepest" | "contiguous") {
-                return Err(value_error(
-                    "linear_state_match",
-                    format!("must be 'deepest' or 'contiguous', got {m:?}"),
-                ));
-            }
-        }
-        let linear_state_slots =
-            optional_count(linear_state_slots, "linear_state_slots")?.unwrap_or(0);
-        let checkpoint_interval = optional_count(checkpoint_interval, "checkpoint_interval")?;
-        if linear_state_slots > 0 || checkpoint_interval.is_some() {
-            return Err(value_error(
-                "linear_state_slots",
-                "linear-state caching with a host tier is not available in this kvpool build",
-            ));
-        }
-        let sliding_window = optional_count(sliding_window, "sliding_window")?;
-        let swa_num_blocks = optional_count(swa_num_blocks, "swa_num_blocks")?;
-        if sliding_window.is_some() || swa_num_blocks.is_some() {
-            return Err(value_error(
-                "sliding_window",
-                "sliding-window groups with a host tier are not available in this kvpool build",
-            ));
-        }
+        let pool = pool_config(
+            num_blocks,
+            block_size,
+            dp_size,
+            enable_prefix_cache,
+            num_single_blocks,
+            linear_state_slots,
+            checkpoint_interval,
+            linear_state_match,
+            enable_events,
+            hash_seed,
+            sliding_window,
+            swa_num_blocks,
+            None,
+            debug_hash_bits,
+        )?;
+        let (num_blocks, block_size, dp_size) = (pool.num_blocks, pool.block_size, pool.dp_size);
         let config = HierarchyConfig {
-            pool: PoolConfig {
-                num_blocks,
-                block_size,
-                dp_size,
-                enable_prefix_cache,
-                num_single_blocks,
-                hasher: hasher(hash_seed, debug_bits(debug_hash_bits)?)?,
-                enable_events,
-                ..PoolConfig::new(num_blocks, block_size)
-            },
+            pool,
             host_num_blocks,
             offload_policy,
         };

@@ -372,6 +372,54 @@ pub(crate) fn group_arg(group: Option<&Bound<'_, PyAny>>) -> PyResult<usize> {
     }
 }
 
+/// The `PoolConfig` of the keyword options shared by `BlockManagerPool` and
+/// `HierarchyBlockManagerPool`, each argument validated under its own name.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn pool_config(
+    num_blocks: &Bound<'_, PyAny>,
+    block_size: &Bound<'_, PyAny>,
+    dp_size: Option<&Bound<'_, PyAny>>,
+    enable_prefix_cache: bool,
+    num_single_blocks: Option<&Bound<'_, PyAny>>,
+    linear_state_slots: Option<&Bound<'_, PyAny>>,
+    checkpoint_interval: Option<&Bound<'_, PyAny>>,
+    linear_state_match: Option<&Bound<'_, PyAny>>,
+    enable_events: bool,
+    hash_seed: Option<&Bound<'_, PyAny>>,
+    sliding_window: Option<&Bound<'_, PyAny>>,
+    swa_num_blocks: Option<&Bound<'_, PyAny>>,
+    linear_state_save: Option<&Bound<'_, PyAny>>,
+    debug_hash_bits: Option<&Bound<'_, PyAny>>,
+) -> PyResult<PoolConfig> {
+    let num_blocks = convert::count(num_blocks, "num_blocks")?;
+    let block_size = convert::count(block_size, "block_size")?;
+    let dp_size = optional_count(dp_size, "dp_size")?.unwrap_or(1);
+    let num_single_blocks = optional_count(num_single_blocks, "num_single_blocks")?;
+    let linear_state_match = LinearStateMatch::parse(&choice(
+        linear_state_match,
+        "linear_state_match",
+        "deepest",
+    )?)
+    .py()?;
+    let linear_state_save =
+        LinearStateSave::parse(&choice(linear_state_save, "linear_state_save", "copy")?).py()?;
+    Ok(PoolConfig {
+        num_blocks,
+        block_size,
+        dp_size,
+        enable_prefix_cache,
+        num_single_blocks,
+        hasher: hasher(hash_seed, crate::manager::debug_bits(debug_hash_bits)?)?,
+        enable_events,
+        linear_state_slots: optional_count(linear_state_slots, "linear_state_slots")?.unwrap_or(0),
+        checkpoint_interval: optional_count(checkpoint_interval, "checkpoint_interval")?,
+        linear_state_match,
+        linear_state_save,
+        sliding_window: optional_count(sliding_window, "sliding_window")?,
+        swa_num_blocks: optional_count(swa_num_blocks, "swa_num_blocks")?,
+    })
+}
+
 fn choice(value: Option<&Bound<'_, PyAny>>, name: &str, default: &str) -> PyResult<String> {
     match value {
         Some(v) if !v.is_none() => v
@@ -412,35 +460,24 @@ impl PyBlockManagerPool {
         linear_state_save: Option<&Bound<'_, PyAny>>,
         debug_hash_bits: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
-        let num_blocks = convert::count(num_blocks, "num_blocks")?;
-        let block_size = convert::count(block_size, "block_size")?;
-        let dp_size = optional_count(dp_size, "dp_size")?.unwrap_or(1);
-        let num_single_blocks = optional_count(num_single_blocks, "num_single_blocks")?;
-        let linear_state_match = LinearStateMatch::parse(&choice(
-            linear_state_match,
-            "linear_state_match",
-            "deepest",
-        )?)
-        .py()?;
-        let linear_state_save =
-            LinearStateSave::parse(&choice(linear_state_save, "linear_state_save", "copy")?)
-                .py()?;
-        let config = PoolConfig {
+        let config = pool_config(
             num_blocks,
             block_size,
             dp_size,
             enable_prefix_cache,
             num_single_blocks,
-            hasher: hasher(hash_seed, crate::manager::debug_bits(debug_hash_bits)?)?,
-            enable_events,
-            linear_state_slots: optional_count(linear_state_slots, "linear_state_slots")?
-                .unwrap_or(0),
-            checkpoint_interval: optional_count(checkpoint_interval, "checkpoint_interval")?,
+            linear_state_slots,
+            checkpoint_interval,
             linear_state_match,
+            enable_events,
+            hash_seed,
+            sliding_window,
+            swa_num_blocks,
             linear_state_save,
-            sliding_window: optional_count(sliding_window, "sliding_window")?,
-            swa_num_blocks: optional_count(swa_num_blocks, "swa_num_blocks")?,
-        };
+            debug_hash_bits,
+        )?;
+        let (num_blocks, block_size, dp_size) =
+            (config.num_blocks, config.block_size, config.dp_size);
         let pool = BlockManagerPool::new(config).py()?;
         Ok(Self {
             inner: Mutex::new(pool),

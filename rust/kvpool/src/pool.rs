@@ -771,15 +771,7 @@ impl BlockManagerPool {
         let block_size = self.config.block_size;
         let mut total = 0;
         for seq in seqs {
-            self.check_owner(seq)?;
-            ensure_arg!(
-                seq.len() <= seq.capacity(),
-                "seqs",
-                "sequence {} has {} tokens but its table holds {}: call may_append first",
-                seq.seq_id(),
-                seq.len(),
-                seq.capacity()
-            );
+            self.check_sequence_owned(seq)?;
             total += seq.len() - seq.num_computed_tokens;
         }
         let mut slots = Vec::with_capacity(total);
