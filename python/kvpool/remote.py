@@ -19,8 +19,10 @@ Invariants
   exception and treat it as a miss (the request recomputes). After a connection failure a
   ``RedisRemoteTier`` refuses calls for ``retry_interval_ms`` (counted: skipped), so a dead
   server costs the scheduler nothing; each call is bounded by its ``timeout``.
-- **One round trip per request** for lookups (one pipelined ``EXISTS`` batch), one per plan
-  for fetches (``MGET``) and writes (pipelined ``SET``); no ``KEYS`` / ``SCAN`` anywhere.
+- **One round trip per request** for lookups (a single server: one ``EVALSHA`` of a read-only
+  script running ``EXISTS`` per key; Redis Cluster: one pipelined ``EXISTS`` batch, which
+  redis-py splits per node), one per plan for fetches (``MGET``) and writes (pipelined
+  ``SET``); no ``KEYS`` / ``SCAN`` anywhere.
 - Fetched blocks land in host *staging* blocks; the pool counts them only after
   ``complete_fetches`` reports which arrived (the leading run of each sequence's chain).
 """
@@ -55,6 +57,8 @@ __all__ = [
 MAGIC = b"KVPB"
 FORMAT_VERSION = 1
 _HEADER = struct.Struct("<4sHHQQ")  # magic, version, spec length, body length, checksum
+# Batched existence in one command on a single server (read-only; EVALSHA after the first call).
+_EXISTS_LUA = "local r = {} for i, k in ipairs(KEYS) do r[i] = redis.call('EXISTS', k) end return r"
 
 
 class RemoteTierError(Exception):
@@ -275,6 +279,13 @@ class RedisRemoteTier(RemoteTier):
             self.note("errors")
             raise RemoteTierError(f"{what}: {e}") from e
 
+    def _exists_script(self, client: Any) -> Any:
+        script = getattr(client, "_kvpool_exists", None)
+        if script is None:
+            script = client.register_script(_EXISTS_LUA)
+            client._kvpool_exists = script
+        return script
+
     def _keys(self, keys: Iterable[bytes]) -> list[bytes]:
         out = []
         for i, k in enumerate(keys):
@@ -291,6 +302,8 @@ class RedisRemoteTier(RemoteTier):
         self.note("exists_calls")
 
         def run(c: Any) -> list[bool]:
+            if not self.cluster:  # one command, one array reply (a pipeline costs per key)
+                return [bool(x) for x in self._exists_script(c)(keys=full)]
             pipe = c.pipeline(transaction=False)
             for k in full:
                 pipe.exists(k)
