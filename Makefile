@@ -12,6 +12,8 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 
 $(DEPS): requirements-dev.txt | $(PY)
+	@# the remote-tier tests (tests/test_remote.py) start a real redis-server on loopback
+	command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r requirements-dev.txt
 	touch $@

@@ -8,7 +8,7 @@ subclassed.
 
 from collections.abc import Iterable
 from collections.abc import Sequence as _Sequence
-from typing import Final, Literal, SupportsIndex, TypeAlias, TypedDict, final
+from typing import Any, Final, Literal, SupportsIndex, TypeAlias, TypedDict, final
 
 import numpy as np
 from numpy.typing import NDArray
@@ -127,10 +127,12 @@ class _HierarchyRankStats(_BlockCounts):
     window: _WindowCounts | None
     host: _HostStats
 
-class _HierarchyPoolStats(_HierarchyRankStats):
-    """``HierarchyBlockManagerPool.stats()``: totals plus ``ranks``, one dict per rank."""
+class _HierarchyPoolStats(_HierarchyRankStats, total=False):
+    """``HierarchyBlockManagerPool.stats()``: totals plus ``ranks``, one dict per rank; with a
+    remote tier, ``remote`` (lookups, hit/miss/fetched/failed blocks, the tier's counters)."""
 
     ranks: list[_HierarchyRankStats]
+    remote: dict[str, Any]
 
 _OffloadPolicy: TypeAlias = Literal["on_deallocate", "on_evict"]
 
@@ -1240,8 +1242,14 @@ class TransferPlan:
         """Destination block ids, int32 ``[n]``, distinct: device ids for a load, host for an offload."""
 
     @property
-    def direction(self) -> Literal["load", "offload"]:
-        """``"load"`` (host -> device) or ``"offload"`` (device -> host)."""
+    def direction(self) -> Literal["load", "offload", "fetch"]:
+        """``"load"`` (host -> device), ``"offload"`` (device -> host) or ``"fetch"``
+        (remote -> host staging; ``src`` is empty, ``keys`` names the blocks)."""
+
+    @property
+    def keys(self) -> list[bytes]:
+        """Chain hashes (R6, 16 bytes) of the blocks, one per ``dst`` entry: the remote keys of
+        a fetch, the blocks an offload puts on host."""
 
     def __len__(self) -> int: ...
 
@@ -1273,6 +1281,13 @@ class HierarchyBlockManagerPool:
         As for ``BlockManagerPool``. Without the device prefix cache the host tier stays idle.
     linear_state_slots, checkpoint_interval, linear_state_match, sliding_window, swa_num_blocks
         Not available with a host tier in this build (ValueError if set).
+    remote : kvpool.remote.RemoteTier or None
+        A shared remote tier (issue 10): ``allocate`` makes one ``exists_many`` call past the
+        device+host reach; remote hits get host staging blocks and fetch plans.
+    remote_policy : {"write_through", "on_host_evict"}
+        When the executor sends offloaded host blocks to the remote tier.
+    remote_budget_ms : float
+        Timeout passed to the lookup (``timeout=`` seconds); failures and timeouts are misses.
 
     Raises
     ------
@@ -1299,7 +1314,22 @@ class HierarchyBlockManagerPool:
         sliding_window: int | None = None,
         swa_num_blocks: int | None = None,
         debug_hash_bits: int | None = None,
+        remote: Any = None,
+        remote_policy: Literal["write_through", "on_host_evict"] = "write_through",
+        remote_budget_ms: float = 50.0,
     ) -> HierarchyBlockManagerPool: ...
+    @property
+    def remote(self) -> Any:
+        """The remote tier, or None."""
+
+    @property
+    def remote_policy(self) -> Literal["write_through", "on_host_evict"]:
+        """When offloaded host blocks go to the remote tier."""
+
+    @property
+    def remote_budget_ms(self) -> float:
+        """Scheduler budget of the one remote lookup per allocate, in milliseconds."""
+
     @property
     def num_blocks(self) -> int:
         """Device block ids per rank, padding block included."""
@@ -1363,6 +1393,25 @@ class HierarchyBlockManagerPool:
 
     def take_offload_plans(self) -> list[TransferPlan]:
         """Offload plans (device -> host) made since the last call, one per rank that has any."""
+
+    def take_fetch_plans(self) -> list[TransferPlan]:
+        """Fetch plans (remote -> host staging) made since the last call, one per rank that has any."""
+
+    def complete_fetches(self, plans: Iterable[TransferPlan],
+                         arrived: Iterable[Iterable[bool]] | None = None) -> None:
+        """Report which fetched blocks arrived intact (``arrived[i][j]``; None: all).
+
+        Each sequence keeps the leading run of its chain; its load becomes takeable and its
+        ticket promises only that much (the rest is recomputed).
+
+        Raises
+        ------
+        ValueError
+            A foreign, repeated or completed plan, or ``arrived`` of the wrong shape.
+        """
+
+    def fail_fetches(self, plans: Iterable[TransferPlan]) -> None:
+        """``complete_fetches`` with nothing arrived: host hits still load, remote hits recompute."""
 
     def complete_loads(self, plans: Iterable[TransferPlan]) -> None:
         """Confirm that ``plans`` ran: loaded tokens count as cached and computed (R26).

@@ -17,6 +17,12 @@ The engine's step, with ``ex`` an executor and ``pool`` the hierarchy pool::
 Loads and offloads never name the same block, so their order does not matter. Without ``pool``
 the ``run_*`` methods only copy; confirm with ``pool.complete_loads(plans)`` yourself.
 
+With a remote tier (``pool.remote``), ``step(pool)`` also runs the remote side through
+``kvpool.remote.RemoteTransfer``: offloaded host blocks go to the remote tier per
+``pool.remote_policy``, fetch plans are fetched, verified and written into host staging blocks
+(``complete_fetches``) before the loads run. Executors implement ``kvpool.remote.HostBlockIO``
+(a block's payload body is the block of every host cache array, in order, concatenated).
+
 - ``NumpyTransferExecutor``: NumPy arrays on the CPU (synchronous; tests, simulation).
 - ``CupyTransferExecutor``: CuPy device caches and pinned host memory (``cupyx.empty_pinned``),
   copies on a CUDA stream; ``run_*`` synchronizes that stream before confirming.
@@ -144,16 +150,63 @@ class TransferExecutor:
         return sum(len(p.src) for p in plans)
 
     def step(self, pool: Any) -> tuple[int, int]:
-        """Takes, runs and confirms the pool's pending offloads, then its loads.
+        """Takes, runs and confirms the pool's pending offloads, then (with a remote tier) its
+        fetches, then its loads.
 
         Returns
         -------
         (int, int)
             Blocks offloaded and loaded.
         """
-        off = self.run_offloads(pool.take_offload_plans(), pool)
+        remote = self.remote_transfer(pool)
+        plans = pool.take_offload_plans()
+        if remote is not None:
+            remote.before_host_writes(plans)
+        off = self.run_offloads(plans, pool)
+        if remote is not None:
+            remote.after_offloads(plans)
+            remote.run_fetches(pool.take_fetch_plans())
         on = self.run_loads(pool.take_load_plans(), pool)
         return off, on
+
+    def remote_transfer(self, pool: Any) -> Any:
+        """The ``kvpool.remote.RemoteTransfer`` of ``pool`` over these host caches, or None
+        when the pool has no remote tier."""
+        if getattr(pool, "remote", None) is None:
+            return None
+        cached = getattr(self, "_remote", None)
+        if cached is None or cached.pool is not pool:
+            from kvpool.remote import RemoteTransfer
+
+            cached = RemoteTransfer(pool, self)
+            self._remote = cached
+        return cached
+
+    # ------------------------------------------------------------------ kvpool.remote.HostBlockIO
+    def host_block_spec(self, rank: int) -> str:
+        """Dtype and block shape of every host cache array of ``rank``."""
+        from kvpool.remote import block_spec
+
+        return block_spec(self.host[rank])
+
+    def read_host_blocks(self, rank: int, ids: Sequence[int]) -> list[bytes]:
+        """The payload bodies of host blocks ``ids`` of ``rank``."""
+        arrays = self.host[rank]
+        return [b"".join(np.ascontiguousarray(a[int(i)]).tobytes() for a in arrays) for i in ids]
+
+    def write_host_blocks(self, rank: int, ids: Sequence[int], bodies: Sequence[Any]) -> None:
+        """Writes payload bodies (as ``read_host_blocks`` makes them) into host blocks ``ids``."""
+        arrays = self.host[rank]
+        sizes = [a[0].nbytes for a in arrays]
+        if len(ids) != len(bodies):
+            raise ValueError(f"bodies: {len(bodies)} bodies for {len(ids)} ids")
+        for i, body in zip(ids, bodies, strict=True):
+            if len(body) != sum(sizes):
+                raise ValueError(f"bodies: {len(body)} bytes, a block of rank {rank} has {sum(sizes)}")
+            off = 0
+            for a, n in zip(arrays, sizes, strict=True):
+                a[int(i)] = np.frombuffer(body, dtype=a.dtype, count=a[0].size, offset=off).reshape(a.shape[1:])
+                off += n
 
     def transfer(self, plans: Sequence[Any], *, to_device: bool) -> None:
         """The simulator's hook (``kvpool.sim``): runs ``plans`` without confirming them."""

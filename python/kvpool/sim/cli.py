@@ -115,6 +115,9 @@ def build_parser(prog: str = "kvpool simulate") -> argparse.ArgumentParser:
     c.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default=None, help="KV dtype (with --gib)")
     c.add_argument("--host-blocks", type=_nonneg_int, default=0,
                    help="host-tier blocks per rank (HierarchyBlockManagerPool); 0 = no host tier")
+    c.add_argument("--remote", default=None, metavar="URL",
+                   help="shared remote KV tier, e.g. redis://127.0.0.1:6379/0 (needs --host-blocks); "
+                        "simulators sharing one Redis reuse each other's prefixes")
 
     h = p.add_argument_group("hybrid models")
     h.add_argument("--linear-state-slots", type=_nonneg_int, default=0,
@@ -206,7 +209,7 @@ def make_config(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
         max_num_seqs=args.max_seqs, linear_state_slots=args.linear_state_slots,
         checkpoint_interval=args.checkpoint_interval, linear_state_match=args.linear_state_match,
         sliding_window=args.sliding_window, swa_num_blocks=args.swa_num_blocks,
-        host_num_blocks=args.host_blocks, check=args.check, max_steps=args.max_steps, seed=args.seed)
+        host_num_blocks=args.host_blocks, remote=args.remote, check=args.check, max_steps=args.max_steps, seed=args.seed)
     return cfg, extra
 
 

@@ -57,6 +57,7 @@ class SimConfig:
     sliding_window: int | None = None
     swa_num_blocks: int | None = None
     host_num_blocks: int = 0
+    remote: str | None = None  # redis:// URL of a shared remote tier (needs the host tier)
     hash_seed: int | None = None
     check: bool = False  # test mode: pool.check() and accounting asserts every step
     max_steps: int | None = None
@@ -105,6 +106,8 @@ class SimConfig:
             raise SimError("swa_num_blocks needs sliding_window")
         if self.host_num_blocks < 0:
             raise SimError("host_num_blocks must be >= 0")
+        if self.remote is not None and not self.host_num_blocks:
+            raise SimError("--remote needs the host tier (--host-blocks N): remote hits land in host blocks")
 
 
 @dataclass
@@ -184,6 +187,11 @@ def make_pool(cfg: SimConfig) -> Any:
             if cls is None:
                 raise UnavailableError(
                     "the host tier (--host-blocks, HierarchyBlockManagerPool) is not available in this kvpool build")
+            if cfg.remote is not None:
+                from kvpool.remote import RedisRemoteTier
+
+                ns = f"kvpool-sim|bs{cfg.block_size}|seed{cfg.hash_seed}"
+                kw["remote"] = RedisRemoteTier(cfg.remote, ns, timeout_ms=1000)
             return cls(cfg.num_blocks, cfg.host_num_blocks, cfg.block_size, **kw)
         return kvpool.BlockManagerPool(cfg.num_blocks, cfg.block_size, **kw)
     except TypeError as e:
@@ -221,6 +229,11 @@ class Simulator:
         self.kvpool = _import_kvpool()
         self.pool = make_pool(cfg)
         self.hier = bool(cfg.host_num_blocks)
+        self.remote: Any = None
+        if cfg.remote is not None:
+            from kvpool.remote import RemoteTransfer
+
+            self.remote = RemoteTransfer(self.pool, _SimBlocks())
         self.linear = bool(cfg.linear_state_slots)
         if self.linear and not hasattr(self.pool, "take_linear_state_plan"):
             raise UnavailableError("linear state (take_linear_state_plan) is not available in this kvpool build")
@@ -276,6 +289,8 @@ class Simulator:
 
     # ------------------------------------------------------------------ tiers / plans
     def _sync_loads(self) -> None:
+        if self.remote is not None:
+            self.remote.run_fetches(self.pool.take_fetch_plans())
         plans = self.pool.take_load_plans()
         if plans:
             if self.executor is not None:
@@ -289,7 +304,19 @@ class Simulator:
             if self.executor is not None:
                 self.executor.transfer(plans, to_device=False)
             self.host_offloads += sum(len(p.src) for p in plans)
+            if self.remote is not None:
+                self.remote.before_host_writes(plans)
             self.pool.complete_offloads(plans)
+            if self.remote is not None:
+                self.remote.after_offloads(plans)
+
+    def _remote_summary(self) -> dict[str, Any]:
+        if self.remote is None:
+            return {}
+        r = self.pool.stats()["remote"]
+        return {"remote_hit_blocks": int(r["hit_blocks"]), "remote_fetched_blocks": int(r["fetched_blocks"]),
+                "remote_failed_blocks": int(r["failed_fetch_blocks"]), "remote_puts": int(r.get("puts", 0)),
+                "remote_errors": int(r.get("errors", 0)) + int(r.get("timeouts", 0))}
 
     def _release(self, lv: _Live) -> None:
         self.pool.deallocate(lv.seq)
@@ -592,6 +619,7 @@ class Simulator:
             "evictions": int(st.get("num_evictions", 0)),
             "host_loads": self.host_loads,
             "host_offloads": self.host_offloads,
+            **self._remote_summary(),
             "checkpoint_hits": self.ckpt_restores,
             "checkpoint_saves": self.ckpt_saves,
             "ttft_steps_mean": float(ttft.mean()) if len(ttft) else 0.0,
@@ -604,6 +632,20 @@ class Simulator:
             "wall_s": wall,
         }
         return out
+
+
+class _SimBlocks:
+    """``kvpool.remote.HostBlockIO`` of a simulation without KV data: a block's body is a
+    fixed 64-byte stand-in (the header and checksum are still real and verified)."""
+
+    def host_block_spec(self, rank: int) -> str:
+        return "sim:64"
+
+    def read_host_blocks(self, rank: int, ids: Sequence[int]) -> list[bytes]:
+        return [b"\x00" * 64 for _ in ids]
+
+    def write_host_blocks(self, rank: int, ids: Sequence[int], bodies: Sequence[Any]) -> None:
+        pass
 
 
 def _brief(st: dict[str, Any]) -> str:

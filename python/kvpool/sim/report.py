@@ -44,6 +44,11 @@ def summary_rows(res: Any) -> list[tuple[str, str, str] | None]:
     if c.get("host_num_blocks"):
         rows += [("host loads", _int(s["host_loads"]), "blocks copied host -> device (host prefix hits)"),
                  ("host offloads", _int(s["host_offloads"]), "blocks copied device -> host on release")]
+    if "remote_hit_blocks" in s:
+        rows += [("remote hits", _int(s["remote_hit_blocks"]), "blocks found on the shared remote tier"),
+                 ("remote fetched", _int(s["remote_fetched_blocks"]), "blocks fetched remote -> host, verified"),
+                 ("remote writes", _int(s["remote_puts"]), "blocks written to the remote tier"),
+                 ("remote errors", _int(s["remote_errors"]), "failed remote calls (degraded to misses)")]
     if c.get("linear_state_slots"):
         rows += [("checkpoint hits", _int(s["checkpoint_hits"]), "admissions that restored a linear-state checkpoint"),
                  ("checkpoint saves", _int(s["checkpoint_saves"]), "linear-state checkpoints written")]

@@ -1,16 +1,22 @@
-//! `kvpool.HierarchyBlockManagerPool` and `kvpool.TransferPlan` (R26).
-//! Each method validates, makes one core call and maps the error. Lock order: pool, then
-//! sequences in argument order; no lock is held while Python code runs.
+//! `kvpool.HierarchyBlockManagerPool` and `kvpool.TransferPlan` (R26), with the optional remote
+//! tier (issue 10): `allocate` asks the core what lies past the device+host reach, makes ONE
+//! `remote.exists_many(keys, timeout=budget)` call with no lock held, and allocates with the
+//! answer; any exception or a malformed answer is a miss (counted). Each other method validates,
+//! makes one core call and maps the error. Lock order: pool, then sequences in argument order; no
+//! lock is held while Python code runs.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
 
 use kvpool::{
-    HierarchyBlockManagerPool, HierarchyConfig, HostStats, KvCacheManager, OffloadPolicy, Sequence,
-    TransferDirection, TransferPlan,
+    HierarchyBlockManagerPool, HierarchyConfig, HostStats, KvCacheManager, OffloadPolicy,
+    RemoteHits, RemoteQuery, Sequence, TransferDirection, TransferPlan,
 };
 use numpy::ndarray::Array2;
 use numpy::{IntoPyArray, PyArray1, PyArray2};
 use parking_lot::Mutex;
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyList};
+use pyo3::types::{PyBytes, PyDict, PyList};
 
 use crate::convert;
 use crate::errors::{type_error, value_error, IntoPyResult};
@@ -44,13 +50,28 @@ impl PyTransferPlan {
         self.plan.dst.clone().into_pyarray(py)
     }
 
-    /// "load" (host -> device) or "offload" (device -> host).
+    /// "load" (host -> device), "offload" (device -> host) or "fetch" (remote -> host; ``src``
+    /// is empty, ``keys`` names the blocks).
     #[getter]
     fn direction(&self) -> &'static str {
         match self.plan.direction() {
             TransferDirection::Load => "load",
             TransferDirection::Offload => "offload",
+            TransferDirection::Fetch => "fetch",
         }
+    }
+
+    /// Chain hashes (R6, 16 bytes each, as ``kvpool.hash_blocks`` returns) of the blocks, one
+    /// per ``dst`` entry: the remote keys of a fetch, the blocks an offload puts on host.
+    #[getter]
+    fn keys<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        PyList::new(
+            py,
+            self.plan
+                .keys
+                .iter()
+                .map(|h| PyBytes::new(py, &h.to_bytes())),
+        )
     }
 
     fn __len__(&self) -> usize {
@@ -107,7 +128,17 @@ fn plan_args<'py>(plans: &Bound<'py, PyAny>) -> PyResult<Vec<Bound<'py, PyTransf
         .collect()
 }
 
-/// A BlockManagerPool with a host-memory KV tier per dp rank (R26).
+/// Remote-tier lookups made by `allocate` (the I/O counters live in the tier's own `stats()`).
+#[derive(Default)]
+struct LookupCounters {
+    lookups: AtomicU64,
+    keys: AtomicU64,
+    failures: AtomicU64,
+    over_budget: AtomicU64,
+    nanos: AtomicU64,
+}
+
+/// A BlockManagerPool with a host-memory KV tier per dp rank (R26) and an optional remote tier.
 #[pyclass(frozen, module = "kvpool", name = "HierarchyBlockManagerPool")]
 pub struct PyHierarchyBlockManagerPool {
     inner: Mutex<HierarchyBlockManagerPool>,
@@ -117,7 +148,14 @@ pub struct PyHierarchyBlockManagerPool {
     dp_size: usize,
     enable_prefix_cache: bool,
     offload_policy: OffloadPolicy,
+    remote: Option<Py<PyAny>>,
+    remote_policy: &'static str,
+    remote_budget_s: f64,
+    lookups: LookupCounters,
 }
+
+/// Default scheduler budget of one remote lookup.
+const DEFAULT_REMOTE_BUDGET_MS: f64 = 50.0;
 
 impl PyHierarchyBlockManagerPool {
     /// Locks the pool, then `seq` (the lock order everywhere), and makes one core call.
@@ -137,6 +175,59 @@ fn optional_count(value: Option<&Bound<'_, PyAny>>, name: &str) -> PyResult<Opti
     convert::optional_count(value, name)
 }
 
+impl PyHierarchyBlockManagerPool {
+    /// One batched existence query for `query`; a failure or malformed answer is a miss.
+    fn lookup(
+        &self,
+        py: Python<'_>,
+        remote: &Py<PyAny>,
+        query: &RemoteQuery,
+    ) -> Option<RemoteHits> {
+        let c = &self.lookups;
+        // Relaxed: independent counters.
+        c.lookups.fetch_add(1, Ordering::Relaxed);
+        c.keys
+            .fetch_add(query.hashes.len() as u64, Ordering::Relaxed);
+        let start = Instant::now();
+        let answer = (|| -> PyResult<usize> {
+            let keys = PyList::new(
+                py,
+                query.hashes.iter().map(|h| PyBytes::new(py, &h.to_bytes())),
+            )?;
+            let kwargs = PyDict::new(py);
+            kwargs.set_item("timeout", self.remote_budget_s)?;
+            let found = remote
+                .bind(py)
+                .call_method("exists_many", (keys,), Some(&kwargs))?;
+            let mut hits = 0;
+            for item in found.try_iter()? {
+                if !item?.is_truthy()? || hits == query.hashes.len() {
+                    break;
+                }
+                hits += 1;
+            }
+            Ok(hits)
+        })();
+        let elapsed = start.elapsed();
+        c.nanos
+            .fetch_add(elapsed.as_nanos() as u64, Ordering::Relaxed);
+        if elapsed.as_secs_f64() > self.remote_budget_s {
+            c.over_budget.fetch_add(1, Ordering::Relaxed);
+        }
+        match answer {
+            Ok(hits) if hits > 0 => Some(RemoteHits {
+                from: query.from,
+                to: query.from + hits,
+            }),
+            Ok(_) => None,
+            Err(_) => {
+                c.failures.fetch_add(1, Ordering::Relaxed);
+                None
+            }
+        }
+    }
+}
+
 #[pymethods]
 impl PyHierarchyBlockManagerPool {
     #[new]
@@ -145,8 +236,8 @@ impl PyHierarchyBlockManagerPool {
         num_single_blocks = None, offload_policy = None, linear_state_slots = None,
         checkpoint_interval = None, linear_state_match = None, concurrent = false,
         enable_events = false, hash_seed = None, sliding_window = None, swa_num_blocks = None,
-        debug_hash_bits = None
-    ), text_signature = "(num_blocks, host_num_blocks, block_size, *, dp_size=1, enable_prefix_cache=True, num_single_blocks=None, offload_policy='on_deallocate', linear_state_slots=0, checkpoint_interval=None, linear_state_match='deepest', concurrent=False, enable_events=False, hash_seed=None, sliding_window=None, swa_num_blocks=None, debug_hash_bits=None)")]
+        debug_hash_bits = None, remote = None, remote_policy = None, remote_budget_ms = None
+    ), text_signature = "(num_blocks, host_num_blocks, block_size, *, dp_size=1, enable_prefix_cache=True, num_single_blocks=None, offload_policy='on_deallocate', linear_state_slots=0, checkpoint_interval=None, linear_state_match='deepest', concurrent=False, enable_events=False, hash_seed=None, sliding_window=None, swa_num_blocks=None, debug_hash_bits=None, remote=None, remote_policy='write_through', remote_budget_ms=50.0)")]
     #[allow(clippy::too_many_arguments)]
     fn new(
         num_blocks: &Bound<'_, PyAny>,
@@ -165,8 +256,58 @@ impl PyHierarchyBlockManagerPool {
         sliding_window: Option<&Bound<'_, PyAny>>,
         swa_num_blocks: Option<&Bound<'_, PyAny>>,
         debug_hash_bits: Option<&Bound<'_, PyAny>>,
+        remote: Option<&Bound<'_, PyAny>>,
+        remote_policy: Option<&Bound<'_, PyAny>>,
+        remote_budget_ms: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         let _ = concurrent; // every Python pool is thread-safe (R28)
+        let remote = remote.filter(|r| !r.is_none());
+        if let Some(r) = remote {
+            for method in ["exists_many", "get_many", "put_many"] {
+                if !r.hasattr(method)? {
+                    return Err(type_error(
+                        "remote",
+                        format!("must be a kvpool.remote.RemoteTier (no {method} method)"),
+                    ));
+                }
+            }
+        }
+        let remote_policy = match remote_policy.filter(|p| !p.is_none()) {
+            None => "write_through",
+            Some(p) => {
+                let name: String = p
+                    .extract()
+                    .map_err(|_| type_error("remote_policy", "must be a str"))?;
+                match name.as_str() {
+                    "write_through" => "write_through",
+                    "on_host_evict" => "on_host_evict",
+                    other => {
+                        return Err(value_error(
+                            "remote_policy",
+                            format!("must be 'write_through' or 'on_host_evict', got {other:?}"),
+                        ))
+                    }
+                }
+            }
+        };
+        let remote_budget_ms = match remote_budget_ms.filter(|b| !b.is_none()) {
+            None => DEFAULT_REMOTE_BUDGET_MS,
+            Some(b) => {
+                if b.is_instance_of::<pyo3::types::PyBool>() {
+                    return Err(type_error("remote_budget_ms", "must be a number"));
+                }
+                let ms: f64 = b
+                    .extract()
+                    .map_err(|_| type_error("remote_budget_ms", "must be a number"))?;
+                if !(ms.is_finite() && ms > 0.0) {
+                    return Err(value_error(
+                        "remote_budget_ms",
+                        format!("must be a finite number > 0, got {ms}"),
+                    ));
+                }
+                ms
+            }
+        };
         let host_num_blocks = convert::count(host_num_blocks, "host_num_blocks")?;
         let offload_policy = match offload_policy {
             Some(p) if !p.is_none() => {
@@ -208,7 +349,29 @@ impl PyHierarchyBlockManagerPool {
             dp_size,
             enable_prefix_cache,
             offload_policy,
+            remote: remote.map(|r| r.clone().unbind()),
+            remote_policy,
+            remote_budget_s: remote_budget_ms / 1000.0,
+            lookups: LookupCounters::default(),
         })
+    }
+
+    /// The remote tier (a ``kvpool.remote.RemoteTier``), or None.
+    #[getter]
+    fn remote(&self, py: Python<'_>) -> Option<Py<PyAny>> {
+        self.remote.as_ref().map(|r| r.clone_ref(py))
+    }
+    /// When offloaded host blocks go to the remote tier: "write_through" (after each confirmed
+    /// offload) or "on_host_evict" (before their host block is reused); the executor applies it.
+    #[getter]
+    fn remote_policy(&self) -> &'static str {
+        self.remote_policy
+    }
+    /// Scheduler budget of the one remote lookup per allocate, in milliseconds (passed to
+    /// ``exists_many`` as ``timeout`` in seconds; slower lookups are counted).
+    #[getter]
+    fn remote_budget_ms(&self) -> f64 {
+        self.remote_budget_s * 1000.0
     }
 
     /// Device block ids per rank, padding block included.
@@ -253,16 +416,23 @@ impl PyHierarchyBlockManagerPool {
         self.with_seq(seq, |pool, seq| pool.can_allocate(seq, n))
     }
 
-    /// Device match, then host match past it (load plans for the host hits), then new blocks
-    /// (R14, R26). On a sequence that holds blocks, grows its table.
+    /// Device match, then host match past it (load plans for the host hits), then, with a
+    /// remote tier, one batched ``exists_many`` for the rest of the prompt (fetch plans for the
+    /// remote hits), then new blocks (R14, R26). On a sequence that holds blocks, grows its table.
     #[pyo3(signature = (seq, num_tokens = None))]
     fn allocate(
         &self,
+        py: Python<'_>,
         seq: &Bound<'_, PyAny>,
         num_tokens: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<bool> {
         let n = optional_count(num_tokens, "num_tokens")?;
-        self.with_seq(seq, |pool, seq| pool.allocate(seq, n))
+        let Some(remote) = &self.remote else {
+            return self.with_seq(seq, |pool, seq| pool.allocate(seq, n));
+        };
+        let query = self.with_seq(seq, |pool, seq| pool.remote_query(seq, n))?;
+        let hits = query.and_then(|q| self.lookup(py, remote, &q));
+        self.with_seq(seq, |pool, seq| pool.allocate_with_remote(seq, n, hits))
     }
 
     /// Whether the blocks for len(seq) + lookahead tokens can be had (R16).
@@ -308,6 +478,58 @@ impl PyHierarchyBlockManagerPool {
     fn take_offload_plans<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         let plans = self.inner.lock().take_offload_plans();
         plan_list(py, plans)
+    }
+
+    /// Fetch plans (remote -> host staging) made since the last call, one per rank that has any.
+    fn take_fetch_plans<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let plans = self.inner.lock().take_fetch_plans();
+        plan_list(py, plans)
+    }
+
+    /// Reports which fetched blocks arrived intact: ``arrived[i][j]`` for block j of plans[i]
+    /// (None: all). Each sequence keeps the leading run and its load becomes takeable; the rest
+    /// is recomputed. Foreign or repeated plans, or arrived of the wrong shape: ValueError.
+    #[pyo3(signature = (plans, arrived = None))]
+    fn complete_fetches(
+        &self,
+        plans: &Bound<'_, PyAny>,
+        arrived: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        let plans = plan_args(plans)?;
+        let arrived = match arrived.filter(|a| !a.is_none()) {
+            None => None,
+            Some(a) => {
+                let rows = a.try_iter().map_err(|_| {
+                    type_error("arrived", "must be a list (per plan) of lists of bool")
+                })?;
+                let mut out = Vec::new();
+                for row in rows {
+                    let row = row?;
+                    let items = row.try_iter().map_err(|_| {
+                        type_error("arrived", "must be a list (per plan) of lists of bool")
+                    })?;
+                    out.push(
+                        items
+                            .map(|x| x.and_then(|x| x.is_truthy()))
+                            .collect::<PyResult<Vec<bool>>>()?,
+                    );
+                }
+                Some(out)
+            }
+        };
+        let refs: Vec<&TransferPlan> = plans.iter().map(|p| &p.get().plan).collect();
+        self.inner
+            .lock()
+            .complete_fetches(&refs, arrived.as_deref())
+            .py()
+    }
+
+    /// complete_fetches with nothing arrived (the remote tier failed): host hits still load,
+    /// remote hits are recomputed.
+    fn fail_fetches(&self, plans: &Bound<'_, PyAny>) -> PyResult<()> {
+        let plans = plan_args(plans)?;
+        let refs: Vec<&TransferPlan> = plans.iter().map(|p| &p.get().plan).collect();
+        self.inner.lock().fail_fetches(&refs).py()
     }
 
     /// Confirms that load plans ran: loaded tokens count as cached and computed, loaded blocks
@@ -373,10 +595,45 @@ impl PyHierarchyBlockManagerPool {
     /// prefix_query_tokens / prefix_hit_tokens (host lookups past the device hit),
     /// num_evictions, num_loaded_blocks, num_offloaded_blocks, num_pending_load_blocks and
     /// num_pending_offload_blocks; totals and per rank.
+    /// With a remote tier, ``remote``: lookups, lookup_keys, lookup_failures,
+    /// lookups_over_budget, lookup_seconds (allocate's queries), hit_blocks, miss_blocks,
+    /// fetched_blocks, failed_fetch_blocks, pending_fetch_blocks, plus the tier's own
+    /// ``stats()`` (errors, timeouts, bytes_in, bytes_out, ...).
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let stats = self.inner.lock().stats();
         let dict = rank_dict(py, &stats.device.total)?;
         dict.set_item("host", host_dict(py, &stats.host)?)?;
+        if let Some(remote) = &self.remote {
+            let c = &self.lookups;
+            let r = PyDict::new(py);
+            let keys = c.keys.load(Ordering::Relaxed);
+            r.set_item("policy", self.remote_policy)?;
+            r.set_item("lookups", c.lookups.load(Ordering::Relaxed))?;
+            r.set_item("lookup_keys", keys)?;
+            r.set_item("lookup_failures", c.failures.load(Ordering::Relaxed))?;
+            r.set_item("lookups_over_budget", c.over_budget.load(Ordering::Relaxed))?;
+            r.set_item(
+                "lookup_seconds",
+                c.nanos.load(Ordering::Relaxed) as f64 * 1e-9,
+            )?;
+            let h = &stats.host;
+            r.set_item("hit_blocks", h.remote_hit_blocks)?;
+            r.set_item("miss_blocks", keys.saturating_sub(h.remote_hit_blocks))?;
+            r.set_item("fetched_blocks", h.fetched_blocks)?;
+            r.set_item("failed_fetch_blocks", h.failed_fetch_blocks)?;
+            r.set_item("pending_fetch_blocks", h.pending_fetch_blocks)?;
+            let tier = remote.bind(py);
+            if tier.hasattr("stats")? {
+                if let Ok(extra) = tier.call_method0("stats")?.cast_into::<PyDict>() {
+                    for (k, v) in extra.iter() {
+                        if !r.contains(&k)? {
+                            r.set_item(k, v)?;
+                        }
+                    }
+                }
+            }
+            dict.set_item("remote", r)?;
+        }
         let ranks = PyList::empty(py);
         for (r, h) in stats.device.ranks.iter().zip(&stats.host_ranks) {
             let d = rank_dict(py, r)?;

@@ -17,6 +17,16 @@
 //!   chain in the host cache. Holding whole chains keeps R15 exact: no held block ever has a
 //!   cache-only ancestor, which would count as available but could not be evicted (R10).
 //!
+//! - **fetch** (remote -> host), planned by [`HierarchyBlockManagerPool::allocate_with_remote`]:
+//!   the caller (the Python binding) asked the remote tier, in one batched existence query, about
+//!   the chain blocks past the device+host reach that [`HierarchyBlockManagerPool::remote_query`]
+//!   reported, and passes the answer as [`RemoteHits`]. Remote hits get device blocks (their
+//!   table entries) and fresh host *staging* blocks (never published in the host cache; freed
+//!   when the load completes); the record is the load record of the whole hit (host hits plus
+//!   remote hits) and becomes a load only after `complete_fetches`, truncated to the blocks that
+//!   really arrived (`fail_fetches`: none did). Its ticket then says how far the sequence got.
+//!   The core does no I/O: the fetch plan names the chain hashes (`keys`) and host ids.
+//!
 //! The ticket scheme: the caller owns the [`Sequence`], so `complete_loads` cannot reach it. A load
 //! shares an `Arc<LoadTicket>` (a done flag and the token count the load brings the sequence to)
 //! with the sequence. Until done the sequence counts only its device hit; once done its
@@ -30,7 +40,11 @@
 //! - every block named by a pending plan (taken or not) is held by that plan's record until
 //!   `complete_*`, on both tiers: a plan never names a block that is free or owned by someone else;
 //! - the destinations of pending loads are distinct device blocks, those of pending offloads
-//!   distinct host blocks that are not cached (published only at completion);
+//!   distinct host blocks that are not cached (published only at completion); host staging
+//!   blocks of pending fetches are distinct and never cached;
+//! - a pending fetch's ticket is not done and promises exactly the record's chain; a fetch that
+//!   fails (wholly or in part) shrinks the record and its ticket to what arrived, or marks the
+//!   ticket done at the device hit when nothing is left to load;
 //! - `offloading` holds exactly the hashes of the blocks in pending offloads, so a block is never
 //!   offloaded twice; a plan id is completed at most once, and only by the pool that made it.
 
@@ -44,7 +58,7 @@ use crate::pool::{BlockManagerPool, KvCacheManager, KvEvent, PoolConfig, PoolSta
 use crate::prefix_cache::ExtraKey;
 use crate::sequence::Sequence;
 // std atomics, not the loom shim: ids and load tickets are not part of the loom models.
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 static NEXT_PLAN_ID: AtomicU64 = AtomicU64::new(1);
@@ -113,6 +127,37 @@ pub enum TransferDirection {
     Load,
     /// Device -> host (`src` device ids, `dst` host ids).
     Offload,
+    /// Remote -> host (`keys` chain hashes, `dst` host staging ids, `src` empty).
+    Fetch,
+}
+
+impl TransferDirection {
+    fn name(self) -> &'static str {
+        match self {
+            Self::Load => "load",
+            Self::Offload => "offload",
+            Self::Fetch => "fetch",
+        }
+    }
+}
+
+/// What to ask the remote tier before a first allocation: the chain hashes of blocks
+/// `from..from + hashes.len()` (past the device and host matches, up to the R8 limit).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RemoteQuery {
+    /// First chain position asked about (the device+host reach).
+    pub from: usize,
+    /// Chain hashes (R6) of the positions asked about.
+    pub hashes: Vec<BlockHash>,
+}
+
+/// The remote tier's answer: chain blocks `from..to` exist there.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RemoteHits {
+    /// First chain position that exists remotely.
+    pub from: usize,
+    /// One past the last (the leading run of hits).
+    pub to: usize,
 }
 
 /// Block copies of one rank in one direction: copy block `src[i]` to block `dst[i]`.
@@ -124,6 +169,9 @@ pub struct TransferPlan {
     pub src: Vec<i32>,
     /// Destination block ids (distinct).
     pub dst: Vec<i32>,
+    /// Chain hashes (R6) of the blocks copied, one per `dst` entry: the remote keys of a fetch,
+    /// the hashes of the blocks an offload puts on host (what a write-through sends on).
+    pub keys: Vec<BlockHash>,
     id: u64,
     pool: u64,
     direction: TransferDirection,
@@ -142,26 +190,46 @@ impl TransferPlan {
 
     /// Number of block copies.
     pub fn len(&self) -> usize {
-        self.src.len()
+        self.dst.len()
     }
 
     /// Whether the plan copies nothing.
     pub fn is_empty(&self) -> bool {
-        self.src.is_empty()
+        self.dst.is_empty()
     }
 }
 
 /// Shared by a pending load and the sequence it fills (see the module doc).
 pub struct LoadTicket {
     done: AtomicU32,
-    tokens: usize,
+    /// Shrinks when a fetch fails in part; written only before `done` is set.
+    tokens: AtomicUsize,
 }
 
 impl LoadTicket {
+    fn new(tokens: usize) -> Self {
+        Self {
+            done: AtomicU32::new(0),
+            tokens: AtomicUsize::new(tokens),
+        }
+    }
+
     /// Tokens the sequence counts as cached once the load is done, or `None` before.
     fn done_tokens(&self) -> Option<usize> {
-        // Acquire: pairs with the Release of `complete_loads`.
-        (self.done.load(Ordering::Acquire) != 0).then_some(self.tokens)
+        // Acquire: pairs with the Release of `finish`.
+        (self.done.load(Ordering::Acquire) != 0).then(|| self.tokens.load(Ordering::Relaxed))
+    }
+
+    /// Marks the load done at `tokens`.
+    fn finish(&self, tokens: usize) {
+        // Relaxed: published by the Release store below.
+        self.tokens.store(tokens, Ordering::Relaxed);
+        // Release: the sequence's reader sees the load as done, with its token count.
+        self.done.store(1, Ordering::Release);
+    }
+
+    fn promised(&self) -> usize {
+        self.tokens.load(Ordering::Relaxed)
     }
 }
 
@@ -184,20 +252,49 @@ impl Sequence {
     }
 }
 
-/// A chain of blocks in transfer: blocks `start..hashes.len()` are copied from `src[start..]`
-/// to `chain[start..]`. Both tiers hold the whole chain from block 0, so no pinned block ever
-/// has a cache-only ancestor (which would count as evictable but could not be evicted, R10).
+/// A chain of blocks in transfer: blocks `start..hashes.len()` are copied from
+/// `src[start - src_offset..]` to `chain[start..]`. The destination tier holds the whole chain
+/// from block 0, and so does the source tier for every *cached* source block (`src_offset` is 0
+/// whenever the record pins host cache hits), so no pinned cached block ever has a cache-only
+/// ancestor (which would count as evictable but could not be evicted, R10).
+///
+/// Loads with remote hits: positions `fetch_start..` of `src` are host staging blocks (fresh,
+/// never cached) that the fetch fills; until `complete_fetches` the record is a fetch.
 struct Pending {
     hashes: Vec<BlockHash>,
     tokens: Vec<u32>,
     extra_key: Option<ExtraKey>,
     /// Destination tier: the whole chain (prefix plus destinations).
     chain: Vec<Block>,
-    /// Source tier: the whole chain (prefix plus sources).
+    /// Source tier: chain positions `src_offset..` (prefix plus sources).
     src: Vec<Block>,
     start: usize,
+    /// First chain position of `src`: 0, or `fetch_start` when no host hit precedes the fetch.
+    src_offset: usize,
+    /// First chain position filled from the remote tier (`hashes.len()` when none).
+    fetch_start: usize,
     /// Loads: the ticket of the sequence.
     ticket: Option<Arc<LoadTicket>>,
+}
+
+impl Pending {
+    /// Blocks this record still has to move in `direction`.
+    fn pending(&self, direction: TransferDirection) -> usize {
+        match direction {
+            TransferDirection::Fetch => self.hashes.len() - self.fetch_start,
+            _ => self.hashes.len() - self.start,
+        }
+    }
+
+    /// Keeps chain positions `..end` (a fetch that delivered only part of its blocks); what
+    /// remains is all on host, so no fetch part is left.
+    fn truncate(&mut self, end: usize, block_size: usize) {
+        self.hashes.truncate(end);
+        self.tokens.truncate(end * block_size);
+        self.chain.truncate(end);
+        self.src.truncate(end.saturating_sub(self.src_offset));
+        self.fetch_start = end;
+    }
 }
 
 /// Counters of one rank's host tier.
@@ -219,6 +316,14 @@ pub struct HostStats {
     pub pending_load_blocks: usize,
     /// Blocks in offloads planned but not confirmed.
     pub pending_offload_blocks: usize,
+    /// Remote tier: blocks planned for fetching (remote hits past the device+host reach).
+    pub remote_hit_blocks: u64,
+    /// Remote tier: blocks whose fetch was confirmed (arrived and verified).
+    pub fetched_blocks: u64,
+    /// Remote tier: blocks whose fetch failed (the sequence recomputes them).
+    pub failed_fetch_blocks: u64,
+    /// Remote tier: blocks in fetches planned but not confirmed.
+    pub pending_fetch_blocks: usize,
 }
 
 impl HostStats {
@@ -234,6 +339,10 @@ impl HostStats {
         self.evictions += o.evictions;
         self.pending_load_blocks += o.pending_load_blocks;
         self.pending_offload_blocks += o.pending_offload_blocks;
+        self.remote_hit_blocks += o.remote_hit_blocks;
+        self.fetched_blocks += o.fetched_blocks;
+        self.failed_fetch_blocks += o.failed_fetch_blocks;
+        self.pending_fetch_blocks += o.pending_fetch_blocks;
     }
 }
 
@@ -253,12 +362,17 @@ struct HostRank {
     /// Planned, not yet taken.
     loads: Vec<Pending>,
     offloads: Vec<Pending>,
+    /// Loads with remote hits, planned, not yet taken.
+    fetches: Vec<Pending>,
     /// Hashes of the blocks of every pending offload (taken or not).
     offloading: HashSet<u128>,
     query_tokens: u64,
     hit_tokens: u64,
     loaded_blocks: u64,
     offloaded_blocks: u64,
+    remote_hit_blocks: u64,
+    fetched_blocks: u64,
+    failed_fetch_blocks: u64,
 }
 
 /// Taken, unconfirmed plans.
@@ -278,8 +392,8 @@ pub struct HierarchyBlockManagerPool {
     taken: HashMap<u64, Taken>,
 }
 
-fn pending_len(records: &[Pending]) -> usize {
-    records.iter().map(|r| r.src.len() - r.start).sum()
+fn pending_len(records: &[Pending], direction: TransferDirection) -> usize {
+    records.iter().map(|r| r.pending(direction)).sum()
 }
 
 impl HierarchyBlockManagerPool {
@@ -314,11 +428,15 @@ impl HierarchyBlockManagerPool {
                 host: BlockManagerImpl::new(host_config)?,
                 loads: Vec::new(),
                 offloads: Vec::new(),
+                fetches: Vec::new(),
                 offloading: HashSet::new(),
                 query_tokens: 0,
                 hit_tokens: 0,
                 loaded_blocks: 0,
                 offloaded_blocks: 0,
+                remote_hit_blocks: 0,
+                fetched_blocks: 0,
+                failed_fetch_blocks: 0,
             });
         }
         Ok(Self {
@@ -366,8 +484,11 @@ impl HierarchyBlockManagerPool {
         self.pool.config().enable_prefix_cache
     }
 
-    /// Plans the host part of a first allocation that just succeeded on the device.
-    fn plan_loads(&mut self, seq: &mut Sequence) {
+    /// Plans the host and remote part of a first allocation that just succeeded on the device:
+    /// host hits past the device hit, then the remote hits `remote` reports past the
+    /// device+host reach (ignored unless they start at or before that reach). Best effort: the
+    /// allocation already succeeded, so shortages only trim the hit (R14, R15).
+    fn plan_loads(&mut self, seq: &mut Sequence, remote: Option<RemoteHits>) {
         if !self.device_cache_on() {
             return;
         }
@@ -387,16 +508,21 @@ impl HierarchyBlockManagerPool {
         let hashes = seq.hashes(query);
         let probe = cache.probe(hashes, seq.tokens(), seq.extra_key(), query);
         host.query_tokens += ((query - device_hit) * bs) as u64;
-        if probe.matched <= device_hit {
+        let reach = probe.matched.max(device_hit);
+        let wanted = match remote {
+            Some(hits) if hits.from <= reach && reach < hits.to => hits.to.min(query),
+            _ => reach,
+        };
+        if wanted <= device_hit {
             return;
         }
-        // The device needs one fresh block per host hit: trim the hit to what it can have.
+        // The device needs one fresh block per hit: trim the hit to what it can have.
         let table = seq.blocks.len();
         let available = self
             .pool
             .block_manager(rank)
             .map_or(0, |m| m.num_available());
-        let mut loads = (probe.matched - device_hit).min(table - device_hit + available);
+        let mut loads = (wanted - device_hit).min(table - device_hit + available);
         if device_hit + loads > table {
             let grown = self
                 .pool
@@ -409,28 +535,122 @@ impl HierarchyBlockManagerPool {
         if loads == 0 {
             return;
         }
-        let end = device_hit + loads;
+        let mut end = device_hit + loads;
         let host = &mut self.hosts[rank];
         let cache = host.host.prefix_cache_mut().expect("host cache is on");
-        let mut src = Vec::with_capacity(end);
         let hashes = seq.hashes(end).to_vec();
-        let matched = cache.match_prefix(&hashes, seq.tokens(), seq.extra_key(), end, &mut src);
-        debug_assert_eq!(matched, end);
-        host.hit_tokens += (loads * bs) as u64;
-        let ticket = Arc::new(LoadTicket {
-            done: AtomicU32::new(0),
-            tokens: end * bs,
-        });
+        // Host hits: pin the host chain from block 0 (so src_offset is 0).
+        let host_end = reach.min(end);
+        let mut src = Vec::with_capacity(end);
+        let src_offset = if host_end > device_hit {
+            let matched =
+                cache.match_prefix(&hashes, seq.tokens(), seq.extra_key(), host_end, &mut src);
+            debug_assert_eq!(matched, host_end);
+            0
+        } else {
+            host_end
+        };
+        // Remote hits: fresh host staging blocks (the longest run that fits).
+        if end > host_end {
+            let n = (end - host_end).min(host.host.num_available());
+            end = if n > 0 && host.host.allocate_into(n, &mut src).is_ok() {
+                host_end + n
+            } else {
+                host_end
+            };
+        }
+        if end <= device_hit {
+            drop(src);
+            if let Some(cache) = host.host.prefix_cache_mut() {
+                cache.drain_released();
+            }
+            return;
+        }
+        host.hit_tokens += ((host_end - device_hit) * bs) as u64;
+        let ticket = Arc::new(LoadTicket::new(end * bs));
         seq.host_load = Some(Arc::clone(&ticket));
-        host.loads.push(Pending {
-            hashes,
+        let record = Pending {
+            hashes: hashes[..end].to_vec(),
             tokens: seq.tokens()[..end * bs].to_vec(),
             extra_key: seq.extra_key_arc().cloned(),
             chain: seq.blocks[..end].to_vec(),
             src,
             start: device_hit,
+            src_offset,
+            fetch_start: host_end,
             ticket: Some(ticket),
-        });
+        };
+        if end > host_end {
+            host.remote_hit_blocks += (end - host_end) as u64;
+            host.fetches.push(record);
+        } else {
+            host.loads.push(record);
+        }
+    }
+
+    /// Remote tier: what to ask the remote tier before allocating `seq` (a sequence that holds
+    /// nothing): the chain hashes past the device and host matches of the rank it would go to,
+    /// up to the R8 limit. `None` when there is nothing to ask: the sequence holds blocks, the
+    /// device cache is off, `allocate(seq, num_tokens)` would fail, or the local tiers cover the
+    /// whole prompt. No side effect on either tier (the sequence caches its hashes).
+    pub fn remote_query(
+        &mut self,
+        seq: &mut Sequence,
+        num_tokens: Option<usize>,
+    ) -> Result<Option<RemoteQuery>> {
+        seq.fold_host_load();
+        if !self.device_cache_on()
+            || self.pool.check_owner(seq)?
+            || !self.pool.can_allocate(seq, num_tokens)?
+        {
+            return Ok(None);
+        }
+        let Some(rank) = self.pool.choose_rank(seq) else {
+            return Ok(None);
+        };
+        let bs = self.pool.block_size();
+        let query = seq.len().saturating_sub(1) / bs; // R8
+        if query == 0 {
+            return Ok(None);
+        }
+        let hasher = self.pool.config().hasher;
+        seq.ensure_hashes(&hasher, bs, query * bs);
+        let hashes = seq.hashes(query);
+        let probe = |m: Option<&BlockManagerImpl>| {
+            m.and_then(|m| m.prefix_cache()).map_or(0, |c| {
+                c.probe(hashes, seq.tokens(), seq.extra_key(), query)
+                    .matched
+            })
+        };
+        let from = probe(self.pool.block_manager(rank)).max(probe(Some(&self.hosts[rank].host)));
+        Ok((from < query).then(|| RemoteQuery {
+            from,
+            hashes: hashes[from..query].to_vec(),
+        }))
+    }
+
+    /// Remote tier: `allocate(seq, num_tokens)` where chain blocks `remote.from..remote.to`
+    /// exist on the remote tier (the answer to [`Self::remote_query`]). Exactly as
+    /// all-or-nothing as `allocate` and with the same answer (R14, R15): the remote part only
+    /// trims itself to the device and host blocks there are. Remote hits past the device+host
+    /// reach get device blocks, host staging blocks and a fetch plan ([`Self::take_fetch_plans`]);
+    /// hits that do not start at or before that reach are ignored (the tiers changed since the
+    /// query).
+    pub fn allocate_with_remote(
+        &mut self,
+        seq: &mut Sequence,
+        num_tokens: Option<usize>,
+        remote: Option<RemoteHits>,
+    ) -> Result<bool> {
+        seq.fold_host_load();
+        if self.pool.check_owner(seq)? {
+            return self.pool.allocate(seq, num_tokens);
+        }
+        if !self.pool.allocate(seq, num_tokens)? {
+            return Ok(false);
+        }
+        self.plan_loads(seq, remote);
+        Ok(true)
     }
 
     /// Plans the offload of `seq`'s full computed blocks (before it releases them).
@@ -489,6 +709,8 @@ impl HierarchyBlockManagerPool {
             chain,
             src: seq.blocks[..end].to_vec(),
             start: on_host,
+            src_offset: 0,
+            fetch_start: end,
             ticket: None,
         });
     }
@@ -499,15 +721,31 @@ impl HierarchyBlockManagerPool {
             let records = match direction {
                 TransferDirection::Load => std::mem::take(&mut host.loads),
                 TransferDirection::Offload => std::mem::take(&mut host.offloads),
+                TransferDirection::Fetch => std::mem::take(&mut host.fetches),
             };
             if records.is_empty() {
                 continue;
             }
-            let n = pending_len(&records);
-            let (mut src, mut dst) = (Vec::with_capacity(n), Vec::with_capacity(n));
+            let n = pending_len(&records, direction);
+            let (mut src, mut dst, mut keys) = (
+                Vec::with_capacity(n),
+                Vec::with_capacity(n),
+                Vec::with_capacity(n),
+            );
             for r in &records {
-                src.extend(r.src[r.start..].iter().map(|b| b.id() as i32));
-                dst.extend(r.chain[r.start..].iter().map(|b| b.id() as i32));
+                if direction == TransferDirection::Fetch {
+                    let staging = &r.src[r.fetch_start - r.src_offset..];
+                    dst.extend(staging.iter().map(|b| b.id() as i32));
+                    keys.extend_from_slice(&r.hashes[r.fetch_start..]);
+                } else {
+                    src.extend(
+                        r.src[r.start - r.src_offset..]
+                            .iter()
+                            .map(|b| b.id() as i32),
+                    );
+                    dst.extend(r.chain[r.start..].iter().map(|b| b.id() as i32));
+                    keys.extend_from_slice(&r.hashes[r.start..]);
+                }
             }
             // Relaxed: only uniqueness matters.
             let id = NEXT_PLAN_ID.fetch_add(1, Ordering::Relaxed);
@@ -523,6 +761,7 @@ impl HierarchyBlockManagerPool {
                 dp_rank: rank,
                 src,
                 dst,
+                keys,
                 id,
                 pool: self.id,
                 direction,
@@ -544,11 +783,16 @@ impl HierarchyBlockManagerPool {
         self.take(TransferDirection::Offload)
     }
 
+    /// The fetch plans (remote -> host staging) made since the last take, one per rank that has
+    /// any. Run them (the remote tier's `get_many` of `keys`, verified, into host ids `dst`),
+    /// then report what arrived with [`Self::complete_fetches`] or [`Self::fail_fetches`]; the
+    /// loads that follow are taken with [`Self::take_load_plans`].
+    pub fn take_fetch_plans(&mut self) -> Vec<TransferPlan> {
+        self.take(TransferDirection::Fetch)
+    }
+
     fn validate_plans(&self, plans: &[&TransferPlan], direction: TransferDirection) -> Result<()> {
-        let what = match direction {
-            TransferDirection::Load => "load",
-            TransferDirection::Offload => "offload",
-        };
+        let what = direction.name();
         let mut seen = HashSet::with_capacity(plans.len());
         for (i, plan) in plans.iter().enumerate() {
             ensure_arg!(
@@ -583,6 +827,7 @@ impl HierarchyBlockManagerPool {
         for plan in plans {
             let taken = self.taken.remove(&plan.id).expect("validated");
             let rank = taken.rank;
+            let bs = self.pool.block_size();
             let device = self
                 .pool
                 .block_manager_mut(rank)
@@ -598,11 +843,11 @@ impl HierarchyBlockManagerPool {
                     false,
                 );
                 if let Some(ticket) = &record.ticket {
-                    // Release: the sequence's reader sees the load as done.
-                    ticket.done.store(1, Ordering::Release);
+                    ticket.finish(record.hashes.len() * bs);
                 }
             }
-            self.hosts[rank].loaded_blocks += pending_len(&taken.records) as u64;
+            self.hosts[rank].loaded_blocks +=
+                pending_len(&taken.records, TransferDirection::Load) as u64;
             drop(taken);
             self.drain(rank);
             self.pool.collect_events(rank);
@@ -633,11 +878,85 @@ impl HierarchyBlockManagerPool {
                     host.offloading.remove(&hash.0);
                 }
             }
-            host.offloaded_blocks += pending_len(&taken.records) as u64;
+            host.offloaded_blocks += pending_len(&taken.records, TransferDirection::Offload) as u64;
             drop(taken);
             self.drain(rank);
         }
         Ok(())
+    }
+
+    /// Confirms that the engine ran these fetch plans: `arrived[i][j]` says whether block `j` of
+    /// `plans[i]` arrived intact in its host staging block (`None`: all did). Each record keeps
+    /// the leading run of arrived blocks and becomes a load (taken by
+    /// [`Self::take_load_plans`]); its sequence's ticket then promises only that much. A record
+    /// with nothing left to load is dropped and its ticket marked done at the device hit: the
+    /// sequence recomputes the rest. Staging blocks past the kept run are freed.
+    /// Foreign, repeated or already-completed plans, or `arrived` of the wrong shape, are an
+    /// `InvalidArgument`; nothing changes then.
+    pub fn complete_fetches(
+        &mut self,
+        plans: &[&TransferPlan],
+        arrived: Option<&[Vec<bool>]>,
+    ) -> Result<()> {
+        self.validate_plans(plans, TransferDirection::Fetch)?;
+        if let Some(arrived) = arrived {
+            ensure_arg!(
+                arrived.len() == plans.len(),
+                "arrived",
+                "has {} entries for {} plans",
+                arrived.len(),
+                plans.len()
+            );
+            for (i, (a, plan)) in arrived.iter().zip(plans).enumerate() {
+                ensure_arg!(
+                    a.len() == plan.len(),
+                    "arrived",
+                    "arrived[{i}] has {} entries, plans[{i}] fetches {} blocks",
+                    a.len(),
+                    plan.len()
+                );
+            }
+        }
+        let bs = self.pool.block_size();
+        for (i, plan) in plans.iter().enumerate() {
+            let taken = self.taken.remove(&plan.id).expect("validated");
+            let rank = taken.rank;
+            let host = &mut self.hosts[rank];
+            let mut offset = 0;
+            for mut record in taken.records {
+                let k = record.pending(TransferDirection::Fetch);
+                let ok = match arrived {
+                    Some(arrived) => arrived[i][offset..offset + k]
+                        .iter()
+                        .take_while(|&&ok| ok)
+                        .count(),
+                    None => k,
+                };
+                offset += k;
+                host.fetched_blocks += ok as u64;
+                host.failed_fetch_blocks += (k - ok) as u64;
+                let end = record.fetch_start + ok;
+                if end > record.start {
+                    record.truncate(end, bs);
+                    if let Some(ticket) = &record.ticket {
+                        // Not done yet: the sequence reads it only after `finish`.
+                        ticket.tokens.store(end * bs, Ordering::Relaxed);
+                    }
+                    host.loads.push(record);
+                } else if let Some(ticket) = &record.ticket {
+                    ticket.finish(record.start * bs);
+                }
+            }
+            self.drain(rank);
+        }
+        Ok(())
+    }
+
+    /// [`Self::complete_fetches`] with nothing arrived: the remote tier failed (timeout, lost
+    /// connection, corrupt payloads). The host parts of the records still load.
+    pub fn fail_fetches(&mut self, plans: &[&TransferPlan]) -> Result<()> {
+        let arrived: Vec<Vec<bool>> = plans.iter().map(|p| vec![false; p.len()]).collect();
+        self.complete_fetches(plans, Some(&arrived))
     }
 
     /// Puts the blocks whose last outside handle went onto both tiers' LRU lists.
@@ -696,11 +1015,13 @@ impl HierarchyBlockManagerPool {
         };
         let mut pending_loads = vec![0; self.hosts.len()];
         let mut pending_offloads = vec![0; self.hosts.len()];
+        let mut pending_fetches = vec![0; self.hosts.len()];
         for taken in self.taken.values() {
-            let n = pending_len(&taken.records);
+            let n = pending_len(&taken.records, taken.direction);
             match taken.direction {
                 TransferDirection::Load => pending_loads[taken.rank] += n,
                 TransferDirection::Offload => pending_offloads[taken.rank] += n,
+                TransferDirection::Fetch => pending_fetches[taken.rank] += n,
             }
         }
         for (rank, host) in self.hosts.iter().enumerate() {
@@ -711,8 +1032,15 @@ impl HierarchyBlockManagerPool {
                 loaded_blocks: host.loaded_blocks,
                 offloaded_blocks: host.offloaded_blocks,
                 evictions: host.host.prefix_cache().map_or(0, |c| c.stats().evictions),
-                pending_load_blocks: pending_loads[rank] + pending_len(&host.loads),
-                pending_offload_blocks: pending_offloads[rank] + pending_len(&host.offloads),
+                pending_load_blocks: pending_loads[rank]
+                    + pending_len(&host.loads, TransferDirection::Load),
+                pending_offload_blocks: pending_offloads[rank]
+                    + pending_len(&host.offloads, TransferDirection::Offload),
+                remote_hit_blocks: host.remote_hit_blocks,
+                fetched_blocks: host.fetched_blocks,
+                failed_fetch_blocks: host.failed_fetch_blocks,
+                pending_fetch_blocks: pending_fetches[rank]
+                    + pending_len(&host.fetches, TransferDirection::Fetch),
             };
             stats.host.add(&r);
             stats.host_ranks.push(r);
@@ -735,6 +1063,7 @@ impl HierarchyBlockManagerPool {
                     .iter()
                     .map(|r| (TransferDirection::Offload, r)),
             );
+            records[rank].extend(host.fetches.iter().map(|r| (TransferDirection::Fetch, r)));
         }
         for taken in self.taken.values() {
             ensure_invariant!(
@@ -750,20 +1079,36 @@ impl HierarchyBlockManagerPool {
             let device = self.pool.block_manager(rank).expect("rank exists");
             let mut load_dst = HashSet::new();
             let mut offload_dst = HashSet::new();
+            let mut staging = HashSet::new();
             let mut offloading = HashSet::new();
             for &(direction, r) in records {
                 let n = r.hashes.len();
                 ensure_invariant!(
                     r.chain.len() == n
-                        && r.src.len() == n
+                        && r.src_offset + r.src.len() == n
                         && r.start < n
                         && r.tokens.len() == n * bs,
                     "dp rank {rank}: pending {direction:?} record has inconsistent lengths"
                 );
+                let is_fetch = direction == TransferDirection::Fetch;
+                ensure_invariant!(
+                    r.start <= r.fetch_start
+                        && r.fetch_start <= n
+                        && (r.fetch_start < n) == is_fetch
+                        && (r.src_offset == 0 || (is_fetch && r.src_offset == r.fetch_start)),
+                    "dp rank {rank}: pending {direction:?} record has an inconsistent fetch part"
+                );
                 let (src_tier, dst_tier): (&BlockManagerImpl, &BlockManagerImpl) = match direction {
-                    TransferDirection::Load => (&host.host, device),
+                    TransferDirection::Load | TransferDirection::Fetch => (&host.host, device),
                     TransferDirection::Offload => (device, &host.host),
                 };
+                for b in &r.src[r.fetch_start.min(n) - r.src_offset..] {
+                    ensure_invariant!(
+                        !b.is_cached() && staging.insert(b.id()),
+                        "dp rank {rank}: host staging block {} is cached or staged twice",
+                        b.id()
+                    );
+                }
                 ensure_invariant!(
                     r.src.iter().all(|b| src_tier.owns(b) && b.ref_count() >= 1)
                         && r.chain
@@ -773,7 +1118,9 @@ impl HierarchyBlockManagerPool {
                 );
                 for b in &r.chain[r.start..] {
                     let fresh = match direction {
-                        TransferDirection::Load => load_dst.insert(b.id()),
+                        TransferDirection::Load | TransferDirection::Fetch => {
+                            load_dst.insert(b.id())
+                        }
                         TransferDirection::Offload => {
                             ensure_invariant!(
                                 !b.is_cached(),
@@ -799,7 +1146,7 @@ impl HierarchyBlockManagerPool {
                 }
                 if let Some(ticket) = &r.ticket {
                     ensure_invariant!(
-                        ticket.tokens == n * bs && ticket.done_tokens().is_none(),
+                        ticket.promised() == n * bs && ticket.done_tokens().is_none(),
                         "dp rank {rank}: load ticket out of step with its record"
                     );
                 }
@@ -831,15 +1178,7 @@ impl KvCacheManager for HierarchyBlockManagerPool {
     }
 
     fn allocate(&mut self, seq: &mut Sequence, num_tokens: Option<usize>) -> Result<bool> {
-        seq.fold_host_load();
-        if self.pool.check_owner(seq)? {
-            return self.pool.allocate(seq, num_tokens);
-        }
-        if !self.pool.allocate(seq, num_tokens)? {
-            return Ok(false);
-        }
-        self.plan_loads(seq);
-        Ok(true)
+        self.allocate_with_remote(seq, num_tokens, None)
     }
 
     fn can_append(&self, seq: &Sequence, lookahead: usize) -> Result<bool> {

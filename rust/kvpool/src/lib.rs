@@ -27,7 +27,7 @@ pub use free_list::FreeList;
 pub use hash::{BlockHash, BlockHasher, DEFAULT_HASH_SEED};
 pub use hierarchy::{
     HierarchyBlockManagerPool, HierarchyConfig, HierarchyStats, HostStats, OffloadPolicy,
-    TransferDirection, TransferPlan,
+    RemoteHits, RemoteQuery, TransferDirection, TransferPlan,
 };
 pub use linear_state::{LinearStatePrefixCache, LinearStateStats};
 pub use manager::{

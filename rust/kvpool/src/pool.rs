@@ -559,7 +559,7 @@ impl BlockManagerPool {
 
     /// R13: the rank a sequence without one goes to, or `None` if no rank has a single block
     /// (and a linear-state slot, when enabled).
-    fn choose_rank(&self, seq: &Sequence) -> Option<usize> {
+    pub(crate) fn choose_rank(&self, seq: &Sequence) -> Option<usize> {
         if let Some(rank) = seq.dp_rank.filter(|&r| r < self.ranks.len()) {
             return Some(rank);
         }

@@ -1,9 +1,12 @@
 //! `HierarchyBlockManagerPool` (R26): load / offload plans, pinning on both tiers, the ticket
-//! scheme, and a proptest of random workloads with `check()` after every step.
+//! scheme, remote-tier fetch records (issue 10), and a proptest of random workloads with
+//! `check()` after every step.
+
+use std::collections::HashSet;
 
 use kvpool::{
-    HierarchyBlockManagerPool, HierarchyConfig, KvCacheManager, OffloadPolicy, Sequence,
-    TransferPlan,
+    HierarchyBlockManagerPool, HierarchyConfig, KvCacheManager, OffloadPolicy, RemoteHits,
+    Sequence, TransferDirection, TransferPlan,
 };
 use proptest::prelude::*;
 
@@ -237,6 +240,260 @@ fn bad_arguments_name_themselves() {
 }
 
 // ------------------------------------------------------------------------------------------
+// Remote tier (issue 10): remote_query, allocate_with_remote, fetch records and their tickets.
+// ------------------------------------------------------------------------------------------
+
+/// Allocates `s` with every queried block reported present remotely; returns the query's
+/// `from` and number of hashes.
+fn allocate_all_remote(p: &mut HierarchyBlockManagerPool, s: &mut Sequence) -> (usize, usize) {
+    let q = p.remote_query(s, None).unwrap().expect("something to ask");
+    let hits = RemoteHits {
+        from: q.from,
+        to: q.from + q.hashes.len(),
+    };
+    assert!(p.allocate_with_remote(s, None, Some(hits)).unwrap());
+    (q.from, q.hashes.len())
+}
+
+fn all_free(p: &mut HierarchyBlockManagerPool) {
+    p.check().unwrap();
+    p.reset_prefix_cache();
+    let st = p.stats();
+    assert_eq!(st.device.total.counts.free, st.device.total.counts.total);
+    assert_eq!(st.host.counts.free, st.host.counts.total);
+    assert_eq!(
+        st.host.pending_load_blocks + st.host.pending_offload_blocks + st.host.pending_fetch_blocks,
+        0
+    );
+}
+
+#[test]
+fn remote_query_is_side_effect_free_and_names_the_chain_past_the_local_reach() {
+    let mut p = pool(16, 16);
+    let mut s = seq(0..13); // R8: 3 blocks may hit
+    let before = p.stats();
+    let q = p.remote_query(&mut s, None).unwrap().unwrap();
+    assert_eq!(q.from, 0);
+    let mut chain = Vec::new();
+    kvpool::BlockHasher::new(kvpool::DEFAULT_HASH_SEED).extend_chain(
+        &mut chain,
+        s.tokens(),
+        BS,
+        None,
+    );
+    assert_eq!(
+        q.hashes,
+        chain[..3].to_vec(),
+        "R6 chain hashes are the remote keys"
+    );
+    assert_eq!(before, p.stats(), "R15: no side effect");
+    assert!(s.blocks().is_empty());
+    // A sequence fully on device has nothing to ask.
+    let plans = run_and_release(&mut p, &mut seq(0..13));
+    p.complete_offloads(&refs(&plans)).unwrap();
+    assert!(p.remote_query(&mut s, None).unwrap().is_none());
+    let mut t = seq(0..21); // blocks 0..3 local, 3..5 asked
+    let q = p.remote_query(&mut t, None).unwrap().unwrap();
+    assert_eq!((q.from, q.hashes.len()), (3, 2));
+    // Nothing to ask when allocate would fail (R15: no round trip for a request that waits).
+    let mut huge = seq(0..400);
+    assert!(p.remote_query(&mut huge, None).unwrap().is_none());
+}
+
+#[test]
+fn remote_hits_fetch_into_host_staging_then_load_and_count_after_confirmation() {
+    let mut p = pool(16, 16);
+    let mut s = seq(0..13);
+    assert!(p.can_allocate(&mut s, None).unwrap());
+    assert_eq!(allocate_all_remote(&mut p, &mut s), (0, 3));
+    assert_eq!(
+        s.num_cached_tokens(),
+        0,
+        "nothing counts before the fetch and load"
+    );
+    assert!(
+        p.take_load_plans().is_empty(),
+        "the load waits for the fetch"
+    );
+    let fetches = p.take_fetch_plans();
+    assert_eq!(fetches.len(), 1);
+    assert_eq!(fetches[0].direction(), TransferDirection::Fetch);
+    assert_eq!(fetches[0].len(), 3);
+    assert!(fetches[0].src.is_empty());
+    assert_eq!(
+        fetches[0].keys,
+        p.remote_query(&mut seq(0..13), None)
+            .unwrap()
+            .unwrap()
+            .hashes
+    );
+    let st = p.stats();
+    assert_eq!(st.host.remote_hit_blocks, 3);
+    assert_eq!(st.host.pending_fetch_blocks, 3);
+    assert_eq!(
+        st.host.counts.used, 3,
+        "staging blocks are held, not cached"
+    );
+    p.check().unwrap();
+    p.complete_fetches(&refs(&fetches), None).unwrap();
+    assert!(
+        p.complete_fetches(&refs(&fetches), None).is_err(),
+        "a plan completes once"
+    );
+    assert_eq!(s.num_cached_tokens(), 0, "still not loaded");
+    let loads = p.take_load_plans();
+    assert_eq!(loads.len(), 1);
+    assert_eq!(
+        loads[0].src, fetches[0].dst,
+        "the load reads the staging blocks"
+    );
+    let table: Vec<i32> = s.block_ids().map(|id| id as i32).collect();
+    assert_eq!(loads[0].dst, table[..3].to_vec());
+    p.check().unwrap();
+    p.complete_loads(&refs(&loads)).unwrap();
+    assert_eq!(s.num_cached_tokens(), 12);
+    assert_eq!(s.num_computed_tokens(), 12);
+    let st = p.stats();
+    assert_eq!(st.host.fetched_blocks, 3);
+    assert_eq!(
+        st.host.counts.free, 15,
+        "staging blocks are freed after the load"
+    );
+    // Published on device: the next sequence hits there, nothing to ask remotely.
+    let mut t = seq(0..13);
+    assert!(p.remote_query(&mut t, None).unwrap().is_none());
+    p.deallocate(&mut s).unwrap();
+    let offloads = p.take_offload_plans();
+    assert_eq!(
+        offloads[0].keys.len(),
+        3,
+        "offload plans name the hashes written through"
+    );
+    p.complete_offloads(&refs(&offloads)).unwrap();
+    all_free(&mut p);
+}
+
+#[test]
+fn partial_fetch_keeps_the_leading_run_and_the_ticket_says_so() {
+    let mut p = pool(16, 16);
+    let mut s = seq(0..17); // 4 blocks may hit
+    allocate_all_remote(&mut p, &mut s);
+    let fetches = p.take_fetch_plans();
+    assert_eq!(fetches[0].len(), 4);
+    // Block 1 failed its checksum: blocks 2 and 3 are useless (the chain breaks).
+    p.complete_fetches(&refs(&fetches), Some(&[vec![true, false, true, true]]))
+        .unwrap();
+    let st = p.stats();
+    assert_eq!(
+        (st.host.fetched_blocks, st.host.failed_fetch_blocks),
+        (1, 3)
+    );
+    assert_eq!(
+        st.host.counts.used, 1,
+        "staging blocks past the run are freed"
+    );
+    let loads = p.take_load_plans();
+    assert_eq!(loads[0].len(), 1);
+    p.check().unwrap();
+    p.complete_loads(&refs(&loads)).unwrap();
+    assert_eq!(s.num_cached_tokens(), 4, "only what arrived counts");
+    assert_eq!(s.num_computed_tokens(), 4);
+    s.set_num_computed_tokens(17).unwrap();
+    p.deallocate(&mut s).unwrap();
+    let offloads = p.take_offload_plans();
+    p.complete_offloads(&refs(&offloads)).unwrap();
+    all_free(&mut p);
+}
+
+#[test]
+fn failed_fetch_keeps_the_host_part_and_a_wholly_failed_one_finishes_at_the_device_hit() {
+    let mut p = pool(16, 16);
+    // Host holds blocks 0..2 (offloaded, then evicted from the device).
+    let plans = run_and_release(&mut p, &mut seq(0..9));
+    p.complete_offloads(&refs(&plans)).unwrap();
+    let mut big = seq(1000..1060);
+    assert!(p.allocate(&mut big, None).unwrap());
+    p.deallocate(&mut big).unwrap();
+    let mut s = seq(0..17);
+    assert_eq!(allocate_all_remote(&mut p, &mut s), (2, 2));
+    let fetches = p.take_fetch_plans();
+    assert_eq!(fetches[0].len(), 2);
+    p.check().unwrap();
+    p.fail_fetches(&refs(&fetches)).unwrap();
+    let loads = p.take_load_plans();
+    assert_eq!(loads[0].len(), 2, "the host hits still load");
+    p.complete_loads(&refs(&loads)).unwrap();
+    assert_eq!(s.num_cached_tokens(), 8);
+    p.deallocate(&mut s).unwrap();
+
+    // No host part: a failed fetch leaves nothing to load; the sequence recomputes.
+    let mut t = seq(500..517);
+    allocate_all_remote(&mut p, &mut t);
+    let fetches = p.take_fetch_plans();
+    p.fail_fetches(&refs(&fetches)).unwrap();
+    assert!(p.take_load_plans().is_empty());
+    assert_eq!(t.num_cached_tokens(), 0);
+    assert_eq!(t.num_computed_tokens(), 0);
+    p.check().unwrap();
+    t.set_num_computed_tokens(17).unwrap();
+    p.deallocate(&mut t).unwrap();
+    let offloads = p.take_offload_plans();
+    p.complete_offloads(&refs(&offloads)).unwrap();
+    all_free(&mut p);
+}
+
+#[test]
+fn fetch_outlives_its_sequence_and_never_touches_a_new_allocation() {
+    let mut p = pool(16, 16);
+    let mut s = seq(0..13);
+    allocate_all_remote(&mut p, &mut s);
+    let fetches = p.take_fetch_plans();
+    p.deallocate(&mut s).unwrap(); // released while the fetch is in flight
+    assert!(s.blocks().is_empty());
+    p.check().unwrap();
+    assert!(p.allocate(&mut s, None).unwrap(), "reallocated meanwhile");
+    p.complete_fetches(&refs(&fetches), None).unwrap();
+    let loads = p.take_load_plans();
+    p.complete_loads(&refs(&loads)).unwrap();
+    assert_eq!(s.num_cached_tokens(), 0, "the old ticket does not apply");
+    p.deallocate(&mut s).unwrap();
+    all_free(&mut p);
+}
+
+#[test]
+fn remote_hits_not_reaching_back_to_the_local_reach_are_ignored_and_shapes_are_checked() {
+    let mut p = pool(16, 16);
+    let mut s = seq(0..13);
+    let hits = RemoteHits { from: 1, to: 3 }; // block 0 is nowhere: the chain cannot start
+    assert!(p.allocate_with_remote(&mut s, None, Some(hits)).unwrap());
+    assert!(p.take_fetch_plans().is_empty());
+    p.deallocate(&mut s).unwrap();
+    // Short host: the longest run of staging blocks that fits.
+    let mut p = pool(16, 3);
+    let mut s = seq(0..17);
+    allocate_all_remote(&mut p, &mut s);
+    let fetches = p.take_fetch_plans();
+    assert_eq!(fetches[0].len(), 2);
+    let e = p
+        .complete_fetches(&refs(&fetches), Some(&[vec![true]]))
+        .unwrap_err();
+    assert!(e.to_string().starts_with("arrived"), "{e}");
+    assert!(
+        p.complete_loads(&refs(&fetches)).is_err(),
+        "not a load plan"
+    );
+    p.check().unwrap();
+    p.complete_fetches(&refs(&fetches), None).unwrap();
+    let loads = p.take_load_plans();
+    p.complete_loads(&refs(&loads)).unwrap();
+    assert_eq!(s.num_cached_tokens(), 8);
+    p.deallocate(&mut s).unwrap();
+    let offloads = p.take_offload_plans();
+    p.complete_offloads(&refs(&offloads)).unwrap();
+    all_free(&mut p);
+}
+
+// ------------------------------------------------------------------------------------------
 // Random workloads: check() after every step, everything free after cleanup (R2, R26).
 // ------------------------------------------------------------------------------------------
 
@@ -249,6 +506,8 @@ enum Op {
     TakeOffloads,
     CompleteLoads,
     CompleteOffloads,
+    TakeFetches,
+    CompleteFetches(u8),
     Reset,
 }
 
@@ -261,6 +520,8 @@ fn op() -> impl Strategy<Value = Op> {
         2 => Just(Op::TakeOffloads),
         2 => Just(Op::CompleteLoads),
         2 => Just(Op::CompleteOffloads),
+        2 => Just(Op::TakeFetches),
+        2 => any::<u8>().prop_map(Op::CompleteFetches),
         1 => Just(Op::Reset),
     ]
 }
@@ -280,6 +541,9 @@ proptest! {
         let mut running: Vec<Sequence> = Vec::new();
         let mut loads: Vec<TransferPlan> = Vec::new();
         let mut offloads: Vec<TransferPlan> = Vec::new();
+        let mut fetches: Vec<TransferPlan> = Vec::new();
+        // The remote tier: hashes written through by completed offloads.
+        let mut remote: HashSet<u128> = HashSet::new();
         for op in ops {
             match op {
                 Op::Admit { prefix, len } => {
@@ -289,7 +553,12 @@ proptest! {
                     let mut s = Sequence::new(tokens, None, None);
                     let can = p.can_allocate(&mut s, None).unwrap();
                     let before = p.stats();
-                    let ok = p.allocate(&mut s, None).unwrap();
+                    let hits = p.remote_query(&mut s, None).unwrap().map(|q| {
+                        let n = q.hashes.iter().take_while(|h| remote.contains(&h.0)).count();
+                        RemoteHits { from: q.from, to: q.from + n }
+                    });
+                    prop_assert_eq!(&before, &p.stats(), "remote_query has no side effect");
+                    let ok = p.allocate_with_remote(&mut s, None, hits).unwrap();
                     prop_assert_eq!(can, ok, "R15");
                     if ok { running.push(s); } else { prop_assert_eq!(before, p.stats(), "R14"); }
                 }
@@ -318,7 +587,17 @@ proptest! {
                 }
                 Op::CompleteOffloads => {
                     p.complete_offloads(&refs(&offloads)).unwrap();
+                    remote.extend(offloads.iter().flat_map(|o| o.keys.iter().map(|h| h.0)));
                     offloads.clear();
+                }
+                Op::TakeFetches => fetches.extend(p.take_fetch_plans()),
+                Op::CompleteFetches(mask) => {
+                    let arrived: Vec<Vec<bool>> = fetches
+                        .iter()
+                        .map(|f| (0..f.len()).map(|j| mask & (1 << (j % 8)) != 0).collect())
+                        .collect();
+                    p.complete_fetches(&refs(&fetches), Some(&arrived)).unwrap();
+                    fetches.clear();
                 }
                 Op::Reset => p.reset_prefix_cache(),
                 _ => {}
@@ -331,6 +610,8 @@ proptest! {
         for mut s in running.drain(..) {
             p.deallocate(&mut s).unwrap();
         }
+        fetches.extend(p.take_fetch_plans());
+        p.complete_fetches(&refs(&fetches), None).unwrap();
         loads.extend(p.take_load_plans());
         offloads.extend(p.take_offload_plans());
         p.complete_loads(&refs(&loads)).unwrap();
@@ -340,6 +621,9 @@ proptest! {
         let st = p.stats();
         prop_assert_eq!(st.device.total.counts.free, st.device.total.counts.total);
         prop_assert_eq!(st.host.counts.free, st.host.counts.total);
-        prop_assert_eq!(st.host.pending_load_blocks + st.host.pending_offload_blocks, 0);
+        prop_assert_eq!(
+            st.host.pending_load_blocks + st.host.pending_offload_blocks + st.host.pending_fetch_blocks,
+            0
+        );
     }
 }
