@@ -9,8 +9,8 @@ every id free after cleanup); a hung server bounded by the budget; both write po
 pools in two processes sharing the tier; the event stream replaying into the index the pool's
 own events imply; bad arguments naming themselves (R29). The key tests run again on a 3-node
 Redis Cluster (``cluster=True``): round trip over keys of several slots, namespaces, corrupt
-payloads, and a pool's one-lookup allocate fetching bit-identical KV. Every loop is bounded in
-count and time.
+payloads, a pool's one-lookup allocate fetching bit-identical KV, and a node killed mid-run.
+Every loop is bounded in count and time.
 """
 
 from __future__ import annotations
@@ -39,7 +39,12 @@ from kvpool.remote import (
 from kvpool.transfer import NumpyTransferExecutor
 
 sys.path.insert(0, str(Path(__file__).parent))
-from redis_helpers import RedisServer, redis_cluster_fixture, redis_cluster_servers_fixture  # noqa: E402, F401
+from redis_helpers import (  # noqa: E402, F401
+    RedisClusterServers,
+    RedisServer,
+    redis_cluster_fixture,
+    redis_cluster_servers_fixture,
+)
 
 BS = 4
 LAYERS = 2
@@ -448,6 +453,41 @@ def test_cluster_pool_allocate_one_lookup_fetches_bit_identical_kv(redis_cluster
     eb.pool.deallocate(seq)
     ea.cleanup()
     eb.cleanup()
+
+
+def test_cluster_node_killed_mid_run_degrades_to_misses_and_leaks_nothing():
+    """Issue 10 "server killed mid-run", on a cluster: one of three masters dies (no replicas,
+    so its slots are gone); requests keep being served, failures are counted misses, and no
+    exception reaches the scheduler. Its own cluster: the module's one stays whole."""
+    cluster = RedisClusterServers()
+    cluster.start()
+    try:
+        tier = cluster_tier(cluster, timeout_ms=200, retry_interval_ms=50)
+        e = Engine(tier)
+        rng = random.Random(7)
+        deadline = time.monotonic() + 60
+        for i in range(40):
+            assert time.monotonic() < deadline
+            seq = kvpool.Sequence(prompt(rng.randrange(6), 3 + rng.randrange(4), shared=1))
+            assert e.pool.allocate(seq)
+            if i == 16:
+                cluster.nodes[1].kill()  # after the lookup: this request's fetch and write fail
+            e.ex.step(e.pool)
+            e.verify(seq)
+            e.compute(seq)
+            e.pool.deallocate(seq)
+            e.ex.step(e.pool)
+            e.pool.check()
+            if i % 5 == 0:
+                e.pool.reset_prefix_cache()  # force remote lookups
+        st = e.pool.stats()["remote"]
+        assert st["fetched_blocks"] > 0, "hits before the kill"
+        assert st["errors"] + st["timeouts"] >= 1
+        assert st["lookup_failures"] + st["skipped"] >= 1
+        e.cleanup()
+    finally:
+        cluster.stop()
+    assert all(node.proc is None for node in cluster.nodes)
 
 
 # ------------------------------------------------------------------------------ bad input
