@@ -4,6 +4,11 @@
 (bounded) until it answers PING, and stops it. The binary must be installed (Debian:
 ``apt-get install -y redis-server``; ``make deps`` / .ci/run do it); a missing binary fails the
 tests rather than skipping them.
+
+``RedisClusterServers`` starts three such servers in cluster mode and joins them with
+``redis-cli --cluster create`` (redis-cli comes with the same package); the fixtures
+``redis_cluster_servers`` (one cluster per module) and ``redis_cluster`` (that cluster, emptied
+before each test) are imported into the test modules that use them (as ``*_fixture``).
 """
 
 from __future__ import annotations
@@ -14,12 +19,30 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterator
+
+import pytest
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def free_cluster_port(taken: set[int]) -> int:
+    """A free port whose cluster bus port (port + 10000) is free too, not in ``taken``."""
+    for _ in range(200):
+        port = free_port()
+        if port + 10000 > 65535 or port in taken or port + 10000 in taken:
+            continue
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", port + 10000))
+        except OSError:
+            continue
+        return port
+    raise RuntimeError("no free port pair (port, port + 10000) for a cluster node")
 
 
 class RedisServer:
@@ -82,3 +105,104 @@ class RedisServer:
                 pass
         self.kill()
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class RedisClusterServers:
+    """A 3-master Redis Cluster on 127.0.0.1 (no replicas), for the cluster code path (issue 10).
+
+    Each node is a ``RedisServer`` with ``--cluster-enabled yes`` in its own temp dir (its
+    ``nodes-PORT.conf`` there); ``start()`` joins them with ``redis-cli --cluster create`` and
+    waits (bounded) until every node reports ``cluster_state:ok``. ``url`` is any node's URL
+    (redis-py discovers the others); ``stop()`` kills every node and removes the temp dirs.
+    """
+
+    def __init__(self, n: int = 3) -> None:
+        self.cli = shutil.which("redis-cli")
+        if self.cli is None:
+            raise RuntimeError("redis-cli is not installed (it comes with Debian's redis-server package)")
+        self.nodes: list[RedisServer] = []
+        taken: set[int] = set()
+        for _ in range(n):
+            node = RedisServer(free_cluster_port(taken))
+            taken |= {node.port, node.port + 10000}
+            node.extra = ["--cluster-enabled", "yes", "--cluster-config-file",
+                          f"{node.dir}/nodes-{node.port}.conf", "--cluster-node-timeout", "5000"]
+            self.nodes.append(node)
+
+    @property
+    def url(self) -> str:
+        return self.nodes[0].url
+
+    def _cli(self, port: int, *args: str, timeout_s: float = 10.0) -> str:
+        out = subprocess.run([self.cli, "-h", "127.0.0.1", "-p", str(port), *args],
+                             capture_output=True, text=True, timeout=timeout_s, stdin=subprocess.DEVNULL)
+        return out.stdout + out.stderr
+
+    def start(self, timeout_s: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        try:
+            for node in self.nodes:
+                node.start()
+            addrs = [f"127.0.0.1:{node.port}" for node in self.nodes]
+            out = subprocess.run([self.cli, "--cluster", "create", *addrs, "--cluster-replicas", "0",
+                                  "--cluster-yes"], capture_output=True, text=True, timeout=timeout_s,
+                                 stdin=subprocess.DEVNULL)
+            if out.returncode != 0:
+                raise RuntimeError(f"redis-cli --cluster create failed: {out.stdout}{out.stderr}")
+            while True:
+                states = [self._cli(node.port, "cluster", "info", timeout_s=5.0) for node in self.nodes]
+                if all("cluster_state:ok" in s for s in states):
+                    return
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"cluster not ok after {timeout_s} s: {states}")
+                time.sleep(0.1)
+        except BaseException:
+            self.stop()
+            raise
+
+    def flushall(self) -> None:
+        """Deletes every key on every node (each node holds only its own slots)."""
+        for node in self.nodes:
+            out = self._cli(node.port, "flushall")
+            if "OK" not in out:
+                raise RuntimeError(f"FLUSHALL on 127.0.0.1:{node.port} failed: {out}")
+
+    def slot_owners(self, keys: list[bytes]) -> set[int]:
+        """The ports of the nodes owning ``keys`` (CLUSTER KEYSLOT + CLUSTER SLOTS)."""
+        import redis
+
+        c = redis.Redis(host="127.0.0.1", port=self.nodes[0].port, socket_timeout=5)
+        try:
+            ranges = c.execute_command("CLUSTER", "SLOTS")
+            owners = set()
+            for k in keys:
+                slot = int(c.execute_command("CLUSTER", "KEYSLOT", k))
+                for r in ranges:
+                    if int(r[0]) <= slot <= int(r[1]):
+                        owners.add(int(r[2][1]))
+            return owners
+        finally:
+            c.close()
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
+
+
+@pytest.fixture(scope="module", name="redis_cluster_servers")
+def redis_cluster_servers_fixture() -> Iterator[RedisClusterServers]:
+    """A 3-node Redis Cluster on loopback shared by the tests of one module; every node is
+    killed at the end of the module."""
+    cluster = RedisClusterServers()
+    cluster.start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture(name="redis_cluster")
+def redis_cluster_fixture(redis_cluster_servers: RedisClusterServers) -> RedisClusterServers:
+    """``redis_cluster_servers``, emptied (FLUSHALL on every node) before the test."""
+    redis_cluster_servers.flushall()
+    return redis_cluster_servers

@@ -1,4 +1,8 @@
-"""`kvpool simulate` end to end, through a subprocess (`python -m kvpool`)."""
+"""`kvpool simulate` end to end, through a subprocess (`python -m kvpool`).
+
+With ``--remote``, two simulator processes share one real redis-server on loopback (issue 10;
+tests/redis_helpers.py, never a mock).
+"""
 
 from __future__ import annotations
 
@@ -14,6 +18,9 @@ import pytest
 pytestmark = pytest.mark.skipif(not hasattr(kvpool, "BlockManagerPool"), reason="pool not built")
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).parent))
+from redis_helpers import RedisServer  # noqa: E402
+
 TRACES = ROOT / "examples" / "traces"
 SMALL = ["-n", "40", "--max-prompt-len", "512", "--output-len", "16"]
 
@@ -171,3 +178,40 @@ def test_help() -> None:
     assert p.returncode == 0 and "--sweep" in p.stdout and "--execute" in p.stdout
     p = run("--help")
     assert p.returncode == 0 and "simulate" in p.stdout
+
+
+def test_two_simulators_share_prefixes_through_a_remote_redis() -> None:
+    """Issue 10: "two simulator processes sharing one Redis show the second one hitting prefixes
+    the first one computed (reported in its summary)". The second run replays the same workload
+    (same seed) after the first exited, so everything it finds remotely was written by the first."""
+    server = RedisServer()
+    server.start()
+    try:
+        args = ("simulate", "-w", "chat", "-n", "30", "--max-prompt-len", "512", "--output-len", "16",
+                "--host-blocks", "256", "--num-blocks", "128", "--remote", server.url, "--json",
+                "--no-progress")
+        summaries = []
+        for _ in range(2):
+            p = run(*args, timeout=120)
+            assert p.returncode == 0, p.stderr
+            assert "Traceback" not in p.stderr, p.stderr
+            summaries.append(json.loads(p.stdout)["summary"])
+        import redis
+
+        client = redis.Redis.from_url(server.url, socket_timeout=5)
+        try:
+            stored = int(client.dbsize())
+        finally:
+            client.close()
+    finally:
+        server.stop()
+    first, second = summaries
+    for s in summaries:
+        assert s["finished"] == s["requests"] == 30
+        assert s["remote_errors"] == 0 and s["remote_failed_blocks"] == 0
+    assert first["remote_hit_blocks"] == first["remote_fetched_blocks"] == 0, "the store starts empty"
+    assert first["remote_puts"] > 0 and stored == first["remote_puts"], "write-through of what it computed"
+    assert second["remote_hit_blocks"] > 0 and second["remote_fetched_blocks"] > 0, "hits the first's prefixes"
+    assert second["remote_puts"] < first["remote_puts"], "blocks already stored are not sent again"
+    assert second["admitted_cached_tokens"] > first["admitted_cached_tokens"]
+    assert second["prefill_tokens_computed"] < first["prefill_tokens_computed"]

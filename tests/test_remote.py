@@ -7,7 +7,10 @@ mis-filed payloads are misses, never wrong KV; one existence round trip per requ
 killed mid-run (misses, counted errors, no exception reaching the scheduler, check() passes,
 every id free after cleanup); a hung server bounded by the budget; both write policies; two
 pools in two processes sharing the tier; the event stream replaying into the index the pool's
-own events imply; bad arguments naming themselves (R29). Every loop is bounded in count and time.
+own events imply; bad arguments naming themselves (R29). The key tests run again on a 3-node
+Redis Cluster (``cluster=True``): round trip over keys of several slots, namespaces, corrupt
+payloads, a pool's one-lookup allocate fetching bit-identical KV, and a node killed mid-run.
+Every loop is bounded in count and time.
 """
 
 from __future__ import annotations
@@ -36,7 +39,12 @@ from kvpool.remote import (
 from kvpool.transfer import NumpyTransferExecutor
 
 sys.path.insert(0, str(Path(__file__).parent))
-from redis_helpers import RedisServer  # noqa: E402
+from redis_helpers import (  # noqa: E402, F401
+    RedisClusterServers,
+    RedisServer,
+    redis_cluster_fixture,
+    redis_cluster_servers_fixture,
+)
 
 BS = 4
 LAYERS = 2
@@ -345,6 +353,141 @@ def test_event_stream_replays_into_the_index_the_pool_events_imply(server):
     holder, n = index.best_holder(kvpool.hash_blocks(p, BS))
     assert holder == ("instance-b", 0) and n == 3
     assert pub.errors == 0 and pub.published > 0
+
+
+# ------------------------------------------------------------------------------ Redis Cluster
+# Issue 10: "works with a single Redis/Valkey server and with Redis Cluster". Keys are not
+# hash-tagged, so one request's blocks spread over the slots of every node; the tier's multi-key
+# calls (pipelined EXISTS / SET / DEL, MGET) must be split per node by redis-py.
+def cluster_tier(cluster, namespace: str = NS, **kw) -> RedisRemoteTier:
+    return RedisRemoteTier(cluster.url, namespace, cluster=True, **kw)
+
+
+def test_cluster_payload_round_trip_over_several_slots(redis_cluster):
+    tier = cluster_tier(redis_cluster)
+    n = 24
+    arrays = [np.random.default_rng(i).standard_normal((n, *SHAPE)).astype(np.float16) for i in range(4)]
+    spec = block_spec(arrays)
+    keys = kvpool.hash_blocks(list(range(n * BS)), BS)
+    assert len(redis_cluster.slot_owners([tier.prefix + k for k in keys])) == 3, "keys on every node"
+    bodies = [b"".join(a[i].tobytes() for a in arrays) for i in range(n)]
+    assert tier.exists_many(keys) == [False] * n
+    tier.put_many(keys, [encode_payload(k, spec, b) for k, b in zip(keys, bodies, strict=True)])
+    assert tier.exists_many(keys) == [True] * n
+    # Order is kept across nodes: every payload comes back under its own key.
+    mixed = keys[::-1] + kvpool.hash_blocks(list(range(10_000, 10_000 + 2 * BS)), BS)
+    got = tier.get_many(mixed)
+    assert got[n:] == [None, None]
+    for k, p in zip(mixed[:n], got[:n], strict=True):
+        assert bytes(decode_payload(k, spec, p, len(bodies[0]))) == bodies[keys.index(k)]
+    st = tier.stats()
+    assert st["puts"] == n and st["get_hits"] == n and st["bytes_in"] == st["bytes_out"] > n * len(bodies[0])
+    assert st["errors"] == st["timeouts"] == 0
+    assert tier.delete_many(keys) == n
+    assert tier.get_many(keys) == [None] * n and tier.exists_many(keys) == [False] * n
+    assert tier.exists_many([]) == [] and tier.get_many([]) == []
+    tier.close()
+
+
+def test_cluster_namespace_isolation(redis_cluster):
+    a = cluster_tier(redis_cluster)
+    other = make_namespace("test-model", dtype="float16", num_kv_heads=2, head_dim=8, block_size=BS,
+                           num_layers=LAYERS, layout="tp2:rank1")
+    b = cluster_tier(redis_cluster, other)
+    keys = kvpool.hash_blocks(list(range(6 * BS)), BS)
+    a.put_many(keys, [bytes([i]) * 40 for i in range(6)])
+    assert a.exists_many(keys) == [True] * 6
+    assert b.exists_many(keys) == [False] * 6, "another layout never sees these blocks"
+    assert b.get_many(keys) == [None] * 6
+    ea, eb = Engine(a), Engine(b)
+    p = prompt(51, 5)
+    ea.serve(p)
+    assert eb.serve(p) == 0
+    assert Engine(cluster_tier(redis_cluster)).serve(p) == 5 * BS
+    for e in (ea, eb):
+        e.cleanup()
+
+
+def test_cluster_corrupt_payload_is_a_miss_never_wrong_kv(redis_cluster):
+    tier = cluster_tier(redis_cluster)
+    ea = Engine(tier)
+    p = prompt(52, 5)
+    ea.serve(p)
+    chain = kvpool.hash_blocks(p, BS)
+    assert len(redis_cluster.slot_owners([tier.prefix + k for k in chain[:5]])) >= 2
+    raw = tier.get_many([chain[3]])[0]
+    bad = bytearray(raw)
+    bad[len(bad) // 2] ^= 0xFF
+    tier.put_many([chain[3]], [bytes(bad)])
+    eb = Engine(cluster_tier(redis_cluster))
+    assert eb.serve(p) == 3 * BS, "the chain stops at the corrupt block; blocks 0-2 still hit"
+    st = eb.pool.stats()["remote"]
+    assert st["corrupt"] == 1 and st["fetched_blocks"] == 3 and st["failed_fetch_blocks"] == 2
+    assert st["errors"] == 0
+    ea.cleanup()
+    eb.cleanup()
+
+
+def test_cluster_pool_allocate_one_lookup_fetches_bit_identical_kv(redis_cluster):
+    ea = Engine(cluster_tier(redis_cluster))
+    p = prompt(53, 8)
+    ea.serve(p)
+    chain = kvpool.hash_blocks(p, BS)
+    tier = cluster_tier(redis_cluster)
+    assert tier.exists_many(chain[:8]) == [True] * 8, "written through by the first instance"
+    assert len(redis_cluster.slot_owners([tier.prefix + k for k in chain[:8]])) >= 2
+    eb = Engine(tier)
+    seq = kvpool.Sequence(p)
+    before = tier.stats()["exists_calls"]
+    assert eb.pool.allocate(seq)
+    assert tier.stats()["exists_calls"] - before == 1, "one existence round trip for the request"
+    st = eb.pool.stats()["remote"]
+    assert st["lookups"] == 1 and st["lookup_keys"] == 8 and st["lookup_failures"] == 0
+    eb.ex.step(eb.pool)  # remote -> host fetch, then host -> device load
+    assert seq.num_cached_tokens == 8 * BS
+    eb.verify(seq)  # bit-identical to the KV the first instance computed
+    st = eb.pool.stats()["remote"]
+    assert st["fetched_blocks"] == 8 and st["failed_fetch_blocks"] == 0 and st["errors"] == 0
+    assert tier.stats()["get_calls"] == 1
+    eb.compute(seq)
+    eb.pool.deallocate(seq)
+    ea.cleanup()
+    eb.cleanup()
+
+
+def test_cluster_node_killed_mid_run_degrades_to_misses_and_leaks_nothing():
+    """Issue 10 "server killed mid-run", on a cluster: one of three masters dies (no replicas,
+    so its slots are gone); requests keep being served, failures are counted misses, and no
+    exception reaches the scheduler. Its own cluster: the module's one stays whole."""
+    cluster = RedisClusterServers()
+    cluster.start()
+    try:
+        tier = cluster_tier(cluster, timeout_ms=200, retry_interval_ms=50)
+        e = Engine(tier)
+        rng = random.Random(7)
+        deadline = time.monotonic() + 60
+        for i in range(40):
+            assert time.monotonic() < deadline
+            seq = kvpool.Sequence(prompt(rng.randrange(6), 3 + rng.randrange(4), shared=1))
+            assert e.pool.allocate(seq)
+            if i == 16:
+                cluster.nodes[1].kill()  # after the lookup: this request's fetch and write fail
+            e.ex.step(e.pool)
+            e.verify(seq)
+            e.compute(seq)
+            e.pool.deallocate(seq)
+            e.ex.step(e.pool)
+            e.pool.check()
+            if i % 5 == 0:
+                e.pool.reset_prefix_cache()  # force remote lookups
+        st = e.pool.stats()["remote"]
+        assert st["fetched_blocks"] > 0, "hits before the kill"
+        assert st["errors"] + st["timeouts"] >= 1
+        assert st["lookup_failures"] + st["skipped"] >= 1
+        e.cleanup()
+    finally:
+        cluster.stop()
+    assert all(node.proc is None for node in cluster.nodes)
 
 
 # ------------------------------------------------------------------------------ bad input
