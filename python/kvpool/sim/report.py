@@ -30,7 +30,9 @@ def summary_rows(res: Any) -> list[tuple[str, str, str] | None]:
         None,
         ("cache", f"{s['num_total_blocks']:,} blocks x {c['block_size']}",
          f"{c['capacity_tokens_per_rank']:,} tokens per rank, {c['dp_size']} rank(s)"),
-        ("prefix hit rate", _pct(s["prefix_hit_rate"]), "hit / looked-up tokens of full blocks (pool stats)"),
+        ("prefix hit rate", _pct(s["prefix_hit_rate"]),
+         "hit / looked-up tokens of full blocks in the device cache (pool stats; host and remote "
+         "hits count in 'prompt tokens from cache')"),
         ("prompt tokens from cache", _pct(s["cached_token_fraction"]),
          f"{s['admitted_cached_tokens']:,} of {s['admitted_tokens']:,} admitted tokens not recomputed"),
         ("peak usage", _pct(s["peak_usage"]), f"{s['peak_used_blocks']:,} blocks held by sequences at peak"),
