@@ -319,18 +319,19 @@ impl PyBlockManagerPool {
     }
 }
 
-/// The sequences of `seqs`, which must all be distinct (a ValueError names `seqs` otherwise).
-fn distinct<'a>(seqs: &'a [Bound<'_, PySequence>]) -> PyResult<Vec<&'a PySequence>> {
-    let objects: Vec<&PySequence> = seqs.iter().map(|s| s.get()).collect();
-    let mut addresses: Vec<usize> = objects
-        .iter()
-        .map(|&s| std::ptr::from_ref(s) as usize)
-        .collect();
-    addresses.sort_unstable();
-    if addresses.windows(2).any(|w| w[0] == w[1]) {
-        return Err(value_error("seqs", "lists a sequence twice"));
+/// [`lock_distinct`] for calls that change the sequences: naming one twice is an error
+/// (`seqs`), checked after locking (one pass, no second lock per sequence).
+fn lock_each_once<'a>(
+    seqs: &[&'a PySequence],
+) -> kvpool::Result<(Vec<parking_lot::MutexGuard<'a, Sequence>>, Vec<usize>)> {
+    let (guards, slot) = lock_distinct(seqs);
+    if guards.len() != seqs.len() {
+        return Err(kvpool::KvPoolError::invalid(
+            "seqs",
+            "lists a sequence twice",
+        ));
     }
-    Ok(objects)
+    Ok((guards, slot))
 }
 
 /// `seq` is allocated in `pool` (a ValueError naming `seqs` otherwise).
@@ -655,15 +656,16 @@ impl PyBlockManagerPool {
                 format!("has {} tokens for {} sequences", tokens.len(), seqs.len()),
             ));
         }
-        let objects = distinct(&seqs)?;
+        let objects: Vec<&PySequence> = seqs.iter().map(|s| s.get()).collect();
         py.detach(|| {
             let mut pool = self.inner.lock();
+            let (mut guards, slot) = lock_each_once(&objects)?;
             // Validate every sequence before changing any (R29: nothing half-changed).
-            for seq in &objects {
-                pool.check_sequence_owned(&seq.inner.lock())?;
+            for seq in &guards {
+                pool.check_sequence_owned(seq)?;
             }
-            for (seq, &token) in objects.iter().zip(&tokens) {
-                pool.advance(&mut seq.inner.lock(), token)?;
+            for (&g, &token) in slot.iter().zip(&tokens) {
+                pool.advance(&mut guards[g], token)?;
             }
             Ok(())
         })
@@ -681,17 +683,16 @@ impl PyBlockManagerPool {
     ) -> PyResult<Bound<'py, PyArray1<bool>>> {
         let lookahead = optional_count(lookahead, "lookahead")?.unwrap_or(0);
         let seqs = seq_list(seqs)?;
-        let objects = distinct(&seqs)?;
+        let objects: Vec<&PySequence> = seqs.iter().map(|s| s.get()).collect();
         let ok = py
             .detach(|| {
                 let mut pool = self.inner.lock();
-                for seq in &objects {
-                    let seq = seq.inner.lock();
-                    ensure_allocated(&pool, &seq)?;
+                let (mut guards, slot) = lock_each_once(&objects)?;
+                for seq in &guards {
+                    ensure_allocated(&pool, seq)?;
                 }
-                objects
-                    .iter()
-                    .map(|seq| pool.may_append(&mut seq.inner.lock(), lookahead))
+                slot.iter()
+                    .map(|&g| pool.may_append(&mut guards[g], lookahead))
                     .collect::<kvpool::Result<Vec<bool>>>()
             })
             .py()?;
