@@ -58,7 +58,8 @@ MAGIC = b"KVPB"
 FORMAT_VERSION = 1
 _HEADER = struct.Struct("<4sHHQQ")  # magic, version, spec length, body length, checksum
 # Batched existence in one command on a single server (read-only; EVALSHA after the first call).
-_EXISTS_LUA = "local r = {} for i, k in ipairs(KEYS) do r[i] = redis.call('EXISTS', k) end return r"
+_EXISTS_LUA = ("local r = {} for i, k in ipairs(KEYS) do r[i] = redis.call('EXISTS', k) end "
+               "return table.concat(r)")  # one bulk string of '0'/'1': cheap to send and parse
 
 
 class RemoteTierError(Exception):
@@ -303,7 +304,10 @@ class RedisRemoteTier(RemoteTier):
 
         def run(c: Any) -> list[bool]:
             if not self.cluster:  # one command, one array reply (a pipeline costs per key)
-                return [bool(x) for x in self._exists_script(c)(keys=full)]
+                reply = self._exists_script(c)(keys=full)
+                if isinstance(reply, str):  # a client made with decode_responses=True
+                    reply = reply.encode()
+                return [flag == 49 for flag in reply]  # b"1" per stored key
             pipe = c.pipeline(transaction=False)
             for k in full:
                 pipe.exists(k)
