@@ -578,14 +578,15 @@ impl BlockManagerPool {
 
     /// R23 and R25: the deepest boundary `k <= matched` of a KV hit whose linear state can be
     /// restored (a committed checkpoint of the prefix) and whose sliding-window blocks are still
-    /// held; with the checkpoint to restore from.
+    /// held; with the checkpoint to restore from and the window hit's cost (kept window blocks
+    /// the hit makes used).
     fn trim(
         &self,
         rank: &Rank,
         hashes: &[BlockHash],
         tokens: &[u32],
         matched: usize,
-    ) -> (usize, Option<BlockHash>) {
+    ) -> (usize, Option<BlockHash>, usize) {
         let mut limit = matched;
         if let Some(linear) = &rank.linear {
             if self.config.linear_state_match == LinearStateMatch::Contiguous {
@@ -599,15 +600,18 @@ impl BlockManagerPool {
                 .linear
                 .as_ref()
                 .is_none_or(|l| l.contains(hashes[k - 1]));
-            let window_ok = rank
-                .window
-                .as_ref()
-                .is_none_or(|w| w.hit_valid(hashes, tokens, k));
-            if state_ok && window_ok {
-                return (k, rank.linear.as_ref().map(|_| hashes[k - 1]));
+            if !state_ok {
+                continue;
+            }
+            let window_cost = match &rank.window {
+                None => Some(0),
+                Some(w) => w.hit_cost(hashes, tokens, k),
+            };
+            if let Some(cost) = window_cost {
+                return (k, rank.linear.as_ref().map(|_| hashes[k - 1]), cost);
             }
         }
-        (0, None)
+        (0, None, 0)
     }
 
     /// Plans a first allocation of `num_tokens` tokens; `None` if it cannot succeed (R14, R15).
@@ -630,10 +634,12 @@ impl BlockManagerPool {
             None => (Probe::default(), 0),
         };
         let mut restore = None;
+        let mut window_cost = 0;
         if probe.matched > 0 && (rank.linear.is_some() || rank.window.is_some()) {
             let hashes = seq.hashes(query_blocks);
-            let (kept, checkpoint) = self.trim(rank, hashes, seq.tokens(), probe.matched);
+            let (kept, checkpoint, cost) = self.trim(rank, hashes, seq.tokens(), probe.matched);
             restore = checkpoint;
+            window_cost = cost;
             if kept != probe.matched {
                 let cache = rank.blocks.prefix_cache().expect("a hit needs the cache");
                 probe = cache.probe(hashes, seq.tokens(), seq.extra_key(), kept);
@@ -642,8 +648,7 @@ impl BlockManagerPool {
         let new_blocks = self.blocks_for(num_tokens).saturating_sub(probe.matched);
         let mut feasible = new_blocks <= rank.blocks.num_available() - probe.cache_only;
         if let Some(window) = &rank.window {
-            let cost = window.hit_cost(seq.hashes(query_blocks), seq.tokens(), probe.matched);
-            feasible &= new_blocks <= window.num_available() - cost;
+            feasible &= new_blocks <= window.num_available() - window_cost;
         }
         if let Some(linear) = &rank.linear {
             let pin_cost = restore.map_or(0, |h| usize::from(!linear.is_pinned(h)));
@@ -1180,14 +1185,8 @@ impl BlockManagerPool {
                 );
                 seq.num_published = stop;
             }
-            if let (Some(window), Some(mut table)) = (rank.window.as_mut(), seq.window.take()) {
-                if table.published < full {
-                    seq.ensure_hashes(&hasher, block_size, full * block_size);
-                    window.publish(&mut table, seq.hashes(full), seq.tokens(), full);
-                }
-                seq.window = Some(table);
-            }
         }
+        self.publish_window(seq);
         self.collect_events(rank_index);
         self.slide(seq);
         if when == Publish::Step {

@@ -197,18 +197,19 @@ impl SlidingWindowBlockManager {
         }
     }
 
-    /// Kept blocks among a hit's window blocks that nothing else holds (the hit makes them
-    /// used, so they no longer count as available).
-    pub fn hit_cost(&self, hashes: &[BlockHash], tokens: &[u32], k: usize) -> usize {
-        if k == 0 {
-            return 0;
-        }
+    /// A prefix hit at block boundary `k` for this group (module doc): `None` unless every
+    /// block the next query can attend to is held and published under the chain; else how many
+    /// of those are kept blocks nothing else holds (the hit makes them used, so they no longer
+    /// count as available).
+    pub fn hit_cost(&self, hashes: &[BlockHash], tokens: &[u32], k: usize) -> Option<usize> {
         let block_size = self.block_size();
         let first = self.first_needed_block(k * block_size);
-        (first..k)
-            .filter_map(|i| self.find(hashes[i], &tokens[i * block_size..(i + 1) * block_size]))
-            .filter(|&id| self.inner.store.state(id) & (CACHED | COUNT_MASK) == CACHED | 1)
-            .count()
+        let mut cost = 0;
+        for i in (first..k).rev() {
+            let id = self.find(hashes[i], &tokens[i * block_size..(i + 1) * block_size])?;
+            cost += usize::from(self.inner.store.state(id) & (CACHED | COUNT_MASK) == CACHED | 1);
+        }
+        Some(cost)
     }
 
     /// The window, in tokens.
@@ -333,21 +334,7 @@ impl SlidingWindowBlockManager {
             .then_some(id)
     }
 
-    /// Whether a prefix hit at block boundary `k` is valid for this group: every block the next
-    /// query can attend to is held and published under the chain (module doc).
-    pub fn hit_valid(&self, hashes: &[BlockHash], tokens: &[u32], k: usize) -> bool {
-        if k == 0 {
-            return true;
-        }
-        let block_size = self.block_size();
-        let first = self.first_needed_block(k * block_size);
-        (first..k).rev().all(|i| {
-            self.find(hashes[i], &tokens[i * block_size..(i + 1) * block_size])
-                .is_some()
-        })
-    }
-
-    /// Fills an empty `table` for a hit at boundary `k` (after [`Self::hit_valid`]): entries
+    /// Fills an empty `table` for a hit at boundary `k` (after [`Self::hit_cost`]): entries
     /// before the window are padding, the window's blocks are shared. False (table untouched)
     /// if a block was released meanwhile.
     pub fn take_hit(
