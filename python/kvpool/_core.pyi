@@ -6,7 +6,7 @@ Every class is frozen with a lock inside, safe to share between threads (R28), a
 subclassed.
 """
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from collections.abc import Sequence as _Sequence
 from typing import Any, Final, Literal, SupportsIndex, TypeAlias, TypedDict, final
 
@@ -25,6 +25,7 @@ __all__ = [
     "PrefixCache",
     "hash_blocks",
     "Sequence",
+    "SequenceBatch",
     "BlockManagerPool",
     "ConcurrentBlockManager",
     "KVEvent",
@@ -39,6 +40,8 @@ __all__ = [
 # Type aliases and TypedDicts below are stub-only (private: not present at runtime).
 
 _TokenIds: TypeAlias = _Sequence[int] | NDArray[np.integer]
+# the ``seqs`` argument of the batch calls
+_Seqs: TypeAlias = SequenceBatch | Iterable[Sequence]
 """Token ids: a list/tuple of ints or a 1-D integer numpy array, every id in ``[0, 2**32)``."""
 
 _ExtraKey: TypeAlias = bytes | str | None
@@ -725,6 +728,75 @@ class Sequence:
         """Whether the sequence holds blocks of a pool."""
 
 @final
+class SequenceBatch:
+    """An ordered set of sequences kept from step to step: an engine's running batch.
+
+    Pass it wherever a pool takes ``seqs`` (``may_append_all``, ``advance``, ``block_tables``,
+    ``slot_mapping``): the pool reads the members in Rust, with no per-sequence Python work and
+    no conversion per call. Each sequence is in a batch at most once; the order is insertion
+    order (removals keep the others' order), and ``token_ids`` arrays line up with it.
+
+    Parameters
+    ----------
+    seqs : iterable of Sequence, optional
+        Initial members, in order (as ``extend``).
+    """
+
+    def __new__(cls, seqs: Iterable[Sequence] | None = None) -> SequenceBatch: ...
+    def add(self, seq: Sequence) -> None:
+        """Append ``seq``.
+
+        Raises
+        ------
+        ValueError
+            ``seq`` is already in the batch.
+        TypeError
+            ``seq`` is not a Sequence.
+        """
+
+    def extend(self, seqs: Iterable[Sequence]) -> None:
+        """Append every sequence of ``seqs`` in order; all-or-nothing.
+
+        Raises
+        ------
+        ValueError
+            One is already in the batch or listed twice (nothing is added).
+        TypeError
+            One is not a Sequence (nothing is added).
+        """
+
+    def remove(self, seq: Sequence) -> None:
+        """Remove ``seq``, keeping the others' order.
+
+        Raises
+        ------
+        ValueError
+            ``seq`` is not in the batch.
+        """
+
+    def remove_all(self, seqs: Iterable[Sequence]) -> None:
+        """Remove every sequence of ``seqs`` in one pass, keeping the others' order;
+        all-or-nothing.
+
+        Raises
+        ------
+        ValueError
+            One is not in the batch or is listed twice (nothing is removed).
+        """
+
+    def clear(self) -> None:
+        """Remove every sequence."""
+
+    @property
+    def seq_ids(self) -> NDArray[np.uint64]:
+        """``seq_id`` of each member in batch order: uint64 of shape ``[len(batch)]``."""
+
+    def __len__(self) -> int: ...
+    def __contains__(self, seq: object, /) -> bool: ...
+    def __iter__(self) -> Iterator[Sequence]:
+        """The members in batch order (a snapshot: changing the batch meanwhile is safe)."""
+
+@final
 class KVEvent:
     """A KV event for external KV-aware routers (R21), from ``BlockManagerPool.drain_events``."""
 
@@ -892,7 +964,7 @@ class BlockManagerPool:
             ``seq`` holds blocks of another pool.
         """
 
-    def block_tables(self, seqs: Iterable[Sequence], group: int = 0) -> NDArray[np.int32]:
+    def block_tables(self, seqs: _Seqs, group: int = 0) -> NDArray[np.int32]:
         """Block tables of ``seqs`` in one array (R19).
 
         Returns
@@ -901,7 +973,7 @@ class BlockManagerPool:
             int32 of shape ``[len(seqs), max_blocks]``, padded with 0.
         """
 
-    def slot_mapping(self, seqs: Iterable[Sequence], group: int = 0) -> NDArray[np.int64]:
+    def slot_mapping(self, seqs: _Seqs, group: int = 0) -> NDArray[np.int64]:
         """Cache slots of tokens ``[num_computed_tokens, len)`` of every sequence (R19).
 
         ``slot = block_id * block_size + position % block_size``.
@@ -917,7 +989,7 @@ class BlockManagerPool:
             A token is not held by its table yet (call ``may_append`` first).
         """
 
-    def advance(self, seqs: Iterable[Sequence], token_ids: _TokenIds) -> None:
+    def advance(self, seqs: _Seqs, token_ids: _TokenIds) -> None:
         """After a forward step, for every sequence in one call (GIL released).
 
         For each ``seqs[i]``: ``num_computed_tokens = len(seq)`` (R17), ``cache(seq)``,
@@ -931,14 +1003,20 @@ class BlockManagerPool:
             this pool, or has tokens its table does not hold; nothing is changed.
         """
 
-    def may_append_all(self, seqs: Iterable[Sequence], lookahead: int = 0) -> NDArray[np.bool_]:
+    def may_append_all(self, seqs: _Seqs, lookahead: int = 0) -> list[int]:
         """``may_append(seq, lookahead)`` for every sequence in one call (R16, GIL released).
 
         Returns
         -------
-        numpy.ndarray
-            bool of shape ``[len(seqs)]``: False where the blocks could not be had (that
-            sequence is unchanged; preempt it).
+        list of int
+            Indices into ``seqs`` of the sequences whose blocks could not be had, ascending;
+            empty when every sequence got room (``if pool.may_append_all(batch):`` is the
+            check). Those sequences are unchanged: preempt them.
+
+        Raises
+        ------
+        ValueError
+            A sequence is listed twice or is not allocated in this pool; nothing is changed.
         """
 
     def stats(self) -> _PoolStats:
@@ -1433,10 +1511,10 @@ class HierarchyBlockManagerPool:
             nothing is changed then.
         """
 
-    def block_tables(self, seqs: Iterable[Sequence], group: int = 0) -> NDArray[np.int32]:
+    def block_tables(self, seqs: _Seqs, group: int = 0) -> NDArray[np.int32]:
         """Block tables of ``seqs``: int32 ``[len(seqs), max_blocks]``, padded with 0 (R19)."""
 
-    def slot_mapping(self, seqs: Iterable[Sequence], group: int = 0) -> NDArray[np.int64]:
+    def slot_mapping(self, seqs: _Seqs, group: int = 0) -> NDArray[np.int64]:
         """Cache slots (int64) of tokens ``[num_computed_tokens, len)`` of every sequence (R19)."""
 
     def stats(self) -> _HierarchyPoolStats:

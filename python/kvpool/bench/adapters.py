@@ -12,6 +12,7 @@ Phases of one scheduler step (the replay decides who is in which, identically fo
 ``export(seqs)``          block tables + slot mapping of the batch (timed apart)
 ``prefill_done(seqs, t)`` after the forward pass: prompt computed, publish full blocks, append t
 ``decode_done(seqs, t)``  after the forward pass: one more token computed, publish, append t
+``post(new, t, dec, u)``  both of the above for one step (an adapter may fuse them)
 ``free(seqs)``            finished requests
 """
 
@@ -63,6 +64,16 @@ class Adapter:
     def decode_done(self, seqs: list[Any], tokens: list[int]) -> None:
         raise NotImplementedError
 
+    def post(
+        self, new: list[Any], new_tokens: list[int], dec: list[Any], dec_tokens: list[int]
+    ) -> None:
+        """After the forward pass of a step: the prefilled ``new`` sequences, then the decoding
+        ``dec`` ones, get their sampled tokens. The running order afterwards is ``dec + new``."""
+        if new:
+            self.prefill_done(new, new_tokens)
+        if dec:
+            self.decode_done(dec, dec_tokens)
+
     def free(self, seqs: list[Any]) -> None:
         raise NotImplementedError
 
@@ -106,6 +117,12 @@ class KvpoolAdapter(Adapter):
             raise Unavailable("kvpool.BlockManagerPool is not built yet (rebuild kvpool._core)")
         self._Sequence = kvpool.Sequence
         self.pool = kvpool.BlockManagerPool(num_blocks, block_size, enable_prefix_cache=True)
+        # The running sequences, kept from step to step in the replay's order (a persistent
+        # batch, as vLLM v1's model runner keeps one): a step's calls then read them in Rust
+        # with no per-sequence Python work.
+        self.batch = kvpool.SequenceBatch()
+        # tests set this: check the batch against the replay's list each step (untimed use only)
+        self.verify_order = False
 
     def admit(self, items):
         Seq = self._Sequence
@@ -121,20 +138,33 @@ class KvpoolAdapter(Adapter):
             hits.append(seq.num_cached_tokens)
         return seqs, hits
 
+    def _check_batch(self, seqs):
+        if len(self.batch) != len(seqs):
+            raise RuntimeError("kvpool adapter: the batch lost track of the running sequences")
+        if self.verify_order and self.batch.seq_ids.tolist() != [s.seq_id for s in seqs]:
+            raise RuntimeError("kvpool adapter: the batch is not in the replay's order")
+
     def decode_alloc(self, seqs):
-        if not self.pool.may_append_all(seqs).all():  # one call for the batch (R16)
+        self._check_batch(seqs)
+        # one call for the batch (R16); the list names the sequences that got no room
+        if self.pool.may_append_all(self.batch):
             raise RuntimeError("kvpool: may_append failed")
 
     def export(self, seqs):
         return self.pool.block_tables(seqs), self.pool.slot_mapping(seqs)
 
-    def prefill_done(self, seqs, tokens):
-        # computed = len, cache, append the sampled token: one call for the batch (R17)
-        self.pool.advance(seqs, tokens)
-
-    decode_done = prefill_done
+    def post(self, new, new_tokens, dec, dec_tokens):
+        # the prefilled sequences join the batch; then one call for the whole step: computed =
+        # len, cache, append the sampled token (R17)
+        if not new and not dec:
+            return
+        if new:
+            self.batch.extend(new)
+        self._check_batch(dec + new if self.verify_order else range(len(dec) + len(new)))
+        self.pool.advance(self.batch, dec_tokens + new_tokens)
 
     def free(self, seqs):
+        self.batch.remove_all(seqs)
         deallocate = self.pool.deallocate
         for seq in seqs:
             deallocate(seq)

@@ -242,10 +242,7 @@ def replay(
             res.export_ns += max(perf() - t3 - ovh, 0)
         # --- timed: after the forward pass
         t4 = perf()
-        if new_seqs:
-            adapter.prefill_done(new_seqs, first_tokens)
-        if dec_seqs:
-            adapter.decode_done(dec_seqs, dec_tokens)
+        adapter.post(new_seqs, first_tokens, dec_seqs, dec_tokens)
         t5 = perf()
         # bookkeeping (untimed)
         for it, seq, h in zip(admits, new_seqs, hits, strict=True):

@@ -1,6 +1,6 @@
 //! Argument conversion shared by every binding: token ids, extra keys, counts.
 
-use numpy::{PyReadonlyArray1, PyUntypedArrayMethods};
+use numpy::{PyArrayMethods, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyInt, PyList, PyString, PyTuple};
 
@@ -8,34 +8,90 @@ use crate::errors::{type_error, value_error};
 
 const TOKENS_TYPE: &str = "must be a sequence of ints or a 1-D integer numpy array";
 
-fn from_array<'py, T>(array: PyReadonlyArray1<'py, T>, name: &str) -> PyResult<Vec<u32>>
-where
-    T: numpy::Element + Copy + TryInto<u32>,
-{
-    let view = array.as_array();
-    let mut out = Vec::with_capacity(view.len());
-    for &value in view.iter() {
-        out.push(
-            value
-                .try_into()
-                .map_err(|_| value_error(name, "token ids must be in [0, 2**32)"))?,
-        );
+/// An integer element type a token array may have.
+trait TokenElement: numpy::Element + Copy {
+    /// The value as u64; a negative value sign-extends, so its high bits are set.
+    fn widen(self) -> u64;
+}
+
+macro_rules! token_element {
+    ($($t:ty),*) => {$(
+        impl TokenElement for $t {
+            #[inline]
+            fn widen(self) -> u64 {
+                // Signed types sign-extend through i64 (negative -> high bits set).
+                self as i64 as u64
+            }
+        }
+    )*};
+}
+token_element!(i64, i32, i16, i8, u32, u16, u8);
+
+impl TokenElement for u64 {
+    #[inline]
+    fn widen(self) -> u64 {
+        self
     }
-    Ok(out)
+}
+
+fn from_array<T: TokenElement>(obj: &Bound<'_, PyAny>, name: &str) -> Option<PyResult<Vec<u32>>> {
+    let array = obj.cast::<numpy::PyArray1<T>>().ok()?;
+    let array = match array.try_readonly() {
+        Ok(array) => array,
+        Err(e) => return Some(Err(value_error(name, e.to_string()))),
+    };
+    let out_of_range = || value_error(name, "token ids must be in [0, 2**32)");
+    Some(match array.as_slice() {
+        // Contiguous: an OR over the values has high bits set iff one is out of range; both
+        // loops vectorize.
+        Ok(values) => {
+            if values.iter().fold(0u64, |bits, v| bits | v.widen()) >> 32 == 0 {
+                Ok(values.iter().map(|v| v.widen() as u32).collect())
+            } else {
+                Err(out_of_range())
+            }
+        }
+        Err(_) => array
+            .as_array()
+            .iter()
+            .map(|v| u32::try_from(v.widen()).map_err(|_| out_of_range()))
+            .collect(),
+    })
 }
 
 /// Token ids from a list/tuple of ints or a 1-D integer numpy array (u32 range, R6).
 pub fn tokens(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<u32>> {
+    // Lists first: the common case. A list of Python ints is read item by item.
+    if let Ok(list) = obj.cast::<PyList>() {
+        return tokens_from_list(list).map_or_else(|| tokens_fallback(obj, name), Ok);
+    }
     if obj.is_instance_of::<PyString>() || obj.is_instance_of::<PyBytes>() {
         return Err(type_error(name, TOKENS_TYPE));
     }
-    // Lists and tuples first: the common case, and cheap to recognise.
-    if obj.is_instance_of::<PyList>() || obj.is_instance_of::<PyTuple>() {
+    if obj.is_instance_of::<PyTuple>() {
         if let Ok(tokens) = obj.extract::<Vec<u32>>() {
             return Ok(tokens);
         }
-    } else if obj.cast::<numpy::PyUntypedArray>().is_ok() {
-        return tokens_from_array(obj, name);
+    } else if let Ok(array) = obj.cast::<numpy::PyUntypedArray>() {
+        // Dispatch on the dtype with casts (no Python exception built per failed try).
+        let converted = from_array::<i32>(obj, name)
+            .or_else(|| from_array::<i64>(obj, name))
+            .or_else(|| from_array::<u32>(obj, name))
+            .or_else(|| from_array::<u64>(obj, name))
+            .or_else(|| from_array::<i16>(obj, name))
+            .or_else(|| from_array::<u16>(obj, name))
+            .or_else(|| from_array::<u8>(obj, name))
+            .or_else(|| from_array::<i8>(obj, name));
+        return converted.unwrap_or_else(|| {
+            Err(type_error(
+                name,
+                format!(
+                    "numpy array must be 1-D with an integer dtype, got {}-D {}",
+                    array.ndim(),
+                    array.dtype()
+                ),
+            ))
+        });
     }
     if let Ok(tokens) = obj.extract::<Vec<u32>>() {
         return Ok(tokens);
@@ -43,42 +99,25 @@ pub fn tokens(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<u32>> {
     tokens_fallback(obj, name)
 }
 
-fn tokens_from_array(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<u32>> {
-    if let Ok(array) = obj.extract::<PyReadonlyArray1<'_, i64>>() {
-        return from_array(array, name);
+/// The ints of `list` if every item is an int in the u32 range, else `None` (the caller then
+/// finds which error to raise).
+fn tokens_from_list(list: &Bound<'_, PyList>) -> Option<Vec<u32>> {
+    let mut out = Vec::with_capacity(list.len());
+    for item in list.iter() {
+        if !item.is_instance_of::<PyInt>() {
+            return None;
+        }
+        // SAFETY: `item` holds a strong reference to a live int object for the whole call, and
+        // the GIL is held (`Bound`). PyLong_AsUnsignedLong is the limited API's direct read of
+        // an int (pyo3's generic `extract::<u32>` goes through more checks per item, and this
+        // loop runs once per token of every batch call).
+        let value = unsafe { pyo3::ffi::PyLong_AsUnsignedLong(item.as_ptr()) };
+        if value == std::os::raw::c_ulong::MAX && PyErr::take(list.py()).is_some() {
+            return None; // negative or too large for an unsigned long
+        }
+        out.push(u32::try_from(value).ok()?);
     }
-    if let Ok(array) = obj.extract::<PyReadonlyArray1<'_, i32>>() {
-        return from_array(array, name);
-    }
-    if let Ok(array) = obj.extract::<PyReadonlyArray1<'_, u32>>() {
-        return from_array(array, name);
-    }
-    if let Ok(array) = obj.extract::<PyReadonlyArray1<'_, u64>>() {
-        return from_array(array, name);
-    }
-    if let Ok(array) = obj.extract::<PyReadonlyArray1<'_, i16>>() {
-        return from_array(array, name);
-    }
-    if let Ok(array) = obj.extract::<PyReadonlyArray1<'_, u16>>() {
-        return from_array(array, name);
-    }
-    if let Ok(array) = obj.extract::<PyReadonlyArray1<'_, u8>>() {
-        return from_array(array, name);
-    }
-    if let Ok(array) = obj.extract::<PyReadonlyArray1<'_, i8>>() {
-        return from_array(array, name);
-    }
-    if let Ok(array) = obj.cast::<numpy::PyUntypedArray>() {
-        return Err(type_error(
-            name,
-            format!(
-                "numpy array must be 1-D with an integer dtype, got {}-D {}",
-                array.ndim(),
-                array.dtype()
-            ),
-        ));
-    }
-    Err(type_error(name, TOKENS_TYPE))
+    Some(out)
 }
 
 fn tokens_fallback(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<u32>> {

@@ -18,10 +18,11 @@ use parking_lot::Mutex;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
 
+use crate::batch::SeqsArg;
 use crate::convert;
 use crate::errors::{type_error, value_error, IntoPyResult};
 use crate::manager::counts_dict;
-use crate::pool::{events_list, group_arg, pool_config, rank_dict, seq_list, seq_ref, PySequence};
+use crate::pool::{events_list, group_arg, pool_config, rank_dict, seq_ref};
 
 /// Block copies of one dp rank in one direction: copy block ``src[i]`` to block ``dst[i]``.
 #[pyclass(frozen, module = "kvpool", name = "TransferPlan")]
@@ -559,14 +560,17 @@ impl PyHierarchyBlockManagerPool {
         if group_arg(group)? != 0 {
             return Err(value_error("group", "a hierarchy pool has 1 group (0)"));
         }
-        let seqs = seq_list(seqs)?;
-        let (table, width) = {
-            let pool = self.inner.lock();
-            let guards: Vec<_> = seqs.iter().map(|s| s.get().inner.lock()).collect();
-            let refs: Vec<&Sequence> = guards.iter().map(|g| &**g).collect();
-            pool.block_tables(&refs).py()?
-        };
-        let array = Array2::from_shape_vec((seqs.len(), width), table).expect("shape matches");
+        let seqs = SeqsArg::extract(seqs)?;
+        let view = seqs.view();
+        let (rows, table, width) = py
+            .detach(|| {
+                view.with_locked(&self.inner, |pool, locked| {
+                    let refs = locked.refs();
+                    pool.block_tables(&refs).map(|(t, w)| (refs.len(), t, w))
+                })
+            })
+            .py()?;
+        let array = Array2::from_shape_vec((rows, width), table).expect("shape matches");
         Ok(array.into_pyarray(py))
     }
 
@@ -581,13 +585,17 @@ impl PyHierarchyBlockManagerPool {
         if group_arg(group)? != 0 {
             return Err(value_error("group", "a hierarchy pool has 1 group (0)"));
         }
-        let seqs: Vec<Bound<'py, PySequence>> = seq_list(seqs)?;
-        let slots = {
-            let pool = self.inner.lock();
-            let mut guards: Vec<_> = seqs.iter().map(|s| s.get().inner.lock()).collect();
-            let mut refs: Vec<&mut Sequence> = guards.iter_mut().map(|g| &mut **g).collect();
-            pool.slot_mapping(&mut refs).py()?
-        };
+        let seqs = SeqsArg::extract(seqs)?;
+        let view = seqs.view();
+        let slots = py
+            .detach(|| {
+                view.with_locked(&self.inner, |pool, locked| {
+                    // confirmed loads fold into each distinct sequence once (R26)
+                    pool.fold_host_loads(&mut locked.distinct_mut().collect::<Vec<_>>());
+                    pool.slot_mapping(&locked.refs())
+                })
+            })
+            .py()?;
         Ok(slots.into_pyarray(py))
     }
 

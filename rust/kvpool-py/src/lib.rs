@@ -1,6 +1,7 @@
 //! Python bindings of the kvpool core (`kvpool._core`): thin wrappers that validate, make one
 //! core call and map the error. Every class is frozen with a lock inside (R28).
 
+mod batch;
 mod concurrent;
 mod convert;
 mod errors;
@@ -30,6 +31,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(manager::hash_blocks, m)?)?;
     m.add_class::<pool::PySequence>()?;
     m.add_class::<pool::PyBlockManagerPool>()?;
+    m.add_class::<batch::PySequenceBatch>()?;
     m.add_class::<pool::PyKvEvent>()?;
     m.add_class::<hybrid::PyLinearStatePrefixCache>()?;
     m.add_class::<hybrid::PyLinearStatePlan>()?;

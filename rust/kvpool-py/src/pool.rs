@@ -1,6 +1,7 @@
 //! `kvpool.Sequence`, `kvpool.BlockManagerPool`, `kvpool.KVEvent`.
-//! Each method validates, makes one core call and maps the error. Lock order: pool, then
-//! sequences in argument order; no lock is held while Python code runs.
+//! Each method validates, makes one core call and maps the error. Lock order: a
+//! `SequenceBatch` argument, the pool, then the sequences (see `batch.rs`); no lock is held
+//! while Python code runs.
 
 use kvpool::{
     BlockManagerPool, KvCacheManager, LinearStateMatch, LinearStateSave, PoolConfig, RankStats,
@@ -12,6 +13,7 @@ use parking_lot::Mutex;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
 
+use crate::batch::SeqsArg;
 use crate::convert;
 use crate::errors::{type_error, value_error, IntoPyResult};
 use crate::hybrid::{PyLinearStatePlan, PyLinearStatePrefixCache};
@@ -252,24 +254,6 @@ pub(crate) fn seq_ref<'a, 'py>(obj: &'a Bound<'py, PyAny>) -> PyResult<&'a Bound
     })
 }
 
-pub(crate) fn seq_list<'py>(seqs: &Bound<'py, PyAny>) -> PyResult<Vec<Bound<'py, PySequence>>> {
-    seqs.try_iter()
-        .map_err(|_| type_error("seqs", "must be an iterable of kvpool.Sequence"))?
-        .map(|item| {
-            let item = item?;
-            item.cast_into::<PySequence>().map_err(|e| {
-                type_error(
-                    "seqs",
-                    format!(
-                        "must contain kvpool.Sequence, got {}",
-                        e.into_inner().get_type()
-                    ),
-                )
-            })
-        })
-        .collect()
-}
-
 impl PyBlockManagerPool {
     /// Locks the pool, then `seq` (the lock order everywhere), and makes one core call. A
     /// concurrent pool releases the GIL first (R28): no lock is ever awaited while holding it.
@@ -300,70 +284,18 @@ impl PyBlockManagerPool {
         call(&mut self.inner.lock()).py()
     }
 
-    /// Locks the pool and `seqs` (GIL released) for a batch export. Each distinct sequence is
-    /// locked once, in address order (a list may name one sequence twice).
+    /// Locks the pool and `seqs` (GIL released) for a batch export, each distinct sequence
+    /// once (a list may name one twice), and makes one core call on them in argument order.
     fn with_seqs<T: Send>(
         &self,
         py: Python<'_>,
-        seqs: &[Bound<'_, PySequence>],
+        seqs: &SeqsArg<'_>,
         call: impl FnOnce(&BlockManagerPool, &[&Sequence]) -> kvpool::Result<T> + Send,
     ) -> PyResult<T> {
-        let seqs: Vec<&PySequence> = seqs.iter().map(|s| s.get()).collect();
-        py.detach(|| {
-            let pool = self.inner.lock();
-            let (guards, slot) = lock_distinct(&seqs);
-            let refs: Vec<&Sequence> = slot.iter().map(|&g| &*guards[g]).collect();
-            call(&pool, &refs)
-        })
-        .py()
+        let view = seqs.view();
+        py.detach(|| view.with_locked(&self.inner, |pool, locked| call(pool, &locked.refs())))
+            .py()
     }
-}
-
-/// [`lock_distinct`] for calls that change the sequences: naming one twice is an error
-/// (`seqs`), checked after locking (one pass, no second lock per sequence).
-fn lock_each_once<'a>(
-    seqs: &[&'a PySequence],
-) -> kvpool::Result<(Vec<parking_lot::MutexGuard<'a, Sequence>>, Vec<usize>)> {
-    let (guards, slot) = lock_distinct(seqs);
-    if guards.len() != seqs.len() {
-        return Err(kvpool::KvPoolError::invalid(
-            "seqs",
-            "lists a sequence twice",
-        ));
-    }
-    Ok((guards, slot))
-}
-
-/// `seq` is allocated in `pool` (a ValueError naming `seqs` otherwise).
-fn ensure_allocated(pool: &BlockManagerPool, seq: &Sequence) -> kvpool::Result<()> {
-    if pool.owns_sequence(seq)? {
-        Ok(())
-    } else {
-        Err(kvpool::KvPoolError::invalid(
-            "seqs",
-            format!("sequence {} is not allocated in this pool", seq.seq_id()),
-        ))
-    }
-}
-
-/// Locks every distinct sequence of `seqs` once, in address order; `slot[i]` is the guard of
-/// `seqs[i]`.
-fn lock_distinct<'a>(
-    seqs: &[&'a PySequence],
-) -> (Vec<parking_lot::MutexGuard<'a, Sequence>>, Vec<usize>) {
-    let mut order: Vec<usize> = (0..seqs.len()).collect();
-    order.sort_unstable_by_key(|&i| std::ptr::from_ref(seqs[i]) as usize);
-    let mut guards = Vec::with_capacity(seqs.len());
-    let mut slot = vec![0; seqs.len()];
-    let mut previous: Option<&PySequence> = None;
-    for i in order {
-        if !previous.is_some_and(|p| std::ptr::eq(p, seqs[i])) {
-            guards.push(seqs[i].inner.lock());
-            previous = Some(seqs[i]);
-        }
-        slot[i] = guards.len() - 1;
-    }
-    (guards, slot)
 }
 
 pub(crate) fn group_arg(group: Option<&Bound<'_, PyAny>>) -> PyResult<usize> {
@@ -576,7 +508,8 @@ impl PyBlockManagerPool {
         self.with_seq(py, seq, |pool, seq| pool.deallocate(seq))
     }
 
-    /// Block tables of seqs: int32 array [len(seqs), max_blocks], padded with 0 (R19).
+    /// Block tables of seqs (a SequenceBatch or an iterable of Sequence): int32 array
+    /// [len(seqs), max_blocks], padded with 0 (R19).
     #[pyo3(signature = (seqs, group = None), text_signature = "(self, seqs, group=0)")]
     fn block_tables<'py>(
         &self,
@@ -585,10 +518,12 @@ impl PyBlockManagerPool {
         group: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyArray2<i32>>> {
         let group = group_arg(group)?;
-        let seqs = seq_list(seqs)?;
-        let (table, width) =
-            self.with_seqs(py, &seqs, |pool, refs| pool.block_tables(refs, group))?;
-        let array = Array2::from_shape_vec((seqs.len(), width), table).expect("shape matches");
+        let seqs = SeqsArg::extract(seqs)?;
+        let (rows, table, width) = self.with_seqs(py, &seqs, |pool, refs| {
+            pool.block_tables(refs, group)
+                .map(|(t, w)| (refs.len(), t, w))
+        })?;
+        let array = Array2::from_shape_vec((rows, width), table).expect("shape matches");
         Ok(array.into_pyarray(py))
     }
 
@@ -602,7 +537,7 @@ impl PyBlockManagerPool {
         group: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyArray1<i64>>> {
         let group = group_arg(group)?;
-        let seqs = seq_list(seqs)?;
+        let seqs = SeqsArg::extract(seqs)?;
         let slots = self.with_seqs(py, &seqs, |pool, refs| pool.slot_mapping(refs, group))?;
         Ok(slots.into_pyarray(py))
     }
@@ -641,62 +576,44 @@ impl PyBlockManagerPool {
     /// After a forward step, for every sequence in one call (GIL released): marks every token
     /// computed (R17), publishes the full blocks (cache) and appends token_ids[i] to seqs[i].
     /// The same as those three calls per sequence without the Python loop; take the new
-    /// tokens' slots with may_append_all before the next step.
+    /// tokens' slots with may_append_all before the next step. seqs: a SequenceBatch (no
+    /// per-sequence Python work) or an iterable of Sequence.
     fn advance(
         &self,
         py: Python<'_>,
         seqs: &Bound<'_, PyAny>,
         token_ids: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
-        let seqs = seq_list(seqs)?;
+        let seqs = SeqsArg::extract(seqs)?;
         let tokens = convert::tokens(token_ids, "token_ids")?;
-        if tokens.len() != seqs.len() {
-            return Err(value_error(
-                "token_ids",
-                format!("has {} tokens for {} sequences", tokens.len(), seqs.len()),
-            ));
-        }
-        let objects: Vec<&PySequence> = seqs.iter().map(|s| s.get()).collect();
+        let view = seqs.view();
         py.detach(|| {
-            let mut pool = self.inner.lock();
-            let (mut guards, slot) = lock_each_once(&objects)?;
-            // Validate every sequence before changing any (R29: nothing half-changed).
-            for seq in &guards {
-                pool.check_sequence_owned(seq)?;
-            }
-            for (&g, &token) in slot.iter().zip(&tokens) {
-                pool.advance(&mut guards[g], token)?;
-            }
-            Ok(())
+            view.with_locked(&self.inner, |pool, locked| {
+                pool.advance_all(&mut locked.args_mut()?, &tokens)
+            })
         })
         .py()
     }
 
-    /// may_append(seq, lookahead) for every sequence in one call (GIL released, R16): a bool
-    /// array, False where the blocks could not be had (that sequence is unchanged).
+    /// may_append(seq, lookahead) for every sequence in one call (GIL released, R16). Returns
+    /// the indices (into seqs) of the sequences whose blocks could not be had, a list of int
+    /// that is empty when every sequence got room (those listed are unchanged: preempt them).
     #[pyo3(signature = (seqs, lookahead = None), text_signature = "(self, seqs, lookahead=0)")]
-    fn may_append_all<'py>(
+    fn may_append_all(
         &self,
-        py: Python<'py>,
-        seqs: &Bound<'py, PyAny>,
-        lookahead: Option<&Bound<'py, PyAny>>,
-    ) -> PyResult<Bound<'py, PyArray1<bool>>> {
+        py: Python<'_>,
+        seqs: &Bound<'_, PyAny>,
+        lookahead: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Vec<usize>> {
         let lookahead = optional_count(lookahead, "lookahead")?.unwrap_or(0);
-        let seqs = seq_list(seqs)?;
-        let objects: Vec<&PySequence> = seqs.iter().map(|s| s.get()).collect();
-        let ok = py
-            .detach(|| {
-                let mut pool = self.inner.lock();
-                let (mut guards, slot) = lock_each_once(&objects)?;
-                for seq in &guards {
-                    ensure_allocated(&pool, seq)?;
-                }
-                slot.iter()
-                    .map(|&g| pool.may_append(&mut guards[g], lookahead))
-                    .collect::<kvpool::Result<Vec<bool>>>()
+        let seqs = SeqsArg::extract(seqs)?;
+        let view = seqs.view();
+        py.detach(|| {
+            view.with_locked(&self.inner, |pool, locked| {
+                pool.may_append_all(&mut locked.args_mut()?, lookahead)
             })
-            .py()?;
-        Ok(ok.into_pyarray(py))
+        })
+        .py()
     }
 
     /// Whether the pool releases the GIL in every call (built with concurrent=True, R28).

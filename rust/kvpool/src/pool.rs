@@ -1186,10 +1186,12 @@ impl BlockManagerPool {
                 seq.num_published = stop;
             }
         }
-        self.publish_window(seq);
+        if seq.window.is_some() {
+            self.publish_window(seq);
+        }
         self.collect_events(rank_index);
         self.slide(seq);
-        if when == Publish::Step {
+        if when == Publish::Step && seq.linear_slot.is_some() {
             self.plan_save(seq);
         }
     }
@@ -1388,6 +1390,82 @@ impl BlockManagerPool {
         self.publish(seq, Publish::Step);
         seq.append_token(token);
         Ok(())
+    }
+
+    /// [`Self::advance`] for a batch: `tokens[i]` goes to `seqs[i]`. Every sequence is checked
+    /// before any changes (R29: an error changes nothing); the sequences must be distinct.
+    pub fn advance_all(&mut self, seqs: &mut [&mut Sequence], tokens: &[u32]) -> Result<()> {
+        ensure_arg!(
+            tokens.len() == seqs.len(),
+            "token_ids",
+            "has {} tokens for {} sequences",
+            tokens.len(),
+            seqs.len()
+        );
+        for seq in seqs.iter() {
+            self.check_sequence_owned(seq)?;
+        }
+        for (seq, &token) in seqs.iter_mut().zip(tokens) {
+            seq.num_computed_tokens = seq.len();
+            if !self.step_publish_is_noop(seq) {
+                self.publish(seq, Publish::Step);
+            }
+            seq.append_token(token);
+        }
+        Ok(())
+    }
+
+    /// Whether `publish(seq, Publish::Step)` would change nothing (most decode steps): no
+    /// window or linear state to serve, and no full computed block left to publish in the
+    /// cache's current epoch. A cheap test that skips the call.
+    fn step_publish_is_noop(&self, seq: &Sequence) -> bool {
+        if seq.window.is_some() || seq.linear_slot.is_some() {
+            return false;
+        }
+        let Some(rank) = seq.dp_rank else {
+            return true;
+        };
+        match self.ranks[rank].blocks.prefix_cache() {
+            None => true,
+            Some(cache) => {
+                seq.published_epoch == cache.epoch()
+                    && (seq.blocks.len() <= seq.num_published
+                        || seq.num_computed_tokens
+                            < (seq.num_published + 1) * self.config.block_size)
+            }
+        }
+    }
+
+    /// `may_append(seq, lookahead)` (R16) for a batch, after checking that every sequence is
+    /// allocated here (an error changes nothing). Returns the indices of the sequences that
+    /// could not get their blocks (those are unchanged): empty when every one did.
+    pub fn may_append_all(
+        &mut self,
+        seqs: &mut [&mut Sequence],
+        lookahead: usize,
+    ) -> Result<Vec<usize>> {
+        for seq in seqs.iter() {
+            ensure_arg!(
+                self.check_owner(seq)?,
+                "seqs",
+                "sequence {} is not allocated in this pool",
+                seq.seq_id()
+            );
+        }
+        let block_size = self.config.block_size;
+        let mut failed = Vec::new();
+        for (i, seq) in seqs.iter_mut().enumerate() {
+            let tokens = seq.len() + lookahead;
+            if seq.window.is_some() {
+                self.publish_window(seq); // before the slide releases them (R25)
+            } else if tokens <= seq.blocks.len() * block_size {
+                continue; // the table holds them already (most decode steps)
+            }
+            if !self.grow(seq, tokens) {
+                failed.push(i);
+            }
+        }
+        Ok(failed)
     }
 
     /// R18's deallocate. `all_released`: nothing else keeps the sequence's blocks after this

@@ -177,6 +177,105 @@ fn r19_exports_and_r21_events() {
     assert!(p.drain_events().is_empty());
 }
 
+/// The batch calls do what the per-sequence calls do, step by step, on twin pools (R16, R17);
+/// a decode step whose tokens fit publishes nothing and takes nothing (the fast path).
+#[test]
+fn r16_r17_batch_calls_equal_per_sequence_calls() {
+    let prompts: Vec<Vec<u32>> = (0..6u32)
+        .map(|i| (0..(3 + 5 * i)).map(|t| (t * 7 + i) % 11).collect())
+        .collect();
+    let mut one = pool(48, 4);
+    let mut all = pool(48, 4);
+    let mut a: Vec<Sequence> = prompts
+        .iter()
+        .map(|p| Sequence::new(p.clone(), None, None))
+        .collect();
+    let mut b: Vec<Sequence> = prompts
+        .iter()
+        .map(|p| Sequence::new(p.clone(), None, None))
+        .collect();
+    for (x, y) in a.iter_mut().zip(&mut b) {
+        assert!(one.allocate(x, None).unwrap());
+        assert!(all.allocate(y, None).unwrap());
+    }
+    for step in 0..30u32 {
+        if step == 10 {
+            // a new epoch: held blocks are published again at the next step (R12, R17)
+            one.reset_prefix_cache();
+            all.reset_prefix_cache();
+        }
+        let tokens: Vec<u32> = (0..a.len() as u32).map(|i| (step + i) % 5).collect();
+        let mut ok = Vec::new();
+        for (x, &t) in a.iter_mut().zip(&tokens) {
+            one.advance(x, t).unwrap();
+            ok.push(one.may_append(x, 1).unwrap());
+        }
+        let mut refs: Vec<&mut Sequence> = b.iter_mut().collect();
+        all.advance_all(&mut refs, &tokens).unwrap();
+        let failed = all.may_append_all(&mut refs, 1).unwrap();
+        let expected: Vec<usize> = (0..ok.len()).filter(|&i| !ok[i]).collect();
+        assert_eq!(failed, expected);
+        for (x, y) in a.iter().zip(&b) {
+            assert_eq!(table(x), table(y));
+            assert_eq!(x.num_computed_tokens(), y.num_computed_tokens());
+            assert_eq!(x.tokens(), y.tokens());
+        }
+        assert_eq!(one.counts(0), all.counts(0));
+        all.check().unwrap();
+        // the ones without room leave, in both
+        for &i in expected.iter().rev() {
+            one.deallocate(&mut a[i]).unwrap();
+            all.deallocate(&mut b[i]).unwrap();
+            a.remove(i);
+            b.remove(i);
+        }
+    }
+    for y in &mut b {
+        all.deallocate(y).unwrap();
+    }
+    all.check().unwrap();
+    assert_eq!(
+        all.counts(0).free + all.counts(0).cached,
+        47,
+        "every id came back"
+    );
+}
+
+/// R29: a batch call with a bad member changes nothing.
+#[test]
+fn r29_batch_calls_check_every_member_first() {
+    let mut p = pool(16, 4);
+    let mut x = Sequence::new(vec![1, 2, 3], None, None);
+    let mut y = Sequence::new(vec![4, 5, 6, 7], None, None);
+    assert!(p.allocate(&mut x, None).unwrap());
+    assert!(p.allocate(&mut y, None).unwrap());
+    let mut stranger = Sequence::new(vec![9], None, None);
+    let before = (x.tokens().to_vec(), y.tokens().to_vec(), p.counts(0));
+    let err = p
+        .advance_all(&mut [&mut x, &mut y, &mut stranger], &[1, 2, 3])
+        .unwrap_err();
+    assert!(err.to_string().contains("seqs"), "{err}");
+    let err = p.advance_all(&mut [&mut x, &mut y], &[1]).unwrap_err();
+    assert!(err.to_string().contains("token_ids"), "{err}");
+    let err = p
+        .may_append_all(&mut [&mut x, &mut stranger], 0)
+        .unwrap_err();
+    assert!(err.to_string().contains("seqs"), "{err}");
+    assert_eq!(x.tokens(), &before.0[..]);
+    assert_eq!(y.tokens(), &before.1[..]);
+    assert_eq!(p.counts(0), before.2);
+    // y's table is full (4 tokens in 1 block): after its token, advance needs may_append first
+    p.advance_all(&mut [&mut x, &mut y], &[1, 2]).unwrap();
+    let err = p.advance_all(&mut [&mut x, &mut y], &[1, 2]).unwrap_err();
+    assert!(err.to_string().contains("may_append"), "{err}");
+    assert_eq!(x.len(), 4, "x was not advanced either");
+    assert!(p
+        .may_append_all(&mut [&mut x, &mut y], 0)
+        .unwrap()
+        .is_empty());
+    p.check().unwrap();
+}
+
 #[derive(Clone, Debug)]
 enum Op {
     Admit(u8, usize),
