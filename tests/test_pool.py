@@ -57,6 +57,28 @@ def test_sequence_accepts_numpy_tokens():
     assert list(s.token_ids) == list(range(9))
 
 
+@pytest.mark.parametrize(
+    "dtype", [np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64]
+)
+def test_token_conversions_agree(dtype):
+    """Every accepted form of token ids gives the same tokens: lists of ints (read through the
+    fast path), lists of NumPy scalars, tuples, contiguous and strided arrays of every integer
+    dtype; out of range is a ValueError, anything else a TypeError (R29)."""
+    values = [0, 5, 100, 127]
+    array = np.array(values, dtype=dtype)
+    for form in (values, tuple(values), array, [dtype(v) for v in values], [True, 5, 100, 127]):
+        expected = [1 if v is True else int(v) for v in form]
+        assert kvpool.Sequence(form).token_ids == expected
+    assert kvpool.Sequence(np.repeat(np.array(values, dtype=dtype), 2)[::2]).token_ids == values
+    assert kvpool.Sequence([2**32 - 1]).token_ids == [2**32 - 1]
+    for bad in ([-1], [2**32], [2**70], np.array([2**32], np.int64), np.array([-1], np.int8)):
+        with pytest.raises(ValueError, match="token_ids"):
+            kvpool.Sequence(bad)
+    for bad in ([1.5], ["a"], [1, None], "abc", b"ab", np.zeros((2, 2), np.int32), [np.float64(1)]):
+        with pytest.raises(TypeError, match="token_ids"):
+            kvpool.Sequence(bad)
+
+
 # ---------------------------------------------------------------------------------------------
 # Seed 003 end to end
 # ---------------------------------------------------------------------------------------------

@@ -252,3 +252,40 @@ def test_r27_r28_threads_share_batches_in_opposite_orders():
         pool.deallocate(s)
     pool.check()
     assert pool.stats()["num_free_blocks"] + pool.stats()["num_cached_blocks"] == 2047
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_r16_r17_advance_with_lookahead_is_advance_then_may_append_all(seed):
+    """advance(seqs, tokens, lookahead=n) does what advance + may_append_all(seqs, n) do, in one
+    call, and returns the same indices of sequences without room (None without lookahead)."""
+    ((lp, ls), (bp, bs)), rng = _twin_pools(seed, 8)
+    batch = kvpool.SequenceBatch(bs)
+    for _ in range(40):
+        tokens = [rng.randrange(30) for _ in ls]
+        lookahead = rng.choice([0, 0, 2])
+        assert lp.advance(ls, tokens) is None
+        failed = lp.may_append_all(ls, lookahead=lookahead)
+        assert bp.advance(batch, tokens, lookahead=lookahead) == failed
+        assert [s.block_table.tolist() for s in ls] == [s.block_table.tolist() for s in bs]
+        assert lp.stats() == bp.stats()
+        for i in reversed(failed):  # preempt those without room
+            lp.deallocate(ls.pop(i))
+            bp.deallocate(bs[i])
+            batch.remove(bs.pop(i))
+        bp.check()
+        if not bs:
+            break
+
+
+def test_r29_advance_lookahead_is_checked_first():
+    pool = kvpool.BlockManagerPool(16, BS)
+    s = kvpool.Sequence([1, 2, 3])
+    assert pool.allocate(s)
+    before = (pool.stats(), len(s), s.num_computed_tokens)
+    with pytest.raises(ValueError, match="lookahead"):
+        pool.advance([s], [5], lookahead=-1)
+    with pytest.raises(TypeError, match="lookahead"):
+        pool.advance([s], [5], lookahead="1")
+    assert (pool.stats(), len(s), s.num_computed_tokens) == before
+    assert pool.advance([s], [5], lookahead=4) == []  # 4 tokens + 4 ahead: 2 blocks
+    assert len(s.block_table) == 2 and len(s) == 4 and s.num_computed_tokens == 3

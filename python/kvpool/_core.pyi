@@ -989,12 +989,30 @@ class BlockManagerPool:
             A token is not held by its table yet (call ``may_append`` first).
         """
 
-    def advance(self, seqs: _Seqs, token_ids: _TokenIds) -> None:
+    def advance(
+        self, seqs: _Seqs, token_ids: _TokenIds, *, lookahead: int | None = None
+    ) -> list[int] | None:
         """After a forward step, for every sequence in one call (GIL released).
 
         For each ``seqs[i]``: ``num_computed_tokens = len(seq)`` (R17), ``cache(seq)``,
         ``append_token(token_ids[i])``: the calls an engine makes per sequence after each step,
-        without the Python loop. Take the new tokens' slots with ``may_append_all``.
+        without the Python loop. Take the new tokens' slots with ``may_append_all``, or pass
+        ``lookahead`` to take them in this call (one call per decode step).
+
+        Parameters
+        ----------
+        seqs : SequenceBatch or iterable of Sequence
+            Distinct, allocated in this pool, each holding all its tokens.
+        token_ids : list of int or 1-D integer array, shape ``[len(seqs)]``
+            The sampled token of each sequence, in ``seqs`` order.
+        lookahead : int, optional
+            When given (>= 0), then also ``may_append(seq, lookahead)`` for every sequence.
+
+        Returns
+        -------
+        list of int or None
+            With ``lookahead``: the indices of the sequences that got no room for their next
+            token (advanced, but not grown: grow them later or preempt them); else None.
 
         Raises
         ------

@@ -145,23 +145,24 @@ class KvpoolAdapter(Adapter):
             raise RuntimeError("kvpool adapter: the batch is not in the replay's order")
 
     def decode_alloc(self, seqs):
+        # Room for the token sampled last step was taken by last step's advance (lookahead=0):
+        # nothing is left to do here but check that the batch is the replay's running list.
         self._check_batch(seqs)
-        # one call for the batch (R16); the list names the sequences that got no room
-        if self.pool.may_append_all(self.batch):
-            raise RuntimeError("kvpool: may_append failed")
 
     def export(self, seqs):
         return self.pool.block_tables(seqs), self.pool.slot_mapping(seqs)
 
     def post(self, new, new_tokens, dec, dec_tokens):
-        # the prefilled sequences join the batch; then one call for the whole step: computed =
-        # len, cache, append the sampled token (R17)
+        # The prefilled sequences join the batch; then one call for the whole step: computed =
+        # len, publish, append the sampled token (R17), and room for it (R16, lookahead=0),
+        # which returns the indices of the sequences that got none.
         if not new and not dec:
             return
         if new:
             self.batch.extend(new)
         self._check_batch(dec + new if self.verify_order else range(len(dec) + len(new)))
-        self.pool.advance(self.batch, dec_tokens + new_tokens)
+        if self.pool.advance(self.batch, dec_tokens + new_tokens, lookahead=0):
+            raise RuntimeError("kvpool: may_append failed")
 
     def free(self, seqs):
         self.batch.remove_all(seqs)

@@ -62,8 +62,8 @@ fn from_array<T: TokenElement>(obj: &Bound<'_, PyAny>, name: &str) -> Option<PyR
 /// Token ids from a list/tuple of ints or a 1-D integer numpy array (u32 range, R6).
 pub fn tokens(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<u32>> {
     // Lists first: the common case. A list of Python ints is read item by item.
-    if let Ok(list) = obj.cast::<PyList>() {
-        return tokens_from_list(list).map_or_else(|| tokens_fallback(obj, name), Ok);
+    if let Some(tokens) = obj.cast::<PyList>().ok().and_then(tokens_from_list) {
+        return Ok(tokens);
     }
     if obj.is_instance_of::<PyString>() || obj.is_instance_of::<PyBytes>() {
         return Err(type_error(name, TOKENS_TYPE));
@@ -100,20 +100,28 @@ pub fn tokens(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<u32>> {
 }
 
 /// The ints of `list` if every item is an int in the u32 range, else `None` (the caller then
-/// finds which error to raise).
+/// finds which error to raise). This loop runs once per token of every batch call, so it reads
+/// the list through the C API directly instead of pyo3's iterator and `extract`.
 fn tokens_from_list(list: &Bound<'_, PyList>) -> Option<Vec<u32>> {
-    let mut out = Vec::with_capacity(list.len());
-    for item in list.iter() {
-        if !item.is_instance_of::<PyInt>() {
-            return None;
-        }
-        // SAFETY: `item` holds a strong reference to a live int object for the whole call, and
-        // the GIL is held (`Bound`). PyLong_AsUnsignedLong is the limited API's direct read of
-        // an int (pyo3's generic `extract::<u32>` goes through more checks per item, and this
-        // loop runs once per token of every batch call).
-        let value = unsafe { pyo3::ffi::PyLong_AsUnsignedLong(item.as_ptr()) };
-        if value == std::os::raw::c_ulong::MAX && PyErr::take(list.py()).is_some() {
-            return None; // negative or too large for an unsigned long
+    let py = list.py();
+    let len = list.len();
+    let mut out = Vec::with_capacity(len);
+    for i in 0..len {
+        // SAFETY: the GIL is held (`Bound`) and `i < len(list)`: nothing in this loop runs
+        // Python code (PyLong_AsUnsignedLong reads an int's digits and never calls `__index__`;
+        // on a non-int it only sets TypeError), so the list cannot change under us and the
+        // borrowed item stays alive until we are done with it. Index conversion: `len` came
+        // from the list, so it fits a Py_ssize_t.
+        let value = unsafe {
+            let item = pyo3::ffi::PyList_GetItem(list.as_ptr(), i as pyo3::ffi::Py_ssize_t);
+            if item.is_null() {
+                let _ = PyErr::take(py);
+                return None;
+            }
+            pyo3::ffi::PyLong_AsUnsignedLong(item)
+        };
+        if value == std::os::raw::c_ulong::MAX && PyErr::take(py).is_some() {
+            return None; // not an int, negative, or beyond an unsigned long
         }
         out.push(u32::try_from(value).ok()?);
     }

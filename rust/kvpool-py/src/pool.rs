@@ -575,21 +575,33 @@ impl PyBlockManagerPool {
 
     /// After a forward step, for every sequence in one call (GIL released): marks every token
     /// computed (R17), publishes the full blocks (cache) and appends token_ids[i] to seqs[i].
-    /// The same as those three calls per sequence without the Python loop; take the new
-    /// tokens' slots with may_append_all before the next step. seqs: a SequenceBatch (no
-    /// per-sequence Python work) or an iterable of Sequence.
+    /// The same as those three calls per sequence without the Python loop. seqs: a
+    /// SequenceBatch (no per-sequence Python work) or an iterable of Sequence.
+    ///
+    /// Take the new tokens' slots with may_append_all before the next step, or pass lookahead
+    /// (an int >= 0) to take them in this call: advance then returns the indices of the
+    /// sequences that got no room (as may_append_all does); without it, None.
+    #[pyo3(signature = (seqs, token_ids, *, lookahead = None))]
     fn advance(
         &self,
         py: Python<'_>,
         seqs: &Bound<'_, PyAny>,
         token_ids: &Bound<'_, PyAny>,
-    ) -> PyResult<()> {
+        lookahead: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Option<Vec<usize>>> {
+        let lookahead = optional_count(lookahead, "lookahead")?;
         let seqs = SeqsArg::extract(seqs)?;
         let tokens = convert::tokens(token_ids, "token_ids")?;
         let view = seqs.view();
         py.detach(|| {
             view.with_locked(&self.inner, |pool, locked| {
-                pool.advance_all(&mut locked.args_mut()?, &tokens)
+                let mut args = locked.args_mut()?;
+                match lookahead {
+                    None => pool.advance_all(&mut args, &tokens).map(|()| None),
+                    Some(n) => pool
+                        .advance_and_reserve_all(&mut args, &tokens, n)
+                        .map(Some),
+                }
             })
         })
         .py()

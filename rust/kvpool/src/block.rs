@@ -110,10 +110,21 @@ impl BlockStore {
     /// Turns a freshly popped free id into its first handle.
     #[inline]
     pub(crate) fn take(self: &Arc<Self>, id: u32) -> Block {
-        // Relaxed: the id came out of the free list through an Acquire pop, which already orders
-        // everything its previous owner did; only the count itself changes here.
-        let previous = self.states[id as usize].fetch_add(1, Ordering::Relaxed);
-        debug_assert_eq!(previous & COUNT_MASK, 0, "allocated id {id} was not free");
+        let state = &self.states[id as usize];
+        // Relaxed, both: the id came out of the free list through an Acquire pop, which already
+        // orders everything its previous owner did; only the count itself changes here.
+        // A free id's word is 0 or QUEUED (a reset freed it while it sat in `released`). At 0
+        // no other thread can write it until we hand the id out: `QUEUED` is set only by a drop
+        // from count 2, and the drain's `fetch_and` touches only queued ids. So a plain store
+        // suffices there (no read-modify-write on the hot path); a queued id keeps its bit
+        // through `fetch_add`, racing the drain's `fetch_and` safely.
+        let current = state.load(Ordering::Relaxed);
+        debug_assert_eq!(current & COUNT_MASK, 0, "allocated id {id} was not free");
+        if current == 0 {
+            state.store(1, Ordering::Relaxed);
+        } else {
+            state.fetch_add(1, Ordering::Relaxed);
+        }
         Block {
             store: Arc::clone(self),
             id,

@@ -94,7 +94,16 @@ impl BlockHasher {
         let len = 16 + 4 * tokens.len();
         // Stack buffers sized for the common block sizes: zeroing a large one per block would
         // cost as much as the hash itself.
-        let digest = if tokens.len() <= 16 {
+        let digest = if let Ok(block) = <&[u32; 16]>::try_from(tokens) {
+            // The common block size, with a fixed-size buffer: the copy unrolls into vector
+            // moves and the buffer needs no zeroing.
+            let mut buf = [0u8; 16 + 4 * 16];
+            buf[..16].copy_from_slice(&parent.0.to_le_bytes());
+            for (chunk, token) in buf[16..].chunks_exact_mut(4).zip(block) {
+                chunk.copy_from_slice(&token.to_le_bytes());
+            }
+            xxh3_128_with_seed(&buf, self.seed)
+        } else if tokens.len() <= 16 {
             let mut buf = [0u8; 16 + 4 * 16];
             fill(&mut buf[..len], parent, tokens);
             xxh3_128_with_seed(&buf[..len], self.seed)

@@ -309,7 +309,7 @@ impl BlockManager for BlockManagerImpl {
         let hashes = cache
             .hasher()
             .chain(tokens, self.store.block_size as usize, extra_key);
-        let mut out = Vec::new();
+        let mut out = Vec::with_capacity(hashes.len());
         let hit = cache.match_prefix(&hashes, tokens, extra_key, hashes.len(), &mut out);
         cache.record_query(hashes.len(), hit);
         out

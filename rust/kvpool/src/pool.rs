@@ -1415,6 +1415,20 @@ impl BlockManagerPool {
         Ok(())
     }
 
+    /// [`Self::advance_all`], then room for each sequence's next `lookahead + 1` tokens
+    /// ([`Self::may_append_all`]) in the same pass: one call per decode step instead of two.
+    /// Returns the indices of the sequences that got no room (advanced, but unable to take
+    /// their next token's slot: grow them later or preempt them). An error changes nothing.
+    pub fn advance_and_reserve_all(
+        &mut self,
+        seqs: &mut [&mut Sequence],
+        tokens: &[u32],
+        lookahead: usize,
+    ) -> Result<Vec<usize>> {
+        self.advance_all(seqs, tokens)?;
+        self.may_append_all(seqs, lookahead)
+    }
+
     /// Whether `publish(seq, Publish::Step)` would change nothing (most decode steps): no
     /// window or linear state to serve, and no full computed block left to publish in the
     /// cache's current epoch. A cheap test that skips the call.
