@@ -143,6 +143,39 @@ def kvpool_batch(decode: bool):
     return (lambda: pool.block_tables(seqs)), (lambda: pool.slot_mapping(seqs)), sum(lens)
 
 
+def kvpool_step(mode: str, steps: int):
+    """One decode step of a running batch of BATCH sequences (prefix caching on): every
+    sequence gets its sampled token, is marked computed and published, and gets room for the
+    token. ``mode``: "loop" (four calls per sequence), "list" (advance + may_append_all on a
+    list), "batch" (the same on a SequenceBatch), "fused" (advance(batch, t, lookahead=0))."""
+    lens = batch_lengths()
+    total = sum(-(-(n + steps) // BLOCK_SIZE) for n in lens) + 1
+    pool = kvpool.BlockManagerPool(total + 16, BLOCK_SIZE)
+    rng = np.random.default_rng(3)
+    seqs = []
+    for n in lens:
+        seq = kvpool.Sequence(rng.integers(0, 32000, size=n, dtype=np.int32))
+        assert pool.allocate(seq)
+        seqs.append(seq)
+    batch = kvpool.SequenceBatch(seqs)
+    tokens = rng.integers(0, 32000, size=BATCH).tolist()
+
+    def loop() -> None:
+        for seq, t in zip(seqs, tokens, strict=True):
+            seq.num_computed_tokens = len(seq)
+            pool.cache(seq)
+            seq.append_token(t)
+            pool.may_append(seq)
+
+    steps_by_mode = {
+        "loop": loop,
+        "list": lambda: (pool.advance(seqs, tokens), pool.may_append_all(seqs)),
+        "batch": lambda: (pool.advance(batch, tokens), pool.may_append_all(batch)),
+        "fused": lambda: pool.advance(batch, tokens, lookahead=0),
+    }
+    return steps_by_mode[mode]
+
+
 def python_batch(decode: bool):
     """Block tables as lists (what the pure-Python managers hold), exported with Python loops."""
     lens = batch_lengths()
@@ -230,6 +263,18 @@ def main(argv: list[str] | None = None) -> int:
             row = results.setdefault("python loop", {})
             row[f"block_tables x{BATCH} ({state})"] = bench(bt, max(it // 10, 5), rep)
             row[f"slot_mapping x{BATCH} ({state})"] = bench(sm, max(it // 20, 3), rep)
+
+    if has_pool:
+        row = results.setdefault("kvpool", {})
+        for mode, label in (
+            ("loop", "per-sequence calls"),
+            ("list", "advance + may_append_all, list"),
+            ("batch", "advance + may_append_all, SequenceBatch"),
+            ("fused", "advance(lookahead=0), SequenceBatch"),
+        ):
+            n_it = max(it // 10, 5) if mode == "loop" else it
+            step = kvpool_step(mode, n_it * rep + 1)
+            row[f"decode step x{BATCH}: {label}"] = bench(step, n_it, rep)
 
     ops = []
     for row in results.values():
