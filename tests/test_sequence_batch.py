@@ -92,7 +92,11 @@ def _twin_pools(seed, n, **options):
 
 
 @pytest.mark.parametrize("seed", range(6))
-@pytest.mark.parametrize("options", [{}, {"sliding_window": 8}], ids=["full", "window"])
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"sliding_window": 8}, {"linear_state_slots": 24, "checkpoint_interval": 8}],
+    ids=["full", "window", "linear"],
+)
 def test_r16_r17_r19_batch_calls_equal_list_calls(seed, options):
     """A random decode workload: the batch pool and the list pool stay identical, step by step
     (tables, exports, statistics), with check() after every step; finished and failed
@@ -113,6 +117,12 @@ def test_r16_r17_r19_batch_calls_equal_list_calls(seed, options):
         for a, b in zip(ls, bs, strict=True):
             assert a.block_table.tolist() == b.block_table.tolist() and len(a) == len(b)
         assert lp.stats() == bp.stats()
+        if "linear_state_slots" in options:  # the saves planned at the same boundaries (R24)
+            a, b = lp.take_linear_state_plan(), bp.take_linear_state_plan()
+            assert a.save_src.tolist() == b.save_src.tolist()
+            assert a.save_dst.tolist() == b.save_dst.tolist()
+            lp.commit_linear_state_plan(a)
+            bp.commit_linear_state_plan(b)
         leaving = sorted(set(failed) | {i for i in range(len(ls)) if rng.random() < 0.1})
         for i in leaving:
             lp.deallocate(ls[i])
