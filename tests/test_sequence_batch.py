@@ -27,6 +27,13 @@ def test_membership_order_and_views():
     assert len(batch) == 3 and list(batch) == [a, b, c]
     assert batch.seq_ids.dtype == np.uint64 and batch.seq_ids.tolist() == [0, 1, 2]
     assert a in batch and kvpool.Sequence([1]) not in batch and "a" not in batch
+    assert batch[0] is a and batch[2] is c and batch[-1] is c and batch[-3] is a
+    with pytest.raises(IndexError, match="index"):
+        batch[3]
+    with pytest.raises(IndexError, match="index"):
+        batch[-4]
+    with pytest.raises(TypeError, match="index"):
+        batch["0"]
     batch.remove(b)
     assert list(batch) == [a, c], "removal keeps the others' order"
     batch.extend([b])
@@ -280,7 +287,8 @@ def test_r16_r17_advance_with_lookahead_is_advance_then_may_append_all(seed):
         assert lp.stats() == bp.stats()
         for i in reversed(failed):  # preempt those without room
             lp.deallocate(ls.pop(i))
-            bp.deallocate(bs[i])
+            assert batch[i] is bs[i]
+            bp.deallocate(batch[i])
             batch.remove(bs.pop(i))
         bp.check()
         if not bs:

@@ -792,6 +792,18 @@ class SequenceBatch:
         """``seq_id`` of each member in batch order: uint64 of shape ``[len(batch)]``."""
 
     def __len__(self) -> int: ...
+    def __getitem__(self, index: SupportsIndex, /) -> Sequence:
+        """The member at ``index`` (negative counts from the end): the sequence behind an index
+        that ``advance`` or ``may_append_all`` returned.
+
+        Raises
+        ------
+        IndexError
+            ``index`` is out of range.
+        TypeError
+            ``index`` is not an int.
+        """
+
     def __contains__(self, seq: object, /) -> bool: ...
     def __iter__(self) -> Iterator[Sequence]:
         """The members in batch order (a snapshot: changing the batch meanwhile is safe)."""

@@ -190,6 +190,23 @@ impl PySequenceBatch {
         self.members.lock().seqs.len()
     }
 
+    /// The member at position index (negative counts from the end), e.g. the sequence behind
+    /// an index that advance or may_append_all returned.
+    fn __getitem__(&self, py: Python<'_>, index: &Bound<'_, PyAny>) -> PyResult<Py<PySequence>> {
+        let index: isize = index
+            .extract()
+            .map_err(|_| type_error("index", "must be an int"))?;
+        let members = self.members.lock();
+        let len = members.seqs.len() as isize;
+        let position = if index < 0 { index + len } else { index };
+        if !(0..len).contains(&position) {
+            return Err(pyo3::exceptions::PyIndexError::new_err(format!(
+                "index: {index} is out of range for a batch of {len}"
+            )));
+        }
+        Ok(members.seqs[position as usize].clone_ref(py))
+    }
+
     fn __contains__(&self, seq: &Bound<'_, PyAny>) -> bool {
         seq.cast::<PySequence>()
             .is_ok_and(|s| self.members.lock().index.contains(&address(s.get())))
