@@ -40,7 +40,9 @@ def test_membership_order_and_views():
     assert list(batch) == [a, c, b]
     batch.remove_all([c, a])
     assert list(batch) == [b]
+    batch.check()
     batch.clear()
+    batch.check()
     assert len(batch) == 0 and list(batch) == [] and repr(batch) == "SequenceBatch(len=0)"
     assert len(kvpool.SequenceBatch()) == 0 and len(kvpool.SequenceBatch(None)) == 0
 
@@ -69,6 +71,7 @@ def test_r29_bad_membership_changes_nothing():
     with pytest.raises(TypeError, match="seqs"):
         kvpool.SequenceBatch([a, None])
     assert list(batch) == [a, b], "every failed call left the batch as it was"
+    batch.check()
 
 
 def test_iteration_is_a_snapshot_and_members_stay_alive():
@@ -138,6 +141,7 @@ def test_r16_r17_r19_batch_calls_equal_list_calls(seed, options):
         ls = [s for i, s in enumerate(ls) if i not in leaving]
         bs = [s for i, s in enumerate(bs) if i not in leaving]
         assert list(batch) == bs
+        batch.check()
         lp.check()
         bp.check()
         if not bs:
@@ -263,6 +267,8 @@ def test_r27_r28_threads_share_batches_in_opposite_orders():
         t.join(timeout=120)
     assert not any(t.is_alive() for t in threads), "deadlock"
     assert not errors, errors
+    for b in (forward, backward, edited):
+        b.check()
     assert all(len(s) == len(s.token_ids) and s.num_computed_tokens == len(s) - 1 for s in seqs)
     pool.check()
     for s in seqs:

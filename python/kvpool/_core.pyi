@@ -787,6 +787,15 @@ class SequenceBatch:
     def clear(self) -> None:
         """Remove every sequence."""
 
+    def check(self) -> None:
+        """Check the invariants: each member once, the membership index naming exactly them.
+
+        Raises
+        ------
+        InvariantError
+            A rule is broken.
+        """
+
     @property
     def seq_ids(self) -> NDArray[np.uint64]:
         """``seq_id`` of each member in batch order: uint64 of shape ``[len(batch)]``."""

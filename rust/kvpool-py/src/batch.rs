@@ -166,6 +166,22 @@ impl PySequenceBatch {
         Ok(())
     }
 
+    /// Checks the batch's invariants: each member once, and the membership index naming
+    /// exactly the members. Raises InvariantError otherwise.
+    fn check(&self) -> PyResult<()> {
+        let members = self.members.lock();
+        let addresses: HashSet<usize> = members.seqs.iter().map(|s| address(s.get())).collect();
+        if addresses.len() != members.seqs.len() || addresses != members.index {
+            return Err(crate::errors::InvariantError::new_err(format!(
+                "SequenceBatch: {} members, {} distinct, index of {}",
+                members.seqs.len(),
+                addresses.len(),
+                members.index.len()
+            )));
+        }
+        Ok(())
+    }
+
     /// Removes every sequence.
     fn clear(&self) {
         let mut members = self.members.lock();
