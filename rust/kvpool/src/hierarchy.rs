@@ -259,7 +259,9 @@ impl Sequence {
 /// ancestor (which would count as evictable but could not be evicted, R10).
 ///
 /// Loads with remote hits: positions `fetch_start..` of `src` are host staging blocks (fresh,
-/// never cached) that the fetch fills; until `complete_fetches` the record is a fetch.
+/// never cached) that the fetch fills; until `complete_fetches` the record is a fetch. Without
+/// a host hit before them, `src_offset` is that first fetched position, and it stays so when
+/// the completed fetch turns the record into a load: its source is then staging blocks only.
 struct Pending {
     hashes: Vec<BlockHash>,
     tokens: Vec<u32>,
@@ -1096,11 +1098,15 @@ impl HierarchyBlockManagerPool {
                     "dp rank {rank}: pending {direction:?} record has inconsistent lengths"
                 );
                 let is_fetch = direction == TransferDirection::Fetch;
+                // A source that starts past block 0 holds only staging blocks: a fetch, or a load
+                // that a completed fetch left (see `Pending`).
+                let staging_only = r.src.iter().all(|b| !b.is_cached());
                 ensure_invariant!(
                     r.start <= r.fetch_start
                         && r.fetch_start <= n
                         && (r.fetch_start < n) == is_fetch
-                        && (r.src_offset == 0 || (is_fetch && r.src_offset == r.fetch_start)),
+                        && (r.src_offset == 0
+                            || (staging_only && (!is_fetch || r.src_offset == r.fetch_start))),
                     "dp rank {rank}: pending {direction:?} record has an inconsistent fetch part"
                 );
                 let (src_tier, dst_tier): (&BlockManagerImpl, &BlockManagerImpl) = match direction {

@@ -309,7 +309,10 @@ impl PrefixCache {
     /// skipped and the chain continues under the cached entry, so the rest of the sequence is
     /// published too (R9's "publish the rest when the sequence releases it"). Safe because the
     /// sequence's own blocks all become cache-only together: no cached parent keeps a held
-    /// child.
+    /// child. Past a skipped duplicate only blocks that nobody else holds (one handle, the
+    /// releasing sequence's) are published: a block another sequence shares (it matched it
+    /// before a reset, say) would hang a held child under the cached original, which then
+    /// counts as evictable but cannot be evicted (R10); the chain stops there instead.
     pub fn insert(
         &mut self,
         hashes: &[BlockHash],
@@ -334,6 +337,8 @@ impl PrefixCache {
         }
         let mut newly = 0;
         let mut stored_from = None;
+        // Whether the chain continues under a cached original (a skipped duplicate).
+        let mut under_original = false;
         let mut i = start;
         while i < end {
             let hash = hashes[i];
@@ -345,6 +350,7 @@ impl PrefixCache {
                     let key = extra_key.map(|k| &**k);
                     if releasing && self.find(hash, parent, key, block_tokens) == Some(cached) {
                         parent = cached; // a duplicate: continue the chain under the original
+                        under_original = true;
                         i += 1;
                         continue;
                     }
@@ -354,7 +360,7 @@ impl PrefixCache {
                 i += 1;
                 continue;
             }
-            if block.is_cached() || id == 0 {
+            if block.is_cached() || id == 0 || (under_original && block.ref_count() != 1) {
                 break;
             }
             let block_tokens = &tokens[i * self.block_size..(i + 1) * self.block_size];

@@ -527,6 +527,115 @@ fn op() -> impl Strategy<Value = Op> {
     ]
 }
 
+/// One random workload: check() after every step, everything free after cleanup.
+fn run_workload(ops: Vec<Op>, on_evict: bool, dp: usize) -> Result<(), TestCaseError> {
+    let mut config = HierarchyConfig::new(9, 8, 2);
+    config.pool.dp_size = dp;
+    if on_evict {
+        config.offload_policy = OffloadPolicy::OnEvict;
+    }
+    let mut p = HierarchyBlockManagerPool::new(config).unwrap();
+    let mut running: Vec<Sequence> = Vec::new();
+    let mut loads: Vec<TransferPlan> = Vec::new();
+    let mut offloads: Vec<TransferPlan> = Vec::new();
+    let mut fetches: Vec<TransferPlan> = Vec::new();
+    // The remote tier: hashes written through by completed offloads.
+    let mut remote: HashSet<u128> = HashSet::new();
+    for op in ops {
+        match op {
+            Op::Admit { prefix, len } => {
+                let tokens: Vec<u32> = (0..len as u32)
+                    .map(|t| if t < 4 { t } else { t + 100 * prefix as u32 })
+                    .collect();
+                let mut s = Sequence::new(tokens, None, None);
+                let can = p.can_allocate(&mut s, None).unwrap();
+                let before = p.stats();
+                let hits = p.remote_query(&mut s, None).unwrap().map(|q| {
+                    let n = q
+                        .hashes
+                        .iter()
+                        .take_while(|h| remote.contains(&h.0))
+                        .count();
+                    RemoteHits {
+                        from: q.from,
+                        to: q.from + n,
+                    }
+                });
+                prop_assert_eq!(&before, &p.stats(), "remote_query has no side effect");
+                let ok = p.allocate_with_remote(&mut s, None, hits).unwrap();
+                prop_assert_eq!(can, ok, "R15");
+                if ok {
+                    running.push(s);
+                } else {
+                    prop_assert_eq!(before, p.stats(), "R14");
+                }
+            }
+            Op::Step(i) if !running.is_empty() => {
+                let k = i as usize % running.len();
+                let s = &mut running[k];
+                let n = (s.num_computed_tokens() + 5).min(s.len()).min(s.capacity());
+                s.set_num_computed_tokens(n).unwrap();
+                p.cache(s).unwrap();
+                if s.num_computed_tokens() == s.len() {
+                    s.append_token(7);
+                    let _ = p.may_append(s, 0).unwrap();
+                }
+            }
+            Op::Release(i) if !running.is_empty() => {
+                let mut s = running.swap_remove(i as usize % running.len());
+                p.deallocate(&mut s).unwrap();
+                prop_assert!(s.blocks().is_empty());
+            }
+            Op::TakeLoads => loads.extend(p.take_load_plans()),
+            Op::TakeOffloads => offloads.extend(p.take_offload_plans()),
+            Op::CompleteLoads => {
+                p.complete_loads(&refs(&loads)).unwrap();
+                prop_assert!(p.complete_loads(&refs(&loads)).is_err() || loads.is_empty());
+                loads.clear();
+            }
+            Op::CompleteOffloads => {
+                p.complete_offloads(&refs(&offloads)).unwrap();
+                remote.extend(offloads.iter().flat_map(|o| o.keys.iter().map(|h| h.0)));
+                offloads.clear();
+            }
+            Op::TakeFetches => fetches.extend(p.take_fetch_plans()),
+            Op::CompleteFetches(mask) => {
+                let arrived: Vec<Vec<bool>> = fetches
+                    .iter()
+                    .map(|f| (0..f.len()).map(|j| mask & (1 << (j % 8)) != 0).collect())
+                    .collect();
+                p.complete_fetches(&refs(&fetches), Some(&arrived)).unwrap();
+                fetches.clear();
+            }
+            Op::Reset => p.reset_prefix_cache(),
+            _ => {}
+        }
+        p.check().unwrap();
+        for s in &running {
+            p.check_sequence(s).unwrap();
+        }
+    }
+    for mut s in running.drain(..) {
+        p.deallocate(&mut s).unwrap();
+    }
+    fetches.extend(p.take_fetch_plans());
+    p.complete_fetches(&refs(&fetches), None).unwrap();
+    loads.extend(p.take_load_plans());
+    offloads.extend(p.take_offload_plans());
+    p.complete_loads(&refs(&loads)).unwrap();
+    p.complete_offloads(&refs(&offloads)).unwrap();
+    p.check().unwrap();
+    p.reset_prefix_cache();
+    let st = p.stats();
+    prop_assert_eq!(st.device.total.counts.free, st.device.total.counts.total);
+    prop_assert_eq!(st.host.counts.free, st.host.counts.total);
+    prop_assert_eq!(
+        st.host.pending_load_blocks + st.host.pending_offload_blocks + st.host.pending_fetch_blocks,
+        0
+    );
+    Ok(())
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(64))]
     #[test]
@@ -535,96 +644,28 @@ proptest! {
         on_evict in any::<bool>(),
         dp in 1usize..3,
     ) {
-        let mut config = HierarchyConfig::new(9, 8, 2);
-        config.pool.dp_size = dp;
-        if on_evict { config.offload_policy = OffloadPolicy::OnEvict; }
-        let mut p = HierarchyBlockManagerPool::new(config).unwrap();
-        let mut running: Vec<Sequence> = Vec::new();
-        let mut loads: Vec<TransferPlan> = Vec::new();
-        let mut offloads: Vec<TransferPlan> = Vec::new();
-        let mut fetches: Vec<TransferPlan> = Vec::new();
-        // The remote tier: hashes written through by completed offloads.
-        let mut remote: HashSet<u128> = HashSet::new();
-        for op in ops {
-            match op {
-                Op::Admit { prefix, len } => {
-                    let tokens: Vec<u32> = (0..len as u32)
-                        .map(|t| if t < 4 { t } else { t + 100 * prefix as u32 })
-                        .collect();
-                    let mut s = Sequence::new(tokens, None, None);
-                    let can = p.can_allocate(&mut s, None).unwrap();
-                    let before = p.stats();
-                    let hits = p.remote_query(&mut s, None).unwrap().map(|q| {
-                        let n = q.hashes.iter().take_while(|h| remote.contains(&h.0)).count();
-                        RemoteHits { from: q.from, to: q.from + n }
-                    });
-                    prop_assert_eq!(&before, &p.stats(), "remote_query has no side effect");
-                    let ok = p.allocate_with_remote(&mut s, None, hits).unwrap();
-                    prop_assert_eq!(can, ok, "R15");
-                    if ok { running.push(s); } else { prop_assert_eq!(before, p.stats(), "R14"); }
-                }
-                Op::Step(i) if !running.is_empty() => {
-                    let k = i as usize % running.len();
-                    let s = &mut running[k];
-                    let n = (s.num_computed_tokens() + 5).min(s.len()).min(s.capacity());
-                    s.set_num_computed_tokens(n).unwrap();
-                    p.cache(s).unwrap();
-                    if s.num_computed_tokens() == s.len() {
-                        s.append_token(7);
-                        let _ = p.may_append(s, 0).unwrap();
-                    }
-                }
-                Op::Release(i) if !running.is_empty() => {
-                    let mut s = running.swap_remove(i as usize % running.len());
-                    p.deallocate(&mut s).unwrap();
-                    prop_assert!(s.blocks().is_empty());
-                }
-                Op::TakeLoads => loads.extend(p.take_load_plans()),
-                Op::TakeOffloads => offloads.extend(p.take_offload_plans()),
-                Op::CompleteLoads => {
-                    p.complete_loads(&refs(&loads)).unwrap();
-                    prop_assert!(p.complete_loads(&refs(&loads)).is_err() || loads.is_empty());
-                    loads.clear();
-                }
-                Op::CompleteOffloads => {
-                    p.complete_offloads(&refs(&offloads)).unwrap();
-                    remote.extend(offloads.iter().flat_map(|o| o.keys.iter().map(|h| h.0)));
-                    offloads.clear();
-                }
-                Op::TakeFetches => fetches.extend(p.take_fetch_plans()),
-                Op::CompleteFetches(mask) => {
-                    let arrived: Vec<Vec<bool>> = fetches
-                        .iter()
-                        .map(|f| (0..f.len()).map(|j| mask & (1 << (j % 8)) != 0).collect())
-                        .collect();
-                    p.complete_fetches(&refs(&fetches), Some(&arrived)).unwrap();
-                    fetches.clear();
-                }
-                Op::Reset => p.reset_prefix_cache(),
-                _ => {}
-            }
-            p.check().unwrap();
-            for s in &running {
-                p.check_sequence(s).unwrap();
-            }
-        }
-        for mut s in running.drain(..) {
-            p.deallocate(&mut s).unwrap();
-        }
-        fetches.extend(p.take_fetch_plans());
-        p.complete_fetches(&refs(&fetches), None).unwrap();
-        loads.extend(p.take_load_plans());
-        offloads.extend(p.take_offload_plans());
-        p.complete_loads(&refs(&loads)).unwrap();
-        p.complete_offloads(&refs(&offloads)).unwrap();
-        p.check().unwrap();
-        p.reset_prefix_cache();
-        let st = p.stats();
-        prop_assert_eq!(st.device.total.counts.free, st.device.total.counts.total);
-        prop_assert_eq!(st.host.counts.free, st.host.counts.total);
-        prop_assert_eq!(
-            st.host.pending_load_blocks + st.host.pending_offload_blocks + st.host.pending_fetch_blocks,
-            0
-        );
+        run_workload(ops, on_evict, dp)?;
     }
+}
+
+/// The minimal workload proptest found in CI (2026-11-30): a fetch taken for a sequence whose
+/// remote hit began past a host hit that a prefix-cache reset had left behind.
+#[test]
+fn regression_fetch_after_reset_keeps_its_record_consistent() {
+    use Op::*;
+    let ops = vec![
+        Admit { prefix: 0, len: 4 },
+        Step(0),
+        Release(0),
+        TakeOffloads,
+        CompleteOffloads,
+        Admit { prefix: 0, len: 3 },
+        Reset,
+        Release(0),
+        Admit { prefix: 0, len: 5 },
+        Admit { prefix: 0, len: 5 },
+        TakeFetches,
+        CompleteFetches(1),
+    ];
+    run_workload(ops, false, 1).unwrap();
 }

@@ -297,67 +297,101 @@ fn op() -> impl Strategy<Value = Op> {
     ]
 }
 
-proptest! {
-    #![proptest_config(ProptestConfig { cases: 128, ..ProptestConfig::default() })]
-    /// Random serving workloads: can_allocate predicts allocate (R15), counts add up (R2),
-    /// check() holds after every step, and every id is free at the end.
-    #[test]
-    fn random_pool_workload(ops in proptest::collection::vec(op(), 1..150), dp in 1usize..3) {
-        let mut config = PoolConfig::new(10, 2);
-        config.dp_size = dp;
-        let mut p = BlockManagerPool::new(config).unwrap();
-        let mut running: Vec<Sequence> = Vec::new();
-        for op in ops {
-            match op {
-                Op::Admit(group, len) => {
-                    let tokens: Vec<u32> = (0..len as u32).map(|i| u32::from(group) * 1000 + i).collect();
-                    let mut seq = Sequence::new(tokens, None, None);
-                    let predicted = p.can_allocate(&mut seq, None).unwrap();
-                    let before = p.stats();
-                    let ok = p.allocate(&mut seq, None).unwrap();
-                    prop_assert_eq!(predicted, ok, "R15");
-                    if ok {
-                        running.push(seq);
-                    } else {
-                        prop_assert_eq!(p.stats(), before, "R14");
-                    }
+/// One random serving workload: can_allocate predicts allocate (R15), can_append predicts
+/// may_append (R16), counts add up (R2), check() holds after every step, and every id is free
+/// at the end.
+fn run_pool_workload(ops: Vec<Op>, dp: usize) -> Result<(), TestCaseError> {
+    let mut config = PoolConfig::new(10, 2);
+    config.dp_size = dp;
+    let mut p = BlockManagerPool::new(config).unwrap();
+    let mut running: Vec<Sequence> = Vec::new();
+    for op in ops {
+        match op {
+            Op::Admit(group, len) => {
+                let tokens: Vec<u32> = (0..len as u32)
+                    .map(|i| u32::from(group) * 1000 + i)
+                    .collect();
+                let mut seq = Sequence::new(tokens, None, None);
+                let predicted = p.can_allocate(&mut seq, None).unwrap();
+                let before = p.stats();
+                let ok = p.allocate(&mut seq, None).unwrap();
+                prop_assert_eq!(predicted, ok, "R15");
+                if ok {
+                    running.push(seq);
+                } else {
+                    prop_assert_eq!(p.stats(), before, "R14");
                 }
-                Op::Step(i, n) if !running.is_empty() => {
-                    let index = i % running.len();
-                    let seq = &mut running[index];
-                    let computed = seq.len();
-                    seq.set_num_computed_tokens(computed).unwrap();
-                    p.cache(seq).unwrap();
-                    seq.append_tokens(&vec![7; n]);
-                    let predicted = p.can_append(seq, 0).unwrap();
-                    prop_assert_eq!(predicted, p.may_append(seq, 0).unwrap(), "R16");
-                    if !predicted {
-                        // Preempt by recompute.
-                        let mut seq = running.swap_remove(index);
-                        p.deallocate(&mut seq).unwrap();
-                    }
-                }
-                Op::Finish(i) if !running.is_empty() => {
-                    let mut seq = running.swap_remove(i % running.len());
+            }
+            Op::Step(i, n) if !running.is_empty() => {
+                let index = i % running.len();
+                let seq = &mut running[index];
+                let computed = seq.len();
+                seq.set_num_computed_tokens(computed).unwrap();
+                p.cache(seq).unwrap();
+                seq.append_tokens(&vec![7; n]);
+                let predicted = p.can_append(seq, 0).unwrap();
+                prop_assert_eq!(predicted, p.may_append(seq, 0).unwrap(), "R16");
+                if !predicted {
+                    // Preempt by recompute.
+                    let mut seq = running.swap_remove(index);
                     p.deallocate(&mut seq).unwrap();
                 }
-                Op::Reset => p.reset_prefix_cache(),
-                _ => {}
             }
-            for seq in &running {
-                p.check_sequence(seq).unwrap();
+            Op::Finish(i) if !running.is_empty() => {
+                let mut seq = running.swap_remove(i % running.len());
+                p.deallocate(&mut seq).unwrap();
             }
-            if let Err(e) = p.check() {
-                prop_assert!(false, "check failed: {e}");
-            }
+            Op::Reset => p.reset_prefix_cache(),
+            _ => {}
         }
-        for seq in &mut running {
-            p.deallocate(seq).unwrap();
+        for seq in &running {
+            p.check_sequence(seq).unwrap();
         }
-        p.reset_prefix_cache();
-        p.check().unwrap();
-        for rank in 0..dp {
-            prop_assert_eq!(p.counts(rank).free, 9);
+        if let Err(e) = p.check() {
+            prop_assert!(false, "check failed: {e}");
         }
     }
+    for seq in &mut running {
+        p.deallocate(seq).unwrap();
+    }
+    p.reset_prefix_cache();
+    p.check().unwrap();
+    for rank in 0..dp {
+        prop_assert_eq!(p.counts(rank).free, 9);
+    }
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 128, ..ProptestConfig::default() })]
+    #[test]
+    fn random_pool_workload(ops in proptest::collection::vec(op(), 1..150), dp in 1usize..3) {
+        run_pool_workload(ops, dp)?;
+    }
+}
+
+/// The minimal workload proptest found (2026-11-30): can_append said yes, may_append could not.
+#[test]
+fn regression_can_append_predicts_may_append_after_reset() {
+    use Op::*;
+    let ops = vec![
+        Admit(0, 1),
+        Admit(1, 10),
+        Step(0, 1),
+        Step(0, 3),
+        Step(0, 2),
+        Step(3833294454330364241, 1),
+        Finish(0),
+        Admit(0, 4),
+        Step(22314506151738, 3),
+        Admit(0, 11),
+        Admit(0, 2),
+        Reset,
+        Step(1534456757305391597, 3),
+        Finish(2041566988635792700),
+        Step(562313560054773517, 2),
+        Step(10453123789395844395, 2),
+        Step(7774248466559148264, 3),
+    ];
+    run_pool_workload(ops, 1).unwrap();
 }
