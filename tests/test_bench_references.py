@@ -306,3 +306,21 @@ def test_default_block_counts_match():
     a = compare.make_adapter("nano-vllm-ref", 64, 16)
     b = compare.make_adapter("vllm-v1-ref", 64, 16)
     assert a.bm.num_free_blocks == b.kv.block_pool.get_num_free_blocks() == 63
+
+
+@pytest.mark.skipif(not HAS_POOL, reason="kvpool.BlockManagerPool not built")
+@pytest.mark.parametrize("workload", ["mixed", "chat"])
+def test_kvpool_adapter_batch_follows_the_replay(workload):
+    """The kvpool adapter's SequenceBatch mirrors the replay's running list at every step (in
+    order), its fused advance reserves every next slot, evictions included; at the end every
+    sequence has left the batch and the pool is sound."""
+    trace = compare.build_trace(workload, 60, seed=2)
+    adapter = compare.make_adapter("kvpool", 512, 16)  # small enough to evict
+    adapter.verify_order = True
+    result = compare.replay(adapter, trace)
+    assert result.num_requests == 60 and result.first_eviction_step is not None
+    assert len(adapter.batch) == 0
+    adapter.batch.check()
+    adapter.pool.check()
+    stats = adapter.pool.stats()
+    assert stats["num_free_blocks"] + stats["num_cached_blocks"] == 511
