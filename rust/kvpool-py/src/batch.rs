@@ -38,6 +38,27 @@ struct Members {
     index: HashSet<usize>,
 }
 
+impl Members {
+    /// The addresses of `seqs`, checking that each is listed once and is (`members`) or is not
+    /// (`!members`) in the batch; a ValueError naming `seqs` with `problem` otherwise.
+    fn distinct_keys(
+        &self,
+        seqs: &[Bound<'_, PySequence>],
+        members: bool,
+        problem: &str,
+    ) -> PyResult<HashSet<usize>> {
+        let mut keys = HashSet::with_capacity(seqs.len());
+        for seq in seqs {
+            let key = address(seq.get());
+            if self.index.contains(&key) != members || !keys.insert(key) {
+                let id = seq.get().inner.lock().seq_id();
+                return Err(value_error("seqs", format!("sequence {id} {problem}")));
+            }
+        }
+        Ok(keys)
+    }
+}
+
 fn address(seq: &PySequence) -> usize {
     std::ptr::from_ref(seq) as usize
 }
@@ -110,19 +131,8 @@ impl PySequenceBatch {
     fn extend(&self, seqs: &Bound<'_, PyAny>) -> PyResult<()> {
         let seqs = sequences(seqs, "seqs")?;
         let mut members = self.members.lock();
-        let mut added = HashSet::with_capacity(seqs.len());
-        for seq in &seqs {
-            let key = address(seq.get());
-            if members.index.contains(&key) || !added.insert(key) {
-                return Err(value_error(
-                    "seqs",
-                    format!(
-                        "sequence {} is already in the batch or listed twice",
-                        seq.get().inner.lock().seq_id()
-                    ),
-                ));
-            }
-        }
+        let added =
+            members.distinct_keys(&seqs, false, "is already in the batch or listed twice")?;
         members.index.extend(added);
         members.seqs.extend(seqs.into_iter().map(Bound::unbind));
         Ok(())
@@ -145,19 +155,7 @@ impl PySequenceBatch {
     fn remove_all(&self, seqs: &Bound<'_, PyAny>) -> PyResult<()> {
         let seqs = sequences(seqs, "seqs")?;
         let mut members = self.members.lock();
-        let mut gone = HashSet::with_capacity(seqs.len());
-        for seq in &seqs {
-            let key = address(seq.get());
-            if !members.index.contains(&key) || !gone.insert(key) {
-                return Err(value_error(
-                    "seqs",
-                    format!(
-                        "sequence {} is not in the batch or is listed twice",
-                        seq.get().inner.lock().seq_id()
-                    ),
-                ));
-            }
-        }
+        let gone = members.distinct_keys(&seqs, true, "is not in the batch or is listed twice")?;
         let members = &mut *members;
         members.seqs.retain(|s| !gone.contains(&address(s.get())));
         for key in &gone {
@@ -357,11 +355,6 @@ impl<'a> Locked<'a> {
         (0..self.len)
             .map(|i| &*self.guards[self.guard_of(i)])
             .collect()
-    }
-
-    /// Every distinct sequence once, mutably, in no particular order.
-    pub(crate) fn distinct_mut(&mut self) -> impl Iterator<Item = &mut Sequence> + use<'_, 'a> {
-        self.guards.iter_mut().map(|g| &mut **g)
     }
 
     /// The sequences in argument order, mutably: for calls that change them, so naming one

@@ -590,8 +590,6 @@ impl PyHierarchyBlockManagerPool {
         let slots = py
             .detach(|| {
                 view.with_locked(&self.inner, |pool, locked| {
-                    // confirmed loads fold into each distinct sequence once (R26)
-                    pool.fold_host_loads(&mut locked.distinct_mut().collect::<Vec<_>>());
                     pool.slot_mapping(&locked.refs())
                 })
             })

@@ -994,19 +994,10 @@ impl HierarchyBlockManagerPool {
         self.pool.block_tables(seqs, 0)
     }
 
-    /// R19: the cache slots of tokens `[num_computed_tokens, len)`. Call
-    /// [`Self::fold_host_loads`] on the sequences first, so that tokens a confirmed host load
-    /// brought are not computed again.
+    /// R19: the cache slots of tokens `[num_computed_tokens, len)`; tokens a confirmed host
+    /// load brought count as computed, so they are not computed again.
     pub fn slot_mapping(&self, seqs: &[&Sequence]) -> Result<Vec<i64>> {
         self.pool.slot_mapping(seqs, 0)
-    }
-
-    /// Folds each sequence's confirmed host load into its computed tokens (and drops the
-    /// finished ticket).
-    pub fn fold_host_loads(&self, seqs: &mut [&mut Sequence]) {
-        for seq in seqs.iter_mut() {
-            seq.fold_host_load();
-        }
     }
 
     /// Checks a sequence against the device pool.

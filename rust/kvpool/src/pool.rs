@@ -777,11 +777,12 @@ impl BlockManagerPool {
         let mut total = 0;
         for seq in seqs {
             self.check_sequence_owned(seq)?;
-            total += seq.len() - seq.num_computed_tokens;
+            total += seq.len() - seq.num_computed_tokens();
         }
         let mut slots = Vec::with_capacity(total);
         for seq in seqs {
-            for position in seq.num_computed_tokens..seq.len() {
+            // `num_computed_tokens()`: tokens a confirmed host load brought count as computed.
+            for position in seq.num_computed_tokens()..seq.len() {
                 let index = position / block_size;
                 let id = if group == 0 {
                     seq.blocks[index].id()
@@ -1156,9 +1157,33 @@ impl BlockManagerPool {
         ok
     }
 
+    /// Whether `publish` would change nothing (most decode steps): no window or linear state to
+    /// serve, and no full computed block left to publish in the cache's current epoch. Tested
+    /// first, without the division `publish` needs.
+    fn publish_is_noop(&self, seq: &Sequence) -> bool {
+        if seq.window.is_some() || seq.linear_slot.is_some() {
+            return false;
+        }
+        let Some(rank) = seq.dp_rank else {
+            return true;
+        };
+        match self.ranks[rank].blocks.prefix_cache() {
+            None => true,
+            Some(cache) => {
+                seq.published_epoch == cache.epoch()
+                    && (seq.blocks.len() <= seq.num_published
+                        || seq.num_computed_tokens
+                            < (seq.num_published + 1) * self.config.block_size)
+            }
+        }
+    }
+
     /// Publishes the full computed blocks (R17) in the prefix cache and the window index, then
     /// slides the window; at a step, plans a checkpoint save (R24).
     fn publish(&mut self, seq: &mut Sequence, when: Publish) {
+        if self.publish_is_noop(seq) {
+            return;
+        }
         let Some(rank_index) = seq.dp_rank else {
             return;
         };
@@ -1407,9 +1432,7 @@ impl BlockManagerPool {
         }
         for (seq, &token) in seqs.iter_mut().zip(tokens) {
             seq.num_computed_tokens = seq.len();
-            if !self.step_publish_is_noop(seq) {
-                self.publish(seq, Publish::Step);
-            }
+            self.publish(seq, Publish::Step);
             seq.append_token(token);
         }
         Ok(())
@@ -1425,29 +1448,8 @@ impl BlockManagerPool {
         tokens: &[u32],
         lookahead: usize,
     ) -> Result<Vec<usize>> {
-        self.advance_all(seqs, tokens)?;
-        self.may_append_all(seqs, lookahead)
-    }
-
-    /// Whether `publish(seq, Publish::Step)` would change nothing (most decode steps): no
-    /// window or linear state to serve, and no full computed block left to publish in the
-    /// cache's current epoch. A cheap test that skips the call.
-    fn step_publish_is_noop(&self, seq: &Sequence) -> bool {
-        if seq.window.is_some() || seq.linear_slot.is_some() {
-            return false;
-        }
-        let Some(rank) = seq.dp_rank else {
-            return true;
-        };
-        match self.ranks[rank].blocks.prefix_cache() {
-            None => true,
-            Some(cache) => {
-                seq.published_epoch == cache.epoch()
-                    && (seq.blocks.len() <= seq.num_published
-                        || seq.num_computed_tokens
-                            < (seq.num_published + 1) * self.config.block_size)
-            }
-        }
+        self.advance_all(seqs, tokens)?; // checks every sequence
+        Ok(self.grow_all(seqs, lookahead))
     }
 
     /// `may_append(seq, lookahead)` (R16) for a batch, after checking that every sequence is
@@ -1466,6 +1468,11 @@ impl BlockManagerPool {
                 seq.seq_id()
             );
         }
+        Ok(self.grow_all(seqs, lookahead))
+    }
+
+    /// The growth of [`Self::may_append_all`] for sequences already checked.
+    fn grow_all(&mut self, seqs: &mut [&mut Sequence], lookahead: usize) -> Vec<usize> {
         let block_size = self.config.block_size;
         let mut failed = Vec::new();
         for (i, seq) in seqs.iter_mut().enumerate() {
@@ -1479,7 +1486,7 @@ impl BlockManagerPool {
                 failed.push(i);
             }
         }
-        Ok(failed)
+        failed
     }
 
     /// R18's deallocate. `all_released`: nothing else keeps the sequence's blocks after this
