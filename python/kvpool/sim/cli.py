@@ -481,6 +481,7 @@ def _main(args: argparse.Namespace) -> int:
                          f"{res.execute['max_abs_error']:.3e} (tolerance {res.execute['tolerance']:.0e})", 3)
         return 0
     # sweep: the cartesian product of the given values
+    from kvpool.sim.engine import check_fits
     from kvpool.sim.sweep import run_sweep
 
     plans = []
@@ -497,7 +498,9 @@ def _main(args: argparse.Namespace) -> int:
             a.host_blocks = 0
         label = " ".join(f"{k}={_fmt(v)}" for (k, _, _), v in zip(sweep, combo, strict=True))
         same = a.num_requests == args.num_requests and a.rate == args.rate
-        make_config(a, reqs if same else None)  # validate every combination before running any
+        cfg, _ = make_config(a, reqs if same else None)  # validate every combination before running any
+        if same:
+            check_fits(cfg, reqs)
         plans.append((a, label, same))
     results = run_sweep(plans, reqs, jobs=args.jobs, show=show, keep_timeline=args.timeline)
     for res in results:
@@ -509,7 +512,7 @@ def _main(args: argparse.Namespace) -> int:
         res.config["sweep_label"] = lbl
     if args.plot:
         report.plot_capacity(labels, results, args.plot, sweep_keys=[k for k, _, _ in sweep],
-                             title=_describe(wl))
+                             title=os.path.basename(wl["trace"]) if "trace" in wl else _describe(wl))
     if args.json:
         print(json.dumps({"sweep": [{"label": lbl, **res.to_json(timeline=args.timeline)}
                                     for lbl, res in zip(labels, results, strict=True)]}, indent=2))
@@ -525,8 +528,10 @@ def _fmt(v: Any) -> str:
         return "on" if v else "off"
     if isinstance(v, float) and math.isinf(v):
         return "inf"
-    if isinstance(v, float) and v == int(v) and v >= 1e5:
-        return f"{v:.3g}"
+    if isinstance(v, float) and v == int(v) and v >= 1e4:
+        from kvpool.sim.report import _short
+
+        return _short(v)
     return f"{v:g}" if isinstance(v, float) else str(v)
 
 

@@ -51,7 +51,7 @@ from kvpool.sim.timing import GPUS, FixedStepTime, Roofline, StepWork, chunk_wor
 from kvpool.sim.traces import output_base, output_span, output_token, output_tokens
 from kvpool.sim.workloads import Request
 
-__all__ = ["ORDERS", "SimConfig", "SimError", "Simulator", "UnavailableError", "run_simulation"]
+__all__ = ["ORDERS", "SimConfig", "SimError", "Simulator", "UnavailableError", "check_fits", "run_simulation"]
 
 ORDERS = ("serving", "request")
 
@@ -292,6 +292,22 @@ def make_pool(cfg: SimConfig) -> Any:
         raise SimError(f"the pool rejected the configuration: {e}") from None
 
 
+def check_fits(cfg: SimConfig, requests: Sequence[Request]) -> None:
+    """SimError naming the first request that the cache of ``cfg`` cannot hold alone."""
+    per_rank = (cfg.num_blocks - 1) * cfg.block_size
+    for r in requests:
+        if r.output_len < 1:
+            raise SimError(f"request {r.request_id}: output_len must be >= 1")
+        # the last sampled token is never fed back: the KV peaks at prompt + output - 1
+        need = r.prompt_len + (r.output_len - 1 if cfg.order == "serving" else 0)
+        if need > per_rank:
+            raise SimError(
+                f"request {r.request_id} needs {need} tokens of KV "
+                f"({math.ceil(need / cfg.block_size)} blocks of {cfg.block_size}) but the whole cache "
+                f"holds {per_rank} tokens per rank ({cfg.num_blocks - 1} usable blocks): raise "
+                f"--num-blocks / --cache-tokens / --gib or shorten the request")
+
+
 def _sample_tokens(req: Request) -> np.ndarray:
     if req.output is not None:
         out = np.asarray(req.output)
@@ -383,19 +399,7 @@ class Simulator:
 
     # ------------------------------------------------------------------ setup
     def _check_fits(self) -> None:
-        cfg = self.cfg
-        per_rank = (cfg.num_blocks - 1) * cfg.block_size
-        for r in self.requests:
-            if r.output_len < 1:
-                raise SimError(f"request {r.request_id}: output_len must be >= 1")
-            # the last sampled token is never fed back: the KV peaks at prompt + output - 1
-            need = r.prompt_len + (r.output_len - 1 if cfg.order == "serving" else 0)
-            if need > per_rank:
-                raise SimError(
-                    f"request {r.request_id} needs {need} tokens of KV "
-                    f"({math.ceil(need / cfg.block_size)} blocks of {cfg.block_size}) but the whole cache "
-                    f"holds {per_rank} tokens per rank ({cfg.num_blocks - 1} usable blocks): raise "
-                    f"--num-blocks / --cache-tokens / --gib or shorten the request")
+        check_fits(self.cfg, self.requests)
 
     def _make_seq(self, lv: _Live) -> Any:
         req = lv.req
@@ -974,6 +978,7 @@ class Simulator:
                 break
             self.pending.popleft()
             lv = _Live(req, float(req.arrival_s) if req.arrival_s is not None else 0.0, i)
+            self.now_s = max(self.now_s, lv.arrival_s)
             seq = self._make_seq(lv)
             if not pool.allocate(seq):
                 raise SimError(f"request {req.request_id} ({len(seq)} tokens) does not fit the cache")
@@ -1007,7 +1012,7 @@ class Simulator:
             self.step_no = i + 1
             if self.on_step is not None:
                 self.on_step(self)
-        self.now_s = max((lv.finish_s for lv in self.finished), default=0.0)
+        self.now_s = max((lv.finish_s for lv in self.finished), default=self.now_s)
         wall = time.perf_counter() - t0
         if self.cfg.check:
             st = pool.stats()

@@ -19,7 +19,12 @@ _FIELDS = "clock {task.fields[clock]:>9}  run {task.fields[run]:>4}  wait {task.
 def fields_of(sim: Any) -> dict[str, Any]:
     """The bar's fields for the simulator ``sim`` now."""
     last = sim.timeline[-1] if sim.timeline else None
-    clock = f"{sim.now_s:,.0f} s" if sim.seconds_clock or sim.cfg.gpu else f"step {sim.step_no}"
+    if sim.cfg.order == "request":
+        clock = f"req {sim.step_no}"
+    elif sim.seconds_clock or sim.cfg.gpu:
+        clock = f"{sim.now_s:,.0f} s"
+    else:
+        clock = f"step {sim.step_no}"
     return {"clock": clock, "run": len(sim.running), "wait": len(sim.waiting),
             "use": f"{100 * last.usage:.0f}%" if last else "-"}
 

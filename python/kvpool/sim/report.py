@@ -168,15 +168,21 @@ COMPARE_COLUMNS = [
     ("hit rate", lambda s: _pct(s["prefix_hit_rate"])),
     ("from cache", lambda s: _pct(s["cached_token_fraction"])),
     ("peak use", lambda s: _pct(s["peak_usage"])),
-    ("mean use", lambda s: _pct(s["mean_usage"])),
     ("preempt", lambda s: _int(s["preemptions"])),
-    ("recomp tok", lambda s: _int(s["recomputed_tokens"])),
     ("evict", lambda s: _int(s["evictions"])),
     ("steps", lambda s: _int(s["steps"])),
-    ("TTFT", lambda s: f"{s['ttft_steps_mean']:.1f}"),
     ("TTFT s", lambda s: f"{s['ttft_s_mean']:.3g}"),
-    ("tok/s", lambda s: f"{s['output_tokens_per_s']:,.0f}"),
-    ("sched us/step", lambda s: f"{s['sched_us_per_step_mean']:.1f}"),
+    ("TBT ms", lambda s: f"{s['tbt_ms_mean']:.3g}"),
+    ("sched us", lambda s: f"{s['sched_us_per_step_mean']:.1f}"),
+    ("wall s", lambda s: f"{s['wall_s']:.1f}"),
+]
+# --order request: no steps, no decode
+REQUEST_ORDER_COLUMNS = [
+    ("from cache", lambda s: _pct(s["cached_token_fraction"])),
+    ("hit rate", lambda s: _pct(s["prefix_hit_rate"])),
+    ("evict", lambda s: _int(s["evictions"])),
+    ("prefill tokens", lambda s: _int(s["prefill_tokens_computed"])),
+    ("prefill s", lambda s: f"{s['prefill_s_mean']:.3g}"),
     ("wall s", lambda s: f"{s['wall_s']:.1f}"),
 ]
 
@@ -184,16 +190,16 @@ COMPARE_COLUMNS = [
 def comparison_table(labels: Sequence[str], results: Sequence[Any]) -> Any:
     from rich.table import Table
 
-    t = Table(title="kvpool simulate --sweep", title_justify="left")
+    request_order = all(r.config.get("order") == "request" for r in results)
+    columns = REQUEST_ORDER_COLUMNS if request_order else COMPARE_COLUMNS
+    t = Table(title="kvpool simulate --sweep" + (" (request order)" if request_order else ""), title_justify="left")
     t.add_column("config", style="bold", no_wrap=True)
-    t.add_column("blocks x size", justify="right")
-    t.add_column("tokens/rank", justify="right")
-    for name, _ in COMPARE_COLUMNS:
+    t.add_column("tokens/rank", justify="right", no_wrap=True)
+    for name, _ in columns:
         t.add_column(name, justify="right")
     for label, r in zip(labels, results, strict=False):
         s = r.summary
-        t.add_row(label, f"{s['num_total_blocks']:,} x {r.config['block_size']}",
-                  _short(r.config["capacity_tokens_per_rank"]), *(f(s) for _, f in COMPARE_COLUMNS))
+        t.add_row(label, _short(r.config["capacity_tokens_per_rank"]), *(f(s) for _, f in columns))
     return t
 
 
@@ -243,7 +249,7 @@ def plot_capacity(labels: Sequence[str], results: Sequence[Any], path: str, *, s
     ymax = max((100 * p[1] for pts in lines.values() for p in pts), default=1.0)
     ax.set_ylim(0, max(5.0, math.ceil(ymax / 10 + 0.5) * 10))
     mode = results[0].config.get("order", "serving") if results else "serving"
-    ax.set_title((title + "\n" if title else "") + f"hit rate against capacity ({mode} order)", fontsize=10)
+    ax.set_title((title + ": " if title else "") + f"hit rate against capacity ({mode} order)", fontsize=10)
     ax.grid(alpha=0.3, which="both")
     if len(lines) > 1 or next(iter(lines)):
         ax.legend(fontsize=8, loc="upper left")

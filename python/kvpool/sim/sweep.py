@@ -1,11 +1,12 @@
 """``kvpool simulate --sweep``: every point of the cartesian product, in parallel processes.
 
-Each point is one independent simulation (its own pool, its own workload copy); the points run
-in a pool of ``jobs`` worker processes (``spawn``: nothing of the parent's state is shared but
-what is passed) and come back in the order they were given, whatever order they finish in. A
-point whose workload equals the parent's (same trace or synthetic parameters) rebuilds it from
-the same arguments, which gives the same requests. With one job, or one point, the points run
-in this process.
+Each point is one independent simulation (its own pool, its own copy of the workload); the
+points run in a pool of ``jobs`` worker processes (``spawn``: nothing of the parent's state is
+shared but what is passed) and come back in the order they were given, whatever order they
+finish in. A worker rebuilds the workload from the point's arguments, which gives the same
+requests as the parent's (the generators are seeded, traces are files). With one job, or one
+point, the points run in this process. An error in a point stops the sweep: the other workers
+are terminated.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import argparse
 import multiprocessing as mp
 import os
 import queue as queue_mod
-from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+import time
 from typing import Any
 
 __all__ = ["run_sweep"]
@@ -52,7 +53,7 @@ def run_sweep(plans: list[tuple[argparse.Namespace, str, bool]], reqs: list[Any]
 
     n = len(plans)
     jobs = min(n, jobs if jobs is not None else (os.cpu_count() or 1))
-    if jobs <= 1 or n == 1:
+    if jobs <= 1:
         results = []
         for a, label, same in plans:
             r = reqs if same else make_workload(a)[0]
@@ -61,31 +62,35 @@ def run_sweep(plans: list[tuple[argparse.Namespace, str, bool]], reqs: list[Any]
         return results
     ctx = mp.get_context("spawn")
     q = ctx.Queue() if show else None
-    results: list[Any] = [None] * n
     totals = [len(reqs) if same else a.num_requests for a, _, same in plans]
-    with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, initializer=_init_worker, initargs=(q,)) as ex:
-        futures = {ex.submit(_run_point, a, label, i, keep_timeline): i for i, (a, label, _) in enumerate(plans)}
-        bar = tasks = None
+    pool = ctx.Pool(processes=jobs, initializer=_init_worker, initargs=(q,))
+    bar = tasks = None
+    try:
+        handles = [pool.apply_async(_run_point, (a, label, i, keep_timeline)) for i, (a, label, _) in enumerate(plans)]
         if show:
             bar, tasks = sweep_bars([lbl for _, lbl, _ in plans], totals)
             bar.__enter__()
-        try:
-            pending = set(futures)
-            while pending:
-                done, pending = wait(pending, timeout=0.1, return_when=FIRST_COMPLETED)
-                for f in done:
-                    results[futures[f]] = f.result()  # a worker's error is raised here
-                if q is not None:
-                    _drain(q, bar, tasks)
+        results: list[Any] = [None] * n
+        left = set(range(n))
+        while left:
+            for i in list(left):
+                if handles[i].ready():
+                    results[i] = handles[i].get()  # a worker's error is raised here
+                    left.discard(i)
             if q is not None:
                 _drain(q, bar, tasks)
-        except BaseException:
-            for f in futures:
-                f.cancel()
-            raise
-        finally:
-            if bar is not None:
-                bar.__exit__(None, None, None)
+            if left:
+                time.sleep(0.05)
+        if q is not None:
+            _drain(q, bar, tasks)
+        pool.close()
+    except BaseException:
+        pool.terminate()
+        raise
+    finally:
+        if bar is not None:
+            bar.__exit__(None, None, None)
+        pool.join()
     return results
 
 
