@@ -4,8 +4,9 @@ One call of :meth:`Simulator.step` is one engine step (one forward pass per dp r
 
 1. arrivals whose time has come join the waiting queue (FIFO): on the trace's clock in seconds
    when every request has ``arrival_s``, else on the step count;
-2. decodes first: every decoding sequence takes one token of its rank's budget (the oldest
-   first if they outnumber it). A decoder that got no room for its token when it advanced
+2. decodes first: every decoding sequence takes one token of its rank's budget (they never
+   outnumber it: a sequence joins the decode batch only through a prefill chunk that fit in the
+   budget, one token at least). A decoder that got no room for its token when it advanced
    takes it now (``may_append``); when a rank runs out of blocks, the newest running sequence
    of that rank is preempted (``deallocate``, back to the front of the waiting queue: it will
    recompute, re-hitting its own prefix if it is still cached) until the room is there, or
@@ -482,30 +483,16 @@ class Simulator:
         self.dec_tok = [t for t, k in zip(self.dec_tok, keep, strict=True) if k]
         self.dec_cols = self.dec_cols[np.array(keep, dtype=bool)]
 
-    def _skip(self, i: int) -> None:
-        """Member ``i`` decodes nothing this step (over the budget): it samples one step later."""
-        lv = self.dec[i]
-        self._account(lv, _rank_of(lv), -1)
-        lv.off += 1
-        lv.finish_at += 1
-        self.finishing.setdefault(lv.finish_at, []).append(lv)
-        self._account(lv, _rank_of(lv), 1)
-        self.dec_cols[i, _OFF] += 1
-        self.dec_cols[i, _SHIFT] -= 1
-        shift, low, span = self.dec_tok[i]
-        self.dec_tok[i] = (shift - 1, low, span)
-
-    def _decode_tokens(self, step: int, rows: np.ndarray | None = None) -> Any:
-        """The tokens the members (or those at ``rows``) sample at ``step``, in batch order (a list
-        of int for a small batch: cheaper than NumPy there; else an int64 array)."""
-        if rows is None and len(self.dec) <= 64:
+    def _decode_tokens(self, step: int) -> Any:
+        """The tokens the members sample at ``step``, in batch order (a list of int for a small
+        batch: cheaper than NumPy there; else an int64 array)."""
+        if len(self.dec) <= 64:
             tok: Any = [low + (shift + step) % span for shift, low, span in self.dec_tok]
         else:
-            cols = self.dec_cols if rows is None else self.dec_cols[rows]
+            cols = self.dec_cols
             tok = cols[:, _LOW] + (cols[:, _SHIFT] + step) % cols[:, _SPAN]
         if self.dec_fixed:
-            members = self.dec if rows is None else [self.dec[i] for i in rows]
-            for i, lv in enumerate(members):
+            for i, lv in enumerate(self.dec):
                 if lv.req.output is not None:
                     tok[i] = lv.token(step - lv.off)
         return tok
@@ -582,7 +569,6 @@ class Simulator:
         cfg = self.cfg
         pool = self.pool
         bs = cfg.block_size
-        dp = cfg.dp_size
         B = cfg.max_num_batched_tokens
         t0 = time.perf_counter_ns()
         step = self.step_no
@@ -641,34 +627,20 @@ class Simulator:
             if self.executor is not None:
                 self.executor.linear_state(plan)
             pool.commit_linear_state_plan(plan)
-        # the decoders of this step: every member, unless a rank has more than its budget
-        dec_rows: list[int] | None = None
-        if max(self.dec_count) <= B:
-            pass
-        elif dp == 1:
-            dec_rows = list(range(B))
-        else:
-            taken = [0] * dp
-            dec_rows = []
-            for i, r in enumerate(self.dec_cols[:, _RANK].tolist()):
-                if taken[r] < B:
-                    taken[r] += 1
-                    dec_rows.append(i)
         # a member whose computed tokens reach a block boundary publishes it and needs a new block
         crossing = self.dec_residue[-step % bs] > 0
         t1 = time.perf_counter_ns()
         # 5. the forward pass
         if self.executor is not None:
-            items = [(lv, len(lv.seq) - 1, len(lv.seq)) for lv in
-                     (self.dec if dec_rows is None else [self.dec[i] for i in dec_rows])] + scheduled
+            items = [(lv, len(lv.seq) - 1, len(lv.seq)) for lv in self.dec] + scheduled
             if items:
                 self.executor.forward(self, items)
-        dt, n_decoded = self._step_time(step, scheduled, dec_rows)
+        dt, n_decoded = self._step_time(step, scheduled)
         t2 = time.perf_counter_ns()
         end_s = self.now_s + dt
-        if scheduled or dec_rows is not None or self.finishing.get(step):
+        if scheduled or self.finishing.get(step):
             touched = True
-            batched = self._after_forward(step, scheduled, dec_rows, end_s)
+            batched = self._after_forward(step, scheduled, end_s)
         else:  # the common step: every member decodes, none finishes
             batched = n_decoded
             self.decode_tokens += n_decoded
@@ -775,36 +747,26 @@ class Simulator:
                 budget[rank] -= end - computed
                 scheduled.append((lv, computed, end))
 
-    def _step_time(self, step: int, scheduled: list[tuple[_Live, int, int]],
-                   dec_rows: list[int] | None) -> tuple[float, int]:
+    def _step_time(self, step: int, scheduled: list[tuple[_Live, int, int]]) -> tuple[float, int]:
         """Seconds of this step (the slowest rank) and the number of decodes in it."""
         dp = self.cfg.dp_size
         # a member decodes position len - 1 (len = prompt_len + step - off) and reads what precedes it
-        if dp == 1 and dec_rows is None and not scheduled:
+        if dp == 1 and not scheduled:
             c = self.dec_count[0]
             t = self.dec_len_sum[0] + c * step
             return self.timer.seconds_of(c, t, t - c), c
         work = [StepWork() for _ in range(dp)]
-        if dec_rows is None:
-            counts, sums = self.dec_count, self.dec_len_sum
-        else:
-            cols = self.dec_cols[dec_rows]
-            counts = np.bincount(cols[:, _RANK], minlength=dp).tolist()
-            sums = np.bincount(cols[:, _RANK], weights=cols[:, _PLEN] - cols[:, _OFF], minlength=dp).tolist()
-        n = 0
         for r, w in enumerate(work):
-            c = counts[r]
+            c = self.dec_count[r]
             if c:
-                t = int(sums[r]) + c * step
+                t = self.dec_len_sum[r] + c * step
                 w.tokens, w.attended, w.kv_read = c, t, t - c
-                n += c
         for lv, start, end in scheduled:
             work[lv.seq.dp_rank].add(start, end)
         seconds = self.timer.seconds
-        return (seconds(work[0]) if dp == 1 else max(seconds(w) for w in work)), n
+        return (seconds(work[0]) if dp == 1 else max(seconds(w) for w in work)), len(self.dec)
 
-    def _after_forward(self, step: int, scheduled: list[tuple[_Live, int, int]], dec_rows: list[int] | None,
-                       end_s: float) -> int:
+    def _after_forward(self, step: int, scheduled: list[tuple[_Live, int, int]], end_s: float) -> int:
         pool = self.pool
         bs = self.cfg.block_size
         batched = 0
@@ -835,25 +797,16 @@ class Simulator:
                 else:
                     joining.append(lv)
         # decoders: those sampling their last token finish, the others advance in one call
-        decoded: list[_Live] = self.dec if dec_rows is None else [self.dec[i] for i in dec_rows]
-        fin: list[_Live] = []
-        if decoded:
-            batched += len(decoded)
-            self.decode_tokens += len(decoded)
-            if dec_rows is not None:  # over the budget: the others sample one step later
-                chosen = set(dec_rows)
-                for i in range(len(self.dec)):
-                    if i not in chosen:
-                        self._skip(i)
+        n_dec = len(self.dec)
+        if n_dec:
+            batched += n_dec
+            self.decode_tokens += n_dec
             fin = [lv for lv in self.finishing.pop(step, ()) if lv.state == DECODE and lv.finish_at == step]
             if fin:
-                advancing = [lv for lv in decoded if lv.finish_at != step] if dec_rows is not None else None
                 self._leave_decode(fin, step + 1)
                 for lv in fin:
                     lv.seq.num_computed_tokens = len(lv.seq)
                 done.extend(fin)
-            elif dec_rows is not None:
-                advancing = decoded
         if done:
             dset = {id(x) for x in done}
             self.running = [x for x in self.running if id(x) not in dset]
@@ -864,22 +817,12 @@ class Simulator:
                 self._release(lv)
                 lv.seq = None
                 self.finished.append(lv)
-        if decoded and self.dec:
-            if dec_rows is None:  # every member decoded: the batch itself
-                seqs: Any = self.batch
-                rows = None
-            else:
-                pos = {id(lv): i for i, lv in enumerate(self.dec)}
-                rows = [pos[id(lv)] for lv in advancing]
-                seqs = [self.dec[i].seq for i in rows]
-            if rows is None or rows:
-                tokens = self._decode_tokens(step, None if rows is None else np.asarray(rows, dtype=np.int64))
-                if self.hier:
-                    failed = self._advance_each(list(seqs), tokens)
-                else:
-                    failed = pool.advance(seqs, tokens, lookahead=0)
-                if failed:
-                    self.need_room.extend(self.dec[i if rows is None else rows[i]] for i in failed)
+        if n_dec and self.dec:  # every member decoded: the batch advances in one call
+            tokens = self._decode_tokens(step)
+            failed = self._advance_each(list(self.batch), tokens) if self.hier else pool.advance(
+                self.batch, tokens, lookahead=0)
+            if failed:
+                self.need_room.extend(self.dec[i] for i in failed)
         for lv in joining:
             lv.seq.append_token(lv.token(lv.generated - 1))
             if not pool.may_append(lv.seq):
@@ -910,6 +853,8 @@ class Simulator:
         for lv in self.dec:
             assert lv in self.finishing.get(lv.finish_at, ()), "a member is missing from the finishing index"
         for r in range(cfg.dp_size):
+            # decoders joined only through prefill chunks that fit the budget: never more than it
+            assert self.dec_count[r] <= cfg.max_num_batched_tokens, "more decoders than the token budget"
             mine = self.dec_cols[self.dec_cols[:, _RANK] == r]
             assert self.dec_count[r] == len(mine), "per-rank decode count drifted"
             assert self.dec_len_sum[r] == int((mine[:, _PLEN] - mine[:, _OFF]).sum()), "per-rank length sum drifted"
