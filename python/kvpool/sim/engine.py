@@ -996,6 +996,9 @@ class Simulator:
         tl_tokens = sum(r.batched_tokens for r in self.timeline)
         span = self.now_s - (min(arr_s) if len(arr_s) else 0.0)
         out_tokens = int(sum(lv.generated for lv in fin))
+        # prompt tokens from the cache at each request's first admission (no preemption re-hits)
+        first = np.array([max(lv.first_cached, 0) for lv in fin], dtype=np.float64)
+        plen = np.array([lv.prompt_len for lv in fin], dtype=np.float64)
         computed = self.prefill_tokens + self.decode_tokens + self.recompute_tokens
 
         def pct(a: np.ndarray, p: float) -> float:
@@ -1021,6 +1024,8 @@ class Simulator:
             "admitted_tokens": self.admit_tokens,
             "admitted_cached_tokens": self.admit_cached,
             "cached_token_fraction": self.admit_cached / self.admit_tokens if self.admit_tokens else 0.0,
+            "first_admission_cached_fraction": float(first.sum() / plen.sum()) if len(fin) else 0.0,
+            "mean_request_cached_fraction": float((first / plen).mean()) if len(fin) else 0.0,
             "peak_usage": self.peak_usage,
             "mean_usage": self.usage_sum / max(steps if not request_order else len(fin), 1),
             "peak_used_blocks": self.peak_used_blocks,

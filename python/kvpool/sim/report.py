@@ -72,7 +72,8 @@ def _request_order_rows(res: Any) -> list[tuple[str, str, str] | None]:
         ("cache", f"{s['num_total_blocks']:,} blocks x {c['block_size']}",
          f"{c['capacity_tokens_per_rank']:,} tokens per rank, {c['dp_size']} rank(s)"),
         ("prompt tokens from cache", _pct(s["cached_token_fraction"]),
-         f"{s['admitted_cached_tokens']:,} of {s['admitted_tokens']:,} prompt tokens found in the cache"),
+         f"{s['admitted_cached_tokens']:,} of {s['admitted_tokens']:,} prompt tokens found in the cache; "
+         f"mean per request {_pct(s['mean_request_cached_fraction'])}"),
         ("prefix hit rate", _pct(s["prefix_hit_rate"]), "hit / looked-up tokens of full blocks (pool stats)"),
         ("evictions", _int(s["evictions"]), "cached blocks reclaimed for new allocations"),
         ("prefill tokens computed", _int(s["prefill_tokens_computed"]), "prompt tokens not found in the cache"),
@@ -111,6 +112,8 @@ def summary_rows(res: Any) -> list[tuple[str, str, str] | None]:
          "hits count in 'prompt tokens from cache')"),
         ("prompt tokens from cache", _pct(s["cached_token_fraction"]),
          f"{s['admitted_cached_tokens']:,} of {s['admitted_tokens']:,} admitted tokens not recomputed"),
+        ("... at first admission", _pct(s["first_admission_cached_fraction"]),
+         f"without preemption re-hits; mean per request {_pct(s['mean_request_cached_fraction'])}"),
         ("peak usage", _pct(s["peak_usage"]), f"{s['peak_used_blocks']:,} blocks held by sequences at peak"),
         ("mean usage", _pct(s["mean_usage"]), "used / total, mean over steps"),
         ("evictions", _int(s["evictions"]), "cached blocks reclaimed for new allocations"),
@@ -166,7 +169,7 @@ def summary_table(res: Any, title: str = "kvpool simulate") -> Any:
 
 COMPARE_COLUMNS = [
     ("hit rate", lambda s: _pct(s["prefix_hit_rate"])),
-    ("from cache", lambda s: _pct(s["cached_token_fraction"])),
+    ("first hit", lambda s: _pct(s["first_admission_cached_fraction"])),
     ("peak use", lambda s: _pct(s["peak_usage"])),
     ("preempt", lambda s: _int(s["preemptions"])),
     ("evict", lambda s: _int(s["evictions"])),
@@ -215,8 +218,9 @@ def plot_capacity(labels: Sequence[str], results: Sequence[Any], path: str, *, s
     """The prefix hit rate against the cache capacity in tokens (log x), like Mooncake's Figure 9.
 
     One line per combination of the other swept keys; y is the share of prompt tokens found in
-    the cache (``cached_token_fraction``). The largest capacity's rate is marked as the curve's
-    ceiling when its run never evicted (an "infinite" cache).
+    the cache at each request's first admission (``first_admission_cached_fraction``: preempted
+    requests re-hitting their own prefix do not count). The largest capacity's rate is marked as
+    the curve's ceiling when its run never evicted (an "infinite" cache).
     """
     require_matplotlib()
     import matplotlib
@@ -229,7 +233,7 @@ def plot_capacity(labels: Sequence[str], results: Sequence[Any], path: str, *, s
     for label, r in zip(labels, results, strict=True):
         rest = " ".join(p for p in label.split() if p.split("=", 1)[0] not in cap_keys)
         lines.setdefault(rest, []).append((float(r.config["capacity_tokens_per_rank"]),
-                                           float(r.summary["cached_token_fraction"]), r))
+                                           float(r.summary["first_admission_cached_fraction"]), r))
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
     for name, pts in lines.items():
         pts.sort(key=lambda p: p[0])
