@@ -246,3 +246,23 @@ def test_tiny_budget_and_preemption_from_the_decode_batch(dp: int) -> None:
 def test_request_order_rejects_hybrid_options() -> None:
     with pytest.raises(SimError, match="--order request"):
         run_simulation(SimConfig(order="request", linear_state_slots=8), [])
+
+
+def test_malformed_trace_line_stops_the_command(tmp_path: Path) -> None:
+    lines = MOONCAKE.read_text().splitlines()[:5]
+    lines[3] = lines[3].replace('"hash_ids": [', '"hash_ids": [-1, ')
+    t = tmp_path / "bad.jsonl"
+    t.write_text("\n".join(lines) + "\n")
+    p = run("--trace", str(t))
+    assert p.returncode == 1 and "Traceback" not in p.stderr
+    assert p.stderr.strip().splitlines()[-1].startswith(f"kvpool simulate: error: {t}:4: ")
+    q = run("--trace", str(MOONCAKE), "--trace-format", "bailian")
+    assert q.returncode == 1 and f"{MOONCAKE}:1: missing field(s) chat_id" in q.stderr
+    r = run("-n", "5", "--trace-format", "mooncake")
+    assert r.returncode == 2 and "go with --trace" in r.stderr
+
+
+def test_progress_bar_has_an_eta() -> None:
+    p = run("--trace", str(BAILIAN), "--progress", "--gpu", "a100", "--model", "qwen2.5-7b")
+    assert p.returncode == 0, p.stderr
+    assert "eta" in p.stderr and "300/300" in p.stderr and "clock" in p.stderr
