@@ -801,7 +801,9 @@ class Simulator:
         if n_dec:
             batched += n_dec
             self.decode_tokens += n_dec
-            fin = [lv for lv in self.finishing.pop(step, ()) if lv.state == DECODE and lv.finish_at == step]
+            # entries left by preempted members are stale (their finish_at moved on): skip them
+            fin = list({id(lv): lv for lv in self.finishing.pop(step, ())
+                        if lv.state == DECODE and lv.finish_at == step}.values())
             if fin:
                 self._leave_decode(fin, step + 1)
                 for lv in fin:
@@ -929,8 +931,6 @@ class Simulator:
                 raise SimError(f"request {req.request_id} ({len(seq)} tokens) does not fit the cache")
             if self.hier:
                 self._sync_loads()
-            if self.linear:  # pragma: no cover - rejected by validate()
-                pass
             L = len(seq)
             cached = seq.num_cached_tokens
             self.admissions += 1
