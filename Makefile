@@ -2,29 +2,50 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
+# what `make run` needs (maturin builds, rich prints); the test targets add requirements-dev.txt
+RUN_DEPS := $(VENV)/.run-deps-stamp
 DEPS := $(VENV)/.deps-stamp
+PIP := $(PY) -m pip install -q --disable-pip-version-check
 export VIRTUAL_ENV := $(abspath $(VENV))
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: run test build test-rust test-loom test-python lint bench clean
+.PHONY: run test build wheel test-deps redis-server test-rust test-loom test-python lint bench clean
 
 $(PY):
-	$(PYTHON) -m venv $(VENV)
+	@$(PYTHON) -m venv $(VENV)
 
-$(DEPS): requirements-dev.txt | $(PY)
-	@# the remote-tier tests (tests/test_remote.py) start a real redis-server on loopback
-	command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -r requirements-dev.txt
-	touch $@
+$(RUN_DEPS): | $(PY)
+	@$(PIP) --upgrade pip >$(VENV)/pip.log 2>&1 || (cat $(VENV)/pip.log >&2; exit 1)
+	@$(PIP) "maturin>=1.9.4,<2" "numpy>=1.24" "rich>=13" >>$(VENV)/pip.log 2>&1 || (cat $(VENV)/pip.log >&2; exit 1)
+	@touch $@
 
-build: $(DEPS)
-	$(VENV)/bin/maturin develop --release --quiet
+$(DEPS): requirements-dev.txt $(RUN_DEPS)
+	@echo "== installing the test and lint dependencies (requirements-dev.txt) into $(VENV)"
+	@$(PIP) -r requirements-dev.txt >>$(VENV)/pip.log 2>&1 || (cat $(VENV)/pip.log >&2; exit 1)
+	@touch $@
+
+# the remote-tier tests (tests/test_remote.py) start a real redis-server on loopback
+redis-server:
+	@command -v redis-server >/dev/null || (echo "== installing redis-server (Debian package) for tests/test_remote.py" \
+		&& apt-get update -qq && apt-get install -y -qq redis-server >/dev/null)
+
+test-deps: $(DEPS) redis-server
+
+build: $(RUN_DEPS)
+	@echo "== building kvpool (Rust core, release build) into $(VENV); the first build takes about a minute"
+	@$(VENV)/bin/maturin develop --release >$(VENV)/build.log 2>&1 || (cat $(VENV)/build.log >&2; exit 1)
 
 run: build
-	$(VENV)/bin/kvpool simulate
+	@$(VENV)/bin/kvpool simulate
 
-test: build test-rust test-loom test-python
+# an abi3 manylinux wheel and an sdist, into dist/ (the wheel from target/, the sdist needs no build)
+wheel: $(RUN_DEPS)
+	@echo "== building the wheel (release) and the sdist into dist/"
+	@$(VENV)/bin/maturin build --release --out dist >$(VENV)/wheel.log 2>&1 || (cat $(VENV)/wheel.log >&2; exit 1)
+	@$(VENV)/bin/maturin sdist --out dist >>$(VENV)/wheel.log 2>&1 || (cat $(VENV)/wheel.log >&2; exit 1)
+	@ls dist
+
+test: test-deps build test-rust test-loom test-python
 
 test-rust:
 	cargo test -p kvpool --release
@@ -37,17 +58,17 @@ test-loom:
 		CARGO_PROFILE_RELEASE_DEBUG_ASSERTIONS=true \
 		cargo test -p kvpool --release --test loom
 
-test-python: build
+test-python: test-deps build
 	$(PY) -m pytest -q
 
-lint: build
+lint: $(DEPS) build
 	cargo fmt --all --check
 	cargo clippy --workspace --all-targets -- -D warnings
-	$(VENV)/bin/ruff check python tests benches
+	$(VENV)/bin/ruff check python tests benches examples
 	$(PY) -m mypy.stubtest kvpool._core --allowlist stubtest-allowlist.txt
 
 bench:
 	cargo bench -p kvpool
 
 clean:
-	rm -rf $(VENV) target
+	rm -rf $(VENV) target dist

@@ -215,3 +215,18 @@ def test_two_simulators_share_prefixes_through_a_remote_redis() -> None:
     assert second["remote_puts"] < first["remote_puts"], "blocks already stored are not sent again"
     assert second["admitted_cached_tokens"] > first["admitted_cached_tokens"]
     assert second["prefill_tokens_computed"] < first["prefill_tokens_computed"]
+
+
+def test_plot_without_matplotlib_is_one_line(tmp_path: Path) -> None:
+    """matplotlib is only for --plot (issue 20): without it the command says how to get it."""
+    fake = tmp_path / "site" / "matplotlib"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise ImportError('no matplotlib here')\n")
+    env = dict(os.environ, PYTHONPATH=str(fake.parent), COLUMNS="120")
+    p = subprocess.run([sys.executable, "-m", "kvpool", "simulate", "-n", "5", "--plot", str(tmp_path / "x.png")],
+                       capture_output=True, text=True, timeout=60, cwd=ROOT, env=env)
+    assert p.returncode == 1 and "Traceback" not in p.stderr
+    assert p.stderr.strip().count("\n") == 0 and "pip install matplotlib" in p.stderr
+    q = subprocess.run([sys.executable, "-m", "kvpool", "simulate", "-n", "5"], capture_output=True, text=True,
+                       timeout=60, cwd=ROOT, env=env)
+    assert q.returncode == 0 and "5 / 5" in q.stdout, q.stderr

@@ -1,15 +1,16 @@
-"""The ``kvpool`` command: ``kvpool simulate ...`` and ``kvpool bench ...``."""
+"""The ``kvpool`` command: ``kvpool simulate ...``, ``kvpool tour`` and ``kvpool bench ...``."""
 
 from __future__ import annotations
 
 import sys
 
-USAGE = """usage: kvpool {simulate,bench} [options]
+USAGE = """usage: kvpool {simulate,tour,bench} [options]
 
 commands:
-  simulate   replay a serving workload through a scheduler built on BlockManagerPool and
-             report KV-cache usage, prefix hits, preemptions, scheduler overhead
-             (`kvpool simulate --help`; docs/simulate.md)
+  simulate   replay a serving workload (synthetic, or a Mooncake / Qwen-Bailian trace) through
+             a scheduler built on BlockManagerPool and report KV-cache usage, prefix hits,
+             preemptions, time in seconds (`kvpool simulate --help`; docs/simulate.md)
+  tour       the seeds' scenarios replayed on the library, step by step (a minute's read)
   bench      side-by-side benchmark against pure-Python peers (`kvpool bench --help`)
 """
 
@@ -24,6 +25,10 @@ def main(argv: list[str] | None = None) -> int:
         from kvpool.sim.cli import main as simulate_main
 
         return simulate_main(rest)
+    if cmd == "tour":
+        from kvpool.tour import main as tour_main
+
+        return tour_main(rest)
     if cmd == "bench":
         try:
             from kvpool.bench.compare import main as bench_main
@@ -33,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
         rc = bench_main(rest)
         return int(rc or 0)
     print(USAGE, end="", file=sys.stderr)
-    print(f"kvpool: error: unknown command {cmd!r} (choose from simulate, bench)", file=sys.stderr)
+    print(f"kvpool: error: unknown command {cmd!r} (choose from simulate, tour, bench)", file=sys.stderr)
     return 2
 
 

@@ -5,18 +5,24 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import os
 import sys
 import time
 from typing import Any
 
 from kvpool.sim.capacity import DTYPE_BYTES, MODELS, ModelShape, blocks_for_budget, bytes_per_block
+from kvpool.sim.timing import GPUS
+from kvpool.sim.traces import FORMATS
 from kvpool.sim.workloads import KINDS, TraceError, generate, load_trace
 
 __all__ = ["build_parser", "main"]
 
 DEFAULT_NUM_REQUESTS = 5000
 DEFAULT_NUM_BLOCKS = 6144
+DEFAULT_STEP_MS = 20.0
+# with --gpu and no cache size: KV memory = this share of the GPUs' memory, less the weights
+GPU_MEMORY_UTILIZATION = 0.9
 
 # --sweep keys -> argparse dest and value parser
 SWEEP_KEYS: dict[str, tuple[str, Any]] = {
@@ -36,7 +42,15 @@ SWEEP_KEYS: dict[str, tuple[str, Any]] = {
     "linear_state_slots": ("linear_state_slots", int),
     "checkpoint_interval": ("checkpoint_interval", int),
     "sliding_window": ("sliding_window", int),
+    "cache_tokens": ("cache_tokens", None),
+    "host_cache_tokens": ("host_cache_tokens", None),
+    "tp": ("tp", int),
+    "mfu": ("mfu", float),
+    "order": ("order", str),
+    "gpu": ("gpu", str),
 }
+# sweep keys whose values are capacities: --plot draws the hit rate against them
+CAPACITY_KEYS = ("cache_tokens", "num_blocks", "gib")
 
 
 class UsageError(Exception):
@@ -63,6 +77,31 @@ def _bounded(cast: type, low: float, strict: bool):
 _positive_int = _bounded(int, 1, strict=False)
 _nonneg_int = _bounded(int, 0, strict=False)
 _pos_float = _bounded(float, 0, strict=True)
+_SUFFIX = {"k": 1e3, "K": 1e3, "m": 1e6, "M": 1e6, "g": 1e9, "G": 1e9}
+
+
+def parse_tokens(text: str) -> float:
+    """A token count: an integer, ``1e6``, ``3M``, ``500k``, or ``inf`` (room for the whole workload)."""
+    t = str(text).strip()
+    if t.lower() in ("inf", "infinite", "infinity"):
+        return math.inf
+    mult = 1.0
+    if t and t[-1] in _SUFFIX:
+        mult, t = _SUFFIX[t[-1]], t[:-1]
+    try:
+        v = float(t) * mult
+    except ValueError:
+        raise ValueError(f"expected a token count (1000000, 1e6, 3M or inf), got {text!r}") from None
+    if not v >= 1 or math.isinf(v):
+        raise ValueError(f"expected a token count >= 1, got {text!r}")
+    return float(int(v))
+
+
+def _tokens_arg(text: str) -> float:
+    try:
+        return parse_tokens(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _bool(s: str) -> bool:
@@ -86,7 +125,13 @@ def build_parser(prog: str = "kvpool simulate") -> argparse.ArgumentParser:
     w = p.add_argument_group("workload")
     src = w.add_mutually_exclusive_group()
     src.add_argument("--workload", "-w", choices=KINDS, default="mixed", help="synthetic workload kind")
-    src.add_argument("--trace", "-t", metavar="PATH", help="JSONL trace to replay instead (docs/simulate.md)")
+    src.add_argument("--trace", "-t", metavar="PATH",
+                     help="JSONL trace to replay instead: kvpool's format, or a Mooncake / Qwen-Bailian "
+                     "production trace (docs/simulate.md)")
+    w.add_argument("--trace-format", choices=FORMATS, default="auto",
+                   help="the trace's format (auto: detected from the first record's fields)")
+    w.add_argument("--trace-block-size", type=_positive_int, default=None,
+                   help="tokens per hash id of a Mooncake / Qwen-Bailian trace (default 512 / 16)")
     w.add_argument("--num-requests", "-n", type=_positive_int, default=DEFAULT_NUM_REQUESTS,
                    help="synthetic requests to generate")
     w.add_argument("--rate", type=float, default=0.5,
@@ -95,14 +140,18 @@ def build_parser(prog: str = "kvpool simulate") -> argparse.ArgumentParser:
     w.add_argument("--max-output-len", type=_positive_int, default=1024)
     w.add_argument("--max-prompt-len", type=_positive_int, default=8192)
     w.add_argument("--seed", type=int, default=0, help="workload seed")
-    w.add_argument("--step-ms", type=_pos_float, default=20.0,
-                   help="milliseconds per engine step, to read trace 'time' fields (seconds)")
+    w.add_argument("--order", choices=("serving", "request"), default="serving",
+                   help="serving: continuous batching, arrivals on the trace's clock; request: one request "
+                   "at a time in arrival order, prompts only (the paper-style cache analysis)")
     w.add_argument("--save-trace", metavar="PATH", help="also write the workload as a JSONL trace")
 
     c = p.add_argument_group("cache")
     c.add_argument("--num-blocks", type=_positive_int, default=None,
                    help=f"blocks per rank, padding block 0 included (default {DEFAULT_NUM_BLOCKS}, "
                    "or derived from --gib and the model shape)")
+    c.add_argument("--cache-tokens", type=_tokens_arg, default=None, metavar="N",
+                   help="device cache per rank in tokens (1e6, 3M, or inf: room for the whole workload); "
+                   "sets --num-blocks to ceil(N / block size) + 1")
     c.add_argument("--block-size", type=_positive_int, default=16, help="tokens per block")
     c.add_argument("--dp", type=_positive_int, default=1, help="data-parallel ranks (one pool each)")
     c.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false", help="disable prefix caching")
@@ -113,8 +162,26 @@ def build_parser(prog: str = "kvpool simulate") -> argparse.ArgumentParser:
     c.add_argument("--kv-heads", type=_positive_int, default=None, help="KV heads (with --gib)")
     c.add_argument("--head-dim", type=_positive_int, default=None, help="head dim (with --gib)")
     c.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default=None, help="KV dtype (with --gib)")
+    c.add_argument("--heads", type=_positive_int, default=None, help="query heads (the roofline, with --layers)")
+    c.add_argument("--params", type=_pos_float, default=None, metavar="BILLIONS",
+                   help="parameters in billions (the roofline, with --layers)")
+
+    t = p.add_argument_group("time (steps to seconds)")
+    t.add_argument("--gpu", choices=sorted(GPUS), default=None,
+                   help="roofline step time of the model (--model) on this GPU; without --num-blocks, "
+                   f"--gib or --cache-tokens the KV cache is {GPU_MEMORY_UTILIZATION:g} of the GPUs' memory less "
+                   "the weights")
+    t.add_argument("--tp", type=_positive_int, default=1, help="GPUs per rank (ideal tensor parallelism)")
+    t.add_argument("--mfu", type=_pos_float, default=0.5, help="fraction of the peak FLOP/s the roofline reaches")
+    t.add_argument("--mbu", type=_pos_float, default=0.8,
+                   help="fraction of the memory bandwidth the roofline reaches")
+    t.add_argument("--step-ms", type=_pos_float, default=None,
+                   help=f"fixed milliseconds per engine step when there is no --gpu (default {DEFAULT_STEP_MS:g}); "
+                   "also turns kvpool-trace 'time' fields and idle gaps of synthetic workloads into steps")
     c.add_argument("--host-blocks", type=_nonneg_int, default=0,
                    help="host-tier blocks per rank (HierarchyBlockManagerPool); 0 = no host tier")
+    c.add_argument("--host-cache-tokens", type=_tokens_arg, default=None, metavar="N",
+                   help="host tier per rank in tokens (sets --host-blocks to ceil(N / block size) + 1)")
     c.add_argument("--remote", default=None, metavar="URL",
                    help="shared remote KV tier, e.g. redis://127.0.0.1:6379/0 (needs --host-blocks); "
                         "simulators sharing one Redis reuse each other's prefixes")
@@ -139,13 +206,16 @@ def build_parser(prog: str = "kvpool simulate") -> argparse.ArgumentParser:
     o = p.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="print a JSON document instead of tables")
     o.add_argument("--timeline", action="store_true", help="with --json: include the per-step timeline")
-    o.add_argument("--plot", metavar="PNG", help="write a figure of usage, hit rate and queue lengths")
+    o.add_argument("--plot", metavar="PNG", help="write a figure of usage, hit rate and queue lengths; with "
+                   "a --sweep of cache_tokens/num_blocks/gib: the hit rate against the capacity (log x)")
     o.add_argument("--no-progress", action="store_true", help="no progress bar")
     o.add_argument("--progress", action="store_true",
                    help="show the progress bar even when stderr is not a terminal")
     o.add_argument("--sweep", action="append", default=[], metavar="KEY=V1,V2,...",
                    help="run every combination and print one comparison table; keys: "
                    + ", ".join(sorted(k for k in SWEEP_KEYS if k == SWEEP_KEYS[k][0] or "_" in k)))
+    o.add_argument("--jobs", "-j", type=_positive_int, default=None,
+                   help="--sweep: points run in parallel processes (default: one per CPU, at most one per point)")
     o.add_argument("--check", action="store_true",
                    help="test mode: pool.check() and accounting asserts after every step (slow)")
 
@@ -166,27 +236,48 @@ def build_parser(prog: str = "kvpool simulate") -> argparse.ArgumentParser:
 
 def _model_shape(args: argparse.Namespace) -> ModelShape | None:
     explicit = [args.layers, args.kv_heads, args.head_dim]
-    if args.model is None and all(x is None for x in explicit) and args.dtype is None:
+    if (args.model is None and all(x is None for x in explicit) and args.dtype is None
+            and args.heads is None and args.params is None):
         return None
     base = MODELS[args.model] if args.model else None
     if base is None and any(x is None for x in explicit):
         raise UsageError("a model shape needs --model or all of --layers, --kv-heads, --head-dim")
+    params = args.params * 1e9 if args.params is not None else (base.params if base else None)
     return ModelShape(
         layers=args.layers or base.layers,  # type: ignore[union-attr]
         kv_heads=args.kv_heads or base.kv_heads,  # type: ignore[union-attr]
         head_dim=args.head_dim or base.head_dim,  # type: ignore[union-attr]
         dtype=args.dtype or (base.dtype if base else "bf16"),
+        heads=args.heads or (base.heads if base else None),
+        params=params,
     )
 
 
-def make_config(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
-    from kvpool.sim.engine import SimConfig
+def workload_tokens(reqs: list[Any]) -> int:
+    """KV tokens that hold every request of the workload at once (``--cache-tokens inf``)."""
+    return sum(r.prompt_len + r.output_len for r in reqs)
+
+
+def _blocks_for_tokens(tokens: float, block_size: int, reqs: list[Any] | None, what: str) -> int:
+    if math.isinf(tokens):
+        if reqs is None:  # checking the options before the workload is read
+            return 2
+        # every block of every request, each request starting a fresh block
+        return sum(-(-(r.prompt_len + r.output_len) // block_size) for r in reqs) + 1
+    return -(-int(tokens) // block_size) + 1
+
+
+def make_config(args: argparse.Namespace, reqs: list[Any] | None = None) -> tuple[Any, dict[str, Any]]:
+    """The SimConfig of ``args`` (and the extra config rows); ``reqs`` sizes ``--cache-tokens inf``."""
+    from kvpool.sim.engine import SimConfig, SimError
 
     shape = _model_shape(args)
     extra: dict[str, Any] = {}
+    sizes = [k for k, v in (("--num-blocks", args.num_blocks), ("--gib", args.gib),
+                            ("--cache-tokens", args.cache_tokens)) if v is not None]
+    if len(sizes) > 1:
+        raise UsageError(f"give one of {', '.join(sizes)}, not both")
     if args.gib is not None:
-        if args.num_blocks is not None:
-            raise UsageError("give --num-blocks or --gib, not both")
         if shape is None:
             raise UsageError("--gib needs a model shape: --model, or --layers/--kv-heads/--head-dim")
         num_blocks = blocks_for_budget(shape, args.block_size, args.gib)
@@ -194,29 +285,63 @@ def make_config(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
             raise UsageError(
                 f"{args.gib} GiB holds {num_blocks} block(s) of {bytes_per_block(shape, args.block_size):,} bytes: "
                 "too small for a cache")
+    elif args.cache_tokens is not None:
+        num_blocks = _blocks_for_tokens(args.cache_tokens, args.block_size, reqs, "--cache-tokens")
+    elif args.num_blocks is not None:
+        num_blocks = args.num_blocks
+    elif args.gpu is not None and shape is not None:
+        gpu = GPUS[args.gpu]
+        if shape.params is None:
+            raise UsageError("--gpu needs the model's parameter count: --model, or --params")
+        weights_gib = 2 * shape.params / (1 << 30)
+        gib = args.tp * gpu.memory_gib * GPU_MEMORY_UTILIZATION - weights_gib
+        if gib <= 0:
+            raise UsageError(f"the weights ({weights_gib:.0f} GiB) do not fit {args.tp} x {gpu.name}: raise --tp")
+        num_blocks = blocks_for_budget(shape, args.block_size, gib)
+        extra["kv_gib_from_gpu"] = gib
     else:
-        if shape is not None and args.num_blocks is None:
-            raise UsageError("a model shape sizes the cache only with --gib")
-        num_blocks = args.num_blocks if args.num_blocks is not None else DEFAULT_NUM_BLOCKS
+        if shape is not None and args.gpu is None:
+            raise UsageError("a model shape sizes the cache only with --gib (or --gpu)")
+        num_blocks = DEFAULT_NUM_BLOCKS
+    host_blocks = args.host_blocks
+    if args.host_cache_tokens is not None:
+        if args.host_blocks:
+            raise UsageError("give --host-blocks or --host-cache-tokens, not both")
+        host_blocks = _blocks_for_tokens(args.host_cache_tokens, args.block_size, reqs, "--host-cache-tokens")
     if shape is not None:
         bpb = bytes_per_block(shape, args.block_size)
         extra["model"] = {"layers": shape.layers, "kv_heads": shape.kv_heads, "head_dim": shape.head_dim,
-                          "dtype": shape.dtype, "bytes_per_block": bpb,
-                          "kv_gib_per_rank": num_blocks * bpb / (1 << 30)}
+                          "dtype": shape.dtype, "heads": shape.heads, "params": shape.params,
+                          "bytes_per_block": bpb, "kv_gib_per_rank": num_blocks * bpb / (1 << 30)}
+    if args.gpu is None and any(v != d for v, d in ((args.tp, 1), (args.mfu, 0.5), (args.mbu, 0.8))):
+        raise UsageError("--tp, --mfu and --mbu shape the roofline: they need --gpu")
+    if args.gpu is not None and args.step_ms is not None:
+        raise UsageError("give --gpu (the roofline) or --step-ms (a fixed step time), not both")
     cfg = SimConfig(
         num_blocks=num_blocks, block_size=args.block_size, dp_size=args.dp,
         enable_prefix_cache=args.prefix_cache, max_num_batched_tokens=args.max_batched_tokens,
         max_num_seqs=args.max_seqs, linear_state_slots=args.linear_state_slots,
         checkpoint_interval=args.checkpoint_interval, linear_state_match=args.linear_state_match,
         sliding_window=args.sliding_window, swa_num_blocks=args.swa_num_blocks,
-        host_num_blocks=args.host_blocks, remote=args.remote, check=args.check, max_steps=args.max_steps, seed=args.seed)
+        host_num_blocks=host_blocks, remote=args.remote, check=args.check, max_steps=args.max_steps,
+        seed=args.seed, order=args.order, step_ms=args.step_ms or DEFAULT_STEP_MS, gpu=args.gpu, tp=args.tp,
+        mfu=args.mfu, mbu=args.mbu, model_shape=shape)
+    try:
+        cfg.step_timer()
+    except SimError as e:
+        raise UsageError(str(e)) from None
     return cfg, extra
 
 
 def make_workload(args: argparse.Namespace) -> tuple[list[Any], dict[str, Any]]:
+    step_s = (args.step_ms or DEFAULT_STEP_MS) / 1000.0
     if args.trace:
-        reqs = load_trace(args.trace, step_seconds=args.step_ms / 1000.0, seed=args.seed)
-        return reqs, {"trace": args.trace}
+        t0 = time.perf_counter()
+        reqs = load_trace(args.trace, step_seconds=step_s, seed=args.seed, fmt=args.trace_format,
+                          trace_block_size=args.trace_block_size)
+        return reqs, {"trace": args.trace, "trace_read_s": time.perf_counter() - t0}
+    if args.trace_format != "auto" or args.trace_block_size is not None:
+        raise UsageError("--trace-format and --trace-block-size go with --trace")
     if args.rate < 0:
         raise UsageError("--rate must be >= 0")
     reqs = generate(args.workload, args.num_requests, seed=args.seed, rate=args.rate or None,
@@ -226,76 +351,29 @@ def make_workload(args: argparse.Namespace) -> tuple[list[Any], dict[str, Any]]:
                   "seed": args.seed}
 
 
-class _Progress:
-    """A rich progress bar over finished requests, refreshed at most 10 times a second."""
-
-    def __init__(self, enabled: bool, total: int, label: str) -> None:
-        self.enabled = enabled
-        self.total = total
-        self.label = label
-        self._last = 0.0
-        self.progress: Any = None
-
-    def __enter__(self) -> _Progress:
-        if self.enabled:
-            from rich.console import Console
-            from rich.progress import (
-                BarColumn,
-                MofNCompleteColumn,
-                Progress,
-                SpinnerColumn,
-                TextColumn,
-                TimeElapsedColumn,
-            )
-
-            self.progress = Progress(
-                SpinnerColumn(), TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                TextColumn("step {task.fields[step]:>6}  run {task.fields[run]:>4}  wait {task.fields[wait]:>4}  "
-                           "use {task.fields[use]:>5}"),
-                TimeElapsedColumn(), console=Console(stderr=True), transient=False)
-            self.progress.__enter__()
-            self.task = self.progress.add_task(self.label, total=self.total, step=0, run=0, wait=0, use="0%")
-        return self
-
-    def __call__(self, sim: Any) -> None:
-        if not self.enabled:
-            return
-        now = time.perf_counter()
-        if now - self._last < 0.1 and not sim.done():
-            return
-        self._last = now
-        last = sim.timeline[-1] if sim.timeline else None
-        self.progress.update(self.task, completed=len(sim.finished), step=sim.step_no,
-                             run=len(sim.running), wait=len(sim.waiting),
-                             use=f"{100 * last.usage:.0f}%" if last else "0%")
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.progress is not None:
-            self.progress.__exit__(*exc)
-
-
-def run_one(args: argparse.Namespace, reqs: list[Any], label: str, show_progress: bool) -> Any:
+def run_one(args: argparse.Namespace, reqs: list[Any], label: str, on_step: Any = None) -> Any:
+    """Simulate ``reqs`` with the configuration of ``args``; ``on_step`` sees the simulator each step."""
     from kvpool.sim.engine import Simulator
 
-    cfg, extra = make_config(args)
+    cfg, extra = make_config(args, reqs)
     executor = None
     if args.execute:
         from kvpool.sim.execute import Executor
 
         executor = Executor(cfg, backend=args.backend, layers=args.exec_layers, heads=args.exec_heads,
                             head_dim=args.exec_head_dim, check_every=args.check_every, seed=args.seed)
-    with _Progress(show_progress, len(reqs), label) as prog:
-        sim = Simulator(cfg, reqs, executor=executor, on_step=prog if show_progress else None)
-        if executor is not None:
-            executor.bind(sim)
-        res = sim.run()
+    sim = Simulator(cfg, reqs, executor=executor, on_step=on_step)
+    if executor is not None:
+        executor.bind(sim)
+    res = sim.run()
     res.config.update(extra)
     if executor is not None:
         res.execute = executor.report()
     return res
 
 
-def _parse_sweep(specs: list[str]) -> list[tuple[str, list[Any]]]:
+def _parse_sweep(specs: list[str]) -> list[tuple[str, str, list[Any]]]:
+    """``(key, dest, values)`` of each ``--sweep KEY=V1,V2,...``."""
     out = []
     for spec in specs:
         key, sep, vals = spec.partition("=")
@@ -305,14 +383,19 @@ def _parse_sweep(specs: list[str]) -> list[tuple[str, list[Any]]]:
         if key not in SWEEP_KEYS:
             raise UsageError(f"--sweep: unknown key {key!r}; known: {', '.join(sorted(SWEEP_KEYS))}")
         dest, conv = SWEEP_KEYS[key]
-        conv = conv or _bool
+        if conv is None:
+            conv = parse_tokens if dest in ("cache_tokens", "host_cache_tokens") else _bool
         try:
             values = [conv(v.strip()) for v in vals.split(",") if v.strip()]
         except ValueError as e:
             raise UsageError(f"--sweep {key}: {e}") from None
         if any(isinstance(v, (int, float)) and not isinstance(v, bool) and v <= 0 and dest != "rate" for v in values):
             raise UsageError(f"--sweep {key}: values must be > 0")
-        out.append((dest, values))
+        if dest == "order" and any(v not in ("serving", "request") for v in values):
+            raise UsageError("--sweep order: values are serving, request")
+        if dest == "gpu" and any(v not in GPUS for v in values):
+            raise UsageError(f"--sweep gpu: values are {', '.join(sorted(GPUS))}")
+        out.append((key, dest, values))
     return out
 
 
@@ -353,14 +436,18 @@ def _main(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from kvpool.sim import report
+    from kvpool.sim.progress import Progress
 
     if args.timeline and not args.json:
         raise UsageError("--timeline goes with --json")
-    if not args.sweep:
-        make_config(args)  # configuration errors before generating the workload
+    sweep = _parse_sweep(args.sweep)
+    if not sweep:
+        make_config(args)  # configuration errors before reading the workload
+    if args.plot:
+        report.require_matplotlib()
     try:
         reqs, wl = make_workload(args)
-    except TraceError:
+    except (TraceError, UsageError):
         raise
     except ValueError as e:
         raise UsageError(str(e)) from None
@@ -371,13 +458,16 @@ def _main(args: argparse.Namespace) -> int:
     show = args.progress or (not args.no_progress and not os.environ.get("KVPOOL_NO_PROGRESS")
                              and sys.stderr.isatty())
     console = Console()
-    sweep = _parse_sweep(args.sweep)
-    if args.plot and sweep:
-        raise UsageError("--plot draws one run; drop --sweep")
+    if args.plot and sweep and not any(k in CAPACITY_KEYS for k, _, _ in sweep):
+        raise UsageError(f"--plot with --sweep draws the hit rate against a capacity: sweep one of "
+                         f"{', '.join(CAPACITY_KEYS)}")
     if not sweep:
-        make_config(args)  # usage errors before the progress bar
-        res = run_one(args, reqs, "simulate", show)
+        make_config(args, reqs)  # usage errors before the progress bar
+        with Progress(show, len(reqs), "simulate") as prog:
+            res = run_one(args, reqs, "simulate", prog if show else None)
         res.config.update(wl)
+        if "trace_read_s" in wl:
+            res.summary["trace_read_s"] = wl["trace_read_s"]
         if args.plot:
             report.plot(res, args.plot)
         if args.json:
@@ -391,38 +481,57 @@ def _main(args: argparse.Namespace) -> int:
                          f"{res.execute['max_abs_error']:.3e} (tolerance {res.execute['tolerance']:.0e})", 3)
         return 0
     # sweep: the cartesian product of the given values
-    dests = [d for d, _ in sweep]
-    combos = list(itertools.product(*(v for _, v in sweep)))
+    from kvpool.sim.engine import check_fits
+    from kvpool.sim.sweep import run_sweep
+
     plans = []
-    for combo in combos:
+    for combo in itertools.product(*(v for _, _, v in sweep)):
         a = argparse.Namespace(**vars(args))
-        for d, v in zip(dests, combo, strict=False):
-            setattr(a, d, v)
-        if "gib" in dests:
-            a.num_blocks = None
-        label = " ".join(f"{k}={_fmt(v)}" for k, v in zip([k for k, _ in sweep], combo, strict=False))
-        make_config(a)  # validate every combination before running any
-        plans.append((a, label))
-    results = []
-    for a, label in plans:
-        r = reqs
-        if a.num_requests != args.num_requests or a.rate != args.rate:
-            r, _ = make_workload(a)
-        res = run_one(a, r, label, show)
+        for (_, dest, _), v in zip(sweep, combo, strict=True):
+            setattr(a, dest, v)
+        dests = {dest for _, dest, _ in sweep}
+        if dests & {"gib", "cache_tokens", "num_blocks"}:  # the swept size replaces the others
+            for d in ("gib", "cache_tokens", "num_blocks"):
+                if d not in dests:
+                    setattr(a, d, None)
+        if "host_cache_tokens" in dests:
+            a.host_blocks = 0
+        label = " ".join(f"{k}={_fmt(v)}" for (k, _, _), v in zip(sweep, combo, strict=True))
+        same = a.num_requests == args.num_requests and a.rate == args.rate
+        cfg, _ = make_config(a, reqs if same else None)  # validate every combination before running any
+        if same:
+            check_fits(cfg, reqs)
+        plans.append((a, label, same))
+    results = run_sweep(plans, reqs, jobs=args.jobs, show=show, keep_timeline=args.timeline)
+    for res in results:
         res.config.update(wl)
-        res.config["sweep_label"] = label
-        results.append(res)
+        if "trace_read_s" in wl and "trace_read_s" not in res.summary:
+            res.summary["trace_read_s"] = wl["trace_read_s"]
+    labels = [lbl for _, lbl, _ in plans]
+    for res, lbl in zip(results, labels, strict=True):
+        res.config["sweep_label"] = lbl
+    if args.plot:
+        report.plot_capacity(labels, results, args.plot, sweep_keys=[k for k, _, _ in sweep],
+                             title=os.path.basename(wl["trace"]) if "trace" in wl else _describe(wl))
     if args.json:
         print(json.dumps({"sweep": [{"label": lbl, **res.to_json(timeline=args.timeline)}
-                                    for (_, lbl), res in zip(plans, results, strict=False)]}, indent=2))
+                                    for lbl, res in zip(labels, results, strict=True)]}, indent=2))
     else:
-        console.print(report.comparison_table([lbl for _, lbl in plans], results))
+        console.print(report.comparison_table(labels, results))
+        if args.plot:
+            console.print(f"figure written to {args.plot}")
     return 0
 
 
 def _fmt(v: Any) -> str:
     if isinstance(v, bool):
         return "on" if v else "off"
+    if isinstance(v, float) and math.isinf(v):
+        return "inf"
+    if isinstance(v, float) and v == int(v) and v >= 1e4:
+        from kvpool.sim.report import _short
+
+        return _short(v)
     return f"{v:g}" if isinstance(v, float) else str(v)
 
 

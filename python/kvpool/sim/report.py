@@ -1,11 +1,27 @@
-"""Rendering of simulation results: rich tables, JSON, matplotlib figure."""
+"""Rendering of simulation results: rich tables, JSON, matplotlib figures.
+
+matplotlib is optional (``--plot`` only): :func:`require_matplotlib` turns its absence into one
+line telling how to install it.
+"""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["comparison_table", "plot", "summary_table"]
+__all__ = ["comparison_table", "plot", "plot_capacity", "require_matplotlib", "summary_table"]
+
+
+def require_matplotlib() -> None:
+    """Raise SimError with a one-line install hint when matplotlib is missing."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        from kvpool.sim.engine import SimError
+
+        raise SimError("--plot needs matplotlib, which is not installed: pip install matplotlib "
+                       "(or pip install 'kvpool[sim]')") from None
 
 
 def _pct(x: float) -> str:
@@ -16,10 +32,71 @@ def _int(x: float) -> str:
     return f"{int(x):,}"
 
 
+def _secs(x: float) -> str:
+    return f"{x:.3g} s" if x < 100 else f"{x:,.0f} s"
+
+
+def _time_rows(s: dict[str, Any], c: dict[str, Any]) -> list[tuple[str, str, str] | None]:
+    return [
+        None,
+        ("step time", c.get("step_time", "-"), "how a step's seconds are counted"),
+        ("simulated time", _secs(s["sim_time_s"]), f"the clock at the end ({c.get('clock', 'steps')}); "
+         f"{_secs(s['busy_s'])} of steps"),
+        ("TTFT", _secs(s["ttft_s_mean"]), f"mean arrival -> first token; p50 {_secs(s['ttft_s_p50'])}, "
+         f"p99 {_secs(s['ttft_s_p99'])}; {s['ttft_steps_mean']:.1f} steps (p99 {s['ttft_steps_p99']:.0f})"),
+        ("time between tokens", f"{s['tbt_ms_mean']:.1f} ms",
+         f"mean over decoded tokens, p99 {s['tbt_ms_p99']:.1f} ms; per request {s['tpot_ms_mean']:.1f} ms"),
+        ("end-to-end", _secs(s["e2e_s_mean"]), f"mean arrival -> last token; {s['e2e_steps_mean']:.1f} steps"),
+        ("throughput", f"{s['output_tokens_per_s']:,.0f} tok/s",
+         f"output tokens per simulated second; {s['computed_tokens_per_s']:,.0f} computed tok/s while busy"),
+    ]
+
+
+def _session_rows(s: dict[str, Any]) -> list[tuple[str, str, str] | None]:
+    if "sessions" not in s:
+        return []
+    return [None,
+            ("sessions", _int(s["sessions"]), f"first turns (parent_chat_id -1); {s['follow_up_turns']:,} "
+             f"follow-up turns, up to turn {s['max_turn']}"),
+            ("hit rate by turn", f"{_pct(s['first_turn_hit_rate'])} / {_pct(s['follow_up_hit_rate'])}",
+             "prompt tokens from cache at first admission: first turns / follow-ups")]
+
+
+def _request_order_rows(res: Any) -> list[tuple[str, str, str] | None]:
+    s = res.summary
+    c = res.config
+    rows: list[tuple[str, str, str] | None] = [
+        ("requests", f"{s['finished']:,} / {s['requests']:,}", "one at a time, in arrival order (no batching)"),
+        ("prompt tokens", _int(s["prompt_tokens"]), "sum of prompt lengths"),
+        None,
+        ("cache", f"{s['num_total_blocks']:,} blocks x {c['block_size']}",
+         f"{c['capacity_tokens_per_rank']:,} tokens per rank, {c['dp_size']} rank(s)"),
+        ("prompt tokens from cache", _pct(s["cached_token_fraction"]),
+         f"{s['admitted_cached_tokens']:,} of {s['admitted_tokens']:,} prompt tokens found in the cache; "
+         f"mean per request {_pct(s['mean_request_cached_fraction'])}"),
+        ("prefix hit rate", _pct(s["prefix_hit_rate"]), "hit / looked-up tokens of full blocks (pool stats)"),
+        ("evictions", _int(s["evictions"]), "cached blocks reclaimed for new allocations"),
+        ("prefill tokens computed", _int(s["prefill_tokens_computed"]), "prompt tokens not found in the cache"),
+    ]
+    if c.get("host_num_blocks"):
+        rows += [("host loads", _int(s["host_loads"]), "blocks copied host -> device (host prefix hits)"),
+                 ("host offloads", _int(s["host_offloads"]), "blocks copied device -> host on release")]
+    rows += _session_rows(s)
+    rows += [None,
+             ("step time", c.get("step_time", "-"), "how a prefill's seconds are counted"),
+             ("prefill time", _secs(s["prefill_s_mean"]), f"mean per request; {_secs(s['busy_s'])} in all"),
+             ("wall time", f"{s['wall_s']:.2f} s", "simulation, this machine")]
+    if "trace_read_s" in s:
+        rows.append(("trace read in", f"{s['trace_read_s']:.2f} s", "parsing the trace file"))
+    return rows
+
+
 def summary_rows(res: Any) -> list[tuple[str, str, str] | None]:
     """(metric, value, meaning) rows; None separates sections."""
     s = res.summary
     c = res.config
+    if c.get("order") == "request":
+        return _request_order_rows(res)
     rows: list[tuple[str, str, str] | None] = [
         ("requests", f"{s['finished']:,} / {s['requests']:,}", "finished / total"),
         ("prompt tokens", _int(s["prompt_tokens"]), "sum of prompt lengths"),
@@ -35,6 +112,8 @@ def summary_rows(res: Any) -> list[tuple[str, str, str] | None]:
          "hits count in 'prompt tokens from cache')"),
         ("prompt tokens from cache", _pct(s["cached_token_fraction"]),
          f"{s['admitted_cached_tokens']:,} of {s['admitted_tokens']:,} admitted tokens not recomputed"),
+        ("... at first admission", _pct(s["first_admission_cached_fraction"]),
+         f"without preemption re-hits; mean per request {_pct(s['mean_request_cached_fraction'])}"),
         ("peak usage", _pct(s["peak_usage"]), f"{s['peak_used_blocks']:,} blocks held by sequences at peak"),
         ("mean usage", _pct(s["mean_usage"]), "used / total, mean over steps"),
         ("evictions", _int(s["evictions"]), "cached blocks reclaimed for new allocations"),
@@ -54,15 +133,17 @@ def summary_rows(res: Any) -> list[tuple[str, str, str] | None]:
     if c.get("linear_state_slots"):
         rows += [("checkpoint hits", _int(s["checkpoint_hits"]), "admissions that restored a linear-state checkpoint"),
                  ("checkpoint saves", _int(s["checkpoint_saves"]), "linear-state checkpoints written")]
+    rows += _session_rows(s)
+    rows += _time_rows(s, c)
     rows += [
         None,
-        ("TTFT", f"{s['ttft_steps_mean']:.1f} steps", f"mean arrival -> first token; p99 {s['ttft_steps_p99']:.0f}"),
-        ("end-to-end", f"{s['e2e_steps_mean']:.1f} steps", "mean arrival -> last token"),
         ("scheduler overhead", f"{s['sched_us_per_step_mean']:.1f} us/step",
          f"p50 {s['sched_us_per_step_p50']:.1f}, p99 {s['sched_us_per_step_p99']:.1f} us; "
          f"{s['sched_us_per_request']:.1f} us per request"),
         ("wall time", f"{s['wall_s']:.2f} s", "simulation, this machine"),
     ]
+    if "trace_read_s" in s:
+        rows.append(("trace read in", f"{s['trace_read_s']:.2f} s", "parsing the trace file"))
     if res.execute:
         e = res.execute
         rows += [None, ("data plane", f"max err {e['max_abs_error']:.2e}",
@@ -88,33 +169,101 @@ def summary_table(res: Any, title: str = "kvpool simulate") -> Any:
 
 COMPARE_COLUMNS = [
     ("hit rate", lambda s: _pct(s["prefix_hit_rate"])),
+    ("first hit", lambda s: _pct(s["first_admission_cached_fraction"])),
     ("peak use", lambda s: _pct(s["peak_usage"])),
-    ("mean use", lambda s: _pct(s["mean_usage"])),
     ("preempt", lambda s: _int(s["preemptions"])),
-    ("recomp tok", lambda s: _int(s["recomputed_tokens"])),
     ("evict", lambda s: _int(s["evictions"])),
     ("steps", lambda s: _int(s["steps"])),
-    ("TTFT", lambda s: f"{s['ttft_steps_mean']:.1f}"),
-    ("sched us/step", lambda s: f"{s['sched_us_per_step_mean']:.1f}"),
+    ("TTFT s", lambda s: f"{s['ttft_s_mean']:.3g}"),
+    ("TBT ms", lambda s: f"{s['tbt_ms_mean']:.3g}"),
+    ("sched us", lambda s: f"{s['sched_us_per_step_mean']:.1f}"),
+    ("wall s", lambda s: f"{s['wall_s']:.1f}"),
+]
+# --order request: no steps, no decode
+REQUEST_ORDER_COLUMNS = [
+    ("from cache", lambda s: _pct(s["cached_token_fraction"])),
+    ("hit rate", lambda s: _pct(s["prefix_hit_rate"])),
+    ("evict", lambda s: _int(s["evictions"])),
+    ("prefill tokens", lambda s: _int(s["prefill_tokens_computed"])),
+    ("prefill s", lambda s: f"{s['prefill_s_mean']:.3g}"),
+    ("wall s", lambda s: f"{s['wall_s']:.1f}"),
 ]
 
 
 def comparison_table(labels: Sequence[str], results: Sequence[Any]) -> Any:
     from rich.table import Table
 
-    t = Table(title="kvpool simulate --sweep", title_justify="left")
+    request_order = all(r.config.get("order") == "request" for r in results)
+    columns = REQUEST_ORDER_COLUMNS if request_order else COMPARE_COLUMNS
+    t = Table(title="kvpool simulate --sweep" + (" (request order)" if request_order else ""), title_justify="left")
     t.add_column("config", style="bold", no_wrap=True)
-    t.add_column("blocks x size", justify="right")
-    for name, _ in COMPARE_COLUMNS:
+    t.add_column("tokens/rank", justify="right", no_wrap=True)
+    for name, _ in columns:
         t.add_column(name, justify="right")
     for label, r in zip(labels, results, strict=False):
         s = r.summary
-        t.add_row(label, f"{s['num_total_blocks']:,} x {r.config['block_size']}",
-                  *(f(s) for _, f in COMPARE_COLUMNS))
+        t.add_row(label, _short(r.config["capacity_tokens_per_rank"]), *(f(s) for _, f in columns))
     return t
 
 
+def _short(n: float) -> str:
+    for unit, v in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= v:
+            return f"{n / v:.3g}{unit}"
+    return f"{int(n)}"
+
+
+def plot_capacity(labels: Sequence[str], results: Sequence[Any], path: str, *, sweep_keys: Sequence[str],
+                  title: str = "") -> None:
+    """The prefix hit rate against the cache capacity in tokens (log x), like Mooncake's Figure 9.
+
+    One line per combination of the other swept keys; y is the share of prompt tokens found in
+    the cache at each request's first admission (``first_admission_cached_fraction``: preempted
+    requests re-hitting their own prefix do not count). The largest capacity's rate is marked as
+    the curve's ceiling when its run never evicted (an "infinite" cache).
+    """
+    require_matplotlib()
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cap_keys = [k for k in sweep_keys if k in ("cache_tokens", "num_blocks", "gib")]
+    lines: dict[str, list[tuple[float, float, Any]]] = {}
+    for label, r in zip(labels, results, strict=True):
+        rest = " ".join(p for p in label.split() if p.split("=", 1)[0] not in cap_keys)
+        lines.setdefault(rest, []).append((float(r.config["capacity_tokens_per_rank"]),
+                                           float(r.summary["first_admission_cached_fraction"]), r))
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    for name, pts in lines.items():
+        pts.sort(key=lambda p: p[0])
+        xs = [p[0] for p in pts]
+        ys = [100 * p[1] for p in pts]
+        line, = ax.plot(xs, ys, marker="o", lw=1.5, label=name or "hit rate")
+        top = pts[-1]
+        if top[2].summary["evictions"] == 0:
+            ax.axhline(100 * top[1], color=line.get_color(), ls=":", lw=1)
+            ax.annotate(f"no eviction: {100 * top[1]:.1f}%", (xs[-1], ys[-1]), textcoords="offset points",
+                        xytext=(-8, 6), ha="right", fontsize=8)
+        for x, y in zip(xs, ys, strict=True):
+            ax.annotate(f"{y:.1f}", (x, y), textcoords="offset points", xytext=(0, -12), ha="center", fontsize=7)
+    ax.set_xscale("log")
+    ax.set_xlabel("cache capacity per rank (tokens)")
+    ax.set_ylabel("prompt tokens from the cache (%)")
+    ymax = max((100 * p[1] for pts in lines.values() for p in pts), default=1.0)
+    ax.set_ylim(0, max(5.0, math.ceil(ymax / 10 + 0.5) * 10))
+    mode = results[0].config.get("order", "serving") if results else "serving"
+    ax.set_title((title + ": " if title else "") + f"hit rate against capacity ({mode} order)", fontsize=10)
+    ax.grid(alpha=0.3, which="both")
+    if len(lines) > 1 or next(iter(lines)):
+        ax.legend(fontsize=8, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def plot(res: Any, path: str) -> None:
+    require_matplotlib()
     import matplotlib
 
     matplotlib.use("Agg")

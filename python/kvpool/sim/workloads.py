@@ -29,6 +29,8 @@ from typing import Any
 
 import numpy as np
 
+from kvpool.sim.traces import HashedPrompt
+
 __all__ = [
     "KINDS",
     "VOCAB_SIZE",
@@ -60,22 +62,43 @@ class Request:
     """One request of a workload.
 
     ``arrival`` is the engine step at which the request enters the waiting queue (a float:
-    it is admitted at the first step >= arrival). ``output`` optionally fixes the tokens
-    the engine "samples" (multi-turn chat uses it so that the next turn's prompt contains
-    the answer verbatim); when None the simulator draws them from the request id.
+    it is admitted at the first step >= arrival). ``arrival_s``, when set, is the arrival in
+    seconds on the trace's clock: a workload whose requests all have one is replayed on that
+    clock (the step-time model advances it), else on the step count. ``prompt`` is a list or an
+    array of token ids, or a :class:`~kvpool.sim.traces.HashedPrompt` (trace hash ids expanded on
+    demand: use :meth:`prompt_tokens`). ``output`` optionally fixes the tokens the engine
+    "samples" (multi-turn chat uses it so that the next turn's prompt contains the answer
+    verbatim); when None the simulator draws them from the request id. ``session`` keeps the
+    Qwen-Bailian session fields (:class:`~kvpool.sim.traces.Session`).
     """
 
     request_id: int
     arrival: float
-    prompt: list[int] | np.ndarray
+    prompt: Any
     output_len: int
     extra_key: bytes | None = None
     prefix_group: int | None = None
     output: list[int] | np.ndarray | None = field(default=None, repr=False)
+    arrival_s: float | None = None
+    session: Any = None
 
     @property
     def prompt_len(self) -> int:
         return len(self.prompt)
+
+    @property
+    def hashed(self) -> bool:
+        """Whether the prompt comes from trace hash ids (its sampled tokens use the upper token range)."""
+        return isinstance(self.prompt, HashedPrompt)
+
+    def prompt_tokens(self) -> np.ndarray:
+        """The prompt as a 1-D integer array (expanded from hash ids for trace prompts)."""
+        p = self.prompt
+        if isinstance(p, np.ndarray):
+            return p
+        if isinstance(p, HashedPrompt):
+            return p.tokens()
+        return np.asarray(p, dtype=np.int64)
 
 
 # --------------------------------------------------------------------------- helpers
@@ -341,10 +364,12 @@ def _parse_line(obj: Any, lineno: int, step_seconds: float, seed: int) -> Reques
     n_arr = sum(k in obj for k in ("arrival", "step", "time"))
     if n_arr > 1:
         raise ValueError("give only one of arrival, step, time")
+    arrival_s = None
     if "time" in obj:
         arrival = obj["time"]
         if not isinstance(arrival, (int, float)) or isinstance(arrival, bool):
             raise ValueError("time must be a number (seconds)")
+        arrival_s = float(arrival)
         arrival = float(arrival) / step_seconds
     else:
         arrival = obj.get("arrival", obj.get("step", 0))
@@ -399,23 +424,56 @@ def _parse_line(obj: Any, lineno: int, step_seconds: float, seed: int) -> Reques
         if not isinstance(ek, str):
             raise ValueError("extra_key must be a string")
         ek = ek.encode("utf-8", errors="surrogateescape")
-    return Request(rid, arrival, prompt, int(out_len), ek, group, output)
+    return Request(rid, arrival, prompt, int(out_len), ek, group, output, arrival_s=arrival_s)
 
 
-def load_trace(path: str | os.PathLike[str], *, step_seconds: float = 0.02, seed: int = 0) -> list[Request]:
-    """Read a JSONL trace (format: docs/simulate.md). Returns requests sorted by arrival.
-
-    Blank lines and lines starting with ``#`` are skipped. ``time`` (seconds) is turned
-    into a step index with ``step_seconds`` per engine step. Raises :class:`TraceError`
-    naming the file and line for anything it cannot read.
-    """
-    if step_seconds <= 0:
-        raise ValueError("step_seconds must be > 0")
+def _first_record(path: str | os.PathLike[str]) -> Any:
     try:
         with open(path, encoding="utf-8") as f:
-            lines = f.readlines()
+            for line in f:
+                s = line.strip()
+                if s and not s.startswith("#"):
+                    try:
+                        return json.loads(s)
+                    except json.JSONDecodeError:
+                        return None
     except (OSError, UnicodeDecodeError) as e:
         raise TraceError(f"cannot read trace {os.fspath(path)}: {e}") from None
+    return None
+
+
+def load_trace(path: str | os.PathLike[str], *, step_seconds: float = 0.02, seed: int = 0,
+               fmt: str = "auto", trace_block_size: int | None = None) -> list[Request]:
+    """Read a JSONL trace (formats: docs/simulate.md). Returns requests sorted by arrival.
+
+    ``fmt`` is ``"kvpool"`` (this package's format), ``"mooncake"``, ``"bailian"`` (the public
+    production traces, :mod:`kvpool.sim.traces`) or ``"auto"``: detected from the first
+    record's fields. Blank lines and lines starting with ``#`` are skipped. ``time`` (seconds)
+    sets ``arrival_s`` and, with ``step_seconds`` per engine step, ``arrival``. Raises
+    :class:`TraceError` naming the file and line for anything it cannot read.
+    """
+    from kvpool.sim import traces
+
+    if step_seconds <= 0:
+        raise ValueError("step_seconds must be > 0")
+    if fmt not in traces.FORMATS:
+        raise ValueError(f"unknown trace format {fmt!r}; expected one of {', '.join(traces.FORMATS)}")
+    if fmt == "auto":
+        fmt = traces.detect_format(_first_record(path))
+    if fmt != "kvpool":
+        return traces.read_production_trace(path, fmt, trace_block_size=trace_block_size,
+                                            step_seconds=step_seconds)
+    if trace_block_size is not None:
+        raise ValueError("trace_block_size applies to the Mooncake and Qwen-Bailian formats only")
+    try:
+        with open(path, encoding="utf-8") as f:
+            return _read_kvpool(path, f, step_seconds, seed)
+    except (OSError, UnicodeDecodeError) as e:
+        raise TraceError(f"cannot read trace {os.fspath(path)}: {e}") from None
+
+
+def _read_kvpool(path: str | os.PathLike[str], lines: Iterable[str], step_seconds: float,
+                 seed: int) -> list[Request]:
     reqs: list[Request] = []
     seen: set[int] = set()
     for lineno, line in enumerate(lines, 1):
@@ -451,7 +509,7 @@ def save_trace(requests: Iterable[Request], path: str | os.PathLike[str]) -> Non
             obj: dict[str, Any] = {
                 "request_id": int(r.request_id),
                 "arrival": float(r.arrival),
-                "prompt_ids": _to_list(r.prompt),
+                "prompt_ids": _to_list(r.prompt_tokens()),
                 "output_len": int(r.output_len),
             }
             if r.prefix_group is not None:
@@ -460,4 +518,7 @@ def save_trace(requests: Iterable[Request], path: str | os.PathLike[str]) -> Non
                 obj["extra_key"] = r.extra_key.decode("utf-8", errors="surrogateescape")
             if r.output is not None:
                 obj["output_ids"] = _to_list(r.output)
+            if r.arrival_s is not None:
+                obj["time"] = float(r.arrival_s)
+                del obj["arrival"]
             f.write(json.dumps(obj, separators=(",", ":")) + "\n")
