@@ -279,6 +279,15 @@ struct Pending {
     ticket: Option<Arc<LoadTicket>>,
 }
 
+impl Drop for Pending {
+    /// Releases both chains tail first, so a chain's tail is older on the LRU than its head
+    /// (R10, R11; see `Sequence`'s `Drop`).
+    fn drop(&mut self) {
+        while self.chain.pop().is_some() {}
+        while self.src.pop().is_some() {}
+    }
+}
+
 impl Pending {
     /// Blocks this record still has to move in `direction`.
     fn pending(&self, direction: TransferDirection) -> usize {

@@ -149,10 +149,15 @@ impl BlockManagerImpl {
     /// A manager per `config` (R1: id 0 reserved).
     pub fn new(config: ManagerConfig) -> Result<Self> {
         config.validate()?;
-        let store = Arc::new(BlockStore::new(config.num_blocks, config.block_size as u32));
-        let cache = config
-            .enable_prefix_cache
-            .then(|| PrefixCache::new(Arc::clone(&store), config.hasher));
+        let store = Arc::new(BlockStore::new(
+            config.num_blocks,
+            config.block_size as u32,
+            "num_blocks",
+        )?);
+        let cache = match config.enable_prefix_cache {
+            true => Some(PrefixCache::new(Arc::clone(&store), config.hasher)?),
+            false => None,
+        };
         Ok(Self {
             store,
             cache,
@@ -423,14 +428,15 @@ impl SingleBlockManager {
     pub fn new(num_slots: usize) -> Result<Self> {
         let mut config = ManagerConfig::new(num_slots, 1);
         config.enable_prefix_cache = false;
-        config.validate().map_err(|e| match e {
+        let rename = |e| match e {
             KvPoolError::InvalidArgument { message, .. } => {
                 KvPoolError::invalid("num_slots", message)
             }
             other => other,
-        })?;
+        };
+        config.validate().map_err(rename)?;
         Ok(Self {
-            inner: BlockManagerImpl::new(config)?,
+            inner: BlockManagerImpl::new(config).map_err(rename)?,
         })
     }
 
