@@ -571,6 +571,21 @@ impl PrefixCache {
         ids
     }
 
+    /// The eviction order, oldest first, without draining: the LRU list, then the blocks
+    /// released since the last drain in release order (where the next drain puts them, F9).
+    /// Exact only without concurrent handle drops; for tests and debugging.
+    pub fn eviction_order(&self) -> Vec<u32> {
+        let mut ids = self.lru_order();
+        let queued = self.store.released.snapshot(); // newest release first
+        ids.extend(queued.into_iter().rev().filter(|&id| {
+            let entry = &self.entries[id as usize];
+            self.store.state(id) & (CACHED | COUNT_MASK) == CACHED | 1
+                && entry.live
+                && !entry.in_lru
+        }));
+        ids
+    }
+
     /// Hashes of every entry (unordered).
     pub fn hashes(&self) -> Vec<BlockHash> {
         self.index.keys().map(|&h| BlockHash(h)).collect()
