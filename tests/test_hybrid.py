@@ -319,7 +319,7 @@ def test_r24_multi_turn_chat_rehits_through_checkpoints():
             assert expected > 0
         steps = []
 
-        def step():
+        def step(seq):
             # The engine runs each step's plan before the next forward step (R24; a save left
             # untaken past its boundary is dropped as stale, F6).
             pool.cache(seq)
@@ -327,15 +327,15 @@ def test_r24_multi_turn_chat_rehits_through_checkpoints():
 
         seq.num_computed_tokens = max(prompt_end, seq.num_computed_tokens)
         steps.append(seq.num_computed_tokens)
-        step()
+        step(seq)
         assert pool.allocate(seq)
         seq.num_computed_tokens = len(seq)
-        step()
+        step(seq)
         for _ in range(rng.randrange(5, 30)):  # decode
             seq.append_token(rng.randrange(50_000))
             assert pool.may_append(seq)
             seq.num_computed_tokens = len(seq) - 1
-            step()
+            step(seq)
             steps.append(seq.num_computed_tokens)
         for c in steps:
             if c % BS == 0 and (c % 16 == 0 or c == prompt_end) and c > 0:

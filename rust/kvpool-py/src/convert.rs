@@ -7,7 +7,7 @@
 
 use numpy::{PyArrayDescrMethods, PyArrayMethods, PyUntypedArrayMethods};
 use pyo3::prelude::*;
-use pyo3::types::{PyBool, PyBytes, PyInt, PyList, PyString, PyTuple};
+use pyo3::types::{PyBool, PyBytes, PyInt, PyList, PyString};
 
 use crate::errors::{type_error, value_error};
 
@@ -142,9 +142,7 @@ fn tokens_from_list(list: &Bound<'_, PyList>) -> Option<Vec<u32>> {
 /// Any other iterable (tuples included), item by item: bools and non-ints are a `TypeError`,
 /// ints out of range a `ValueError`.
 fn tokens_fallback(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<u32>> {
-    if !(obj.is_instance_of::<PyList>() || obj.is_instance_of::<PyTuple>())
-        && !obj.hasattr("__iter__")?
-    {
+    if !obj.hasattr("__iter__")? {
         return Err(type_error(name, TOKENS_TYPE));
     }
     let iter = obj.try_iter().map_err(|_| type_error(name, TOKENS_TYPE))?;
@@ -189,7 +187,7 @@ pub fn hash_seed(seed: Option<&Bound<'_, PyAny>>) -> PyResult<u64> {
         None => Ok(kvpool::DEFAULT_HASH_SEED),
         Some(obj) if obj.is_none() => Ok(kvpool::DEFAULT_HASH_SEED),
         Some(obj) => {
-            if !obj.is_instance_of::<PyInt>() {
+            if obj.is_instance_of::<PyBool>() || !obj.is_instance_of::<PyInt>() {
                 return Err(type_error("hash_seed", "must be an int or None"));
             }
             obj.extract::<u64>()

@@ -82,6 +82,9 @@ impl BlockStore {
         })
     }
 
+    /// Bytes a store spends per id (state word, hash, both free lists' links).
+    pub(crate) const BYTES_PER_ID: u128 = 4 + 16 + 4 + 4;
+
     pub(crate) fn num_blocks(&self) -> usize {
         self.states.len()
     }

@@ -427,16 +427,21 @@ impl HierarchyBlockManagerPool {
             enable_prefix_cache: true,
             hasher: config.pool.hasher,
         };
-        host_config.validate().map_err(|e| match e {
+        let host_error = |e| match e {
             KvPoolError::InvalidArgument { message, .. } => {
                 KvPoolError::invalid("host_num_blocks", message)
             }
             other => other,
-        })?;
+        };
+        host_config.validate().map_err(host_error)?;
+        crate::alloc::probe(
+            pool.dp_size() as u128 * host_config.footprint(),
+            "host_num_blocks",
+        )?;
         let mut hosts = Vec::with_capacity(pool.dp_size());
         for _ in 0..pool.dp_size() {
             hosts.push(HostRank {
-                host: BlockManagerImpl::new(host_config)?,
+                host: BlockManagerImpl::new(host_config).map_err(host_error)?,
                 loads: Vec::new(),
                 offloads: Vec::new(),
                 fetches: Vec::new(),

@@ -108,6 +108,17 @@ impl LinearStatePrefixCache {
         })
     }
 
+    /// Bytes a cache of `num_slots` slots allocates (for [`crate::alloc::probe`]).
+    pub(crate) fn footprint(num_slots: usize) -> u128 {
+        let per_slot = std::mem::size_of::<Option<Block>>()
+            + std::mem::size_of::<Held>()
+            + std::mem::size_of::<BlockHash>()
+            + 4
+            + 1
+            + 8;
+        num_slots as u128 * (crate::block::BlockStore::BYTES_PER_ID + per_slot as u128)
+    }
+
     /// Slots including the padding slot 0.
     pub fn num_slots(&self) -> usize {
         self.kind.len()

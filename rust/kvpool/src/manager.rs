@@ -9,6 +9,7 @@
 //! - `deallocate` is the logical release of handles; the id returns to the free list when the
 //!   last handle (maybe the cache's) goes (R4, R5).
 
+use crate::alloc;
 use crate::block::{Block, BlockStore, CACHED, COUNT_MASK};
 use crate::error::{ensure_arg, ensure_invariant, KvPoolError, Result};
 use crate::hash::{BlockHash, BlockHasher};
@@ -100,6 +101,15 @@ impl ManagerConfig {
         }
     }
 
+    /// Bytes a manager of this config allocates (for [`crate::alloc::probe`]).
+    pub(crate) fn footprint(&self) -> u128 {
+        let cache = match self.enable_prefix_cache {
+            true => PrefixCache::bytes_per_block(self.block_size),
+            false => 0,
+        };
+        self.num_blocks as u128 * (BlockStore::BYTES_PER_ID + cache)
+    }
+
     /// Validates the numbers (R1).
     pub fn validate(&self) -> Result<()> {
         ensure_arg!(
@@ -149,6 +159,7 @@ impl BlockManagerImpl {
     /// A manager per `config` (R1: id 0 reserved).
     pub fn new(config: ManagerConfig) -> Result<Self> {
         config.validate()?;
+        alloc::probe(config.footprint(), "num_blocks")?;
         let store = Arc::new(BlockStore::new(
             config.num_blocks,
             config.block_size as u32,

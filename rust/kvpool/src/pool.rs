@@ -440,6 +440,32 @@ impl BlockManagerPool {
             "needs sliding_window"
         );
         let num_single = config.num_single_blocks.unwrap_or(config.num_blocks);
+        // Every count within its cap before anything is sized by it (F1).
+        let within_caps = |n: usize, block_size: usize, name: &'static str| {
+            ManagerConfig::new(n, block_size)
+                .validate()
+                .map_err(|e| rename(rename(e, "num_blocks", name), "block_size", name))
+        };
+        within_caps(num_single, 1, "num_single_blocks")?;
+        if config.linear_state_slots > 0 {
+            within_caps(config.linear_state_slots, 1, "linear_state_slots")?;
+        }
+        if config.sliding_window.is_some() {
+            let swa = config.swa_num_blocks.unwrap_or(config.num_blocks);
+            within_caps(swa, config.block_size, "swa_num_blocks")?;
+        }
+        // F1: the whole footprint of every rank in one request, before anything is filled.
+        let per_rank = manager.footprint()
+            + num_single as u128 * crate::block::BlockStore::BYTES_PER_ID
+            + LinearStatePrefixCache::footprint(config.linear_state_slots)
+            + config.sliding_window.map_or(0, |_| {
+                SlidingWindowBlockManager::footprint(
+                    config.swa_num_blocks.unwrap_or(config.num_blocks),
+                    config.block_size,
+                    config.enable_prefix_cache,
+                )
+            });
+        crate::alloc::probe(config.dp_size as u128 * per_rank, "num_blocks")?;
         let mut ranks = Vec::with_capacity(config.dp_size);
         for _ in 0..config.dp_size {
             let mut blocks = BlockManagerImpl::new(manager)?;

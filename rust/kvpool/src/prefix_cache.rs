@@ -160,6 +160,11 @@ pub struct PrefixCache {
 }
 
 impl PrefixCache {
+    /// Bytes the cache spends per block of `block_size` tokens (entry and tokens).
+    pub(crate) fn bytes_per_block(block_size: usize) -> u128 {
+        (std::mem::size_of::<Entry>() + 4 * block_size) as u128
+    }
+
     /// The cache of `store`'s blocks; an error naming `num_blocks` if its per-block arrays
     /// cannot be allocated (F1).
     pub(crate) fn new(store: Arc<BlockStore>, hasher: BlockHasher) -> Result<Self> {

@@ -137,6 +137,15 @@ impl SlidingWindowBlockManager {
         })
     }
 
+    /// Bytes a manager of these numbers allocates (for [`crate::alloc::probe`]).
+    pub(crate) fn footprint(num_blocks: usize, block_size: usize, sharing: bool) -> u128 {
+        let index = match sharing {
+            true => std::mem::size_of::<Option<BlockHash>>() + 4 * block_size,
+            false => 0,
+        };
+        num_blocks as u128 * (crate::block::BlockStore::BYTES_PER_ID + index as u128)
+    }
+
     /// Free blocks plus kept tail blocks nothing else holds: what `grow` can hand out.
     pub fn num_available(&self) -> usize {
         self.inner.num_available()
