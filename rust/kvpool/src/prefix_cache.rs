@@ -463,7 +463,8 @@ impl PrefixCache {
                     removed.push((hash, key));
                 }
                 evicted += 1;
-                if evicted == n || parent == NIL {
+                // `parent == cursor`: a chain released tail first, the walk's next victim anyway.
+                if evicted == n || parent == NIL || parent == cursor {
                     break;
                 }
                 // The parent just became a leaf: if it was skipped (older than `cursor`), it is
