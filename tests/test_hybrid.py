@@ -318,20 +318,25 @@ def test_r24_multi_turn_chat_rehits_through_checkpoints():
         if turn > 0:
             assert expected > 0
         steps = []
+
+        def step(seq):
+            # The engine runs each step's plan before the next forward step (R24; a save left
+            # untaken past its boundary is dropped as stale, F6).
+            pool.cache(seq)
+            pool.commit_linear_state_plan(pool.take_linear_state_plan())
+
         seq.num_computed_tokens = max(prompt_end, seq.num_computed_tokens)
         steps.append(seq.num_computed_tokens)
-        pool.cache(seq)
+        step(seq)
         assert pool.allocate(seq)
         seq.num_computed_tokens = len(seq)
-        pool.cache(seq)
+        step(seq)
         for _ in range(rng.randrange(5, 30)):  # decode
             seq.append_token(rng.randrange(50_000))
             assert pool.may_append(seq)
             seq.num_computed_tokens = len(seq) - 1
-            pool.cache(seq)
+            step(seq)
             steps.append(seq.num_computed_tokens)
-        plan = pool.take_linear_state_plan()
-        pool.commit_linear_state_plan(plan)
         for c in steps:
             if c % BS == 0 and (c % 16 == 0 or c == prompt_end) and c > 0:
                 saved_boundaries.add(c)

@@ -63,18 +63,20 @@ def test_sequence_accepts_numpy_tokens():
 def test_token_conversions_agree(dtype):
     """Every accepted form of token ids gives the same tokens: lists of ints (read through the
     fast path), lists of NumPy scalars, tuples, contiguous and strided arrays of every integer
-    dtype; out of range is a ValueError, anything else a TypeError (R29)."""
+    dtype (big-endian too); out of range is a ValueError, anything else a TypeError (R29); a
+    bool is never a token id (F10: one rule for bools everywhere)."""
     values = [0, 5, 100, 127]
     array = np.array(values, dtype=dtype)
-    for form in (values, tuple(values), array, [dtype(v) for v in values], [True, 5, 100, 127]):
-        expected = [1 if v is True else int(v) for v in form]
-        assert kvpool.Sequence(form).token_ids == expected
+    swapped = array.astype(array.dtype.newbyteorder(">"))
+    for form in (values, tuple(values), array, swapped, [dtype(v) for v in values]):
+        assert kvpool.Sequence(form).token_ids == values
     assert kvpool.Sequence(np.repeat(np.array(values, dtype=dtype), 2)[::2]).token_ids == values
     assert kvpool.Sequence([2**32 - 1]).token_ids == [2**32 - 1]
     for bad in ([-1], [2**32], [2**70], np.array([2**32], np.int64), np.array([-1], np.int8)):
         with pytest.raises(ValueError, match="token_ids"):
             kvpool.Sequence(bad)
-    for bad in ([1.5], ["a"], [1, None], "abc", b"ab", np.zeros((2, 2), np.int32), [np.float64(1)]):
+    for bad in ([1.5], ["a"], [1, None], "abc", b"ab", np.zeros((2, 2), np.int32), [np.float64(1)],
+                [True, 5], (5, False)):
         with pytest.raises(TypeError, match="token_ids"):
             kvpool.Sequence(bad)
 

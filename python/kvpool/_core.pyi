@@ -199,7 +199,8 @@ class BlockManager:
     Parameters
     ----------
     num_blocks : int
-        Ids in the pool, padding block 0 included (``num_total_blocks == num_blocks - 1``).
+        Ids in the pool, padding block 0 included (``num_total_blocks == num_blocks - 1``), at
+        most ``2**30``; ``num_blocks * block_size`` below ``2**40`` (docs/contract_choices.md).
     block_size : int
         Tokens per block, at least 1.
     enable_prefix_cache : bool
@@ -347,7 +348,8 @@ class ConcurrentBlockManager:
     Parameters
     ----------
     num_blocks : int
-        Ids in the pool, padding block 0 included (``num_total_blocks == num_blocks - 1``).
+        Ids in the pool, padding block 0 included (``num_total_blocks == num_blocks - 1``), at
+        most ``2**30``; ``num_blocks * block_size`` below ``2**40`` (docs/contract_choices.md).
     block_size : int
         Tokens per block, at least 1.
     enable_prefix_cache : bool
@@ -856,7 +858,9 @@ class BlockManagerPool:
     Parameters
     ----------
     num_blocks : int
-        Block ids per rank, padding block 0 included.
+        Block ids per rank, padding block 0 included; at most ``2**30`` (as are
+        ``num_single_blocks``, ``linear_state_slots`` and ``swa_num_blocks``; ``block_size`` at
+        most ``2**16``, ``dp_size`` at most 1024: docs/contract_choices.md).
     block_size : int
         Tokens per block.
     dp_size : int
@@ -1386,7 +1390,7 @@ class HierarchyBlockManagerPool:
     num_blocks : int
         Device block ids per rank, padding block 0 included.
     host_num_blocks : int
-        Host block ids per rank, padding block 0 included (>= 2).
+        Host block ids per rank, padding block 0 included (>= 2, at most ``2**30``).
     block_size : int
         Tokens per block (both tiers).
     offload_policy : {"on_deallocate", "on_evict"}

@@ -13,10 +13,16 @@ Invariants
   the block spec (dtype and shape of every cache array) and an XXH3-64 checksum over key, spec
   and body. ``decode_payload`` returns None for anything that does not verify against the key
   and the spec the reader expects: a corrupt, truncated, foreign or mis-filed payload is a
-  miss, never wrong KV.
+  miss, never wrong KV. The checksum catches accidents, not forgeries: anyone who can write
+  to the store can compute it. With a per-deployment secret (``mac_key``) payloads carry a
+  keyed BLAKE2b tag as well, and a reader holding the key accepts only payloads tagged with
+  it (format version 2; docs/remote_tier.md, "What the checksum protects").
 - **Failures degrade to misses.** ``RemoteTier`` methods raise ``RemoteTierError`` on I/O
   failure (counted: errors, timeouts); the pool's lookup and ``RemoteTransfer`` catch every
-  exception and treat it as a miss (the request recomputes). After a connection failure a
+  ``Exception`` and treat it as a miss (the request recomputes); a ``BaseException`` that is
+  not an ``Exception`` (KeyboardInterrupt, SystemExit) propagates. A fetch fails block by
+  block: a bad payload costs its own block (and the rest of its sequence's chain, which the
+  pool cuts at the first missing block), never the other sequences' blocks of the plan. After a connection failure a
   ``RedisRemoteTier`` refuses calls for ``retry_interval_ms`` (counted: skipped), so a dead
   server costs the scheduler nothing; each call is bounded by its ``timeout``.
 - **One round trip per request** for lookups (a single server: one ``EVALSHA`` of a read-only
@@ -29,6 +35,8 @@ Invariants
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import struct
 import threading
@@ -47,15 +55,19 @@ __all__ = [
     "RemoteTierError",
     "RemoteTransfer",
     "block_spec",
+    "check_mac_key",
     "decode_payload",
     "encode_payload",
     "event_to_dict",
     "make_namespace",
     "read_events",
+    "spec_nbytes",
 ]
 
 MAGIC = b"KVPB"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 1  # checksum only
+FORMAT_VERSION_MAC = 2  # checksum, then a keyed BLAKE2b tag after the body
+MAC_SIZE = 32
 _HEADER = struct.Struct("<4sHHQQ")  # magic, version, spec length, body length, checksum
 # Batched existence in one command on a single server (read-only; EVALSHA after the first call).
 _EXISTS_LUA = ("local r = {} for i, k in ipairs(KEYS) do r[i] = redis.call('EXISTS', k) end "
@@ -118,29 +130,82 @@ def _checksum(key: bytes, spec: bytes, body: bytes | memoryview) -> int:
     return h.intdigest()
 
 
-def encode_payload(key: bytes, spec: str, body: bytes | memoryview) -> bytes:
-    """Header plus ``body`` (one block of every cache array, concatenated) for ``key``."""
+def check_mac_key(mac_key: bytes | None) -> bytes | None:
+    """``mac_key`` validated: None, or 16 to 64 bytes of a per-deployment secret."""
+    if mac_key is None:
+        return None
+    if not isinstance(mac_key, bytes | bytearray) or not 16 <= len(mac_key) <= 64:
+        raise ValueError("mac_key: must be None or 16 to 64 bytes (a per-deployment secret)")
+    return bytes(mac_key)
+
+
+def _mac(mac_key: bytes, key: bytes, signed: bytes | memoryview) -> bytes:
+    """Keyed BLAKE2b-256 of the block key and everything before the tag (header, spec, body)."""
+    h = hashlib.blake2b(digest_size=MAC_SIZE, key=mac_key, person=b"kvpool-block")
+    h.update(key)
+    h.update(signed)
+    return h.digest()
+
+
+def encode_payload(key: bytes, spec: str, body: bytes | memoryview, *, mac_key: bytes | None = None) -> bytes:
+    """Header plus ``body`` (one block of every cache array, concatenated) for ``key``.
+
+    With ``mac_key`` (16 to 64 bytes, a per-deployment secret) the payload is format version 2:
+    a keyed BLAKE2b tag over the key, header, spec and body follows the body.
+    """
+    mac_key = check_mac_key(mac_key)
     s = spec.encode()
-    return _HEADER.pack(MAGIC, FORMAT_VERSION, len(s), len(body), _checksum(key, s, body)) + s + bytes(body)
+    version = FORMAT_VERSION if mac_key is None else FORMAT_VERSION_MAC
+    out = _HEADER.pack(MAGIC, version, len(s), len(body), _checksum(key, s, body)) + s + bytes(body)
+    return out if mac_key is None else out + _mac(mac_key, key, out)
 
 
-def decode_payload(key: bytes, spec: str, payload: bytes | None, body_len: int | None = None) -> memoryview | None:
-    """The body of ``payload`` if it verifies for ``key`` and ``spec`` (and ``body_len``), else None."""
+def decode_payload(key: bytes, spec: str, payload: bytes | None, body_len: int | None = None, *,
+                   mac_key: bytes | None = None) -> memoryview | None:
+    """The body of ``payload`` if it verifies for ``key`` and ``spec`` (and ``body_len``), else None.
+
+    A reader with ``mac_key`` accepts only payloads tagged with that key (version 2): a payload
+    someone without the key wrote (version 1, or a forged tag) is a miss. A reader without a key
+    checks the checksum only, of either version.
+    """
     if payload is None or len(payload) < _HEADER.size:
         return None
     magic, version, spec_len, blen, checksum = _HEADER.unpack_from(payload)
     s = spec.encode()
-    if magic != MAGIC or version != FORMAT_VERSION or spec_len != len(s):
+    if magic != MAGIC or version not in (FORMAT_VERSION, FORMAT_VERSION_MAC) or spec_len != len(s):
         return None
-    if (body_len is not None and blen != body_len) or len(payload) != _HEADER.size + spec_len + blen:
+    if mac_key is not None and version != FORMAT_VERSION_MAC:
+        return None
+    tag = MAC_SIZE if version == FORMAT_VERSION_MAC else 0
+    end = _HEADER.size + spec_len + blen
+    if (body_len is not None and blen != body_len) or len(payload) != end + tag:
         return None
     view = memoryview(payload)
     if bytes(view[_HEADER.size:_HEADER.size + spec_len]) != s:
         return None
-    body = view[_HEADER.size + spec_len:]
+    body = view[_HEADER.size + spec_len:end]
     if _checksum(key, s, body) != checksum:
         return None
+    if mac_key is not None and not hmac.compare_digest(_mac(mac_key, key, view[:end]), view[end:]):
+        return None
     return body
+
+
+def spec_nbytes(spec: str) -> int | None:
+    """Bytes of one block body of ``spec`` (``block_spec``'s string), or None if a dtype is unknown."""
+    import numpy as np
+
+    total = 0
+    for part in spec.split(";"):
+        dtype, _, shape = part.rpartition(":")
+        try:
+            size = np.dtype(dtype).itemsize
+        except TypeError:
+            return None
+        for d in shape.split("x") if shape else ():
+            size *= int(d)
+        total += size
+    return total
 
 
 # ---------------------------------------------------------------------------------- tiers
@@ -149,7 +214,11 @@ class RemoteTier:
 
     ``keys`` are 16-byte chain hashes (R6); the tier namespaces them. Every method takes
     ``timeout`` (seconds or None: the tier's default) and raises ``RemoteTierError`` on failure.
+    ``mac_key`` (None, or 16 to 64 bytes of a per-deployment secret) authenticates payloads:
+    ``RemoteTransfer`` tags what it writes and accepts only tagged payloads when it is set.
     """
+
+    mac_key: bytes | None = None
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -203,11 +272,16 @@ class RedisRemoteTier(RemoteTier):
         After a connection failure or timeout, calls fail fast (``skipped``) for this long.
     ttl_s : int or None
         Expiry of stored blocks (None: none; let ``maxmemory-policy allkeys-lru`` evict).
+    mac_key : bytes or None
+        Per-deployment secret (16 to 64 bytes) of a shared store: payloads are written with a
+        keyed BLAKE2b tag and only payloads tagged with this key are read (others are misses).
     """
 
     def __init__(self, url: str, namespace: str, *, cluster: bool = False, timeout_ms: float = 1000.0,
-                 retry_interval_ms: float = 1000.0, ttl_s: int | None = None) -> None:
+                 retry_interval_ms: float = 1000.0, ttl_s: int | None = None,
+                 mac_key: bytes | None = None) -> None:
         super().__init__()
+        self.mac_key = check_mac_key(mac_key)
         try:
             import redis  # noqa: F401
         except ImportError as e:  # pragma: no cover - redis is a dependency of the extra
@@ -377,6 +451,8 @@ class HostBlockIO(Protocol):
 
     def host_block_spec(self, rank: int) -> str: ...
 
+    # Optional: ``def host_block_nbytes(self, rank: int) -> int`` (else derived from the spec).
+
     def read_host_blocks(self, rank: int, ids: Sequence[int]) -> list[bytes]: ...
 
     def write_host_blocks(self, rank: int, ids: Sequence[int], bodies: Sequence[memoryview]) -> None: ...
@@ -426,7 +502,9 @@ class RemoteTransfer:
                     return 0
             spec = self.io.host_block_spec(rank)
             bodies = self.io.read_host_blocks(rank, ids)
-            self.tier.put_many(keys, [encode_payload(k, spec, b) for k, b in zip(keys, bodies, strict=True)])
+            mac_key = getattr(self.tier, "mac_key", None)
+            self.tier.put_many(keys, [encode_payload(k, spec, b, mac_key=mac_key)
+                                      for k, b in zip(keys, bodies, strict=True)])
             return len(ids)
         except Exception:  # noqa: BLE001 - a failed write is a lost cache entry, never an error
             return 0
@@ -468,35 +546,61 @@ class RemoteTransfer:
     # -- fetches
     def run_fetches(self, plans: Iterable[Any]) -> int:
         """Gets, verifies and writes the fetched blocks into host staging blocks, then reports
-        what arrived to the pool (``complete_fetches``). Returns the blocks that arrived."""
+        what arrived to the pool (``complete_fetches``). Returns the blocks that arrived.
+
+        Per block (F11): a plan holds the fetched blocks of several sequences, so a missing,
+        corrupt, forged or wrong-sized payload fails only its own block; ``complete_fetches``
+        then keeps each sequence's leading run of arrived blocks (its chain stops at the first
+        failure) and the other sequences keep their hits. Only a failed ``get_many`` fails the
+        whole plan.
+        """
         plans = list(plans)
         if not plans:
             return 0
         self.before_host_writes(plans)
-        arrived: list[list[bool]] = []
-        for p in plans:
-            rank, ids, keys = int(p.dp_rank), [int(i) for i in p.dst], list(p.keys)
-            ok = [False] * len(ids)
-            try:
-                payloads = self.tier.get_many(keys)
-                spec = self.io.host_block_spec(rank)
-                good_ids, bodies = [], []
-                for j, (k, payload) in enumerate(zip(keys, payloads, strict=True)):
-                    body = decode_payload(k, spec, payload)
-                    if body is None:
-                        if payload is not None:
-                            self.tier.note("corrupt")
-                        break  # the chain breaks here: the rest is useless
-                    ok[j] = True
-                    good_ids.append(ids[j])
-                    bodies.append(body)
-                if good_ids:
-                    self.io.write_host_blocks(rank, good_ids, bodies)
-            except Exception:  # noqa: BLE001 - a failed fetch is a miss
-                ok = [False] * len(ids)
-            arrived.append(ok)
+        arrived = [self._fetch(int(p.dp_rank), [int(i) for i in p.dst], list(p.keys)) for p in plans]
         self.pool.complete_fetches(plans, arrived)
         return sum(sum(a) for a in arrived)
+
+    def _block_nbytes(self, rank: int, spec: str) -> int | None:
+        size = getattr(self.io, "host_block_nbytes", None)
+        return int(size(rank)) if size is not None else spec_nbytes(spec)
+
+    def _fetch(self, rank: int, ids: list[int], keys: list[bytes]) -> list[bool]:
+        """Fetches one plan's blocks into host ids ``ids``; which arrived intact."""
+        ok = [False] * len(ids)
+        try:
+            payloads = list(self.tier.get_many(keys))
+            spec = self.io.host_block_spec(rank)
+            nbytes = self._block_nbytes(rank, spec)
+        except Exception:  # noqa: BLE001 - a failed fetch is a miss
+            return ok
+        if len(payloads) != len(keys):
+            self.tier.note("corrupt")
+            return ok
+        mac_key = getattr(self.tier, "mac_key", None)
+        good: list[tuple[int, memoryview]] = []
+        for j, (k, payload) in enumerate(zip(keys, payloads, strict=True)):
+            body = decode_payload(k, spec, payload, nbytes, mac_key=mac_key)
+            if body is None:
+                if payload is not None:
+                    self.tier.note("corrupt")
+                continue  # this block fails; the pool cuts its sequence's chain here
+            good.append((j, body))
+        if not good:
+            return ok
+        try:
+            self.io.write_host_blocks(rank, [ids[j] for j, _ in good], [b for _, b in good])
+            for j, _ in good:
+                ok[j] = True
+        except Exception:  # noqa: BLE001 - retry block by block: only the bad ones fail
+            for j, body in good:
+                try:
+                    self.io.write_host_blocks(rank, [ids[j]], [body])
+                    ok[j] = True
+                except Exception:  # noqa: BLE001 - a block that cannot be written is a miss
+                    self.tier.note("corrupt")
+        return ok
 
 
 # ---------------------------------------------------------------------------------- KV events

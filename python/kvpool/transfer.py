@@ -189,6 +189,10 @@ class TransferExecutor:
 
         return block_spec(self.host[rank])
 
+    def host_block_nbytes(self, rank: int) -> int:
+        """Bytes of one host block of ``rank`` across every cache array (a payload body)."""
+        return sum(a[0].nbytes for a in self.host[rank])
+
     def read_host_blocks(self, rank: int, ids: Sequence[int]) -> list[bytes]:
         """The payload bodies of host blocks ``ids`` of ``rank``."""
         arrays = self.host[rank]

@@ -16,6 +16,7 @@ use parking_lot::{Mutex, MutexGuard};
 use pyo3::prelude::*;
 use pyo3::types::{PyList, PyTuple};
 
+use crate::convert;
 use crate::errors::{type_error, value_error};
 use crate::pool::PySequence;
 
@@ -207,11 +208,9 @@ impl PySequenceBatch {
     /// The member at position index (negative counts from the end), e.g. the sequence behind
     /// an index that advance or may_append_all returned.
     fn __getitem__(&self, py: Python<'_>, index: &Bound<'_, PyAny>) -> PyResult<Py<PySequence>> {
-        let index: isize = index
-            .extract()
-            .map_err(|_| type_error("index", "must be an int"))?;
+        let index = convert::int(index, "index")?; // any int: out of range is an IndexError
         let members = self.members.lock();
-        let len = members.seqs.len() as isize;
+        let len = members.seqs.len() as i128;
         let position = if index < 0 { index + len } else { index };
         if !(0..len).contains(&position) {
             return Err(pyo3::exceptions::PyIndexError::new_err(format!(

@@ -1,8 +1,13 @@
-//! Argument conversion shared by every binding: token ids, extra keys, counts.
+//! Argument conversion shared by every binding: token ids, extra keys, counts, flags.
+//!
+//! One rule for bools (F10): a bool is never an integer argument (a count, a token id, an id,
+//! a seed: `TypeError`), and a flag (`enable_prefix_cache`, `concurrent`, ...) must be a bool.
+//! Every error names its argument (R29); an int out of range is a `ValueError` (negative) or an
+//! `OverflowError` (too large), never a `TypeError`.
 
-use numpy::{PyArrayMethods, PyUntypedArrayMethods};
+use numpy::{PyArrayDescrMethods, PyArrayMethods, PyUntypedArrayMethods};
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyInt, PyList, PyString, PyTuple};
+use pyo3::types::{PyBool, PyBytes, PyInt, PyList, PyString};
 
 use crate::errors::{type_error, value_error};
 
@@ -62,17 +67,23 @@ fn from_array<T: TokenElement>(obj: &Bound<'_, PyAny>, name: &str) -> Option<PyR
 /// Token ids from a list/tuple of ints or a 1-D integer numpy array (u32 range, R6).
 pub fn tokens(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<u32>> {
     // Lists first: the common case. A list of Python ints is read item by item.
-    if let Some(tokens) = obj.cast::<PyList>().ok().and_then(tokens_from_list) {
-        return Ok(tokens);
+    if let Ok(list) = obj.cast::<PyList>() {
+        if let Some(tokens) = tokens_from_list(list) {
+            return Ok(tokens);
+        }
+        return tokens_fallback(obj, name);
     }
     if obj.is_instance_of::<PyString>() || obj.is_instance_of::<PyBytes>() {
         return Err(type_error(name, TOKENS_TYPE));
     }
-    if obj.is_instance_of::<PyTuple>() {
-        if let Ok(tokens) = obj.extract::<Vec<u32>>() {
-            return Ok(tokens);
+    if let Ok(array) = obj.cast::<numpy::PyUntypedArray>() {
+        let dtype = array.dtype();
+        if matches!(dtype.kind(), b'i' | b'u') && dtype.is_native_byteorder() == Some(false) {
+            // A big-endian (non-native) integer array: read it in native order (F10).
+            let native_dtype = dtype.call_method1("newbyteorder", ("=",))?;
+            let native = obj.call_method1("astype", (native_dtype,))?;
+            return tokens(&native, name);
         }
-    } else if let Ok(array) = obj.cast::<numpy::PyUntypedArray>() {
         // Dispatch on the dtype with casts (no Python exception built per failed try).
         let converted = from_array::<i32>(obj, name)
             .or_else(|| from_array::<i64>(obj, name))
@@ -93,15 +104,12 @@ pub fn tokens(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<u32>> {
             ))
         });
     }
-    if let Ok(tokens) = obj.extract::<Vec<u32>>() {
-        return Ok(tokens);
-    }
     tokens_fallback(obj, name)
 }
 
-/// The ints of `list` if every item is an int in the u32 range, else `None` (the caller then
-/// finds which error to raise). This loop runs once per token of every batch call, so it reads
-/// the list through the C API directly instead of pyo3's iterator and `extract`.
+/// The ints of `list` if every item is an int (not a bool) in the u32 range, else `None` (the
+/// caller then finds which error to raise). This loop runs once per token of every batch call,
+/// so it reads the list through the C API directly instead of pyo3's iterator and `extract`.
 fn tokens_from_list(list: &Bound<'_, PyList>) -> Option<Vec<u32>> {
     let py = list.py();
     let len = list.len();
@@ -118,6 +126,9 @@ fn tokens_from_list(list: &Bound<'_, PyList>) -> Option<Vec<u32>> {
                 let _ = PyErr::take(py);
                 return None;
             }
+            if pyo3::ffi::PyBool_Check(item) != 0 {
+                return None; // a bool is not a token id (F10)
+            }
             pyo3::ffi::PyLong_AsUnsignedLong(item)
         };
         if value == std::os::raw::c_ulong::MAX && PyErr::take(py).is_some() {
@@ -128,20 +139,28 @@ fn tokens_from_list(list: &Bound<'_, PyList>) -> Option<Vec<u32>> {
     Some(out)
 }
 
+/// Any other iterable (tuples included), item by item: bools and non-ints are a `TypeError`,
+/// ints out of range a `ValueError`.
 fn tokens_fallback(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<u32>> {
-    // Tell out-of-range ints (ValueError) from non-ints (TypeError).
-    let iter = obj.try_iter().map_err(|_| type_error(name, TOKENS_TYPE))?;
-    for item in iter {
-        let item = item?;
-        if item.extract::<u32>().is_ok() {
-            continue;
-        }
-        if item.is_instance_of::<PyInt>() || item.hasattr("__index__")? {
-            return Err(value_error(name, "token ids must be in [0, 2**32)"));
-        }
+    if !obj.hasattr("__iter__")? {
         return Err(type_error(name, TOKENS_TYPE));
     }
-    Err(type_error(name, TOKENS_TYPE))
+    let iter = obj.try_iter().map_err(|_| type_error(name, TOKENS_TYPE))?;
+    let mut out = Vec::new();
+    for item in iter {
+        let item = item?;
+        if item.is_instance_of::<PyBool>() {
+            return Err(type_error(name, "token ids must be ints, got bool"));
+        }
+        if !(item.is_instance_of::<PyInt>() || item.hasattr("__index__")?) {
+            return Err(type_error(name, TOKENS_TYPE));
+        }
+        match item.extract::<u32>() {
+            Ok(token) => out.push(token),
+            Err(_) => return Err(value_error(name, "token ids must be in [0, 2**32)")),
+        }
+    }
+    Ok(out)
 }
 
 /// An extra key (cache salt): bytes, or str (UTF-8), or None.
@@ -168,7 +187,7 @@ pub fn hash_seed(seed: Option<&Bound<'_, PyAny>>) -> PyResult<u64> {
         None => Ok(kvpool::DEFAULT_HASH_SEED),
         Some(obj) if obj.is_none() => Ok(kvpool::DEFAULT_HASH_SEED),
         Some(obj) => {
-            if !obj.is_instance_of::<PyInt>() {
+            if obj.is_instance_of::<PyBool>() || !obj.is_instance_of::<PyInt>() {
                 return Err(type_error("hash_seed", "must be an int or None"));
             }
             obj.extract::<u64>()
@@ -191,7 +210,7 @@ pub fn block_hash(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<kvpool::BlockH
 
 /// An integer argument (int or anything with `__index__`, bool excluded), named in errors.
 pub fn int(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<i128> {
-    if obj.is_instance_of::<pyo3::types::PyBool>()
+    if obj.is_instance_of::<PyBool>()
         || !(obj.is_instance_of::<PyInt>() || obj.hasattr("__index__")?)
     {
         return Err(type_error(
@@ -204,15 +223,26 @@ pub fn int(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<i128> {
     })
 }
 
-/// A count (`>= 0`), named in errors.
-pub fn count(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<usize> {
+/// An integer in `[0, 2**bits)` of an unsigned type: `ValueError` below 0, `OverflowError`
+/// above (both naming the argument).
+fn unsigned<T: TryFrom<i128>>(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<T> {
     let value = int(obj, name)?;
     if value < 0 {
         return Err(value_error(name, format!("must be >= 0, got {value}")));
     }
-    usize::try_from(value).map_err(|_| {
+    T::try_from(value).map_err(|_| {
         pyo3::exceptions::PyOverflowError::new_err(format!("{name}: {value} is too large"))
     })
+}
+
+/// A count (`>= 0`), named in errors.
+pub fn count(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<usize> {
+    unsigned(obj, name)
+}
+
+/// A 64-bit unsigned id (`seq_id`), named in errors.
+pub fn uint64(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<u64> {
+    unsigned(obj, name)
 }
 
 /// An optional count: None stays None.
@@ -221,4 +251,23 @@ pub fn optional_count(obj: Option<&Bound<'_, PyAny>>, name: &str) -> PyResult<Op
         Some(obj) if !obj.is_none() => count(obj, name).map(Some),
         _ => Ok(None),
     }
+}
+
+/// A flag: a bool (or numpy bool), `default` when not given; anything else is a `TypeError`
+/// naming the option (F10).
+pub fn flag(obj: Option<&Bound<'_, PyAny>>, name: &str, default: bool) -> PyResult<bool> {
+    let Some(obj) = obj else {
+        return Ok(default);
+    };
+    let numpy_bool = || -> PyResult<bool> {
+        let kind = obj.get_type();
+        Ok(kind.module()?.to_str()? == "numpy" && kind.name()?.to_str()?.starts_with("bool"))
+    };
+    if obj.is_instance_of::<PyBool>() || numpy_bool()? {
+        return obj.extract::<bool>();
+    }
+    Err(type_error(
+        name,
+        format!("must be a bool, got {}", obj.get_type().name()?),
+    ))
 }

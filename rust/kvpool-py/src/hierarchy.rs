@@ -177,18 +177,17 @@ fn optional_count(value: Option<&Bound<'_, PyAny>>, name: &str) -> PyResult<Opti
 }
 
 impl PyHierarchyBlockManagerPool {
-    /// One batched existence query for `query`; a failure or malformed answer is a miss.
+    /// One batched existence query for `query`; a failure (an `Exception`) or a malformed
+    /// answer is a miss. A `BaseException` that is not an `Exception` (KeyboardInterrupt,
+    /// SystemExit) is the caller's to handle: it propagates, before the pool or the counters
+    /// changed (F12).
     fn lookup(
         &self,
         py: Python<'_>,
         remote: &Py<PyAny>,
         query: &RemoteQuery,
-    ) -> Option<RemoteHits> {
+    ) -> PyResult<Option<RemoteHits>> {
         let c = &self.lookups;
-        // Relaxed: independent counters.
-        c.lookups.fetch_add(1, Ordering::Relaxed);
-        c.keys
-            .fetch_add(query.hashes.len() as u64, Ordering::Relaxed);
         let start = Instant::now();
         let answer = (|| -> PyResult<usize> {
             let keys = PyList::new(
@@ -209,13 +208,22 @@ impl PyHierarchyBlockManagerPool {
             }
             Ok(hits)
         })();
+        if let Err(e) = &answer {
+            if !e.is_instance_of::<pyo3::exceptions::PyException>(py) {
+                return Err(answer.unwrap_err());
+            }
+        }
         let elapsed = start.elapsed();
+        // Relaxed: independent counters.
+        c.lookups.fetch_add(1, Ordering::Relaxed);
+        c.keys
+            .fetch_add(query.hashes.len() as u64, Ordering::Relaxed);
         c.nanos
             .fetch_add(elapsed.as_nanos() as u64, Ordering::Relaxed);
         if elapsed.as_secs_f64() > self.remote_budget_s {
             c.over_budget.fetch_add(1, Ordering::Relaxed);
         }
-        match answer {
+        Ok(match answer {
             Ok(hits) if hits > 0 => Some(RemoteHits {
                 from: query.from,
                 to: query.from + hits,
@@ -225,7 +233,7 @@ impl PyHierarchyBlockManagerPool {
                 c.failures.fetch_add(1, Ordering::Relaxed);
                 None
             }
-        }
+        })
     }
 }
 
@@ -233,10 +241,10 @@ impl PyHierarchyBlockManagerPool {
 impl PyHierarchyBlockManagerPool {
     #[new]
     #[pyo3(signature = (
-        num_blocks, host_num_blocks, block_size, *, dp_size = None, enable_prefix_cache = true,
+        num_blocks, host_num_blocks, block_size, *, dp_size = None, enable_prefix_cache = None,
         num_single_blocks = None, offload_policy = None, linear_state_slots = None,
-        checkpoint_interval = None, linear_state_match = None, concurrent = false,
-        enable_events = false, hash_seed = None, sliding_window = None, swa_num_blocks = None,
+        checkpoint_interval = None, linear_state_match = None, concurrent = None,
+        enable_events = None, hash_seed = None, sliding_window = None, swa_num_blocks = None,
         debug_hash_bits = None, remote = None, remote_policy = None, remote_budget_ms = None
     ), text_signature = "(num_blocks, host_num_blocks, block_size, *, dp_size=1, enable_prefix_cache=True, num_single_blocks=None, offload_policy='on_deallocate', linear_state_slots=0, checkpoint_interval=None, linear_state_match='deepest', concurrent=False, enable_events=False, hash_seed=None, sliding_window=None, swa_num_blocks=None, debug_hash_bits=None, remote=None, remote_policy='write_through', remote_budget_ms=50.0)")]
     #[allow(clippy::too_many_arguments)]
@@ -245,14 +253,14 @@ impl PyHierarchyBlockManagerPool {
         host_num_blocks: &Bound<'_, PyAny>,
         block_size: &Bound<'_, PyAny>,
         dp_size: Option<&Bound<'_, PyAny>>,
-        enable_prefix_cache: bool,
+        enable_prefix_cache: Option<&Bound<'_, PyAny>>,
         num_single_blocks: Option<&Bound<'_, PyAny>>,
         offload_policy: Option<&Bound<'_, PyAny>>,
         linear_state_slots: Option<&Bound<'_, PyAny>>,
         checkpoint_interval: Option<&Bound<'_, PyAny>>,
         linear_state_match: Option<&Bound<'_, PyAny>>,
-        concurrent: bool,
-        enable_events: bool,
+        concurrent: Option<&Bound<'_, PyAny>>,
+        enable_events: Option<&Bound<'_, PyAny>>,
         hash_seed: Option<&Bound<'_, PyAny>>,
         sliding_window: Option<&Bound<'_, PyAny>>,
         swa_num_blocks: Option<&Bound<'_, PyAny>>,
@@ -261,7 +269,9 @@ impl PyHierarchyBlockManagerPool {
         remote_policy: Option<&Bound<'_, PyAny>>,
         remote_budget_ms: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
-        let _ = concurrent; // every Python pool is thread-safe (R28)
+        let enable_prefix_cache = convert::flag(enable_prefix_cache, "enable_prefix_cache", true)?;
+        convert::flag(concurrent, "concurrent", false)?; // every Python pool is thread-safe (R28)
+        let enable_events = convert::flag(enable_events, "enable_events", false)?;
         let remote = remote.filter(|r| !r.is_none());
         if let Some(r) = remote {
             for method in ["exists_many", "get_many", "put_many"] {
@@ -432,7 +442,10 @@ impl PyHierarchyBlockManagerPool {
             return self.with_seq(seq, |pool, seq| pool.allocate(seq, n));
         };
         let query = self.with_seq(seq, |pool, seq| pool.remote_query(seq, n))?;
-        let hits = query.and_then(|q| self.lookup(py, remote, &q));
+        let hits = match query {
+            Some(q) => self.lookup(py, remote, &q)?,
+            None => None,
+        };
         self.with_seq(seq, |pool, seq| pool.allocate_with_remote(seq, n, hits))
     }
 

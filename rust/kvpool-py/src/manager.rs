@@ -204,12 +204,14 @@ pub fn counts_dict<'py>(py: Python<'py>, counts: &BlockCounts) -> PyResult<Bound
 
 pub fn hasher(
     hash_seed: Option<&Bound<'_, PyAny>>,
-    debug_hash_bits: Option<u32>,
+    debug_hash_bits: Option<usize>,
 ) -> PyResult<BlockHasher> {
     let seed = convert::hash_seed(hash_seed)?;
     match debug_hash_bits {
         None => Ok(BlockHasher::new(seed)),
-        Some(bits) if (1..=128).contains(&bits) => Ok(BlockHasher::with_debug_bits(seed, bits)),
+        Some(bits) if (1..=128).contains(&bits) => {
+            Ok(BlockHasher::with_debug_bits(seed, bits as u32))
+        }
         Some(bits) => Err(value_error(
             "debug_hash_bits",
             format!("must be in 1..=128, got {bits}"),
@@ -238,8 +240,9 @@ pub(crate) fn deallocate_list<M: BlockManager>(
     manager.deallocate(handles).py()
 }
 
-pub fn debug_bits(bits: Option<&Bound<'_, PyAny>>) -> PyResult<Option<u32>> {
-    Ok(convert::optional_count(bits, "debug_hash_bits")?.map(|b| b.min(1 << 20) as u32))
+/// `debug_hash_bits` as given (validated by [`hasher`], which names the value given: F10).
+pub fn debug_bits(bits: Option<&Bound<'_, PyAny>>) -> PyResult<Option<usize>> {
+    convert::optional_count(bits, "debug_hash_bits")
 }
 
 /// Plain block allocator with a prefix cache (the seed's BlockManagerImpl).
@@ -254,14 +257,18 @@ pub struct PyBlockManager {
 #[pymethods]
 impl PyBlockManager {
     #[new]
-    #[pyo3(signature = (num_blocks, block_size, *, enable_prefix_cache = true, hash_seed = None, debug_hash_bits = None))]
+    #[pyo3(
+        signature = (num_blocks, block_size, *, enable_prefix_cache = None, hash_seed = None, debug_hash_bits = None),
+        text_signature = "(num_blocks, block_size, *, enable_prefix_cache=True, hash_seed=None, debug_hash_bits=None)"
+    )]
     fn new(
         num_blocks: &Bound<'_, PyAny>,
         block_size: &Bound<'_, PyAny>,
-        enable_prefix_cache: bool,
+        enable_prefix_cache: Option<&Bound<'_, PyAny>>,
         hash_seed: Option<&Bound<'_, PyAny>>,
         debug_hash_bits: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
+        let enable_prefix_cache = convert::flag(enable_prefix_cache, "enable_prefix_cache", true)?;
         let num_blocks = convert::count(num_blocks, "num_blocks")?;
         let block_size = convert::count(block_size, "block_size")?;
         let config = ManagerConfig {

@@ -31,9 +31,13 @@ impl PySequence {
     #[pyo3(signature = (token_ids, *, seq_id = None, extra_key = None))]
     fn new(
         token_ids: &Bound<'_, PyAny>,
-        seq_id: Option<u64>,
+        seq_id: Option<&Bound<'_, PyAny>>,
         extra_key: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
+        let seq_id = match seq_id.filter(|s| !s.is_none()) {
+            Some(id) => Some(convert::uint64(id, "seq_id")?),
+            None => None,
+        };
         let tokens = convert::tokens(token_ids, "token_ids")?;
         let key = convert::extra_key(extra_key, "extra_key")?;
         Ok(Self {
@@ -65,12 +69,9 @@ impl PySequence {
 
     /// Appends one token (append the sampled token, then call may_append: R16).
     fn append_token(&self, token: &Bound<'_, PyAny>) -> PyResult<()> {
-        let token = token
-            .extract::<i64>()
-            .map_err(|_| type_error("token", "must be an int"))
-            .and_then(|t| {
-                u32::try_from(t).map_err(|_| value_error("token", "must be in [0, 2**32)"))
-            })?;
+        let token = convert::int(token, "token")?;
+        let token = u32::try_from(token)
+            .map_err(|_| value_error("token", format!("must be in [0, 2**32), got {token}")))?;
         self.inner.lock().append_token(token);
         Ok(())
     }
@@ -130,11 +131,7 @@ impl PySequence {
 
     #[setter]
     fn set_num_computed_tokens(&self, value: &Bound<'_, PyAny>) -> PyResult<()> {
-        let n = value
-            .extract::<i64>()
-            .map_err(|_| type_error("num_computed_tokens", "must be an int"))?;
-        let n = usize::try_from(n)
-            .map_err(|_| value_error("num_computed_tokens", format!("must be >= 0, got {n}")))?;
+        let n = convert::count(value, "num_computed_tokens")?;
         self.inner.lock().set_num_computed_tokens(n).py()
     }
 
@@ -370,9 +367,9 @@ fn optional_count(value: Option<&Bound<'_, PyAny>>, name: &str) -> PyResult<Opti
 impl PyBlockManagerPool {
     #[new]
     #[pyo3(signature = (
-        num_blocks, block_size, *, dp_size = None, enable_prefix_cache = true, num_single_blocks = None,
+        num_blocks, block_size, *, dp_size = None, enable_prefix_cache = None, num_single_blocks = None,
         linear_state_slots = None, checkpoint_interval = None, linear_state_match = None,
-        concurrent = false, enable_events = false, hash_seed = None, sliding_window = None,
+        concurrent = None, enable_events = None, hash_seed = None, sliding_window = None,
         swa_num_blocks = None, linear_state_save = None, debug_hash_bits = None
     ), text_signature = "(num_blocks, block_size, *, dp_size=1, enable_prefix_cache=True, num_single_blocks=None, linear_state_slots=0, checkpoint_interval=None, linear_state_match='deepest', concurrent=False, enable_events=False, hash_seed=None, sliding_window=None, swa_num_blocks=None, linear_state_save='copy', debug_hash_bits=None)")]
     #[allow(clippy::too_many_arguments)]
@@ -380,19 +377,22 @@ impl PyBlockManagerPool {
         num_blocks: &Bound<'_, PyAny>,
         block_size: &Bound<'_, PyAny>,
         dp_size: Option<&Bound<'_, PyAny>>,
-        enable_prefix_cache: bool,
+        enable_prefix_cache: Option<&Bound<'_, PyAny>>,
         num_single_blocks: Option<&Bound<'_, PyAny>>,
         linear_state_slots: Option<&Bound<'_, PyAny>>,
         checkpoint_interval: Option<&Bound<'_, PyAny>>,
         linear_state_match: Option<&Bound<'_, PyAny>>,
-        concurrent: bool,
-        enable_events: bool,
+        concurrent: Option<&Bound<'_, PyAny>>,
+        enable_events: Option<&Bound<'_, PyAny>>,
         hash_seed: Option<&Bound<'_, PyAny>>,
         sliding_window: Option<&Bound<'_, PyAny>>,
         swa_num_blocks: Option<&Bound<'_, PyAny>>,
         linear_state_save: Option<&Bound<'_, PyAny>>,
         debug_hash_bits: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
+        let enable_prefix_cache = convert::flag(enable_prefix_cache, "enable_prefix_cache", true)?;
+        let concurrent = convert::flag(concurrent, "concurrent", false)?;
+        let enable_events = convert::flag(enable_events, "enable_events", false)?;
         let config = pool_config(
             num_blocks,
             block_size,

@@ -46,6 +46,8 @@
 
 use crossbeam_utils::CachePadded;
 
+use crate::alloc;
+use crate::error::Result;
 use crate::free_list::FreeList;
 use crate::hash::BlockHash;
 use crate::sync::{Arc, AtomicU32, AtomicU64, AtomicUsize, Ordering};
@@ -68,19 +70,20 @@ pub(crate) struct BlockStore {
 
 impl BlockStore {
     /// A store of `num_blocks` ids whose free list holds `1..num_blocks` (id 0 is the padding
-    /// block and is never handed out, R1).
-    pub(crate) fn new(num_blocks: usize, block_size: u32) -> Self {
-        Self {
+    /// block and is never handed out, R1); an error naming `name` if it cannot be allocated.
+    pub(crate) fn new(num_blocks: usize, block_size: u32, name: &'static str) -> Result<Self> {
+        Ok(Self {
             block_size,
-            states: (0..num_blocks).map(|_| AtomicU32::new(0)).collect(),
-            hashes: (0..num_blocks)
-                .map(|_| [AtomicU64::new(0), AtomicU64::new(0)])
-                .collect(),
-            free: FreeList::with_ids(num_blocks, 1..num_blocks as u32),
-            released: FreeList::new(num_blocks),
+            states: alloc::boxed(num_blocks, name, || AtomicU32::new(0))?,
+            hashes: alloc::boxed(num_blocks, name, || [AtomicU64::new(0), AtomicU64::new(0)])?,
+            free: FreeList::try_with_ids(num_blocks, 1..num_blocks as u32, name)?,
+            released: FreeList::try_new(num_blocks, name)?,
             cache_only: CachePadded::new(AtomicUsize::new(0)),
-        }
+        })
     }
+
+    /// Bytes a store spends per id (state word, hash, both free lists' links).
+    pub(crate) const BYTES_PER_ID: u128 = 4 + 16 + 4 + 4;
 
     pub(crate) fn num_blocks(&self) -> usize {
         self.states.len()

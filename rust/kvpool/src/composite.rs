@@ -11,7 +11,7 @@
 //! across groups (a failure in group g gives back what groups before g took).
 
 use crate::block::Block;
-use crate::error::{ensure_arg, Result};
+use crate::error::{ensure_arg, KvPoolError, Result};
 use crate::manager::{BlockCounts, BlockManager, BlockManagerImpl, ManagerConfig};
 use crate::sliding_window::{SlidingWindowBlockManager, WindowTable};
 
@@ -97,19 +97,24 @@ impl CompositeBlockManager {
     pub fn new(specs: &[GroupSpec]) -> Result<Self> {
         ensure_arg!(!specs.is_empty(), "groups", "needs at least one group");
         let mut groups = Vec::with_capacity(specs.len());
-        for spec in specs {
+        for (i, spec) in specs.iter().enumerate() {
+            // R29: the argument is `groups`; the message says which group and which field.
+            let in_group = |e| match e {
+                KvPoolError::InvalidArgument { name, message } => {
+                    KvPoolError::invalid("groups", format!("groups[{i}].{name}: {message}"))
+                }
+                other => other,
+            };
             groups.push(match spec.window {
                 None => {
                     let mut config = ManagerConfig::new(spec.num_blocks, spec.block_size);
                     config.enable_prefix_cache = false;
-                    GroupManager::Full(BlockManagerImpl::new(config)?)
+                    GroupManager::Full(BlockManagerImpl::new(config).map_err(in_group)?)
                 }
-                Some(window) => GroupManager::Window(SlidingWindowBlockManager::new(
-                    spec.num_blocks,
-                    spec.block_size,
-                    window,
-                    false,
-                )?),
+                Some(window) => GroupManager::Window(
+                    SlidingWindowBlockManager::new(spec.num_blocks, spec.block_size, window, false)
+                        .map_err(in_group)?,
+                ),
             });
         }
         Ok(Self { groups })

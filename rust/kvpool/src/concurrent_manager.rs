@@ -155,9 +155,19 @@ impl ConcurrentBlockManager {
         if n == 0 {
             return Ok(Vec::new());
         }
-        let mut out = Vec::with_capacity(n);
+        // F1: never size anything by `n` before knowing it can be had. More than the manager's
+        // ids can never succeed (R3: nothing changed).
+        let total = self.store.num_blocks() - 1;
+        if n > total {
+            return Err(KvPoolError::OutOfBlocks {
+                requested: n,
+                available: self.num_available().min(total),
+            });
+        }
+        let mut out = Vec::new();
         if self.store.free.len() >= n {
             // Fast path: no lock. Ids become handles as they are popped.
+            out.reserve_exact(n); // n <= total: bounded by the manager's size
             if self.pop_into(n, &mut out) {
                 return Ok(out);
             }
@@ -202,6 +212,7 @@ impl ConcurrentBlockManager {
                 available,
             });
         }
+        out.reserve_exact(n - out.len());
         // Terminates without spinning: insertions and matches need this lock, so while it is
         // held the cache only shrinks, and every round that does not return evicted at least one
         // block.

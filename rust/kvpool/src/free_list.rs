@@ -15,6 +15,8 @@
 
 use crossbeam_utils::CachePadded;
 
+use crate::alloc;
+use crate::error::{ensure_arg, Result};
 use crate::sync::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 
 const NIL: u32 = u32::MAX;
@@ -43,25 +45,55 @@ pub struct FreeList {
 
 impl FreeList {
     /// An empty list that can hold ids `0..capacity` (`capacity < u32::MAX`).
+    ///
+    /// # Panics
+    /// If `capacity >= u32::MAX` or the list cannot be allocated (the managers use the fallible
+    /// constructor instead).
     pub fn new(capacity: usize) -> Self {
         assert!(
             capacity < NIL as usize,
             "FreeList capacity must be below u32::MAX"
         );
-        Self {
+        Self::try_new(capacity, "capacity").expect("FreeList: cannot allocate its index array")
+    }
+
+    /// [`Self::new`] without panicking: an error naming `name` if `capacity` is out of range or
+    /// cannot be allocated (F1).
+    pub(crate) fn try_new(capacity: usize, name: &'static str) -> Result<Self> {
+        ensure_arg!(
+            capacity < NIL as usize,
+            name,
+            "must be below {NIL}, got {capacity}"
+        );
+        Ok(Self {
             head: CachePadded::new(AtomicU64::new(pack(0, NIL))),
             len: CachePadded::new(AtomicUsize::new(0)),
-            next: (0..capacity).map(|_| AtomicU32::new(NIL)).collect(),
-        }
+            next: alloc::boxed(capacity, name, || AtomicU32::new(NIL))?,
+        })
     }
 
     /// A list holding `ids`, the first of which is popped first.
     pub fn with_ids(capacity: usize, ids: impl DoubleEndedIterator<Item = u32>) -> Self {
         let list = Self::new(capacity);
-        for id in ids.rev() {
-            list.push(id);
-        }
+        list.push_all(ids);
         list
+    }
+
+    /// [`Self::with_ids`] without panicking (see [`Self::try_new`]).
+    pub(crate) fn try_with_ids(
+        capacity: usize,
+        ids: impl DoubleEndedIterator<Item = u32>,
+        name: &'static str,
+    ) -> Result<Self> {
+        let list = Self::try_new(capacity, name)?;
+        list.push_all(ids);
+        Ok(list)
+    }
+
+    fn push_all(&self, ids: impl DoubleEndedIterator<Item = u32>) {
+        for id in ids.rev() {
+            self.push(id);
+        }
     }
 
     /// The largest id plus one that the list can hold.

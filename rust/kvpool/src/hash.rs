@@ -21,6 +21,11 @@ impl BlockHash {
         self.0.to_be_bytes()
     }
 
+    /// Canonical bytes in lower-case hex (what Python's `bytes.hex()` prints for them).
+    pub fn to_hex(self) -> String {
+        format!("{:032x}", self.0)
+    }
+
     /// From canonical bytes.
     pub fn from_bytes(bytes: [u8; 16]) -> Self {
         Self(u128::from_be_bytes(bytes))

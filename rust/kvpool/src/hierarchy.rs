@@ -279,6 +279,15 @@ struct Pending {
     ticket: Option<Arc<LoadTicket>>,
 }
 
+impl Drop for Pending {
+    /// Releases both chains tail first, so a chain's tail is older on the LRU than its head
+    /// (R10, R11; see `Sequence`'s `Drop`).
+    fn drop(&mut self) {
+        while self.chain.pop().is_some() {}
+        while self.src.pop().is_some() {}
+    }
+}
+
 impl Pending {
     /// Blocks this record still has to move in `direction`.
     fn pending(&self, direction: TransferDirection) -> usize {
@@ -418,16 +427,21 @@ impl HierarchyBlockManagerPool {
             enable_prefix_cache: true,
             hasher: config.pool.hasher,
         };
-        host_config.validate().map_err(|e| match e {
+        let host_error = |e| match e {
             KvPoolError::InvalidArgument { message, .. } => {
                 KvPoolError::invalid("host_num_blocks", message)
             }
             other => other,
-        })?;
+        };
+        host_config.validate().map_err(host_error)?;
+        crate::alloc::probe(
+            pool.dp_size() as u128 * host_config.footprint(),
+            "host_num_blocks",
+        )?;
         let mut hosts = Vec::with_capacity(pool.dp_size());
         for _ in 0..pool.dp_size() {
             hosts.push(HostRank {
-                host: BlockManagerImpl::new(host_config)?,
+                host: BlockManagerImpl::new(host_config).map_err(host_error)?,
                 loads: Vec::new(),
                 offloads: Vec::new(),
                 fetches: Vec::new(),

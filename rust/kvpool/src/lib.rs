@@ -4,6 +4,7 @@
 //! hash-keyed prefix cache with prefix-closed LRU eviction, and the sequence-level pool. The
 //! rules cited as "R<n>" are those of the project's DESIGN.md.
 
+mod alloc;
 pub mod block;
 pub mod composite;
 pub mod concurrent_manager;

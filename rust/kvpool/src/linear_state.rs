@@ -13,13 +13,21 @@
 //!   planned restore (pinned checkpoints leave the list and come back at its tail).
 //!
 //! Invariants (checked by [`LinearStatePrefixCache::check`]): every pending or committed slot
-//! (and every slot acquired through the API) is held by one cache handle (a promoted slot may
-//! also be held by the pool's planned copy out of it until that copy is confirmed) and sits in the
-//! hash index (pending and committed) under its hash; the LRU list holds exactly the unpinned
-//! committed slots; `free + live + pending + committed == num_slots - 1`.
+//! (and every slot acquired through the API) is held by one cache handle and sits in the hash
+//! index (pending and committed) under its hash. A committed slot that someone else holds too
+//! (a pool's planned copy still writing it: a slot promoted before the copy into it was
+//! confirmed) is pinned, since evicting it would free nothing (F2). The LRU list holds exactly
+//! the unpinned committed slots; `free + live + pending + committed == num_slots - 1`.
+//!
+//! A pending slot reserved by a pool's save plan ([`LinearStatePrefixCache::reserve_planned`])
+//! belongs to that plan: only the pool commits or cancels it (`commit_linear_state_plan`, a
+//! deallocate), and the public `commit_checkpoint` / `cancel_checkpoint` refuse it (F3), so a
+//! view of a pool's cache can neither make a checkpoint matchable before the worker wrote it nor
+//! free a slot the worker is about to write.
 
 use std::collections::HashMap;
 
+use crate::alloc;
 use crate::block::Block;
 use crate::error::{ensure_arg, ensure_invariant, KvPoolError, Result};
 use crate::hash::BlockHash;
@@ -58,6 +66,8 @@ pub struct LinearStatePrefixCache {
     kind: Vec<Held>,
     hash_of: Vec<BlockHash>,
     pins: Vec<u32>,
+    /// Pending slots that a pool's save plan reserved (see the module doc).
+    planned: Vec<bool>,
     /// Pending and committed checkpoints by prefix hash.
     index: HashMap<u128, u32>,
     prev: Vec<u32>,
@@ -77,15 +87,17 @@ impl LinearStatePrefixCache {
     /// A cache of `num_slots` slots, slot 0 being padding (so `num_slots - 1` are usable).
     pub fn new(num_slots: usize) -> Result<Self> {
         let slots = SingleBlockManager::new(num_slots)?;
+        let name = "num_slots";
         Ok(Self {
             slots,
-            held: (0..num_slots).map(|_| None).collect(),
-            kind: vec![Held::No; num_slots],
-            hash_of: vec![BlockHash::default(); num_slots],
-            pins: vec![0; num_slots],
+            held: alloc::filled(num_slots, name, || None)?,
+            kind: alloc::filled(num_slots, name, || Held::No)?,
+            hash_of: alloc::filled(num_slots, name, BlockHash::default)?,
+            pins: alloc::filled(num_slots, name, || 0)?,
+            planned: alloc::filled(num_slots, name, || false)?,
             index: HashMap::new(),
-            prev: vec![NIL; num_slots],
-            next: vec![NIL; num_slots],
+            prev: alloc::filled(num_slots, name, || NIL)?,
+            next: alloc::filled(num_slots, name, || NIL)?,
             head: NIL,
             tail: NIL,
             num_live_held: 0,
@@ -94,6 +106,17 @@ impl LinearStatePrefixCache {
             num_pinned: 0,
             stats: LinearStateStats::default(),
         })
+    }
+
+    /// Bytes a cache of `num_slots` slots allocates (for [`crate::alloc::probe`]).
+    pub(crate) fn footprint(num_slots: usize) -> u128 {
+        let per_slot = std::mem::size_of::<Option<Block>>()
+            + std::mem::size_of::<Held>()
+            + std::mem::size_of::<BlockHash>()
+            + 4
+            + 1
+            + 8;
+        num_slots as u128 * (crate::block::BlockStore::BYTES_PER_ID + per_slot as u128)
     }
 
     /// Slots including the padding slot 0.
@@ -248,40 +271,100 @@ impl LinearStatePrefixCache {
         Some(id)
     }
 
-    fn pending_slot(&self, prefix_hash: BlockHash) -> Result<u32> {
+    /// The pool's save plans: [`Self::reserve_checkpoint`], the slot then belonging to the plan
+    /// (module doc).
+    pub(crate) fn reserve_planned(&mut self, prefix_hash: BlockHash) -> Option<u32> {
+        let slot = self.reserve_checkpoint(prefix_hash)?;
+        self.planned[slot as usize] = true;
+        Some(slot)
+    }
+
+    /// Pending checkpoints that belong to a pool's save plans (walks every slot; for `check`).
+    pub fn num_planned_checkpoints(&self) -> usize {
+        self.planned.iter().filter(|&&p| p).count()
+    }
+
+    /// Whether the pending checkpoint of `prefix_hash` belongs to a pool's save plan.
+    pub fn is_planned(&self, prefix_hash: BlockHash) -> bool {
+        self.index
+            .get(&prefix_hash.0)
+            .is_some_and(|&slot| self.planned[slot as usize])
+    }
+
+    fn pending_slot(&self, prefix_hash: BlockHash, planned: bool) -> Result<u32> {
         match self.index.get(&prefix_hash.0) {
-            Some(&slot) if self.kind[slot as usize] == Held::Pending => Ok(slot),
+            Some(&slot) if self.kind[slot as usize] == Held::Pending => {
+                ensure_arg!(
+                    self.planned[slot as usize] == planned,
+                    "prefix_hash",
+                    "the pending checkpoint {} belongs to a linear-state plan of the pool \
+                     (commit_linear_state_plan confirms it, deallocate cancels it)",
+                    prefix_hash.to_hex()
+                );
+                Ok(slot)
+            }
             Some(_) => Err(KvPoolError::invalid(
                 "prefix_hash",
-                "the checkpoint is already committed",
+                format!(
+                    "the checkpoint {} is already committed",
+                    prefix_hash.to_hex()
+                ),
             )),
             None => Err(KvPoolError::invalid(
                 "prefix_hash",
-                "no pending checkpoint for this hash (reserve_checkpoint first)",
+                format!(
+                    "no pending checkpoint for {} (reserve_checkpoint first)",
+                    prefix_hash.to_hex()
+                ),
             )),
         }
     }
 
     /// Makes the pending checkpoint of `prefix_hash` matchable (the worker wrote its state).
-    /// Returns its slot.
+    /// Returns its slot. A checkpoint a pool's plan reserved is refused (F3).
     pub fn commit_checkpoint(&mut self, prefix_hash: BlockHash) -> Result<u32> {
-        let slot = self.pending_slot(prefix_hash)?;
+        let slot = self.pending_slot(prefix_hash, false)?;
+        self.commit_slot(slot);
+        Ok(slot)
+    }
+
+    /// [`Self::commit_checkpoint`] of a planned save (the pool's plan was confirmed).
+    pub(crate) fn commit_planned(&mut self, prefix_hash: BlockHash) -> Result<u32> {
+        let slot = self.pending_slot(prefix_hash, true)?;
+        self.planned[slot as usize] = false;
+        self.commit_slot(slot);
+        Ok(slot)
+    }
+
+    fn commit_slot(&mut self, slot: u32) {
         self.kind[slot as usize] = Held::Committed;
         self.num_pending -= 1;
         self.num_committed += 1;
         self.stats.commits += 1;
         self.push_tail(slot);
-        Ok(slot)
     }
 
     /// Drops the pending checkpoint of `prefix_hash` (its save was cancelled); the slot is free.
+    /// A checkpoint a pool's plan reserved is refused (F3).
     pub fn cancel_checkpoint(&mut self, prefix_hash: BlockHash) -> Result<()> {
-        let slot = self.pending_slot(prefix_hash)?;
+        let slot = self.pending_slot(prefix_hash, false)?;
+        self.cancel_slot(slot, prefix_hash);
+        Ok(())
+    }
+
+    /// [`Self::cancel_checkpoint`] of a planned save (the pool cancelled it).
+    pub(crate) fn cancel_planned(&mut self, prefix_hash: BlockHash) -> Result<()> {
+        let slot = self.pending_slot(prefix_hash, true)?;
+        self.planned[slot as usize] = false;
+        self.cancel_slot(slot, prefix_hash);
+        Ok(())
+    }
+
+    fn cancel_slot(&mut self, slot: u32, prefix_hash: BlockHash) {
         self.index.remove(&prefix_hash.0);
         self.kind[slot as usize] = Held::No;
         self.num_pending -= 1;
         self.held[slot as usize] = None;
-        Ok(())
     }
 
     /// Zero-copy save of a sequence's state: `live` becomes the committed checkpoint of
@@ -447,13 +530,20 @@ impl LinearStatePrefixCache {
             );
             if let Some(handle) = &self.held[slot] {
                 // A pool's planned copy may hold one more handle of a promoted slot until the
-                // copy is confirmed; nothing else may.
+                // copy is confirmed, and then the checkpoint is pinned: evicting it would free
+                // nothing (F2). Nothing else may hold one.
+                let count = handle.ref_count();
                 ensure_invariant!(
-                    handle.ref_count() <= 2 && (kind == Held::Committed || handle.ref_count() == 1),
-                    "linear-state slot {slot} ({kind:?}) has {} handles",
-                    handle.ref_count()
+                    count == 1 || (count == 2 && kind == Held::Committed && self.pins[slot] > 0),
+                    "linear-state slot {slot} ({kind:?}, {} pins) has {count} handles: \
+                     evicting it would free nothing (R14, R15)",
+                    self.pins[slot]
                 );
             }
+            ensure_invariant!(
+                !self.planned[slot] || kind == Held::Pending,
+                "linear-state slot {slot} ({kind:?}) is marked as a planned save"
+            );
             match kind {
                 Held::No => {}
                 Held::Live => live += 1,

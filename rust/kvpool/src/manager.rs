@@ -9,6 +9,7 @@
 //! - `deallocate` is the logical release of handles; the id returns to the free list when the
 //!   last handle (maybe the cache's) goes (R4, R5).
 
+use crate::alloc;
 use crate::block::{Block, BlockStore, CACHED, COUNT_MASK};
 use crate::error::{ensure_arg, ensure_invariant, KvPoolError, Result};
 use crate::hash::{BlockHash, BlockHasher};
@@ -100,6 +101,15 @@ impl ManagerConfig {
         }
     }
 
+    /// Bytes a manager of this config allocates (for [`crate::alloc::probe`]).
+    pub(crate) fn footprint(&self) -> u128 {
+        let cache = match self.enable_prefix_cache {
+            true => PrefixCache::bytes_per_block(self.block_size),
+            false => 0,
+        };
+        self.num_blocks as u128 * (BlockStore::BYTES_PER_ID + cache)
+    }
+
     /// Validates the numbers (R1).
     pub fn validate(&self) -> Result<()> {
         ensure_arg!(
@@ -149,10 +159,16 @@ impl BlockManagerImpl {
     /// A manager per `config` (R1: id 0 reserved).
     pub fn new(config: ManagerConfig) -> Result<Self> {
         config.validate()?;
-        let store = Arc::new(BlockStore::new(config.num_blocks, config.block_size as u32));
-        let cache = config
-            .enable_prefix_cache
-            .then(|| PrefixCache::new(Arc::clone(&store), config.hasher));
+        alloc::probe(config.footprint(), "num_blocks")?;
+        let store = Arc::new(BlockStore::new(
+            config.num_blocks,
+            config.block_size as u32,
+            "num_blocks",
+        )?);
+        let cache = match config.enable_prefix_cache {
+            true => Some(PrefixCache::new(Arc::clone(&store), config.hasher)?),
+            false => None,
+        };
         Ok(Self {
             store,
             cache,
@@ -423,14 +439,15 @@ impl SingleBlockManager {
     pub fn new(num_slots: usize) -> Result<Self> {
         let mut config = ManagerConfig::new(num_slots, 1);
         config.enable_prefix_cache = false;
-        config.validate().map_err(|e| match e {
+        let rename = |e| match e {
             KvPoolError::InvalidArgument { message, .. } => {
                 KvPoolError::invalid("num_slots", message)
             }
             other => other,
-        })?;
+        };
+        config.validate().map_err(rename)?;
         Ok(Self {
-            inner: BlockManagerImpl::new(config)?,
+            inner: BlockManagerImpl::new(config).map_err(rename)?,
         })
     }
 

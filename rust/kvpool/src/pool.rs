@@ -160,9 +160,31 @@ struct LinearOp {
     hash: BlockHash,
     src: u32,
     dst: u32,
+    /// Saves: the computed tokens whose state the save reads (its boundary, R24).
+    boundary: usize,
     taken: bool,
     cancelled: bool,
-    _live: Block,
+    /// Checkpoints the held slot became (promoted) while this copy was in flight: pinned until
+    /// the copy is confirmed, since evicting them would free nothing (F2).
+    pins: Vec<BlockHash>,
+    live: Block,
+}
+
+impl LinearOp {
+    fn new(rank: usize, kind: OpKind, hash: BlockHash, src: u32, live: Block) -> Self {
+        Self {
+            rank,
+            kind,
+            hash,
+            src,
+            dst: live.id(),
+            boundary: 0,
+            taken: false,
+            cancelled: false,
+            pins: Vec::new(),
+            live,
+        }
+    }
 }
 
 impl PoolConfig {
@@ -418,6 +440,32 @@ impl BlockManagerPool {
             "needs sliding_window"
         );
         let num_single = config.num_single_blocks.unwrap_or(config.num_blocks);
+        // Every count within its cap before anything is sized by it (F1).
+        let within_caps = |n: usize, block_size: usize, name: &'static str| {
+            ManagerConfig::new(n, block_size)
+                .validate()
+                .map_err(|e| rename(rename(e, "num_blocks", name), "block_size", name))
+        };
+        within_caps(num_single, 1, "num_single_blocks")?;
+        if config.linear_state_slots > 0 {
+            within_caps(config.linear_state_slots, 1, "linear_state_slots")?;
+        }
+        if config.sliding_window.is_some() {
+            let swa = config.swa_num_blocks.unwrap_or(config.num_blocks);
+            within_caps(swa, config.block_size, "swa_num_blocks")?;
+        }
+        // F1: the whole footprint of every rank in one request, before anything is filled.
+        let per_rank = manager.footprint()
+            + num_single as u128 * crate::block::BlockStore::BYTES_PER_ID
+            + LinearStatePrefixCache::footprint(config.linear_state_slots)
+            + config.sliding_window.map_or(0, |_| {
+                SlidingWindowBlockManager::footprint(
+                    config.swa_num_blocks.unwrap_or(config.num_blocks),
+                    config.block_size,
+                    config.enable_prefix_cache,
+                )
+            });
+        crate::alloc::probe(config.dp_size as u128 * per_rank, "num_blocks")?;
         let mut ranks = Vec::with_capacity(config.dp_size);
         for _ in 0..config.dp_size {
             let mut blocks = BlockManagerImpl::new(manager)?;
@@ -533,11 +581,16 @@ impl BlockManagerPool {
 
     // host tier (R26): pub(crate) for hierarchy.rs
     pub(crate) fn check_owner(&self, seq: &Sequence) -> Result<bool> {
+        self.check_owner_as(seq, "seq")
+    }
+
+    /// [`Self::check_owner`] for a sequence passed as argument `name` (`seqs` in batch calls).
+    fn check_owner_as(&self, seq: &Sequence, name: &'static str) -> Result<bool> {
         match seq.owner {
             None => Ok(false),
             Some(owner) if owner == self.id => Ok(true),
             Some(_) => Err(KvPoolError::invalid(
-                "seq",
+                name,
                 format!("sequence {} holds blocks of another pool", seq.seq_id()),
             )),
         }
@@ -751,7 +804,7 @@ impl BlockManagerPool {
     pub fn block_tables(&self, seqs: &[&Sequence], group: usize) -> Result<(Vec<i32>, usize)> {
         self.check_group(group)?;
         for seq in seqs {
-            self.check_owner(seq)?;
+            self.check_owner_as(seq, "seqs")?;
         }
         let width = seqs.iter().map(|s| s.blocks.len()).max().unwrap_or(0);
         let mut table = vec![0i32; seqs.len() * width];
@@ -853,12 +906,16 @@ impl BlockManagerPool {
                 .expect("linear ops need linear state");
             let ok = match op.kind {
                 OpKind::Restore | OpKind::Promote => linear.is_pinned(op.hash),
-                OpKind::Save => linear.is_pending(op.hash),
+                OpKind::Save => linear.is_pending(op.hash) && linear.is_planned(op.hash),
             };
             ensure_invariant!(
                 ok,
                 "linear-state copy {id} ({:?}) lost its checkpoint (R24)",
                 op.kind
+            );
+            ensure_invariant!(
+                op.pins.iter().all(|&h| linear.is_pinned(h)),
+                "linear-state copy {id} lost a checkpoint it pins (F2)"
             );
             ensure_invariant!(
                 op.taken || !op.cancelled,
@@ -869,6 +926,19 @@ impl BlockManagerPool {
             self.untaken.iter().all(|id| self.ops.contains_key(id)),
             "an untaken linear-state copy is missing"
         );
+        for (index, rank) in self.ranks.iter().enumerate() {
+            let Some(linear) = &rank.linear else { continue };
+            let saves = self
+                .ops
+                .values()
+                .filter(|op| op.rank == index && op.kind == OpKind::Save)
+                .count();
+            ensure_invariant!(
+                saves == linear.num_planned_checkpoints(),
+                "dp rank {index}: {} planned checkpoints for {saves} planned saves (R24)",
+                linear.num_planned_checkpoints()
+            );
+        }
         Ok(())
     }
 
@@ -938,8 +1008,11 @@ impl BlockManagerPool {
         // Errors are impossible by the op's invariant (checked by `check`); ignore them.
         let _ = match op.kind {
             OpKind::Restore | OpKind::Promote => linear.unpin(op.hash),
-            OpKind::Save => linear.cancel_checkpoint(op.hash),
+            OpKind::Save => linear.cancel_planned(op.hash),
         };
+        for &hash in &op.pins {
+            let _ = linear.unpin(hash);
+        }
     }
 
     fn finish_op(&mut self, op: LinearOp) {
@@ -952,8 +1025,36 @@ impl BlockManagerPool {
         };
         let _ = match op.kind {
             OpKind::Restore | OpKind::Promote => linear.unpin(op.hash),
-            OpKind::Save => linear.commit_checkpoint(op.hash).map(|_| ()),
+            OpKind::Save => linear.commit_planned(op.hash).map(|_| ()),
         };
+        for &hash in &op.pins {
+            let _ = linear.unpin(hash);
+        }
+        drop(op); // its handle of the live slot goes last, after the pins
+    }
+
+    /// F6 (R24): a save not yet taken whose boundary the sequence's state has moved past would
+    /// read the live slot's later state into the earlier boundary's checkpoint. It is dropped
+    /// (its pending slot freed) the next time the pool sees the sequence at a step.
+    fn drop_stale_saves(&mut self, seq: &mut Sequence) {
+        let computed = seq.num_computed_tokens;
+        let ops = &self.ops;
+        let stale: Vec<u64> = seq
+            .linear_ops
+            .iter()
+            .copied()
+            .filter(|id| {
+                ops.get(id).is_some_and(|op| {
+                    op.kind == OpKind::Save && !op.taken && op.boundary != computed
+                })
+            })
+            .collect();
+        for id in stale {
+            let op = self.ops.remove(&id).expect("present");
+            self.untaken.retain(|&u| u != id);
+            seq.linear_ops.retain(|&o| o != id);
+            self.cancel_op(&op);
+        }
     }
 
     /// Cancels the sequence's unconfirmed copies (R24): untaken ones at once; taken ones when
@@ -1054,51 +1155,57 @@ impl BlockManagerPool {
         let (Some(linear), Some(cache)) = (rank.linear.as_mut(), rank.blocks.prefix_cache()) else {
             return;
         };
+        seq.ensure_hashes(cache.hasher(), block_size, computed);
+        let hash = seq.hashes(computed / block_size)[computed / block_size - 1];
+        if linear.contains(hash) || linear.is_pending(hash) {
+            seq.last_saved_boundary = computed; // someone saved this prefix already
+            return;
+        }
         let Some(live) = seq.linear_slot.take() else {
             return;
         };
-        seq.ensure_hashes(cache.hasher(), block_size, computed);
-        let hash = seq.hashes(computed / block_size)[computed / block_size - 1];
-        seq.last_saved_boundary = computed;
         let op = match self.config.linear_state_save {
             LinearStateSave::Copy => {
-                let slot = linear.reserve_checkpoint(hash);
-                let op = slot.map(|dst| LinearOp {
-                    rank: rank_index,
-                    kind: OpKind::Save,
-                    hash,
-                    src: live.id(),
+                let op = linear.reserve_planned(hash).map(|dst| LinearOp {
                     dst,
-                    taken: false,
-                    cancelled: false,
-                    _live: live.clone(),
+                    boundary: computed,
+                    ..LinearOp::new(rank_index, OpKind::Save, hash, live.id(), live.clone())
                 });
                 seq.linear_slot = Some(live);
                 op
             }
-            LinearStateSave::Promote => match linear.promote_slot(live, hash) {
-                Ok(fresh) => {
-                    let old = linear.pin(hash).expect("just promoted");
-                    let op = LinearOp {
-                        rank: rank_index,
-                        kind: OpKind::Promote,
-                        hash,
-                        src: old,
-                        dst: fresh.id(),
-                        taken: false,
-                        cancelled: false,
-                        _live: fresh.clone(),
-                    };
-                    seq.linear_slot = Some(fresh);
-                    Some(op)
+            LinearStateSave::Promote => {
+                let promoted = live.id();
+                match linear.promote_slot(live, hash) {
+                    Ok(fresh) => {
+                        let old = linear.pin(hash).expect("just promoted");
+                        // F2: an earlier copy into the promoted slot may still be in flight; it
+                        // holds the slot, so the new checkpoint stays pinned until it is done.
+                        let writer = seq.linear_ops.iter().copied().find(|id| {
+                            self.ops
+                                .get(id)
+                                .is_some_and(|op| op.rank == rank_index && op.live.id() == promoted)
+                        });
+                        if let Some(id) = writer {
+                            linear.pin(hash).expect("just promoted");
+                            self.ops.get_mut(&id).expect("found").pins.push(hash);
+                        }
+                        let op =
+                            LinearOp::new(rank_index, OpKind::Promote, hash, old, fresh.clone());
+                        seq.linear_slot = Some(fresh);
+                        Some(op)
+                    }
+                    Err(live) => {
+                        seq.linear_slot = Some(live);
+                        None
+                    }
                 }
-                Err(live) => {
-                    seq.linear_slot = Some(live);
-                    None
-                }
-            },
+            }
         };
+        // F7 (R24): the boundary counts as saved only once its save is planned; a reservation
+        // that failed (every slot live) is retried by the next cache() at this boundary.
         if let Some(op) = op {
+            seq.last_saved_boundary = computed;
             self.new_op(seq, op);
         }
     }
@@ -1112,47 +1219,61 @@ impl BlockManagerPool {
         }
     }
 
-    /// Blocks missing for `tokens` tokens, and whether both groups can supply them.
-    fn can_grow(&self, seq: &Sequence, tokens: usize) -> bool {
-        let rank = &self.ranks[seq.dp_rank.unwrap_or(0)];
+    /// The blocks missing for `seq`'s tables to hold `tokens` tokens, or `None` if a group
+    /// cannot supply them. The one computation behind both the question (`can_append`,
+    /// `can_allocate` on an allocated sequence) and the action (`may_append`, `allocate`), so
+    /// they agree exactly (R15, R16). In the window group the slide that `grow` does first
+    /// counts with exactly what it frees or makes evictable (F4).
+    fn growth(&self, seq: &Sequence, tokens: usize) -> Option<usize> {
+        let rank = &self.ranks[seq.dp_rank?];
         let need = self.blocks_for(tokens).saturating_sub(seq.blocks.len());
         if need == 0 {
-            return true;
+            return Some(0);
         }
-        let full_ok = need <= rank.blocks.num_available();
-        let window_ok = match (&rank.window, &seq.window) {
-            (Some(window), Some(table)) => {
-                need <= window.num_available() + window.releasable(table, seq.num_computed_tokens)
+        if need > rank.blocks.num_available() {
+            return None;
+        }
+        if let (Some(window), Some(table)) = (&rank.window, &seq.window) {
+            if need > window.available_after_slide(table, seq.num_computed_tokens) {
+                return None;
             }
-            _ => true,
-        };
-        full_ok && window_ok
+        }
+        Some(need)
     }
 
+    /// Whether [`Self::grow`] would succeed (no side effect).
+    fn can_grow(&self, seq: &Sequence, tokens: usize) -> bool {
+        self.growth(seq, tokens).is_some()
+    }
+
+    /// Grows `seq`'s tables to hold `tokens` tokens: all-or-nothing (R14, R16). On success it
+    /// first publishes the window blocks and slides the window (R25); a failure changes nothing.
     fn grow(&mut self, seq: &mut Sequence, tokens: usize) -> bool {
+        let Some(need) = self.growth(seq, tokens) else {
+            return false;
+        };
         let rank_index = seq.dp_rank.expect("allocated sequence has a rank");
+        if seq.window.is_some() {
+            self.publish_window(seq); // before the slide releases them (R25)
+        }
         self.slide(seq);
-        let entries = self.blocks_for(tokens);
-        let need = entries.saturating_sub(seq.blocks.len());
         if need == 0 {
             return true;
         }
+        let entries = self.blocks_for(tokens);
         let rank = &mut self.ranks[rank_index];
-        // Check the window group first so a failure there evicts nothing in the full group.
-        if rank
-            .window
-            .as_ref()
-            .is_some_and(|w| need > w.num_available())
-        {
-            return false;
-        }
         let mut ok = rank.blocks.allocate_into(need, &mut seq.blocks).is_ok();
         if ok {
             if let (Some(window), Some(table)) = (rank.window.as_mut(), seq.window.as_mut()) {
                 ok = window.grow(table, entries).is_ok();
-                debug_assert!(ok, "checked above");
+                if !ok {
+                    // Unreachable: `growth` counted the window group's blocks after the slide.
+                    let kept = seq.blocks.len() - need;
+                    seq.blocks.truncate(kept);
+                }
             }
         }
+        debug_assert!(ok, "growth() promised {need} blocks");
         self.collect_events(rank_index);
         ok
     }
@@ -1217,6 +1338,7 @@ impl BlockManagerPool {
         self.collect_events(rank_index);
         self.slide(seq);
         if when == Publish::Step && seq.linear_slot.is_some() {
+            self.drop_stale_saves(seq);
             self.plan_save(seq);
         }
     }
@@ -1231,6 +1353,11 @@ impl BlockManagerPool {
             cache.drain_released();
         }
     }
+}
+
+/// `len(seq) + lookahead`, the tokens R16 asks room for; `None` past `usize::MAX` (F5).
+fn appended_len(seq: &Sequence, lookahead: usize) -> Option<usize> {
+    seq.len().checked_add(lookahead)
 }
 
 fn prefix_rank(error: KvPoolError, rank: usize) -> KvPoolError {
@@ -1327,16 +1454,7 @@ impl KvCacheManager for BlockManagerPool {
         seq.dp_rank = Some(plan.rank);
         seq.owner = Some(self.id);
         if let (Some(live), Some(hash), Some(src)) = (&live, plan.restore, restore_slot) {
-            let op = LinearOp {
-                rank: plan.rank,
-                kind: OpKind::Restore,
-                hash,
-                src,
-                dst: live.id(),
-                taken: false,
-                cancelled: false,
-                _live: live.clone(),
-            };
+            let op = LinearOp::new(plan.rank, OpKind::Restore, hash, src, live.clone());
             self.new_op(seq, op);
         }
         seq.linear_slot = live;
@@ -1351,7 +1469,8 @@ impl KvCacheManager for BlockManagerPool {
             "sequence {} is not allocated in this pool",
             seq.seq_id()
         );
-        Ok(self.can_grow(seq, seq.len() + lookahead))
+        // F5: a sum past usize::MAX tokens can never be had.
+        Ok(appended_len(seq, lookahead).is_some_and(|tokens| self.can_grow(seq, tokens)))
     }
 
     fn may_append(&mut self, seq: &mut Sequence, lookahead: usize) -> Result<bool> {
@@ -1361,11 +1480,7 @@ impl KvCacheManager for BlockManagerPool {
             "sequence {} is not allocated in this pool",
             seq.seq_id()
         );
-        if seq.window.is_some() {
-            // Publish the window blocks before the slide releases them (R25).
-            self.publish_window(seq);
-        }
-        Ok(self.grow(seq, seq.len() + lookahead))
+        Ok(appended_len(seq, lookahead).is_some_and(|tokens| self.grow(seq, tokens)))
     }
 
     fn cache(&mut self, seq: &mut Sequence) -> Result<()> {
@@ -1390,7 +1505,7 @@ impl BlockManagerPool {
     /// without changing anything.
     pub fn check_sequence_owned(&self, seq: &Sequence) -> Result<()> {
         ensure_arg!(
-            self.check_owner(seq)?,
+            self.check_owner_as(seq, "seqs")?,
             "seqs",
             "sequence {} is not allocated in this pool",
             seq.seq_id()
@@ -1462,7 +1577,7 @@ impl BlockManagerPool {
     ) -> Result<Vec<usize>> {
         for seq in seqs.iter() {
             ensure_arg!(
-                self.check_owner(seq)?,
+                self.check_owner_as(seq, "seqs")?,
                 "seqs",
                 "sequence {} is not allocated in this pool",
                 seq.seq_id()
@@ -1476,10 +1591,11 @@ impl BlockManagerPool {
         let block_size = self.config.block_size;
         let mut failed = Vec::new();
         for (i, seq) in seqs.iter_mut().enumerate() {
-            let tokens = seq.len() + lookahead;
-            if seq.window.is_some() {
-                self.publish_window(seq); // before the slide releases them (R25)
-            } else if tokens <= seq.blocks.len() * block_size {
+            let Some(tokens) = appended_len(seq, lookahead) else {
+                failed.push(i); // F5: more tokens than usize can count
+                continue;
+            };
+            if seq.window.is_none() && tokens <= seq.blocks.len() * block_size {
                 continue; // the table holds them already (most decode steps)
             }
             if !self.grow(seq, tokens) {

@@ -9,18 +9,26 @@
 //! - the cache holds exactly one reference of each entry's block (`CACHED` in its state word);
 //! - the LRU list holds exactly the cache-only entries (state `CACHED|1`) that the cache has
 //!   been told about; the others sit in the store's `released` stack (state has `QUEUED`) until
-//!   the next operation drains it. Entries enter the LRU at the newest end when their last
-//!   outside handle goes, deepest first within a batch, so the oldest entry is a leaf whenever
-//!   sequences release whole prefixes, and a chain is evicted from its tail (R10, R11).
+//!   the next operation drains it. Entries enter the LRU at the newest end in the order their
+//!   last outside handle went (the stack's order, so a block's place is its release time, not
+//!   the time of the drain), and carry a stamp that increases along the list. Whoever releases
+//!   a whole table releases it tail first (`Sequence`, `deallocate`), so a chain is evicted
+//!   from its tail (R10, R11).
 //!
-//! Eviction takes the oldest cache-only entry that has no children; a block some sequence holds
-//! is never on the list, so it is never evicted. Everything is O(1) per block except the scan
-//! past cache-only entries whose children are still held, which only arises when a caller
-//! releases the front of a chain while keeping its tail.
+//! "Least recently used" is the time a block last became cache-only (its last holder released
+//! it; a hit makes it held, so the release after a hit refreshes it). Eviction is strictly LRU
+//! among the evictable leaves (cache-only entries without children): one walk from the oldest
+//! end skips entries that still have children; when an eviction turns an older, skipped parent
+//! into a leaf, that parent is the oldest evictable leaf and goes next, so it competes by its
+//! own recency and no second pass is needed. A block some sequence holds is never on the list,
+//! so it is never evicted. Everything is O(1) per block except skipping entries whose children
+//! are still cached or held, which only arises when a chain's head was released before its
+//! tail.
 
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 
+use crate::alloc;
 use crate::block::{Block, BlockStore, CACHED, COUNT_MASK, QUEUED};
 use crate::error::{ensure_invariant, Result};
 use crate::hash::{BlockHash, BlockHasher};
@@ -69,6 +77,8 @@ struct Entry {
     next: u32,
     live: bool,
     in_lru: bool,
+    /// When the entry last entered the LRU list (increases from the oldest end to the newest).
+    stamp: u64,
     extra_key: Option<ExtraKey>,
 }
 
@@ -83,6 +93,7 @@ impl Default for Entry {
             next: NIL,
             live: false,
             in_lru: false,
+            stamp: 0,
             extra_key: None,
         }
     }
@@ -140,6 +151,8 @@ pub struct PrefixCache {
     oldest: u32,
     newest: u32,
     lru_len: usize,
+    /// Stamp of the next entry pushed on the LRU list.
+    clock: u64,
     epoch: u64,
     stats: CacheStats,
     events: Option<Vec<CacheEvent>>,
@@ -147,24 +160,32 @@ pub struct PrefixCache {
 }
 
 impl PrefixCache {
-    pub(crate) fn new(store: Arc<BlockStore>, hasher: BlockHasher) -> Self {
+    /// Bytes the cache spends per block of `block_size` tokens (entry and tokens).
+    pub(crate) fn bytes_per_block(block_size: usize) -> u128 {
+        (std::mem::size_of::<Entry>() + 4 * block_size) as u128
+    }
+
+    /// The cache of `store`'s blocks; an error naming `num_blocks` if its per-block arrays
+    /// cannot be allocated (F1).
+    pub(crate) fn new(store: Arc<BlockStore>, hasher: BlockHasher) -> Result<Self> {
         let n = store.num_blocks();
         let block_size = store.block_size as usize;
-        Self {
+        Ok(Self {
             store,
             hasher,
             block_size,
             index: HashIndex::default(),
-            entries: vec![Entry::default(); n],
-            tokens: vec![0; n * block_size],
+            entries: alloc::filled(n, "num_blocks", Entry::default)?,
+            tokens: alloc::filled(n * block_size, "num_blocks", || 0)?,
             oldest: NIL,
             newest: NIL,
             lru_len: 0,
+            clock: 0,
             epoch: 0,
             stats: CacheStats::default(),
             events: None,
             scratch: Vec::new(),
-        }
+        })
     }
 
     /// The hasher (seed) of this cache.
@@ -402,7 +423,8 @@ impl PrefixCache {
         (newly, i)
     }
 
-    /// Moves the blocks whose last outside handle went away onto the LRU list.
+    /// Moves the blocks whose last outside handle went away onto the LRU list, in the order they
+    /// were released (F9: a block's place is its release time, whenever the drain runs).
     pub fn drain_released(&mut self) {
         let mut batch = std::mem::take(&mut self.scratch);
         while let Some(id) = self.store.released.pop() {
@@ -412,46 +434,48 @@ impl PrefixCache {
                 batch.push(id);
             }
         }
-        if batch.len() > 1 {
-            // Release order (the stack pops newest first), then deepest first within it, so that
-            // parents end up newer than their children (R10, R11).
-            batch.reverse();
-            batch.sort_by_key(|&id| std::cmp::Reverse(self.entries[id as usize].depth));
-        }
-        for &id in &batch {
+        // The stack pops the newest release first.
+        for &id in batch.iter().rev() {
             self.lru_push_newest(id);
         }
         batch.clear();
         self.scratch = batch;
     }
 
-    /// Evicts up to `n` cache-only blocks, least recently used leaves first (R10); returns how
-    /// many went back to the free list.
+    /// Evicts up to `n` cache-only blocks, strictly least recently used among the evictable
+    /// leaves (R10, module doc); returns how many went back to the free list.
     pub fn evict(&mut self, n: usize) -> usize {
         self.drain_released();
         let mut evicted = 0;
         let mut removed = Vec::new();
-        // One pass suffices unless an entry was skipped for having children (a caller released a
-        // chain's head but kept its tail); a later pass retries those whose children went.
-        loop {
-            let before = evicted;
-            let mut skipped = false;
-            let mut cursor = self.oldest;
-            while evicted < n && cursor != NIL {
-                let id = cursor;
-                cursor = self.entries[id as usize].next;
-                if self.entries[id as usize].children > 0 {
-                    skipped = true;
-                    continue;
-                }
-                let (hash, key) = self.remove_entry(id);
+        // Every entry older than `cursor` that is still on the list has children.
+        let mut cursor = self.oldest;
+        while evicted < n && cursor != NIL {
+            let mut victim = cursor;
+            cursor = self.entries[victim as usize].next;
+            if self.entries[victim as usize].children > 0 {
+                continue;
+            }
+            loop {
+                let parent = self.entries[victim as usize].parent;
+                let (hash, key) = self.remove_entry(victim);
                 if self.events.is_some() {
                     removed.push((hash, key));
                 }
                 evicted += 1;
-            }
-            if evicted == n || !skipped || evicted == before {
-                break;
+                // `parent == cursor`: a chain released tail first, the walk's next victim anyway.
+                if evicted == n || parent == NIL || parent == cursor {
+                    break;
+                }
+                // The parent just became a leaf: if it was skipped (older than `cursor`), it is
+                // now the oldest evictable leaf; otherwise the walk reaches it in its turn.
+                let p = &self.entries[parent as usize];
+                let older_than_cursor =
+                    cursor == NIL || p.stamp < self.entries[cursor as usize].stamp;
+                if p.children > 0 || !p.in_lru || !older_than_cursor {
+                    break;
+                }
+                victim = parent;
             }
         }
         self.stats.evictions += evicted as u64;
@@ -505,7 +529,9 @@ impl PrefixCache {
             entry.prev = newest;
             entry.next = NIL;
             entry.in_lru = true;
+            entry.stamp = self.clock;
         }
+        self.clock += 1;
         if newest == NIL {
             self.oldest = id;
         } else {
@@ -548,6 +574,21 @@ impl PrefixCache {
             ids.push(id);
             id = self.entries[id as usize].next;
         }
+        ids
+    }
+
+    /// The eviction order, oldest first, without draining: the LRU list, then the blocks
+    /// released since the last drain in release order (where the next drain puts them, F9).
+    /// Exact only without concurrent handle drops; for tests and debugging.
+    pub fn eviction_order(&self) -> Vec<u32> {
+        let mut ids = self.lru_order();
+        let queued = self.store.released.snapshot(); // newest release first
+        ids.extend(queued.into_iter().rev().filter(|&id| {
+            let entry = &self.entries[id as usize];
+            self.store.state(id) & (CACHED | COUNT_MASK) == CACHED | 1
+                && entry.live
+                && !entry.in_lru
+        }));
         ids
     }
 
@@ -659,6 +700,10 @@ impl PrefixCache {
             ensure_invariant!(
                 entry.in_lru && entry.prev == prev,
                 "LRU links broken at block {id}"
+            );
+            ensure_invariant!(
+                prev == NIL || self.entries[prev as usize].stamp < entry.stamp,
+                "LRU stamps do not increase at block {id}"
             );
             prev = id;
         }

@@ -251,9 +251,7 @@ impl Sequence {
 
     /// Releases everything and resets the KV state (tokens and dp rank kept, R18).
     pub(crate) fn reset(&mut self) {
-        while let Some(block) = self.blocks.pop() {
-            drop(block);
-        }
+        while self.blocks.pop().is_some() {} // tail first (see `Drop`)
         self.single_block = None;
         if let Some(window) = self.window.as_mut() {
             window.clear();
@@ -267,6 +265,15 @@ impl Sequence {
         self.num_published = 0;
         self.owner = None;
         self.host_load = None; // host tier (R26): an unconfirmed load no longer applies
+    }
+}
+
+impl Drop for Sequence {
+    /// Releases the table tail first, as `deallocate` does: a chain's tail becomes cache-only
+    /// before its head, so its place on the LRU is older (R10, R11). Dropping a sequence without
+    /// `deallocate` gives its blocks their LRU place at this moment (F9).
+    fn drop(&mut self) {
+        while self.blocks.pop().is_some() {}
     }
 }
 

@@ -34,6 +34,7 @@
 
 use std::collections::{HashMap, VecDeque};
 
+use crate::alloc;
 use crate::block::{Block, CACHED, COUNT_MASK};
 use crate::error::{ensure_arg, ensure_invariant, Result};
 use crate::hash::BlockHash;
@@ -120,17 +121,29 @@ impl SlidingWindowBlockManager {
         let mut config = ManagerConfig::new(num_blocks, block_size);
         config.enable_prefix_cache = false;
         let inner = BlockManagerImpl::new(config)?;
-        let sharing = enable_sharing.then(|| WindowIndex {
-            index: HashMap::new(),
-            published: vec![None; num_blocks],
-            tokens: vec![0; num_blocks * block_size],
-        });
+        let sharing = match enable_sharing {
+            true => Some(WindowIndex {
+                index: HashMap::new(),
+                published: alloc::filled(num_blocks, "num_blocks", || None)?,
+                tokens: alloc::filled(num_blocks * block_size, "num_blocks", || 0)?,
+            }),
+            false => None,
+        };
         Ok(Self {
             inner,
             window,
             sharing,
             kept: VecDeque::new(),
         })
+    }
+
+    /// Bytes a manager of these numbers allocates (for [`crate::alloc::probe`]).
+    pub(crate) fn footprint(num_blocks: usize, block_size: usize, sharing: bool) -> u128 {
+        let index = match sharing {
+            true => std::mem::size_of::<Option<BlockHash>>() + 4 * block_size,
+            false => 0,
+        };
+        num_blocks as u128 * (crate::block::BlockStore::BYTES_PER_ID + index as u128)
     }
 
     /// Free blocks plus kept tail blocks nothing else holds: what `grow` can hand out.
@@ -228,9 +241,10 @@ impl SlidingWindowBlockManager {
     }
 
     /// Index of the first block the query at position `num_computed_tokens` can attend to: the
-    /// blocks before it hold only tokens before `num_computed_tokens - window + 1`.
+    /// blocks before it hold only tokens before `num_computed_tokens - window + 1`. Exact for
+    /// every `usize` (no `+ 1` that could wrap, F5; `window >= 1`).
     pub fn first_needed_block(&self, num_computed_tokens: usize) -> usize {
-        (num_computed_tokens + 1).saturating_sub(self.window) / self.block_size()
+        num_computed_tokens.saturating_sub(self.window - 1) / self.block_size()
     }
 
     /// Releases the blocks of `table` no future query can attend to (R25); returns how many.
@@ -248,14 +262,29 @@ impl SlidingWindowBlockManager {
         count
     }
 
-    /// How many blocks `slide` would make free right now (held only by this table).
+    /// How many blocks `slide(table, num_computed_tokens)` would make available right now: those
+    /// whose last handle outside this manager is the table's (free at once), and kept tails
+    /// whose only other holder is the table (evictable once it lets go, F4).
     pub fn releasable(&self, table: &WindowTable, num_computed_tokens: usize) -> usize {
         let first = self
             .first_needed_block(num_computed_tokens)
             .min(table.len());
+        let store = &self.inner.store;
         (table.released..first)
-            .filter(|&i| table.get(i).is_some_and(|b| b.ref_count() == 1))
+            .filter(|&i| {
+                table.get(i).is_some_and(|b| {
+                    let state = store.state(b.id());
+                    let count = state & COUNT_MASK;
+                    count == 1 || (state & CACHED != 0 && count == 2)
+                })
+            })
             .count()
+    }
+
+    /// What [`Self::grow`] can hand out once `table` has slid to `num_computed_tokens`: the
+    /// available blocks plus [`Self::releasable`] (the pool's one growth computation, R16).
+    pub fn available_after_slide(&self, table: &WindowTable, num_computed_tokens: usize) -> usize {
+        self.num_available() + self.releasable(table, num_computed_tokens)
     }
 
     /// Grows `table` to `num_entries` entries with fresh blocks (all-or-nothing, R3).
