@@ -9,15 +9,14 @@
 //!   says whether it has any other group;
 //! - `per_block_size` counts the locations (and the gapped ones) of each block size.
 
-use std::collections::hash_map::DefaultHasher;
 use std::collections::{BTreeMap, HashMap};
-use std::hash::BuildHasherDefault;
 
 use crate::error::{ensure_invariant, KvPoolError, Result};
 use crate::index::event::{GroupKind, Medium, MAX_GROUPS};
 
-/// A deterministic hasher, so that both copies of an index (and a loaded one) behave alike.
-pub(crate) type FixedState = BuildHasherDefault<DefaultHasher>;
+/// A fast deterministic hasher (no random state), so that both copies of an index (and a
+/// loaded one) behave alike.
+pub(crate) type FixedState = rustc_hash::FxBuildHasher;
 
 /// The identity of a location.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -40,6 +39,14 @@ pub(crate) struct Location {
     pub gapped: bool,
 }
 
+/// What a lookup needs of a location, kept dense (12 bytes each) for the fast path.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct LocationMeta {
+    pub full_mask: u32,
+    pub block_size: u32,
+    pub gapped: bool,
+}
+
 /// Counts of the locations of one block size.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub(crate) struct SizeCounts {
@@ -51,6 +58,9 @@ pub(crate) struct SizeCounts {
 #[derive(Clone, Debug, Default)]
 pub(crate) struct Locations {
     list: Vec<Location>,
+    /// `meta[i]` and `keys[i]` mirror `list[i]`.
+    meta: Vec<LocationMeta>,
+    keys: Vec<LocationKey>,
     ids: HashMap<LocationKey, u32, FixedState>,
     per_block_size: BTreeMap<u32, SizeCounts>,
 }
@@ -62,6 +72,16 @@ impl Locations {
 
     pub fn get(&self, id: u32) -> &Location {
         &self.list[id as usize]
+    }
+
+    #[inline]
+    pub fn meta(&self, id: u32) -> LocationMeta {
+        self.meta[id as usize]
+    }
+
+    #[inline]
+    pub fn key(&self, id: u32) -> LocationKey {
+        self.keys[id as usize]
     }
 
     pub fn iter(&self) -> impl Iterator<Item = (u32, &Location)> {
@@ -97,6 +117,12 @@ impl Locations {
             full_mask: 0,
             gapped: false,
         });
+        self.meta.push(LocationMeta {
+            full_mask: 0,
+            block_size: key.block_size,
+            gapped: false,
+        });
+        self.keys.push(key);
         self.ids.insert(key, id);
         self.per_block_size
             .entry(key.block_size)
@@ -158,6 +184,8 @@ impl Locations {
         } else {
             location.full_mask |= bit;
         }
+        self.meta[id as usize].full_mask = location.full_mask;
+        self.meta[id as usize].gapped = location.gapped;
         Ok(bit)
     }
 
@@ -181,7 +209,9 @@ impl Locations {
     /// Checks the module's invariants.
     pub fn check(&self) -> Result<()> {
         ensure_invariant!(
-            self.ids.len() == self.list.len(),
+            self.ids.len() == self.list.len()
+                && self.meta.len() == self.list.len()
+                && self.keys.len() == self.list.len(),
             "{} location ids for {} locations",
             self.ids.len(),
             self.list.len()
@@ -210,6 +240,16 @@ impl Locations {
             );
             let gapped = location.groups.iter().any(|(_, k)| k.is_gapped());
             ensure_invariant!(gapped == location.gapped, "location {id}: gapped flag");
+            ensure_invariant!(
+                self.meta[id as usize]
+                    == LocationMeta {
+                        full_mask: full,
+                        block_size: location.key.block_size,
+                        gapped,
+                    }
+                    && self.keys[id as usize] == location.key,
+                "location {id}: dense copies differ"
+            );
             let counts = sizes.entry(location.key.block_size).or_default();
             counts.locations += 1;
             counts.gapped += usize::from(gapped);

@@ -74,8 +74,9 @@ impl IndexState {
         }
     }
 
+    #[inline]
     fn emit(&self, location: u32, blocks: usize, out: &mut Vec<Match>) {
-        let key = self.locations.get(location).key;
+        let key = self.locations.key(location);
         out.push(Match {
             instance: key.instance,
             dp_rank: key.dp_rank,
@@ -86,10 +87,9 @@ impl IndexState {
         });
     }
 
-    /// Whether `entry` gives a full-attention-only location the block.
+    /// Whether `entry` gives a full-attention-only location (with groups `full`) the block.
     #[inline]
-    fn holds(&self, entry: &Entry, now: f64) -> bool {
-        let full = self.locations.get(entry.location).full_mask;
+    fn holds(entry: &Entry, full: u32, now: f64) -> bool {
         (full != 0 && entry.mask & full == full) || entry.speculative_at(now)
     }
 
@@ -97,15 +97,35 @@ impl IndexState {
         let Some(first) = self.tree.get(chain[0].0) else {
             return;
         };
-        let mut active: Vec<u32> = Vec::with_capacity(first.entries.len());
+        out.reserve(first.entries.len());
+        // Blocks 0 and 1 in one pass over the first block's entries (often every instance),
+        // so that the locations matching only block 0 are emitted without being listed.
+        let second = chain.get(1).and_then(|h| self.tree.get(h.0));
+        let second: &[Entry] = second.map_or(&[], |n| &n.entries[..]);
+        let mut active: Vec<u32> = Vec::with_capacity(second.len());
+        let mut j = 0;
         for entry in &first.entries {
-            let location = self.locations.get(entry.location);
-            if !location.gapped && location.key.block_size == block_size && self.holds(entry, now) {
+            let meta = self.locations.meta(entry.location);
+            if meta.gapped
+                || meta.block_size != block_size
+                || !Self::holds(entry, meta.full_mask, now)
+            {
+                continue;
+            }
+            while j < second.len() && second[j].location < entry.location {
+                j += 1;
+            }
+            if j < second.len()
+                && second[j].location == entry.location
+                && Self::holds(&second[j], meta.full_mask, now)
+            {
                 active.push(entry.location);
+            } else {
+                self.emit(entry.location, 1, out);
             }
         }
         let mut next: Vec<u32> = Vec::with_capacity(active.len());
-        let mut depth = 1;
+        let mut depth = 2;
         while depth < chain.len() && !active.is_empty() {
             let Some(node) = self.tree.get(chain[depth].0) else {
                 break;
@@ -126,7 +146,7 @@ impl IndexState {
                 }
                 if j < entries.len()
                     && entries[j].location == location
-                    && self.holds(&entries[j], now)
+                    && Self::holds(&entries[j], self.locations.meta(location).full_mask, now)
                 {
                     next.push(location);
                 } else {
@@ -150,11 +170,11 @@ impl IndexState {
                 continue;
             };
             for entry in &node.entries {
-                let location = self.locations.get(entry.location);
-                if !location.gapped || location.key.block_size != block_size {
+                let meta = self.locations.meta(entry.location);
+                if !meta.gapped || meta.block_size != block_size {
                     continue;
                 }
-                let groups = location.groups.len();
+                let groups = self.locations.get(entry.location).groups.len();
                 let sets = seen
                     .entry(entry.location)
                     .or_insert_with(|| vec![vec![0u64; words]; groups + 1]);

@@ -161,6 +161,13 @@ impl IndexState {
             }
             let key = location_key(instance, event);
             let group = (event.group, event.group_kind);
+            let known = self
+                .locations
+                .find(&key)
+                .is_some_and(|id| self.locations.group_bit(id, group.0, group.1).is_some());
+            if known {
+                continue;
+            }
             let pending = new_groups.entry(key).or_default();
             if pending.contains(&group) {
                 continue;
@@ -172,13 +179,7 @@ impl IndexState {
                 "location {key:?} would hold more than {} groups",
                 crate::index::event::MAX_GROUPS
             );
-            let known = self
-                .locations
-                .find(&key)
-                .is_some_and(|id| self.locations.group_bit(id, group.0, group.1).is_some());
-            if !known {
-                pending.push(group);
-            }
+            pending.push(group);
         }
         Ok(())
     }
