@@ -138,6 +138,11 @@ impl KVIndex {
         self.published.load().config
     }
 
+    /// The hasher of token-id lookups (the index's seed).
+    pub fn hasher(&self) -> crate::hash::BlockHasher {
+        self.published.load().hasher
+    }
+
     /// Runs one write: brings the spare copy level, applies `op` to it and publishes it.
     fn write(&self, op: WriteOp) -> Result<Outcome> {
         let mut writer = self.writer.lock();
