@@ -67,7 +67,7 @@ fn field<'py>(event: &Bound<'py, PyAny>, name: &str) -> PyResult<Option<Bound<'p
 }
 
 fn text(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<String> {
-    // `str(kind)` also accepts a str-valued enum (the R21 KVEvent's kind is a plain str).
+    // A str subclass (a str-valued enum) is accepted too.
     if let Ok(s) = obj.cast::<PyString>() {
         return Ok(s.to_str()?.to_owned());
     }

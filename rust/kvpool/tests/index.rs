@@ -616,6 +616,7 @@ fn speculative_entries_lapse_or_are_confirmed() {
         (f64::NAN, 1.0, "now"),
         (0.0, 0.0, "ttl"),
         (0.0, f64::INFINITY, "ttl"),
+        (1e308, 1e308, "ttl"),
     ] {
         match idx.insert_speculative(7, 0, 4, c.clone(), now, ttl) {
             Err(KvPoolError::InvalidArgument { name: got, .. }) => assert_eq!(got, name),

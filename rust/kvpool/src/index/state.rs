@@ -300,6 +300,11 @@ impl IndexState {
             "ttl",
             "must be finite and > 0, got {ttl}"
         );
+        ensure_arg!(
+            (now + ttl).is_finite(),
+            "ttl",
+            "now + ttl must be finite, got {now} + {ttl}"
+        );
         ensure_arg!(block_size >= 1, "block_size", "must be >= 1, got 0");
         for pair in chain.windows(2) {
             ensure_arg!(
