@@ -234,6 +234,87 @@ fn instance_counts() -> Vec<usize> {
         .unwrap_or_else(|| INSTANCES.to_vec())
 }
 
+/// The peer of the same run: a plain single-copy dict of sets (hash -> sorted instances), the
+/// model the proptest checks `KVIndex` against, with the same walk (no media, groups, TTLs,
+/// sequence numbers, memory bound or concurrent readers).
+#[derive(Default)]
+struct PlainIndex {
+    holders: HashMap<BlockHash, Vec<u32>>,
+}
+
+impl PlainIndex {
+    fn apply(&mut self, instance: u64, events: &[IndexEvent]) {
+        let instance = instance as u32;
+        for e in events {
+            for h in &e.block_hashes {
+                let list = self.holders.entry(*h).or_default();
+                let at = list.binary_search(&instance);
+                match (e.kind, at) {
+                    (kvpool::EventKind::Stored, Err(i)) => list.insert(i, instance),
+                    (kvpool::EventKind::Removed, Ok(i)) => {
+                        list.remove(i);
+                        if list.is_empty() {
+                            self.holders.remove(h);
+                        }
+                    }
+                    _ => {}
+                }
+            }
+        }
+    }
+
+    fn lookup(&self, chain: &[BlockHash], out: &mut Vec<(u32, u32)>) {
+        let Some(first) = chain.first().and_then(|h| self.holders.get(h)) else {
+            return;
+        };
+        let mut active = first.clone();
+        let mut depth = 1;
+        while depth < chain.len() && !active.is_empty() {
+            let Some(next) = self.holders.get(&chain[depth]) else {
+                break;
+            };
+            active.retain(|i| {
+                let keep = next.binary_search(i).is_ok();
+                if !keep {
+                    out.push((*i, depth as u32));
+                }
+                keep
+            });
+            depth += 1;
+        }
+        out.extend(active.iter().map(|&i| (i, depth as u32)));
+    }
+}
+
+/// The plain peer's replay: (apply-only time, mixed time, lookup times).
+fn replay_plain(w: &Workload) -> (Duration, Duration, Vec<u32>) {
+    let mut plain = PlainIndex::default();
+    let start = Instant::now();
+    for step in &w.steps {
+        if let Step::Apply(instance, batch) = step {
+            plain.apply(*instance, batch);
+        }
+    }
+    let apply = start.elapsed();
+    let mut plain = PlainIndex::default();
+    let mut out = Vec::with_capacity(w.instances);
+    let mut latencies = Vec::with_capacity(w.chains.len());
+    let start = Instant::now();
+    for step in &w.steps {
+        match step {
+            Step::Lookup(c) => {
+                out.clear();
+                let t = Instant::now();
+                plain.lookup(&w.chains[*c], &mut out);
+                latencies.push(t.elapsed().as_nanos() as u32);
+                std::hint::black_box(&out);
+            }
+            Step::Apply(instance, batch) => plain.apply(*instance, batch),
+        }
+    }
+    (apply, start.elapsed(), latencies)
+}
+
 fn workloads() -> Vec<Workload> {
     match load_trace() {
         Some(trace) => instance_counts()
@@ -275,8 +356,9 @@ fn percentile(sorted: &[u32], p: f64) -> f64 {
 
 fn summary(workloads: &[Workload]) {
     println!(
-        "\nindex summary (one core; lookups timed one by one, interleaved with the batches)\n\
-         {:>9} {:>8} {:>9} {:>9} {:>9} {:>12} {:>12} {:>8} {:>8} {:>8} {:>14}",
+        "\nindex summary (one core; lookups timed one by one, interleaved with the batches;\n\
+         plain = a single-copy dict of sets with the same walk, the peer of this run)\n\
+         {:>9} {:>8} {:>8} {:>8} {:>8} {:>11} {:>11} {:>7} {:>7} {:>7} {:>12} {:>9} {:>9} {:>9}",
         "instances",
         "requests",
         "events",
@@ -287,16 +369,22 @@ fn summary(workloads: &[Workload]) {
         "p50 us",
         "p99 us",
         "mean us",
-        "ev+lookup/s"
+        "ev+lookup/s",
+        "plain p50",
+        "plain p99",
+        "apply x"
     );
     for w in workloads {
         let (apply, _) = replay(w, false, false);
         let (mixed, mut latencies) = replay(w, true, true);
+        let (plain_apply, _, mut plain_latencies) = replay_plain(w);
         latencies.sort_unstable();
-        let mean =
-            latencies.iter().map(|&x| f64::from(x)).sum::<f64>() / latencies.len() as f64 / 1000.0;
+        plain_latencies.sort_unstable();
+        let mean = latencies.iter().map(|&x| f64::from(x)).sum::<f64>()
+            / latencies.len() as f64
+            / 1000.0;
         println!(
-            "{:>9} {:>8} {:>9} {:>9} {:>9} {:>12.0} {:>12.0} {:>8.2} {:>8.2} {:>8.2} {:>14.0}",
+            "{:>9} {:>8} {:>8} {:>8} {:>8} {:>11.0} {:>11.0} {:>7.2} {:>7.2} {:>7.2} {:>12.0} {:>9.2} {:>9.2} {:>9.2}",
             w.instances,
             w.chains.len(),
             w.events,
@@ -308,6 +396,9 @@ fn summary(workloads: &[Workload]) {
             percentile(&latencies, 0.99),
             mean,
             (w.events + w.chains.len()) as f64 / mixed.as_secs_f64(),
+            percentile(&plain_latencies, 0.5),
+            percentile(&plain_latencies, 0.99),
+            apply.as_secs_f64() / plain_apply.as_secs_f64(),
         );
     }
 }

@@ -39,9 +39,11 @@ pub(crate) struct Location {
     pub gapped: bool,
 }
 
-/// What a lookup needs of a location, kept dense (12 bytes each) for the fast path.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+/// What a lookup needs of a location, kept dense (40 bytes): a walk reads it for every entry
+/// it meets, and emits its key.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct LocationMeta {
+    pub key: LocationKey,
     pub full_mask: u32,
     pub block_size: u32,
     pub gapped: bool,
@@ -58,9 +60,8 @@ pub(crate) struct SizeCounts {
 #[derive(Clone, Debug, Default)]
 pub(crate) struct Locations {
     list: Vec<Location>,
-    /// `meta[i]` and `keys[i]` mirror `list[i]`.
+    /// `meta[i]` mirrors `list[i]`.
     meta: Vec<LocationMeta>,
-    keys: Vec<LocationKey>,
     ids: HashMap<LocationKey, u32, FixedState>,
     per_block_size: BTreeMap<u32, SizeCounts>,
 }
@@ -81,7 +82,7 @@ impl Locations {
 
     #[inline]
     pub fn key(&self, id: u32) -> LocationKey {
-        self.keys[id as usize]
+        self.meta[id as usize].key
     }
 
     pub fn iter(&self) -> impl Iterator<Item = (u32, &Location)> {
@@ -118,11 +119,11 @@ impl Locations {
             gapped: false,
         });
         self.meta.push(LocationMeta {
+            key,
             full_mask: 0,
             block_size: key.block_size,
             gapped: false,
         });
-        self.keys.push(key);
         self.ids.insert(key, id);
         self.per_block_size
             .entry(key.block_size)
@@ -209,9 +210,7 @@ impl Locations {
     /// Checks the module's invariants.
     pub fn check(&self) -> Result<()> {
         ensure_invariant!(
-            self.ids.len() == self.list.len()
-                && self.meta.len() == self.list.len()
-                && self.keys.len() == self.list.len(),
+            self.ids.len() == self.list.len() && self.meta.len() == self.list.len(),
             "{} location ids for {} locations",
             self.ids.len(),
             self.list.len()
@@ -243,11 +242,11 @@ impl Locations {
             ensure_invariant!(
                 self.meta[id as usize]
                     == LocationMeta {
+                        key: location.key,
                         full_mask: full,
                         block_size: location.key.block_size,
                         gapped,
-                    }
-                    && self.keys[id as usize] == location.key,
+                    },
                 "location {id}: dense copies differ"
             );
             let counts = sizes.entry(location.key.block_size).or_default();

@@ -77,6 +77,11 @@ impl IndexState {
     #[inline]
     fn emit(&self, location: u32, blocks: usize, out: &mut Vec<Match>) {
         let key = self.locations.key(location);
+        Self::emit_key(key, blocks, out);
+    }
+
+    #[inline]
+    fn emit_key(key: crate::index::location::LocationKey, blocks: usize, out: &mut Vec<Match>) {
         out.push(Match {
             instance: key.instance,
             dp_rank: key.dp_rank,
@@ -121,7 +126,7 @@ impl IndexState {
             {
                 active.push(entry.location);
             } else {
-                self.emit(entry.location, 1, out);
+                Self::emit_key(meta.key, 1, out);
             }
         }
         let mut next: Vec<u32> = Vec::with_capacity(active.len());
