@@ -21,7 +21,8 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use kvpool::{BlockHash, BlockHasher, IndexConfig, IndexEvent, KVIndex, Match};
+use kvpool::index::Row;
+use kvpool::{BlockHash, BlockHasher, IndexConfig, IndexEvent, KVIndex};
 
 const BLOCK_SIZE: u32 = 512;
 /// Blocks each instance's cache holds (256 x 512 = 131,072 tokens).
@@ -200,7 +201,7 @@ fn replay(w: &Workload, lookups: bool, timed: bool) -> (Duration, Vec<u32>) {
     let idx = index();
     let steps = w.steps.clone();
     let mut latencies = Vec::with_capacity(if timed { w.chains.len() } else { 0 });
-    let mut out: Vec<Match> = Vec::with_capacity(w.instances);
+    let mut out: Vec<Row> = Vec::with_capacity(w.instances);
     let start = Instant::now();
     for step in steps {
         match step {
@@ -209,11 +210,11 @@ fn replay(w: &Workload, lookups: bool, timed: bool) -> (Duration, Vec<u32>) {
                 if timed {
                     let t = Instant::now();
                     idx.snapshot()
-                        .lookup_chain_into(&w.chains[c], BLOCK_SIZE, 0.0, &mut out);
+                        .lookup_rows_into(&w.chains[c], BLOCK_SIZE, 0.0, &mut out);
                     latencies.push(t.elapsed().as_nanos() as u32);
                 } else {
                     idx.snapshot()
-                        .lookup_chain_into(&w.chains[c], BLOCK_SIZE, 0.0, &mut out);
+                        .lookup_rows_into(&w.chains[c], BLOCK_SIZE, 0.0, &mut out);
                 }
                 std::hint::black_box(&out);
             }
@@ -380,9 +381,8 @@ fn summary(workloads: &[Workload]) {
         let (plain_apply, _, mut plain_latencies) = replay_plain(w);
         latencies.sort_unstable();
         plain_latencies.sort_unstable();
-        let mean = latencies.iter().map(|&x| f64::from(x)).sum::<f64>()
-            / latencies.len() as f64
-            / 1000.0;
+        let mean =
+            latencies.iter().map(|&x| f64::from(x)).sum::<f64>() / latencies.len() as f64 / 1000.0;
         println!(
             "{:>9} {:>8} {:>8} {:>8} {:>8} {:>11.0} {:>11.0} {:>7.2} {:>7.2} {:>7.2} {:>12.0} {:>9.2} {:>9.2} {:>9.2}",
             w.instances,

@@ -10,7 +10,10 @@
 //! Locations with full-attention groups only (the common case) take the fast path: one walk
 //! down the chain, keeping the sorted list of locations still matching and merging it with
 //! each node's sorted entries; it stops at the first block no location still matching holds.
-//! The walk costs O(sum over the blocks walked of the entries met). Locations with a sliding
+//! The walk costs O(sum over the blocks walked of the entries met), and at 1,000 instances
+//! sharing a first block it is bound by the bytes it reads and writes per instance: a 16-byte
+//! entry, a 12-byte location record and an 8-byte [`Row`] (the rich [`Match`] is made from the
+//! rows afterwards, for the callers that want it). Locations with a sliding
 //! window or a linear state take a second walk over the whole chain that records, per group,
 //! which blocks are held, then pick the largest admissible `n`.
 
@@ -34,16 +37,19 @@ pub struct Match {
     pub tokens: u64,
 }
 
+/// One location's matched prefix, compact (8 bytes): the location's id within the index
+/// (`Snapshot::location` resolves it) and its blocks. A lookup at 1,000 instances writes a
+/// row per instance holding the first block, so the rows' size is most of its cost.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Row {
+    pub location: u32,
+    pub blocks: u32,
+}
+
 impl IndexState {
-    /// Appends to `out` one [`Match`] per location of `block_size` that holds at least the
+    /// Appends to `out` one [`Row`] per location of `block_size` that holds at least the
     /// first block of `chain` (in no particular order).
-    pub fn lookup_chain(
-        &self,
-        chain: &[BlockHash],
-        block_size: u32,
-        now: f64,
-        out: &mut Vec<Match>,
-    ) {
+    pub fn rows_chain(&self, chain: &[BlockHash], block_size: u32, now: f64, out: &mut Vec<Row>) {
         let counts = self.locations.size_counts(block_size);
         if chain.is_empty() || counts.locations == 0 {
             return;
@@ -56,39 +62,48 @@ impl IndexState {
         }
     }
 
-    /// [`IndexState::lookup_chain`] for the chain of `tokens` under `extra_key`, for each
-    /// block size in use.
-    pub fn lookup_tokens(
+    /// [`IndexState::rows_chain`] for the chain of `tokens` under `extra_key`, for each block
+    /// size in use.
+    pub fn rows_tokens(
         &self,
         tokens: &[u32],
         extra_key: Option<&[u8]>,
         now: f64,
-        out: &mut Vec<Match>,
+        out: &mut Vec<Row>,
     ) {
         for (block_size, counts) in self.locations.block_sizes() {
             if counts.locations == 0 || tokens.len() < block_size as usize {
                 continue;
             }
             let chain = self.hasher.chain(tokens, block_size as usize, extra_key);
-            self.lookup_chain(&chain, block_size, now, out);
+            self.rows_chain(&chain, block_size, now, out);
         }
     }
 
+    /// The [`Match`] of a row.
     #[inline]
-    fn emit(&self, location: u32, blocks: usize, out: &mut Vec<Match>) {
-        let key = self.locations.key(location);
-        Self::emit_key(key, blocks, out);
-    }
-
-    #[inline]
-    fn emit_key(key: crate::index::location::LocationKey, blocks: usize, out: &mut Vec<Match>) {
-        out.push(Match {
+    pub fn to_match(&self, row: Row) -> Match {
+        let key = self.locations.key(row.location);
+        Match {
             instance: key.instance,
             dp_rank: key.dp_rank,
             medium: key.medium,
             block_size: key.block_size,
-            blocks: blocks as u32,
-            tokens: blocks as u64 * u64::from(key.block_size),
+            blocks: row.blocks,
+            tokens: u64::from(row.blocks) * u64::from(key.block_size),
+        }
+    }
+
+    /// The location of a row.
+    pub fn location(&self, id: u32) -> Option<crate::index::location::LocationKey> {
+        ((id as usize) < self.locations.len()).then(|| self.locations.key(id))
+    }
+
+    #[inline]
+    fn emit(location: u32, blocks: usize, out: &mut Vec<Row>) {
+        out.push(Row {
+            location,
+            blocks: u32::try_from(blocks).unwrap_or(u32::MAX),
         });
     }
 
@@ -98,7 +113,7 @@ impl IndexState {
         (full != 0 && entry.mask & full == full) || entry.speculative_at(now)
     }
 
-    fn walk_full(&self, chain: &[BlockHash], block_size: u32, now: f64, out: &mut Vec<Match>) {
+    fn walk_full(&self, chain: &[BlockHash], block_size: u32, now: f64, out: &mut Vec<Row>) {
         let Some(first) = self.tree.get(chain[0].0) else {
             return;
         };
@@ -126,7 +141,7 @@ impl IndexState {
             {
                 active.push(entry.location);
             } else {
-                Self::emit_key(meta.key, 1, out);
+                Self::emit(entry.location, 1, out);
             }
         }
         let mut next: Vec<u32> = Vec::with_capacity(active.len());
@@ -155,18 +170,18 @@ impl IndexState {
                 {
                     next.push(location);
                 } else {
-                    self.emit(location, depth, out);
+                    Self::emit(location, depth, out);
                 }
             }
             std::mem::swap(&mut active, &mut next);
             depth += 1;
         }
         for &location in &active {
-            self.emit(location, depth, out);
+            Self::emit(location, depth, out);
         }
     }
 
-    fn walk_gapped(&self, chain: &[BlockHash], block_size: u32, now: f64, out: &mut Vec<Match>) {
+    fn walk_gapped(&self, chain: &[BlockHash], block_size: u32, now: f64, out: &mut Vec<Row>) {
         let words = chain.len().div_ceil(64);
         // Per location met: its bitsets (one per group, then one of speculative blocks).
         let mut seen: HashMap<u32, Vec<Vec<u64>>> = HashMap::new();
@@ -199,7 +214,7 @@ impl IndexState {
         for location in locations {
             let blocks = self.admissible(location, &seen[&location], chain.len());
             if blocks > 0 {
-                self.emit(location, blocks, out);
+                Self::emit(location, blocks, out);
             }
         }
     }

@@ -4,7 +4,7 @@
 //! Each instance's pool (or a reader of another engine's events) sends batches of
 //! self-describing events ([`IndexEvent`]); the index answers, for a request (its token ids
 //! and extra key, or its hash chain), the matched prefix on every (instance, dp rank, medium)
-//! in one call ([`Match`]). Besides the events it keeps speculative entries a router inserts
+//! in one call ([`Match`], or compact [`Row`]s resolved through a [`Snapshot`]). Besides the events it keeps speculative entries a router inserts
 //! when it routes a request, which lapse after a TTL on the caller's clock unless a stored
 //! event confirms them; detects gaps in each source's sequence numbers so that a consumer can
 //! replay or resync; bounds its memory (`max_entries`, evicting chains from their tails); and
@@ -44,7 +44,7 @@ use parking_lot::Mutex;
 
 pub use event::{EventKind, GroupKind, IndexEvent, Medium, MAX_GROUPS};
 pub use location::LocationKey;
-pub use lookup::Match;
+pub use lookup::{Match, Row};
 pub use sequence::{Gap, SourceState};
 pub use state::{ApplyReport, IndexConfig, IndexCounters};
 
@@ -91,27 +91,38 @@ pub struct Snapshot(Guard<Arc<IndexState>>);
 impl Snapshot {
     /// See [`KVIndex::lookup_chain`].
     pub fn lookup_chain(&self, chain: &[BlockHash], block_size: u32, now: f64) -> Vec<Match> {
-        let mut out = Vec::new();
-        self.0.lookup_chain(chain, block_size, now, &mut out);
-        out
+        let mut rows = Vec::new();
+        self.0.rows_chain(chain, block_size, now, &mut rows);
+        rows.into_iter().map(|r| self.0.to_match(r)).collect()
     }
 
     /// See [`KVIndex::lookup_tokens`].
     pub fn lookup_tokens(&self, tokens: &[u32], extra_key: Option<&[u8]>, now: f64) -> Vec<Match> {
-        let mut out = Vec::new();
-        self.0.lookup_tokens(tokens, extra_key, now, &mut out);
-        out
+        let mut rows = Vec::new();
+        self.0.rows_tokens(tokens, extra_key, now, &mut rows);
+        rows.into_iter().map(|r| self.0.to_match(r)).collect()
     }
 
-    /// Appends the matches of `chain` to `out` (no allocation once `out` has grown).
-    pub fn lookup_chain_into(
+    /// The lookup of `chain` as compact rows appended to `out` (no allocation once `out` has
+    /// grown): the fast path for a router in Rust, which resolves only the rows it uses.
+    pub fn lookup_rows_into(
         &self,
         chain: &[BlockHash],
         block_size: u32,
         now: f64,
-        out: &mut Vec<Match>,
+        out: &mut Vec<Row>,
     ) {
-        self.0.lookup_chain(chain, block_size, now, out);
+        self.0.rows_chain(chain, block_size, now, out);
+    }
+
+    /// The location of a row (`None` for an id this index never gave).
+    pub fn location(&self, id: u32) -> Option<LocationKey> {
+        self.0.location(id)
+    }
+
+    /// The [`Match`] of a row of this snapshot.
+    pub fn to_match(&self, row: Row) -> Option<Match> {
+        self.0.location(row.location).map(|_| self.0.to_match(row))
     }
 }
 
