@@ -542,6 +542,17 @@ fn every_instance_and_medium_in_one_call() {
     assert_eq!(blocks_on(&m, 2, Medium::Device), 3);
     assert_eq!(blocks_on(&m, 2, Medium::Host), 6);
     assert!(m.iter().all(|m| m.tokens == u64::from(m.blocks) * 4));
+    // The compact rows resolve to the same matches.
+    let snapshot = idx.snapshot();
+    let mut rows = Vec::new();
+    snapshot.lookup_rows_into(&c, 4, 0.0, &mut rows);
+    let resolved: Vec<Match> = rows
+        .iter()
+        .map(|&r| snapshot.to_match(r).unwrap())
+        .collect();
+    assert_eq!(sorted(resolved), sorted(idx.lookup_chain(&c, 4, 0.0)));
+    assert_eq!(snapshot.location(rows[0].location).unwrap().block_size, 4);
+    assert!(snapshot.location(999).is_none());
     // Document 1 shares 16 tokens (4 blocks) with document 0.
     let m = idx.lookup_chain(&chain(1, 4), 4, 0.0);
     assert_eq!(blocks_on(&m, 1, Medium::Device), 4);
