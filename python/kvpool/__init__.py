@@ -5,6 +5,7 @@ sequence-level pool; ``kvpool.kernels`` holds the GPU data plane; ``kvpool simul
 serving-workload simulator built on the pool. The rules cited as "R<n>" are those of DESIGN.md.
 """
 
+from kvpool import router  # noqa: E402  (policies on KVIndex; imports _core)
 from kvpool._core import (
     DEFAULT_HASH_SEED,
     Block,
@@ -15,6 +16,7 @@ from kvpool._core import (
     HierarchyBlockManagerPool,
     InvariantError,
     KVEvent,
+    KVIndex,
     KVPoolError,
     LinearStatePlan,
     LinearStatePrefixCache,
@@ -26,6 +28,8 @@ from kvpool._core import (
     SlidingWindowBlockManager,
     TransferPlan,
     __version__,
+    decode_events,
+    encode_events,
     hash_blocks,
 )
 
@@ -39,6 +43,7 @@ __all__ = [
     "HierarchyBlockManagerPool",
     "InvariantError",
     "KVEvent",
+    "KVIndex",
     "KVPoolError",
     "LinearStatePlan",
     "LinearStatePrefixCache",
@@ -50,5 +55,8 @@ __all__ = [
     "SlidingWindowBlockManager",
     "TransferPlan",
     "__version__",
+    "decode_events",
+    "encode_events",
     "hash_blocks",
+    "router",
 ]

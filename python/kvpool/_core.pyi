@@ -35,6 +35,9 @@ __all__ = [
     "CompositeBlockManager",
     "HierarchyBlockManagerPool",
     "TransferPlan",
+    "KVIndex",
+    "encode_events",
+    "decode_events",
 ]
 
 # Type aliases and TypedDicts below are stub-only (private: not present at runtime).
@@ -1577,3 +1580,176 @@ class HierarchyBlockManagerPool:
 
     def reset_prefix_cache(self) -> None:
         """Drop every cached entry of both tiers; held and pending blocks stay held (R12, R26)."""
+
+# --- prefix index over KV events (issue "Beyond one instance") --------------------------------
+
+_Medium: TypeAlias = Literal["device", "host", "remote"]
+_GroupKind: TypeAlias = Literal["full_attention", "sliding_window", "linear_state"]
+
+class _IndexEvent(TypedDict, total=False):
+    """An event as ``KVIndex.apply`` takes it (docs/events.md); objects with these attributes
+    work too. Only ``kind`` and ``block_size`` are required; None means the default."""
+
+    sequence: int | None
+    kind: _EventKind
+    medium: _Medium
+    dp_rank: int
+    group: int
+    group_kind: _GroupKind
+    sliding_window: int | None
+    block_size: int
+    extra_key: bytes | str | None
+    parent_hash: bytes | None
+    block_hashes: list[bytes]
+    token_ids: _TokenIds | None
+
+class _Gap(TypedDict):
+    instance: int
+    dp_rank: int
+    expected: int
+    got: int
+
+class _ApplyReport(TypedDict):
+    applied: int
+    duplicates: int
+    dropped: int
+    evicted: int
+    gaps: list[_Gap]
+
+class _Source(TypedDict):
+    instance: int
+    dp_rank: int
+    last: int
+    stalled: int | None
+
+class _IndexStats(TypedDict):
+    entries: int
+    speculative_entries: int
+    blocks: int
+    locations: int
+    sources: int
+    stalled_sources: int
+    max_entries: int
+    events_applied: int
+    duplicates: int
+    dropped: int
+    gaps: int
+    evicted_entries: int
+    expired_entries: int
+    speculative_inserted: int
+
+@final
+class KVIndex:
+    """A prefix index over the KV events of many instances, for KV-aware routing.
+
+    Entries are (block hash, location), a location being (instance, dp rank, medium, block
+    size). Reads never wait for the writer (two copies behind an atomic swap); every call
+    releases the GIL around the core work. At most ``max_entries`` entries are kept: beyond,
+    the least-recently stored chains are evicted from their tails.
+
+    Parameters
+    ----------
+    max_entries : int
+        Memory bound, at least 1.
+    hash_seed : int or None
+        Seed of the chained hashes token-id lookups compute; must be the pools' (R6).
+    """
+
+    def __new__(cls, *, max_entries: int = 16777216, hash_seed: int | None = None) -> KVIndex: ...
+    def apply(self, instance: int, events: Iterable[_IndexEvent | Any]) -> _ApplyReport:
+        """Apply a batch of ``instance``'s events in order (dicts or objects, docs/events.md).
+
+        Per source (instance, dp rank), ``sequence`` numbers are gap-free and non-decreasing:
+        a number below the source's last is a duplicate (skipped); one above last + 1 opens a
+        gap, reported once in ``gaps``, and the source's events are dropped until the replay
+        brings last + 1 (or ``resync``).
+
+        Raises
+        ------
+        ValueError, TypeError
+            An invalid event, named as ``events[i].field``; nothing is applied.
+        """
+
+    def apply_msgpack(self, instance: int, data: bytes) -> _ApplyReport:
+        """Apply a batch in the msgpack wire format of docs/events.md."""
+
+    def lookup(
+        self,
+        token_ids: _TokenIds | None = None,
+        *,
+        extra_key: _ExtraKey = None,
+        block_hashes: _Sequence[bytes] | None = None,
+        block_size: int | None = None,
+        now: float = 0.0,
+    ) -> list[tuple[int, int, _Medium, int, int]]:
+        """The matched prefix of a request on every location holding its first block.
+
+        Give ``token_ids`` (and ``extra_key``; hashed for every block size in use) or its
+        ``block_hashes`` with their ``block_size``. Speculative entries count unless lapsed at
+        ``now``. Returns ``(instance, dp_rank, medium, blocks, tokens)`` rows, unordered.
+        """
+
+    def insert_speculative(
+        self,
+        instance: int,
+        token_ids: _TokenIds | None = None,
+        *,
+        block_size: int,
+        now: float,
+        ttl: float,
+        extra_key: _ExtraKey = None,
+        block_hashes: _Sequence[bytes] | None = None,
+        dp_rank: int = 0,
+    ) -> int:
+        """Mark a routed request's blocks as held on ``instance``'s device until ``now + ttl``
+        unless a stored event confirms them first; returns how many were marked or extended."""
+
+    def hash_blocks(
+        self,
+        token_ids: _TokenIds,
+        block_size: int,
+        *,
+        parent_hash: bytes | None = None,
+        extra_key: _ExtraKey = None,
+    ) -> list[bytes]:
+        """Chained hashes (R6, the index's seed) of the full blocks of ``token_ids``,
+        continuing from ``parent_hash`` when given, else rooted at ``extra_key``."""
+
+    def expire(self, now: float) -> int:
+        """Drop the speculative entries lapsing at or before ``now``; returns how many."""
+
+    def resync(self, instance: int, dp_rank: int = 0) -> int:
+        """Drop every entry of (instance, dp rank) and forget its sequence number."""
+
+    def remove_instance(self, instance: int) -> int:
+        """Drop every entry and source of ``instance``."""
+
+    def sources(self) -> list[_Source]:
+        """Every source's last sequence number and gap (``stalled``), sorted."""
+
+    def stats(self) -> _IndexStats:
+        """Sizes and counters."""
+
+    def dump(self) -> bytes:
+        """A compact, versioned, checksummed binary image for ``load``."""
+
+    @staticmethod
+    def load(data: bytes, *, max_entries: int | None = None) -> KVIndex:
+        """An index from ``dump``; ``max_entries`` overrides the dumped bound.
+
+        Raises
+        ------
+        ValueError
+            A truncated, corrupt or unknown-version image.
+        """
+
+    def check(self) -> None:
+        """Raises :class:`InvariantError` if a rule of the index is broken."""
+
+    def __len__(self) -> int: ...
+
+def encode_events(events: Iterable[_IndexEvent | Any]) -> bytes:
+    """The msgpack wire format (docs/events.md) of a batch of events."""
+
+def decode_events(data: bytes) -> list[_IndexEvent]:
+    """The events of a msgpack batch, as dicts with every field."""

@@ -7,6 +7,7 @@ mod convert;
 mod errors;
 mod hierarchy; // host tier (R26)
 mod hybrid;
+mod index; // prefix index over KV events (issue "Beyond one instance")
 mod manager;
 mod pool;
 
@@ -39,5 +40,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<hybrid::PyCompositeBlockManager>()?;
     m.add_class::<hierarchy::PyHierarchyBlockManagerPool>()?; // host tier (R26)
     m.add_class::<hierarchy::PyTransferPlan>()?; // host tier (R26)
+    m.add_class::<index::PyKVIndex>()?;
+    m.add_function(wrap_pyfunction!(index::encode_events, m)?)?;
+    m.add_function(wrap_pyfunction!(index::decode_events, m)?)?;
     Ok(())
 }

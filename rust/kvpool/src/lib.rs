@@ -12,6 +12,7 @@ pub mod error;
 pub mod free_list;
 pub mod hash;
 pub mod hierarchy;
+pub mod index;
 pub mod linear_state;
 pub mod manager;
 pub mod pool;
@@ -29,6 +30,9 @@ pub use hash::{BlockHash, BlockHasher, DEFAULT_HASH_SEED};
 pub use hierarchy::{
     HierarchyBlockManagerPool, HierarchyConfig, HierarchyStats, HostStats, OffloadPolicy,
     RemoteHits, RemoteQuery, TransferDirection, TransferPlan,
+};
+pub use index::{
+    ApplyReport, EventKind, GroupKind, IndexConfig, IndexEvent, IndexStats, KVIndex, Match, Medium,
 };
 pub use linear_state::{LinearStatePrefixCache, LinearStateStats};
 pub use manager::{

@@ -1,0 +1,407 @@
+//! `KVIndex` under the Mooncake conversation trace at 100, 1,000 and 7,000 instances (issue
+//! "Beyond one instance", item 5).
+//!
+//! The trace (`{timestamp, input_length, output_length, hash_ids}`, one id per 512-token block;
+//! `KVPOOL_MOONCAKE_TRACE` or `../shared/data/mooncake/conversation_trace.jsonl` from the
+//! repository root) is replayed as events, no pools: each request is routed kv-aware by the
+//! index itself (the instance with the longest device match of at least two blocks, else the
+//! hash of its second block), its missing blocks are stored there (one `stored` event per run
+//! of missing blocks), and that instance's own block LRU of `CAPACITY` blocks evicts from the
+//! chains' tails, one `removed` event per block as vLLM sends them. With more instances the
+//! trace is replayed in more rounds (`N / 1000`, at least one; each round under its own extra
+//! key), so every instance sees some traffic.
+//!
+//! Generation runs once per N; the measured replays feed the recorded batches and lookups to
+//! a fresh index in trace order. Criterion measures the apply throughput (`apply`: events
+//! only) and the mixed stream (`mixed`: each request's lookup, then its batch); a summary then
+//! prints lookup p50/p99 and events+lookups per second from one timed replay per N.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use kvpool::index::Row;
+use kvpool::{BlockHash, BlockHasher, IndexConfig, IndexEvent, KVIndex};
+
+const BLOCK_SIZE: u32 = 512;
+/// Blocks each instance's cache holds (256 x 512 = 131,072 tokens).
+const CAPACITY: usize = 256;
+const INSTANCES: [usize; 3] = [100, 1_000, 7_000];
+
+fn trace_path() -> PathBuf {
+    if let Ok(path) = std::env::var("KVPOOL_MOONCAKE_TRACE") {
+        return path.into();
+    }
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
+    for candidate in [
+        root.join("../shared/data/mooncake/conversation_trace.jsonl"),
+        root.join("shared/data/mooncake/conversation_trace.jsonl"),
+        PathBuf::from("/work/shared/data/mooncake/conversation_trace.jsonl"),
+    ] {
+        if candidate.exists() {
+            return candidate;
+        }
+    }
+    root.join("../shared/data/mooncake/conversation_trace.jsonl")
+}
+
+/// Each request's hash ids.
+fn load_trace() -> Option<Vec<Vec<u32>>> {
+    let path = trace_path();
+    let text = std::fs::read_to_string(&path)
+        .map_err(|e| eprintln!("index bench: no trace at {}: {e}", path.display()))
+        .ok()?;
+    let requests = text
+        .lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(|line| {
+            let v: serde_json::Value = serde_json::from_str(line).expect("a JSON line");
+            v["hash_ids"]
+                .as_array()
+                .expect("hash_ids")
+                .iter()
+                .map(|x| x.as_u64().expect("an id") as u32)
+                .collect()
+        })
+        .collect();
+    Some(requests)
+}
+
+/// One instance's block cache: LRU over block hashes, touched deepest block first.
+#[derive(Default)]
+struct BlockLru {
+    tick: u64,
+    stamp: HashMap<BlockHash, u64>,
+    order: BTreeMap<u64, BlockHash>,
+}
+
+impl BlockLru {
+    fn contains(&self, h: &BlockHash) -> bool {
+        self.stamp.contains_key(h)
+    }
+
+    fn touch(&mut self, h: BlockHash) {
+        self.tick += 1;
+        if let Some(old) = self.stamp.insert(h, self.tick) {
+            self.order.remove(&old);
+        }
+        self.order.insert(self.tick, h);
+    }
+
+    fn evict(&mut self, keep: usize) -> Vec<BlockHash> {
+        let mut out = Vec::new();
+        while self.stamp.len() > keep {
+            let (_, h) = self.order.pop_first().expect("non-empty");
+            self.stamp.remove(&h);
+            out.push(h);
+        }
+        out
+    }
+}
+
+#[derive(Clone)]
+enum Step {
+    Lookup(usize),
+    Apply(u64, Vec<IndexEvent>),
+}
+
+struct Workload {
+    instances: usize,
+    chains: Vec<Vec<BlockHash>>,
+    steps: Vec<Step>,
+    events: usize,
+    blocks: usize,
+    removed_events: usize,
+}
+
+fn index() -> KVIndex {
+    KVIndex::new(IndexConfig {
+        max_entries: 1 << 26,
+        ..IndexConfig::default()
+    })
+    .expect("config")
+}
+
+fn generate(trace: &[Vec<u32>], instances: usize) -> Workload {
+    let hasher = BlockHasher::default();
+    let rounds = (instances / 1000).max(1);
+    let idx = index();
+    let mut caches: Vec<BlockLru> = (0..instances).map(|_| BlockLru::default()).collect();
+    let mut sequence = vec![0u64; instances];
+    let mut w = Workload {
+        instances,
+        chains: Vec::new(),
+        steps: Vec::new(),
+        events: 0,
+        blocks: 0,
+        removed_events: 0,
+    };
+    for round in 0..rounds {
+        let root = hasher.root(Some(&(round as u64).to_le_bytes()));
+        for ids in trace {
+            let mut chain = Vec::with_capacity(ids.len());
+            let mut parent = root;
+            for &id in ids {
+                parent = hasher.hash_block(parent, &[id]);
+                chain.push(parent);
+            }
+            let best = idx
+                .lookup_chain(&chain, BLOCK_SIZE, 0.0)
+                .into_iter()
+                .max_by_key(|m| (m.blocks, std::cmp::Reverse(m.instance)));
+            let instance = match best {
+                Some(m) if m.blocks >= 2 => m.instance as usize,
+                _ => (chain.get(1).unwrap_or(&chain[0]).0 as usize) % instances,
+            };
+            w.steps.push(Step::Lookup(w.chains.len()));
+            let cache = &mut caches[instance];
+            let mut batch = Vec::new();
+            let mut i = 0;
+            while i < chain.len() {
+                if cache.contains(&chain[i]) {
+                    i += 1;
+                    continue;
+                }
+                let start = i;
+                while i < chain.len() && !cache.contains(&chain[i]) {
+                    i += 1;
+                }
+                let parent = start.checked_sub(1).map(|p| chain[p]);
+                batch.push(
+                    IndexEvent::stored(BLOCK_SIZE, parent, chain[start..i].to_vec())
+                        .with_sequence(sequence[instance]),
+                );
+                sequence[instance] += 1;
+                w.blocks += i - start;
+            }
+            for &h in chain.iter().rev() {
+                cache.touch(h);
+            }
+            for h in cache.evict(CAPACITY) {
+                batch.push(
+                    IndexEvent::removed(BLOCK_SIZE, vec![h]).with_sequence(sequence[instance]),
+                );
+                sequence[instance] += 1;
+                w.blocks += 1;
+                w.removed_events += 1;
+            }
+            w.events += batch.len();
+            idx.apply(instance as u64, batch.clone())
+                .expect("valid events");
+            w.steps.push(Step::Apply(instance as u64, batch));
+            w.chains.push(chain);
+        }
+    }
+    w
+}
+
+/// Replays `w` on a fresh index; returns the time of the replay and each lookup's time.
+fn replay(w: &Workload, lookups: bool, timed: bool) -> (Duration, Vec<u32>) {
+    let idx = index();
+    let steps = w.steps.clone();
+    let mut latencies = Vec::with_capacity(if timed { w.chains.len() } else { 0 });
+    let mut out: Vec<Row> = Vec::with_capacity(w.instances);
+    let start = Instant::now();
+    for step in steps {
+        match step {
+            Step::Lookup(c) if lookups => {
+                out.clear();
+                if timed {
+                    let t = Instant::now();
+                    idx.snapshot()
+                        .lookup_rows_into(&w.chains[c], BLOCK_SIZE, 0.0, &mut out);
+                    latencies.push(t.elapsed().as_nanos() as u32);
+                } else {
+                    idx.snapshot()
+                        .lookup_rows_into(&w.chains[c], BLOCK_SIZE, 0.0, &mut out);
+                }
+                std::hint::black_box(&out);
+            }
+            Step::Lookup(_) => {}
+            Step::Apply(instance, batch) => {
+                idx.apply(instance, batch).expect("valid events");
+            }
+        }
+    }
+    (start.elapsed(), latencies)
+}
+
+/// The instance counts to run: `KVPOOL_INDEX_INSTANCES` (comma-separated) or [`INSTANCES`].
+fn instance_counts() -> Vec<usize> {
+    std::env::var("KVPOOL_INDEX_INSTANCES")
+        .ok()
+        .map(|v| v.split(',').filter_map(|x| x.trim().parse().ok()).collect())
+        .unwrap_or_else(|| INSTANCES.to_vec())
+}
+
+/// The peer of the same run: a plain single-copy dict of sets (hash -> sorted instances), the
+/// model the proptest checks `KVIndex` against, with the same walk (no media, groups, TTLs,
+/// sequence numbers, memory bound or concurrent readers).
+#[derive(Default)]
+struct PlainIndex {
+    holders: HashMap<BlockHash, Vec<u32>>,
+}
+
+impl PlainIndex {
+    fn apply(&mut self, instance: u64, events: &[IndexEvent]) {
+        let instance = instance as u32;
+        for e in events {
+            for h in &e.block_hashes {
+                let list = self.holders.entry(*h).or_default();
+                let at = list.binary_search(&instance);
+                match (e.kind, at) {
+                    (kvpool::EventKind::Stored, Err(i)) => list.insert(i, instance),
+                    (kvpool::EventKind::Removed, Ok(i)) => {
+                        list.remove(i);
+                        if list.is_empty() {
+                            self.holders.remove(h);
+                        }
+                    }
+                    _ => {}
+                }
+            }
+        }
+    }
+
+    fn lookup(&self, chain: &[BlockHash], out: &mut Vec<(u32, u32)>) {
+        let Some(first) = chain.first().and_then(|h| self.holders.get(h)) else {
+            return;
+        };
+        let mut active = first.clone();
+        let mut depth = 1;
+        while depth < chain.len() && !active.is_empty() {
+            let Some(next) = self.holders.get(&chain[depth]) else {
+                break;
+            };
+            active.retain(|i| {
+                let keep = next.binary_search(i).is_ok();
+                if !keep {
+                    out.push((*i, depth as u32));
+                }
+                keep
+            });
+            depth += 1;
+        }
+        out.extend(active.iter().map(|&i| (i, depth as u32)));
+    }
+}
+
+/// The plain peer's replay: (apply-only time, mixed time, lookup times).
+fn replay_plain(w: &Workload) -> (Duration, Duration, Vec<u32>) {
+    let mut plain = PlainIndex::default();
+    let start = Instant::now();
+    for step in &w.steps {
+        if let Step::Apply(instance, batch) = step {
+            plain.apply(*instance, batch);
+        }
+    }
+    let apply = start.elapsed();
+    let mut plain = PlainIndex::default();
+    let mut out = Vec::with_capacity(w.instances);
+    let mut latencies = Vec::with_capacity(w.chains.len());
+    let start = Instant::now();
+    for step in &w.steps {
+        match step {
+            Step::Lookup(c) => {
+                out.clear();
+                let t = Instant::now();
+                plain.lookup(&w.chains[*c], &mut out);
+                latencies.push(t.elapsed().as_nanos() as u32);
+                std::hint::black_box(&out);
+            }
+            Step::Apply(instance, batch) => plain.apply(*instance, batch),
+        }
+    }
+    (apply, start.elapsed(), latencies)
+}
+
+fn workloads() -> Vec<Workload> {
+    match load_trace() {
+        Some(trace) => instance_counts()
+            .into_iter()
+            .map(|n| generate(&trace, n))
+            .collect(),
+        None => Vec::new(),
+    }
+}
+
+fn bench(c: &mut Criterion) {
+    let workloads = workloads();
+    if workloads.is_empty() {
+        eprintln!("index bench: skipped (set KVPOOL_MOONCAKE_TRACE)");
+        return;
+    }
+    let mut group = c.benchmark_group("index");
+    group
+        .sample_size(10)
+        .warm_up_time(Duration::from_secs(1))
+        .measurement_time(Duration::from_secs(6));
+    for w in &workloads {
+        group.throughput(Throughput::Elements(w.events as u64));
+        group.bench_with_input(BenchmarkId::new("apply", w.instances), w, |b, w| {
+            b.iter_custom(|iters| (0..iters).map(|_| replay(w, false, false).0).sum())
+        });
+        group.throughput(Throughput::Elements((w.events + w.chains.len()) as u64));
+        group.bench_with_input(BenchmarkId::new("mixed", w.instances), w, |b, w| {
+            b.iter_custom(|iters| (0..iters).map(|_| replay(w, true, false).0).sum())
+        });
+    }
+    group.finish();
+    summary(&workloads);
+}
+
+fn percentile(sorted: &[u32], p: f64) -> f64 {
+    sorted[((sorted.len() - 1) as f64 * p).round() as usize] as f64 / 1000.0
+}
+
+fn summary(workloads: &[Workload]) {
+    println!(
+        "\nindex summary (one core; lookups timed one by one, interleaved with the batches;\n\
+         plain = a single-copy dict of sets with the same walk, the peer of this run)\n\
+         {:>9} {:>8} {:>8} {:>8} {:>8} {:>11} {:>11} {:>7} {:>7} {:>7} {:>12} {:>9} {:>9} {:>9}",
+        "instances",
+        "requests",
+        "events",
+        "removed",
+        "blocks",
+        "apply ev/s",
+        "apply blk/s",
+        "p50 us",
+        "p99 us",
+        "mean us",
+        "ev+lookup/s",
+        "plain p50",
+        "plain p99",
+        "apply x"
+    );
+    for w in workloads {
+        let (apply, _) = replay(w, false, false);
+        let (mixed, mut latencies) = replay(w, true, true);
+        let (plain_apply, _, mut plain_latencies) = replay_plain(w);
+        latencies.sort_unstable();
+        plain_latencies.sort_unstable();
+        let mean =
+            latencies.iter().map(|&x| f64::from(x)).sum::<f64>() / latencies.len() as f64 / 1000.0;
+        println!(
+            "{:>9} {:>8} {:>8} {:>8} {:>8} {:>11.0} {:>11.0} {:>7.2} {:>7.2} {:>7.2} {:>12.0} {:>9.2} {:>9.2} {:>9.2}",
+            w.instances,
+            w.chains.len(),
+            w.events,
+            w.removed_events,
+            w.blocks,
+            w.events as f64 / apply.as_secs_f64(),
+            w.blocks as f64 / apply.as_secs_f64(),
+            percentile(&latencies, 0.5),
+            percentile(&latencies, 0.99),
+            mean,
+            (w.events + w.chains.len()) as f64 / mixed.as_secs_f64(),
+            percentile(&plain_latencies, 0.5),
+            percentile(&plain_latencies, 0.99),
+            apply.as_secs_f64() / plain_apply.as_secs_f64(),
+        );
+    }
+}
+
+criterion_group!(benches, bench);
+criterion_main!(benches);

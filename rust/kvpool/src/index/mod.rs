@@ -1,0 +1,361 @@
+//! `KVIndex`: a prefix index over the KV events of many instances, for KV-aware routing
+//! (issue "Beyond one instance").
+//!
+//! Each instance's pool (or a reader of another engine's events) sends batches of
+//! self-describing events ([`IndexEvent`]); the index answers, for a request (its token ids
+//! and extra key, or its hash chain), the matched prefix on every (instance, dp rank, medium)
+//! in one call ([`Match`], or compact [`Row`]s resolved through a [`Snapshot`]). Besides the events it keeps speculative entries a router inserts
+//! when it routes a request, which lapse after a TTL on the caller's clock unless a stored
+//! event confirms them; detects gaps in each source's sequence numbers so that a consumer can
+//! replay or resync; bounds its memory (`max_entries`, evicting chains from their tails); and
+//! dumps to / loads from a versioned binary format for a warm restart.
+//!
+//! # Concurrency: reads never wait for the writer, nor the writer for reads
+//!
+//! The state lives in two copies behind an [`arc_swap::ArcSwap`] (an RCU of immutable
+//! snapshots with a recycled second copy, as `left-right` does): readers load the published
+//! copy (lock-free) and walk it; the one writer (a mutex orders writers among themselves)
+//! replays the previous write on the other copy, applies the new one there, and publishes it
+//! with one atomic swap. A reader thus sees the state after some whole write, never a torn
+//! one. The writer needs the unpublished copy to itself: readers that loaded it before the
+//! last swap usually left long ago (a lookup takes microseconds); if one still holds it after
+//! a short spin the writer deep-copies the published state rather than wait. Costs: two copies
+//! in memory, every write applied twice. No atomics of the crate's own: `arc-swap` and `Arc`
+//! provide the orderings, so there is nothing for loom to explore here; the stress test in
+//! `tests/index.rs` checks coherence (every answer equals the answer of some published state).
+//!
+//! Invariants: both copies are equal after each replay (`check` compares their dumps); those
+//! of [`IndexState::check`] on each.
+
+mod dump;
+mod event;
+mod expiry;
+mod location;
+mod lookup;
+mod sequence;
+mod state;
+mod tree;
+pub mod wire;
+
+use std::sync::Arc;
+
+use arc_swap::{ArcSwap, Guard};
+use parking_lot::Mutex;
+
+pub use event::{EventKind, GroupKind, IndexEvent, Medium, MAX_GROUPS};
+pub use location::LocationKey;
+pub use lookup::{Match, Row};
+pub use sequence::{Gap, SourceState};
+pub use state::{ApplyReport, IndexConfig, IndexCounters};
+
+use crate::error::{ensure_invariant, KvPoolError, Result};
+use crate::hash::BlockHash;
+use state::{IndexState, Outcome, WriteOp};
+
+/// Spins (yielding) this many times for a reader to leave the unpublished copy before the
+/// writer copies the published one instead.
+const SPARE_SPINS: usize = 64;
+
+/// Sizes and counters of an index.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct IndexStats {
+    /// Entries (one block hash at one location), speculative ones included.
+    pub entries: usize,
+    pub speculative_entries: usize,
+    /// Block hashes held (nodes, including parents kept only for their children).
+    pub blocks: usize,
+    pub locations: usize,
+    pub sources: usize,
+    pub stalled_sources: usize,
+    pub max_entries: usize,
+    pub counters: IndexCounters,
+}
+
+struct Writer {
+    /// The unpublished copy: equal to the published one once `pending` is replayed on it.
+    spare: Arc<IndexState>,
+    pending: Option<WriteOp>,
+    /// Writes that found the spare copy held by a reader and copied the published one.
+    copies: u64,
+}
+
+/// A prefix index over the KV events of many instances (see the module doc).
+pub struct KVIndex {
+    published: ArcSwap<IndexState>,
+    writer: Mutex<Writer>,
+}
+
+/// A consistent view of an index for several reads (holds one published copy alive).
+pub struct Snapshot(Guard<Arc<IndexState>>);
+
+impl Snapshot {
+    /// See [`KVIndex::lookup_chain`].
+    pub fn lookup_chain(&self, chain: &[BlockHash], block_size: u32, now: f64) -> Vec<Match> {
+        let mut rows = Vec::new();
+        self.0.rows_chain(chain, block_size, now, &mut rows);
+        rows.into_iter().map(|r| self.0.to_match(r)).collect()
+    }
+
+    /// See [`KVIndex::lookup_tokens`].
+    pub fn lookup_tokens(&self, tokens: &[u32], extra_key: Option<&[u8]>, now: f64) -> Vec<Match> {
+        let mut rows = Vec::new();
+        self.0.rows_tokens(tokens, extra_key, now, &mut rows);
+        rows.into_iter().map(|r| self.0.to_match(r)).collect()
+    }
+
+    /// The lookup of `chain` as compact rows appended to `out` (no allocation once `out` has
+    /// grown): the fast path for a router in Rust, which resolves only the rows it uses.
+    pub fn lookup_rows_into(
+        &self,
+        chain: &[BlockHash],
+        block_size: u32,
+        now: f64,
+        out: &mut Vec<Row>,
+    ) {
+        self.0.rows_chain(chain, block_size, now, out);
+    }
+
+    /// The location of a row (`None` for an id this index never gave).
+    pub fn location(&self, id: u32) -> Option<LocationKey> {
+        self.0.location(id)
+    }
+
+    /// The [`Match`] of a row of this snapshot.
+    pub fn to_match(&self, row: Row) -> Option<Match> {
+        self.0.location(row.location).map(|_| self.0.to_match(row))
+    }
+}
+
+impl KVIndex {
+    /// An empty index; `Err` if `config.max_entries == 0`.
+    pub fn new(config: IndexConfig) -> Result<Self> {
+        Ok(Self::from_state(IndexState::new(config)?))
+    }
+
+    fn from_state(state: IndexState) -> Self {
+        let spare = Arc::new(state.clone());
+        Self {
+            published: ArcSwap::from_pointee(state),
+            writer: Mutex::new(Writer {
+                spare,
+                pending: None,
+                copies: 0,
+            }),
+        }
+    }
+
+    /// The index's settings.
+    pub fn config(&self) -> IndexConfig {
+        self.published.load().config
+    }
+
+    /// The hasher of token-id lookups (the index's seed).
+    pub fn hasher(&self) -> crate::hash::BlockHasher {
+        self.published.load().hasher
+    }
+
+    /// Runs one write: brings the spare copy level, applies `op` to it and publishes it.
+    fn write(&self, op: WriteOp) -> Result<Outcome> {
+        let mut writer = self.writer.lock();
+        let state = self.level_spare(&mut writer)?;
+        let outcome = state.run(&op)?;
+        let next = Arc::clone(&writer.spare);
+        writer.spare = self.published.swap(next);
+        writer.pending = Some(op);
+        Ok(outcome)
+    }
+
+    /// The spare copy, to the writer alone and equal to the published one.
+    fn level_spare<'w>(&self, writer: &'w mut Writer) -> Result<&'w mut IndexState> {
+        let mut spins = 0;
+        while Arc::get_mut(&mut writer.spare).is_none() && spins < SPARE_SPINS {
+            std::thread::yield_now();
+            spins += 1;
+        }
+        if Arc::get_mut(&mut writer.spare).is_none() {
+            // A reader still holds it: start from a copy of the published state instead.
+            writer.spare = Arc::new(IndexState::clone(&self.published.load()));
+            writer.pending = None;
+            writer.copies += 1;
+        }
+        let pending = writer.pending.take();
+        let state = Arc::get_mut(&mut writer.spare)
+            .ok_or_else(|| KvPoolError::Invariant("the spare copy is shared".into()))?;
+        if let Some(op) = pending {
+            // It succeeded on the other copy, which was equal: it succeeds here.
+            state.run(&op)?;
+        }
+        Ok(state)
+    }
+
+    /// Applies a batch of `instance`'s events in order; `Err` (an invalid event, named) changes
+    /// nothing. See `sequence.rs` for what gaps and duplicates do.
+    pub fn apply(&self, instance: u64, events: Vec<IndexEvent>) -> Result<ApplyReport> {
+        match self.write(WriteOp::Apply { instance, events })? {
+            Outcome::Applied(report) => Ok(report),
+            Outcome::Count(_) => Err(KvPoolError::Invariant("apply returned a count".into())),
+        }
+    }
+
+    /// Marks `chain` (a request's hashes from its first block) as held on the device of
+    /// (`instance`, `dp_rank`) until `now + ttl`, unless a stored event confirms it first. First
+    /// lapses what is due at `now`. Returns how many blocks were marked or extended.
+    pub fn insert_speculative(
+        &self,
+        instance: u64,
+        dp_rank: u32,
+        block_size: u32,
+        chain: Vec<BlockHash>,
+        now: f64,
+        ttl: f64,
+    ) -> Result<usize> {
+        self.count(WriteOp::Speculate {
+            instance,
+            dp_rank,
+            block_size,
+            chain,
+            now,
+            ttl,
+        })
+    }
+
+    /// [`KVIndex::insert_speculative`] for the chain of `tokens` under `extra_key`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn insert_speculative_tokens(
+        &self,
+        instance: u64,
+        dp_rank: u32,
+        block_size: u32,
+        tokens: &[u32],
+        extra_key: Option<&[u8]>,
+        now: f64,
+        ttl: f64,
+    ) -> Result<usize> {
+        crate::error::ensure_arg!(block_size >= 1, "block_size", "must be >= 1, got 0");
+        let chain = self
+            .published
+            .load()
+            .hasher
+            .chain(tokens, block_size as usize, extra_key);
+        self.insert_speculative(instance, dp_rank, block_size, chain, now, ttl)
+    }
+
+    /// Drops the speculative entries that lapse at or before `now`; returns how many.
+    pub fn expire(&self, now: f64) -> Result<usize> {
+        self.count(WriteOp::Expire { now })
+    }
+
+    /// Drops every entry of (`instance`, `dp_rank`) on every medium and forgets its sequence
+    /// number, so that its next event starts it afresh (after a gap the replay buffer cannot
+    /// fill). Returns the entries dropped.
+    pub fn resync(&self, instance: u64, dp_rank: u32) -> usize {
+        self.count(WriteOp::Forget {
+            instance,
+            dp_rank: Some(dp_rank),
+        })
+        .unwrap_or(0)
+    }
+
+    /// Drops every entry and source of `instance` (it left the fleet). Returns the entries.
+    pub fn remove_instance(&self, instance: u64) -> usize {
+        self.count(WriteOp::Forget {
+            instance,
+            dp_rank: None,
+        })
+        .unwrap_or(0)
+    }
+
+    fn count(&self, op: WriteOp) -> Result<usize> {
+        match self.write(op)? {
+            Outcome::Count(n) => Ok(n),
+            Outcome::Applied(report) => Ok(report.applied),
+        }
+    }
+
+    /// A consistent view for several reads.
+    pub fn snapshot(&self) -> Snapshot {
+        Snapshot(self.published.load())
+    }
+
+    /// The matched prefix of `chain` (hashes of `block_size`-token blocks, from the request's
+    /// first block) on every location of that block size holding at least one block, with
+    /// speculative entries counted if not lapsed at `now`. One row per location, unordered.
+    pub fn lookup_chain(&self, chain: &[BlockHash], block_size: u32, now: f64) -> Vec<Match> {
+        self.snapshot().lookup_chain(chain, block_size, now)
+    }
+
+    /// The matched prefix of `tokens` under `extra_key` (hashed with the index's seed for each
+    /// block size in use) on every location.
+    pub fn lookup_tokens(&self, tokens: &[u32], extra_key: Option<&[u8]>, now: f64) -> Vec<Match> {
+        self.snapshot().lookup_tokens(tokens, extra_key, now)
+    }
+
+    /// Every source's sequence state, sorted by (instance, dp rank).
+    pub fn sources(&self) -> Vec<SourceState> {
+        self.published.load().sources()
+    }
+
+    /// Sizes and counters.
+    pub fn stats(&self) -> IndexStats {
+        let state = self.published.load();
+        let sources = state.sources();
+        IndexStats {
+            entries: state.tree.entries,
+            speculative_entries: state.tree.speculative,
+            blocks: state.tree.len(),
+            locations: state.locations.len(),
+            sources: sources.len(),
+            stalled_sources: sources.iter().filter(|s| s.stalled.is_some()).count(),
+            max_entries: state.config.max_entries,
+            counters: state.counters,
+        }
+    }
+
+    /// How many writes found the spare copy held by a reader and copied instead of waiting.
+    pub fn spare_copies(&self) -> u64 {
+        self.writer.lock().copies
+    }
+
+    /// The compact binary dump of the published state (see `dump.rs`).
+    pub fn dump(&self) -> Vec<u8> {
+        dump::encode(&self.published.load())
+    }
+
+    /// An index from a [`KVIndex::dump`]; `max_entries` overrides the dumped bound (the
+    /// loaded index is then evicted down to it). `Err(InvalidArgument "data")` for a
+    /// truncated, corrupt or unknown-version dump.
+    pub fn load(data: &[u8], max_entries: Option<usize>) -> Result<Self> {
+        let mut state = dump::decode(data)?;
+        if let Some(max) = max_entries {
+            crate::error::ensure_arg!(max >= 1, "max_entries", "must be >= 1, got 0");
+            state.config.max_entries = max;
+            state.enforce_bound();
+        }
+        Ok(Self::from_state(state))
+    }
+
+    /// Checks every invariant: each copy's, and that the two are equal once levelled.
+    pub fn check(&self) -> Result<()> {
+        let mut writer = self.writer.lock();
+        let spare = self.level_spare(&mut writer)?;
+        let published = self.published.load();
+        published.check()?;
+        spare.check()?;
+        ensure_invariant!(
+            dump::encode(spare) == dump::encode(&published),
+            "the two copies differ after the replay"
+        );
+        Ok(())
+    }
+}
+
+impl std::fmt::Debug for KVIndex {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let stats = self.stats();
+        write!(
+            f,
+            "KVIndex(entries={}, blocks={}, locations={}, sources={})",
+            stats.entries, stats.blocks, stats.locations, stats.sources
+        )
+    }
+}

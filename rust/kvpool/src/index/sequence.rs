@@ -1,0 +1,160 @@
+//! Sequence numbers per source (instance, dp rank): gap detection and resync.
+//!
+//! A source's numbers are gap-free and non-decreasing: each publication unit (a kvpool event,
+//! a vLLM batch) takes the previous number plus one, and the events of one unit share it.
+//! For a source whose last applied number is `last`, an event numbered `s` is:
+//! - `s < last`: a duplicate (a replay overlapping what was applied): skipped;
+//! - `s == last` or `s == last + 1`: applied, and `last = s`;
+//! - `s > last + 1`: a gap. The source stalls: this event and every later one are dropped until
+//!   an event numbered `last + 1` comes (the consumer replays from there out of the publisher's
+//!   buffer), or until [`crate::KVIndex::resync`] drops the source's entries and its number,
+//!   when the buffer no longer reaches back that far.
+//!
+//! The first event of a source (or the first after a resync) sets `last`: an index that joins
+//! a stream late starts from what it sees. A stalled source keeps its entries (a router may
+//! still use them, knowing they may be stale: see [`SourceState::stalled`]).
+
+use std::collections::HashMap;
+
+use crate::index::location::FixedState;
+
+/// The state of one source.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SourceState {
+    pub instance: u64,
+    pub dp_rank: u32,
+    /// The last applied number.
+    pub last: u64,
+    /// The number of the event that opened a gap, while the source is stalled.
+    pub stalled: Option<u64>,
+}
+
+/// A gap found by an `apply`: the source's next number should have been `expected`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Gap {
+    pub instance: u64,
+    pub dp_rank: u32,
+    pub expected: u64,
+    pub got: u64,
+}
+
+/// What the sequence check says of one event.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Verdict {
+    Apply,
+    Duplicate,
+    /// Dropped; `Some` when this event opened the gap.
+    Dropped(Option<Gap>),
+}
+
+/// Every source's last number.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Sources {
+    map: HashMap<(u64, u32), (u64, Option<u64>), FixedState>,
+}
+
+impl Sources {
+    #[cfg(test)]
+    pub fn len(&self) -> usize {
+        self.map.len()
+    }
+
+    /// The verdict on an event numbered `sequence` of (`instance`, `dp_rank`); records it.
+    pub fn admit(&mut self, instance: u64, dp_rank: u32, sequence: u64) -> Verdict {
+        let state = self
+            .map
+            .entry((instance, dp_rank))
+            .or_insert((sequence, None));
+        let (last, stalled) = *state;
+        if sequence < last {
+            Verdict::Duplicate
+        } else if sequence <= last.saturating_add(1) {
+            *state = (sequence, None);
+            Verdict::Apply
+        } else {
+            let gap = stalled.is_none().then_some(Gap {
+                instance,
+                dp_rank,
+                expected: last + 1,
+                got: sequence,
+            });
+            state.1 = Some(stalled.unwrap_or(sequence));
+            Verdict::Dropped(gap)
+        }
+    }
+
+    /// Forgets the number of (`instance`, `dp_rank`), or of every rank of `instance`.
+    pub fn forget(&mut self, instance: u64, dp_rank: Option<u32>) {
+        self.map
+            .retain(|&(i, d), _| i != instance || dp_rank.is_some_and(|r| r != d));
+    }
+
+    /// Every source, sorted by (instance, dp rank).
+    pub fn list(&self) -> Vec<SourceState> {
+        let mut out: Vec<SourceState> = self
+            .map
+            .iter()
+            .map(|(&(instance, dp_rank), &(last, stalled))| SourceState {
+                instance,
+                dp_rank,
+                last,
+                stalled,
+            })
+            .collect();
+        out.sort_by_key(|s| (s.instance, s.dp_rank));
+        out
+    }
+
+    /// Restores one source (from a dump).
+    pub fn restore(&mut self, state: SourceState) {
+        self.map
+            .insert((state.instance, state.dp_rank), (state.last, state.stalled));
+    }
+}
+
+#[cfg(all(test, not(kvpool_loom)))]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gaps_stall_until_the_replay_fills_them() {
+        let mut s = Sources::default();
+        assert_eq!(
+            s.admit(1, 0, 5),
+            Verdict::Apply,
+            "the first number sets the base"
+        );
+        assert_eq!(
+            s.admit(1, 0, 5),
+            Verdict::Apply,
+            "a unit's events share a number"
+        );
+        assert_eq!(s.admit(1, 0, 6), Verdict::Apply);
+        assert_eq!(s.admit(1, 0, 4), Verdict::Duplicate);
+        let gap = Gap {
+            instance: 1,
+            dp_rank: 0,
+            expected: 7,
+            got: 9,
+        };
+        assert_eq!(s.admit(1, 0, 9), Verdict::Dropped(Some(gap)));
+        assert_eq!(s.admit(1, 0, 10), Verdict::Dropped(None), "reported once");
+        assert_eq!(s.list()[0].stalled, Some(9));
+        assert_eq!(
+            s.admit(1, 1, 0),
+            Verdict::Apply,
+            "ranks are separate sources"
+        );
+        assert_eq!(s.admit(1, 0, 7), Verdict::Apply, "the replay resumes");
+        assert_eq!(s.list()[0].stalled, None);
+        s.forget(1, Some(0));
+        assert_eq!(s.len(), 1);
+        assert_eq!(
+            s.admit(1, 0, 100),
+            Verdict::Apply,
+            "a resynced source restarts"
+        );
+        s.forget(1, None);
+        assert_eq!(s.len(), 0);
+    }
+}
