@@ -24,9 +24,9 @@ $(DEPS): requirements-dev.txt $(RUN_DEPS)
 	@$(PIP) -r requirements-dev.txt >>$(VENV)/pip.log 2>&1 || (cat $(VENV)/pip.log >&2; exit 1)
 	@touch $@
 
-# the remote-tier tests (tests/test_remote.py) start a real redis-server on loopback
+# the remote-tier tests (tests/tiers/test_remote.py) start a real redis-server on loopback
 redis-server:
-	@command -v redis-server >/dev/null || (echo "== installing redis-server (Debian package) for tests/test_remote.py" \
+	@command -v redis-server >/dev/null || (echo "== installing redis-server (Debian package) for tests/tiers/test_remote.py" \
 		&& apt-get update -qq && apt-get install -y -qq redis-server >/dev/null)
 
 test-deps: $(DEPS) redis-server

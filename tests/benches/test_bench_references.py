@@ -11,7 +11,7 @@ from pathlib import Path
 import kvpool
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benches" / "compare"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benches" / "compare"))
 import compare  # noqa: E402
 import nanovllm_reference as nano  # noqa: E402
 import vllm_reference as vref  # noqa: E402
