@@ -2,7 +2,7 @@
 
 The Rust core (``kvpool._core``) provides block handles, free lists, the prefix cache and the
 sequence-level pool; ``kvpool.kernels`` holds the GPU data plane; ``kvpool simulate`` is a
-serving-workload simulator built on the pool. The rules cited as "R<n>" are those of DESIGN.md.
+serving-workload simulator built on the pool. The rules cited as "R<n>" are those of docs/contract.md.
 """
 
 from kvpool import router  # noqa: E402  (policies on KVIndex; imports _core)

@@ -1,5 +1,5 @@
 """End to end: the pool's slot_mapping and block_tables drive write_kv and paged attention, and the
-result equals dense attention over the same K/V (DESIGN R19 + K2, K5, K6)."""
+result equals dense attention over the same K/V (R19 + K2, K5, K6)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """`kvpool simulate` end to end, through a subprocess (`python -m kvpool`).
 
 With ``--remote``, two simulator processes share one real redis-server on loopback (issue 10;
-tests/redis_helpers.py, never a mock).
+tests/tiers/redis_helpers.py, never a mock).
 """
 
 from __future__ import annotations
@@ -14,12 +14,11 @@ from pathlib import Path
 
 import kvpool
 import pytest
+from redis_helpers import RedisServer  # tests/tiers/, on the path through tests/conftest.py
 
 pytestmark = pytest.mark.skipif(not hasattr(kvpool, "BlockManagerPool"), reason="pool not built")
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(Path(__file__).parent))
-from redis_helpers import RedisServer  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 TRACES = ROOT / "examples" / "traces"
 SMALL = ["-n", "40", "--max-prompt-len", "512", "--output-len", "16"]

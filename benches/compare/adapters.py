@@ -22,12 +22,11 @@ import inspect
 from collections.abc import Sequence
 from typing import Any
 
+import nanovllm_reference as _nano
 import numpy as np
+import vllm_reference as _vllm
 
-from kvpool.bench import nanovllm_reference as _nano
-from kvpool.bench import vllm_reference as _vllm
-
-__all__ = ["ADAPTERS", "Adapter", "Unavailable", "make_adapter"]
+__all__ = ["ADAPTERS", "Adapter", "Unavailable", "export_lists", "make_adapter"]
 
 
 class Unavailable(Exception):
@@ -81,7 +80,7 @@ class Adapter:
         raise NotImplementedError
 
 
-def _export_lists(
+def export_lists(
     tables: list[list[int]], starts: list[int], ends: list[int], bs: int
 ) -> tuple[np.ndarray, np.ndarray]:
     """Block tables padded to the longest + slots of tokens [start, end): Python loops, as the
@@ -182,7 +181,7 @@ class NanoRefAdapter(Adapter):
     name = "nano-vllm-ref"
     hash_name = _nano.HASH_BACKEND
     description = (
-        "kvpool.bench.nanovllm_reference (nano-vllm's BlockManager algorithm, pure Python)"
+        "nanovllm_reference.py (nano-vllm's BlockManager algorithm, pure Python)"
     )
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
@@ -214,7 +213,7 @@ class NanoRefAdapter(Adapter):
             bm.may_append(seq)
 
     def export(self, seqs):
-        return _export_lists(
+        return export_lists(
             [s.block_table for s in seqs],
             [s.num_cached_tokens for s in seqs],
             [len(s) for s in seqs],
@@ -298,7 +297,7 @@ class NanoVllmAdapter(Adapter):
             bm.may_append(seq)
 
     def export(self, seqs):
-        return _export_lists(
+        return export_lists(
             [list(s.block_table) for s in seqs],
             [s.num_cached_tokens for s in seqs],
             [len(s) for s in seqs],
@@ -355,7 +354,7 @@ class VllmRefAdapter(Adapter):
     publish_on_allocate = True
     hash_algo = "sha256"
     description = (
-        "kvpool.bench.vllm_reference (vLLM v1's BlockPool / KVCacheManager algorithm, pure Python)"
+        "vllm_reference.py (vLLM v1's BlockPool / KVCacheManager algorithm, pure Python)"
     )
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
@@ -390,7 +389,7 @@ class VllmRefAdapter(Adapter):
 
     def export(self, seqs):
         r2b = self.kv.req_to_blocks
-        return _export_lists(
+        return export_lists(
             [[b.block_id for b in r2b[r.request_id]] for r in seqs],
             [r.num_computed_tokens for r in seqs],
             [r.num_tokens for r in seqs],
@@ -519,7 +518,7 @@ class VllmAdapter(Adapter):
 
     def export(self, seqs):
         kv = self.kv
-        return _export_lists(
+        return export_lists(
             [list(kv.get_block_ids(r.request_id)[0]) for r in seqs],
             [r.num_computed_tokens for r in seqs],
             [r.num_tokens for r in seqs],

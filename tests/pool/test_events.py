@@ -1,6 +1,6 @@
 """R21: KV events equal what happened to the prefix cache.
 
-DESIGN fixes the event fields but not how blocks are grouped into events, so the helpers below
+The contract (R21) fixes the event fields but not how blocks are grouped into events, so the helpers below
 flatten "stored" events into per-block records (checking that each event is one contiguous chain:
 parent_hash links its first block, token_ids holds block_size tokens per block) and "removed"
 events into hashes. A default extra_key may be reported as None or b"".
@@ -180,7 +180,7 @@ def test_r21_dp_rank_in_events():
 
 
 def test_r21_events_disabled_by_default():
-    """ASSUMPTION beyond DESIGN: without enable_events, drain_events() returns []."""
+    """ASSUMPTION beyond the contract: without enable_events, drain_events() returns []."""
     pool = kvpool.BlockManagerPool(16, BS)
     pool.deallocate(run(pool, toks(8)))
     pool.reset_prefix_cache()

@@ -473,7 +473,7 @@ def test_r6_extra_key_str_accepted():
 
 
 def test_str_extra_key_equals_utf8_bytes():
-    """ASSUMPTION beyond DESIGN: a str extra_key is its UTF-8 encoding (same namespace as bytes)."""
+    """ASSUMPTION beyond the contract: a str extra_key is its UTF-8 encoding (same namespace as bytes)."""
     t = toks(8)
     assert kvpool.hash_blocks(t, 4, extra_key="é-key") == kvpool.hash_blocks(
         t, 4, extra_key="é-key".encode()
@@ -530,7 +530,7 @@ def test_prefix_cache_view_lookups_do_not_touch_lru():
 
 
 def test_prefix_cache_query_and_hit_tokens():
-    """ASSUMPTION beyond DESIGN (R20 defines these for the pool): at the manager level every
+    """ASSUMPTION beyond the contract (R20 defines these for the pool): at the manager level every
     allocate_shared looks up its full blocks (query_tokens += full blocks * block_size) and
     hit_tokens grows by the matched blocks * block_size."""
     bm = kvpool.BlockManager(16, 4)

@@ -1,4 +1,4 @@
-"""NVRTC compile check (DESIGN K8): every kernel instantiation of kvpool.kernels builds for sm_80
+"""NVRTC compile check (K8): every kernel instantiation of kvpool.kernels builds for sm_80
 and sm_90 with NVRTC from the pip wheels (no GPU, no driver) and spills no register."""
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
 """Side-by-side benchmark: one seeded trace replayed through several block managers.
 
-``python benches/compare.py`` or ``kvpool bench``. Managers (``--managers``):
+``python benches/compare.py`` (from the repository root, with kvpool installed). Managers (``--managers``):
 
 * ``kvpool``: ``kvpool.BlockManagerPool`` (the Rust core);
-* ``nano-vllm-ref``: pure-Python nano-vllm-style BlockManager (``kvpool.bench.nanovllm_reference``);
+* ``nano-vllm-ref``: pure-Python nano-vllm-style BlockManager (``nanovllm_reference.py``);
 * ``vllm-v1-ref``: pure-Python vLLM-v1-style BlockPool + KVCacheManager, SHA-256 hashes
-  (``kvpool.bench.vllm_reference``), and ``vllm-v1-ref-xxhash`` with xxh3-128;
+  (``vllm_reference.py``), and ``vllm-v1-ref-xxhash`` with xxh3-128;
 * ``nano-vllm`` / ``vllm``: the real packages, run when importable (``auto`` tries them).
 
 The replay (identical for every manager; the schedule does not depend on the manager):
@@ -44,8 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-
-from kvpool.bench.adapters import ADAPTERS, ALIASES, Adapter, Unavailable, make_adapter
+from adapters import ADAPTERS, ALIASES, Adapter, Unavailable, make_adapter
 
 __all__ = ["TraceItem", "build_trace", "machine_description", "main", "replay"]
 
@@ -442,7 +441,7 @@ def _parse_options(pairs: list[str]) -> dict[str, Any]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="kvpool bench",
+        prog="python benches/compare.py",
         description="Replay one seeded shared-prefix trace through kvpool and pure-Python "
         "reference block managers (nano-vllm-style, vLLM-v1-style); print us/request, us/step, "
         "hit rate and kvpool's speed-up.",
@@ -507,13 +506,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.requests < 1:
-        print("kvpool bench: --requests must be >= 1", file=sys.stderr)
+        print("compare.py: --requests must be >= 1", file=sys.stderr)
         return 2
     if args.repeat < 1:
-        print("kvpool bench: --repeat must be >= 1", file=sys.stderr)
+        print("compare.py: --repeat must be >= 1", file=sys.stderr)
         return 2
     if args.block_size < 2 or args.num_blocks < 2:
-        print("kvpool bench: need --block-size >= 2 and --num-blocks >= 2", file=sys.stderr)
+        print("compare.py: need --block-size >= 2 and --num-blocks >= 2", file=sys.stderr)
         return 2
     names = [n.strip() for n in args.managers.split(",") if n.strip()]
     auto = names == ["auto"]
@@ -523,7 +522,7 @@ def main(argv: list[str] | None = None) -> int:
     bad = [n for n in names if n not in ADAPTERS]
     if bad:
         print(
-            f"kvpool bench: unknown manager(s) {', '.join(bad)}; expected {', '.join(ADAPTERS)}",
+            f"compare.py: unknown manager(s) {', '.join(bad)}; expected {', '.join(ADAPTERS)}",
             file=sys.stderr,
         )
         return 2
@@ -531,7 +530,7 @@ def main(argv: list[str] | None = None) -> int:
         options = _parse_options(args.workload_option)
         trace = build_trace(args.workload, args.requests, seed=args.seed, options=options)
     except (ValueError, argparse.ArgumentTypeError) as e:
-        print(f"kvpool bench: {e}", file=sys.stderr)
+        print(f"compare.py: {e}", file=sys.stderr)
         return 2
     say = (lambda *a: None) if args.quiet else (lambda *a: print(*a, flush=True))
     n_prompt = sum(len(t.prompt) for t in trace)
@@ -572,7 +571,7 @@ def main(argv: list[str] | None = None) -> int:
                     clock=args.clock,
                 )
             except ValueError as e:
-                print(f"kvpool bench: {e}", file=sys.stderr)
+                print(f"compare.py: {e}", file=sys.stderr)
                 return 2
             finally:
                 gc.unfreeze()
@@ -582,7 +581,7 @@ def main(argv: list[str] | None = None) -> int:
                 best[name] = res
     results = [best[n] for n in names if n in best]
     if not results:
-        print("kvpool bench: no manager could run", file=sys.stderr)
+        print("compare.py: no manager could run", file=sys.stderr)
         return 1
 
     baseline = next((r for r in results if r.name == "kvpool"), None)

@@ -23,7 +23,7 @@ from kvpool.sim.capacity import MODELS  # noqa: E402
 from kvpool.sim.engine import SimConfig, SimError, run_simulation  # noqa: E402
 from kvpool.sim.timing import GPUS, FixedStepTime, Roofline, StepWork, chunk_work  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = Path(__file__).parent / "fixtures"
 MOONCAKE = FIXTURES / "mooncake_conversation_300.jsonl"
 BAILIAN = FIXTURES / "bailian_synthetic.jsonl"

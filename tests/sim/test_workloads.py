@@ -18,7 +18,7 @@ from kvpool.sim.workloads import (
     save_trace,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((ROOT / "examples" / "traces").glob("*.jsonl"))
 
 

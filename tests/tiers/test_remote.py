@@ -1,5 +1,5 @@
 """The shared remote KV tier and KV events on Redis Streams (issue 10), against a real
-redis-server on 127.0.0.1 started by the fixtures (never a mock; tests/redis_helpers.py).
+redis-server on 127.0.0.1 started by the fixtures (never a mock; tests/tiers/redis_helpers.py).
 
 Covers: payload round trip through the tier (and bit-identical KV device -> host -> remote ->
 host -> device between two pools); namespace isolation; corrupt, truncated, foreign and
@@ -37,9 +37,7 @@ from kvpool.remote import (
     read_events,
 )
 from kvpool.transfer import NumpyTransferExecutor
-
-sys.path.insert(0, str(Path(__file__).parent))
-from redis_helpers import (  # noqa: E402, F401
+from redis_helpers import (  # noqa: F401  (the fixtures are used by name)
     RedisClusterServers,
     RedisServer,
     redis_cluster_fixture,

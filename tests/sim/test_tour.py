@@ -21,7 +21,7 @@ pytestmark = pytest.mark.skipif(not hasattr(kvpool, "BlockManagerPool"), reason=
 
 from kvpool.tour import seed_000, seed_003  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_seed_003_numbers() -> None:

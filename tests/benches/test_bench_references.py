@@ -1,15 +1,21 @@
-"""The pure-Python reference block managers used by ``kvpool bench``, and a tiny compare run."""
+"""The pure-Python reference block managers of benches/compare/ (``python benches/compare.py``),
+and a tiny compare run. They are benchmark code, not the library: they live in the repository,
+outside the wheel, and are imported from there."""
 
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
 import kvpool
 import pytest
-from kvpool.bench import compare
-from kvpool.bench import nanovllm_reference as nano
-from kvpool.bench import vllm_reference as vref
-from kvpool.bench.adapters import _export_lists
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benches" / "compare"))
+import compare  # noqa: E402
+import nanovllm_reference as nano  # noqa: E402
+import vllm_reference as vref  # noqa: E402
+from adapters import export_lists  # noqa: E402
 
 HAS_POOL = hasattr(kvpool, "BlockManagerPool")
 
@@ -249,7 +255,7 @@ def test_vllm_hash_algos(algo):
 
 
 def test_export_lists_slots():
-    tables, slots = _export_lists([[3, 5], [7]], [2, 0], [6, 3], 4)
+    tables, slots = export_lists([[3, 5], [7]], [2, 0], [6, 3], 4)
     assert tables.tolist() == [[3, 5], [7, 0]]
     assert slots.tolist() == [14, 15, 20, 21, 28, 29, 30]
 

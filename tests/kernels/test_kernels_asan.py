@@ -1,4 +1,4 @@
-"""One AddressSanitizer run of the emulated kernels (DESIGN K8).
+"""One AddressSanitizer run of the emulated kernels (K8).
 
 The kernel families are rebuilt with -fsanitize=address and driven in a child Python with libasan
 preloaded: every kernel runs once against the reference, then a deliberately undersized buffer

@@ -553,7 +553,7 @@ def test_r20_manager_stats_match_properties(bm):
 def test_no_prefix_cache_manager():
     """enable_prefix_cache=False: prefix_cache is None, nothing is ever cached.
 
-    Assumption beyond DESIGN (brief: SingleBlockManager semantics): allocate_shared returns []
+    Assumption beyond the contract (brief: SingleBlockManager semantics): allocate_shared returns []
     and cache returns 0 when the cache is disabled.
     """
     bm = kvpool.BlockManager(8, 4, enable_prefix_cache=False)
@@ -608,7 +608,7 @@ def test_single_block_manager_all_or_nothing():
 
 @pytest.mark.parametrize("n", [0, 1])
 def test_single_block_manager_too_small(n):
-    """Assumption beyond DESIGN: SingleBlockManager mirrors R1 (fewer than 2 slots -> ValueError)."""
+    """Assumption beyond the contract: SingleBlockManager mirrors R1 (fewer than 2 slots -> ValueError)."""
     with pytest.raises(ValueError, match="num_slots"):
         kvpool.SingleBlockManager(n)
 

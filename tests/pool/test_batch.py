@@ -1,8 +1,11 @@
-"""kvpool.SequenceBatch: a persistent running batch that the pools' batch calls read in Rust.
+"""The pools' batch calls (``advance``, ``may_append_all``, ``block_tables`` / ``slot_mapping`` of
+many sequences) and kvpool.SequenceBatch, the persistent running batch they read in Rust.
 
-Membership rules (one entry per sequence, insertion order, all-or-nothing bulk changes), the
-batch calls giving exactly what the same calls on a list give (R16, R17, R19), bad input
-changing nothing (R29), and threads sharing batches and sequences (R27, R28)."""
+Membership rules of a SequenceBatch (one entry per sequence, insertion order, all-or-nothing
+bulk changes); the batch calls doing exactly what the per-sequence calls do (R16, R17), and
+giving on a SequenceBatch exactly what they give on a list (R16, R17, R19); exports naming a
+sequence twice; bad input changing nothing (R29); threads sharing batches and sequences (R27,
+R28)."""
 
 from __future__ import annotations
 
@@ -86,19 +89,50 @@ def test_iteration_is_a_snapshot_and_members_stay_alive():
     assert [len(s) for s in batch] == [1, 2]
 
 
-def _twin_pools(seed, n, **options):
-    """Two identical pools with identical sequences: one driven through lists, one through a
-    SequenceBatch."""
+def _twin_pools(seed, n, *, num_blocks=64, vocab=30, max_len=18, **options):
+    """Two identical pools with identical sequences (prompts of 1..max_len-1 tokens below
+    vocab, each allocated), for driving one pool one way and the other another way."""
     rng = random.Random(seed)
-    prompts = [[rng.randrange(30) for _ in range(rng.randrange(1, 18))] for _ in range(n)]
+    prompts = [[rng.randrange(vocab) for _ in range(rng.randrange(1, max_len))] for _ in range(n)]
     out = []
     for _ in range(2):
-        pool = kvpool.BlockManagerPool(64, BS, **options)
+        pool = kvpool.BlockManagerPool(num_blocks, BS, **options)
         seqs = [kvpool.Sequence(p, seq_id=i) for i, p in enumerate(prompts)]
         for s in seqs:
             assert pool.allocate(s)
         out.append((pool, seqs))
     return out, rng
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_advance_and_may_append_all_equal_the_per_sequence_calls(seed):
+    """R16, R17: the batch calls do exactly what the four calls per sequence do."""
+    ((batch, bs), (loop, ls)), rng = _twin_pools(seed, 6, num_blocks=40, vocab=50, max_len=14)
+    for _ in range(30):
+        tokens = [rng.randrange(50) for _ in bs]
+        batch.advance(bs, np.array(tokens, dtype=np.int64))
+        failed = batch.may_append_all(bs)
+        ok_loop = []
+        for s, t in zip(ls, tokens, strict=True):
+            s.num_computed_tokens = len(s)
+            loop.cache(s)
+            s.append_token(t)
+            ok_loop.append(loop.may_append(s))
+        assert failed == [i for i, ok in enumerate(ok_loop) if not ok]
+        for a, b in zip(bs, ls, strict=True):
+            assert a.block_table.tolist() == b.block_table.tolist()
+            assert a.num_computed_tokens == b.num_computed_tokens and len(a) == len(b)
+        assert batch.stats() == loop.stats()
+        keep = [i for i, ok in enumerate(ok_loop) if ok]
+        for i, ok in enumerate(ok_loop):
+            if not ok:
+                batch.deallocate(bs[i])
+                loop.deallocate(ls[i])
+        bs = [bs[i] for i in keep]
+        ls = [ls[i] for i in keep]
+        batch.check()
+        if not bs:
+            break
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -153,11 +187,42 @@ def test_r16_r17_r19_batch_calls_equal_list_calls(seed, options):
     assert stats["num_free_blocks"] + stats["num_cached_blocks"] == 63, "every id came back"
 
 
-def test_r29_batch_calls_with_bad_members_change_nothing():
+@pytest.fixture
+def two_and_a_stranger():
+    """A pool holding a (3 tokens) and b (5 tokens), and a sequence it does not hold."""
     pool = kvpool.BlockManagerPool(32, BS)
     a, b = kvpool.Sequence([1, 2, 3]), kvpool.Sequence([4, 5, 6, 7, 8])
     assert pool.allocate(a) and pool.allocate(b)
-    stranger = kvpool.Sequence([9])
+    return pool, a, b, kvpool.Sequence([9])
+
+
+def test_r29_advance_bad_input_changes_nothing(two_and_a_stranger):
+    pool, a, b, stranger = two_and_a_stranger
+    before = (pool.stats(), len(a), len(b), a.num_computed_tokens)
+    with pytest.raises(ValueError, match="token_ids"):
+        pool.advance([a, b], [1])
+    with pytest.raises(ValueError, match="seqs"):
+        pool.advance([a, a], [1, 2])
+    with pytest.raises(ValueError, match="seqs"):
+        pool.advance([a, stranger], [1, 2])  # a is not touched either
+    with pytest.raises(TypeError, match="seqs"):
+        pool.advance([a, "b"], [1, 2])
+    with pytest.raises(ValueError, match="seqs"):
+        pool.may_append_all([a, a])
+    with pytest.raises(ValueError, match="seqs"):
+        pool.may_append_all([stranger])
+    with pytest.raises(ValueError, match="lookahead"):
+        pool.may_append_all([a], lookahead=-1)
+    assert (pool.stats(), len(a), len(b), a.num_computed_tokens) == before
+    b.append_token(9)  # 6 tokens: the table (2 blocks of 4) holds them
+    b.append_tokens([1, 2, 3])  # 9 tokens: no longer
+    with pytest.raises(ValueError, match="may_append first"):
+        pool.advance([a, b], [1, 2])
+    assert len(a) == 3
+
+
+def test_r29_batch_calls_with_bad_members_change_nothing(two_and_a_stranger):
+    pool, a, b, stranger = two_and_a_stranger
     batch = kvpool.SequenceBatch([a, stranger, b])
     before = (pool.stats(), len(a), len(b), a.num_computed_tokens)
     with pytest.raises(ValueError, match="seqs"):
@@ -195,10 +260,15 @@ def test_may_append_all_names_the_sequences_without_room():
     pool.check()
 
 
-def test_hierarchy_pool_exports_take_batches_and_repeats():
-    """R19 on the host-tier pool: a SequenceBatch works, and a list naming one sequence twice
-    is locked once (it used to deadlock there)."""
-    pool = kvpool.HierarchyBlockManagerPool(32, 16, BS)
+@pytest.mark.parametrize(
+    "make_pool",
+    [lambda: kvpool.BlockManagerPool(32, BS), lambda: kvpool.HierarchyBlockManagerPool(32, 16, BS)],
+    ids=["pool", "hierarchy"],
+)
+def test_batch_exports_take_batches_and_repeats(make_pool):
+    """R19 on both pools: a SequenceBatch works, and a list naming one sequence twice is locked
+    once (it used to deadlock, on each pool in turn)."""
+    pool = make_pool()
     s = kvpool.Sequence(list(range(6)))
     assert pool.allocate(s)
     assert pool.block_tables([s, s]).tolist() == [s.block_table.tolist()] * 2

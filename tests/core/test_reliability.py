@@ -5,12 +5,12 @@ as a regression test asserting what the contract requires (the reproducers of
 * F1-F9: one test per reproducer (R10, R11, R14-R16, R22-R25, R29);
 * F10: one test per error message listed, asserting the argument's name is in it (R29), and
   the one rule for bools;
-* F11-F13: the remote tier against a real redis-server (tests/redis_helpers.py) or a failing
+* F11-F13: the remote tier against a real redis-server (tests/tiers/redis_helpers.py) or a failing
   tier object: per-block fetch failures, BaseExceptions propagating, the optional keyed MAC;
 * the huge-count sweep: every count argument of every public method with 2**31, 2**40, 2**62,
   2**63 and 2**64-1, in subprocesses (an abort would kill only them): nothing aborts, panics
   (pyo3's PanicException is a BaseException) or wraps; constructor caps, one test each;
-* the choices of docs/contract_choices.md (LRU meaning, dp rank across pools, cache() on a
+* the choices of docs/contract.md (LRU meaning, dp rank across pools, cache() on a
   sequence holding nothing).
 
 The R15/R16 property test over random workloads is in rust/kvpool/tests/reliability.rs.
@@ -23,7 +23,6 @@ import json
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import kvpool
 import numpy as np
@@ -37,9 +36,7 @@ from kvpool.remote import (
     make_namespace,
 )
 from kvpool.transfer import NumpyTransferExecutor
-
-sys.path.insert(0, str(Path(__file__).parent))
-from redis_helpers import RedisServer  # noqa: E402
+from redis_helpers import RedisServer  # tests/tiers/, on the path through tests/conftest.py
 
 HUGE = [2**31, 2**40, 2**62, 2**63, 2**64 - 1]
 
@@ -238,7 +235,7 @@ def test_f5_first_needed_block_is_exact_for_every_count():
 def test_f6_a_save_left_untaken_past_its_boundary_is_dropped():
     """repro_stale_save.py: advanced past a second boundary before the first boundary's plan was
     taken, both saves read the live slot, and the first checkpoint got the later state (a later
-    hit restored it). The stale save is dropped now (docs/contract_choices.md)."""
+    hit restored it). The stale save is dropped now (docs/contract.md)."""
     p = kvpool.BlockManagerPool(32, 4, linear_state_slots=8, checkpoint_interval=4)
     toks = list(range(1, 14))
     a = kvpool.Sequence(toks)
@@ -870,7 +867,7 @@ def test_huge_count_sweep_nothing_aborts_panics_or_wraps(family):
 
 
 # ============================================================================ constructor caps
-CAP_BLOCKS = 2**30  # kvpool::MAX_BLOCKS (docs/contract_choices.md, "Sizes and counts")
+CAP_BLOCKS = 2**30  # kvpool::MAX_BLOCKS (docs/contract.md, "Choice: sizes and counts")
 
 
 @pytest.mark.parametrize("arg, make", [
@@ -950,7 +947,7 @@ def test_within_the_caps_an_impossible_size_is_a_value_error_not_an_abort(make):
 
 # ============================================================================ contract choices
 def test_lru_is_the_time_of_the_last_release_not_of_the_last_hit():
-    """docs/contract_choices.md: a block hit long ago but released last is the newest."""
+    """docs/contract.md (R10, R11 choice): a block hit long ago but released last is the newest."""
     bm = kvpool.BlockManager(8, 2)
     old, new = [1, 2], [3, 4]
     a = bm.allocate(1)

@@ -1,5 +1,5 @@
 """kvpool.kernels through the emulated backend (the .cu kernels on the CPU) against the NumPy
-reference (DESIGN K1-K8). Sizes are small: the emulation runs every CUDA thread as a fiber."""
+reference (docs/contract.md, K1-K8). Sizes are small: the emulation runs every CUDA thread as a fiber."""
 
 from __future__ import annotations
 

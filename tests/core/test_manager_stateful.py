@@ -5,7 +5,7 @@ prefix cache holds it (with which (extra_key, token prefix)). It predicts exactl
 counts (R2), allocate success / OutOfBlocksError (R3), hits (R7), cache() return values (R9),
 ref counts (R4), evict() return values, reset (R12).
 
-Which cached blocks an eviction takes depends on LRU details that DESIGN leaves partly open
+Which cached blocks an eviction takes depends on LRU details that the contract leaves partly open
 (whether releasing a handle or re-inserting an existing entry refreshes recency), so here the
 model only checks that each eviction is *valid*: the right number, only blocks held by nothing but
 the cache, prefix-closed afterwards (R10). Exact LRU order is covered by unit tests in

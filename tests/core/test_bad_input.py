@@ -283,7 +283,7 @@ def test_r29_prefix_cache_view_bad_hash(busy):
     pc = bm.prefix_cache
     raises_bad_arg("block_hash", pc.contains, "not bytes")
     raises_bad_arg("block_hash", pc.block_id, 123)
-    # Assumption beyond DESIGN: a hash that is not 16 bytes long is a ValueError (it can
+    # Assumption beyond the contract: a hash that is not 16 bytes long is a ValueError (it can
     # never be a block hash); returning False/None would also be defensible.
     raises_bad_arg("block_hash", pc.contains, b"short")
 
@@ -450,7 +450,7 @@ def test_r19_r29_exports_bad_args(pool_with_seq, method):
 
 
 def test_r19_r29_exports_foreign_sequence(pool_with_seq):
-    """Assumption beyond DESIGN: exporting a sequence of another pool is a ValueError."""
+    """Assumption beyond the contract: exporting a sequence of another pool is a ValueError."""
     pool, _ = pool_with_seq
     other = kvpool.BlockManagerPool(16, 4)
     t = kvpool.Sequence(toks(5))

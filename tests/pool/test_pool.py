@@ -600,7 +600,7 @@ def _expected_rank(pool, singles_free):
 def test_r13_ranks_with_exhausted_single_pool_are_skipped(num_single_blocks):
     """R13: dp choice skips ranks whose single-block pool is exhausted.
 
-    The per-rank single capacity is read from stats() (DESIGN does not say whether
+    The per-rank single capacity is read from stats() (the contract does not say whether
     num_single_blocks counts the reserved id 0)."""
     pool = kvpool.BlockManagerPool(20, 4, dp_size=2, num_single_blocks=num_single_blocks)
     cap = [x["num_free_single_blocks"] for x in pool.stats()["ranks"]]
@@ -749,7 +749,7 @@ def test_r20_stats_keys_and_values():
 
 
 def test_r20_top_level_counts_are_sums_over_ranks():
-    """ASSUMPTION beyond DESIGN: the top-level block counts of a dp pool sum the ranks."""
+    """ASSUMPTION beyond the contract: the top-level block counts of a dp pool sum the ranks."""
     pool = kvpool.BlockManagerPool(10, 4, dp_size=3)
     seqs = [kvpool.Sequence(toks(5, start=20 * i)) for i in range(4)]
     for s in seqs:
