@@ -86,7 +86,12 @@ impl AccountingBackend {
 
     /// Whether `page` is mapped.
     pub fn is_mapped(&self, page: usize) -> bool {
-        self.accounts.lock().mapped.get(page).copied().unwrap_or(false)
+        self.accounts
+            .lock()
+            .mapped
+            .get(page)
+            .copied()
+            .unwrap_or(false)
     }
 
     /// The mapped pages, ascending.
@@ -159,10 +164,7 @@ mod tests {
         assert!(backend.unmap_page(1).is_err());
         assert!(backend.map_page(3).is_err());
         view.set_capacity(Some(1));
-        assert_eq!(
-            backend.map_page(1),
-            Err(PageError::OutOfMemory { page: 1 })
-        );
+        assert_eq!(backend.map_page(1), Err(PageError::OutOfMemory { page: 1 }));
         backend.unmap_page(0).unwrap();
         backend.map_page(1).unwrap();
         assert_eq!(view.mapped_pages(), vec![1]);

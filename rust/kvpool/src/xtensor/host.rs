@@ -57,7 +57,9 @@ impl HostPageBackend {
         if page_bytes == 0 || page_bytes % os_page != 0 {
             return Err(KvPoolError::invalid(
                 "page_bytes",
-                format!("must be a positive multiple of the OS page size {os_page}, got {page_bytes}"),
+                format!(
+                    "must be a positive multiple of the OS page size {os_page}, got {page_bytes}"
+                ),
             ));
         }
         let len = num_pages
@@ -84,7 +86,10 @@ impl HostPageBackend {
         if base == libc::MAP_FAILED {
             return Err(KvPoolError::invalid(
                 "page_bytes",
-                format!("cannot reserve {len} bytes of address space: {}", last_error()),
+                format!(
+                    "cannot reserve {len} bytes of address space: {}",
+                    last_error()
+                ),
             ));
         }
         Ok(Self {
@@ -147,9 +152,8 @@ impl HostPageBackend {
         #[cfg(target_os = "linux")]
         {
             // SAFETY: advice on a read/write page of our own mapping.
-            let done = unsafe {
-                libc::madvise(start.cast(), self.page_bytes, libc::MADV_POPULATE_WRITE)
-            };
+            let done =
+                unsafe { libc::madvise(start.cast(), self.page_bytes, libc::MADV_POPULATE_WRITE) };
             if done == 0 {
                 return Ok(());
             }
@@ -279,9 +283,18 @@ mod tests {
         backend.map_page(3).unwrap();
         // SAFETY: mapped again; MADV_DONTNEED dropped the old contents.
         assert_eq!(unsafe { backend.as_ptr().add(3 * page + 17).read() }, 0);
-        assert!(backend.map_page(3).is_err(), "a mapped page is not mapped twice");
-        assert!(backend.unmap_page(1).is_err(), "an unmapped page is not unmapped");
+        assert!(
+            backend.map_page(3).is_err(),
+            "a mapped page is not mapped twice"
+        );
+        assert!(
+            backend.unmap_page(1).is_err(),
+            "an unmapped page is not unmapped"
+        );
         assert!(backend.map_page(8).is_err());
-        assert!(HostPageBackend::new(2, 1000).is_err(), "not a multiple of the OS page");
+        assert!(
+            HostPageBackend::new(2, 1000).is_err(),
+            "not a multiple of the OS page"
+        );
     }
 }

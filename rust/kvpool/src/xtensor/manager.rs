@@ -14,9 +14,11 @@
 //! - no id on an unmapped page is handed out or cached: a page that holds a used or cached
 //!   block is mapped; page 0 is always mapped;
 //! - the mapped pages are exactly page 0, the pages holding a used or cached block, and the
-//!   empty mapped pages, whose number is `spare_pages` (the preallocation), fewer only where
-//!   the memory limit, the end of the range or a refused map stops it, more only where the
-//!   reservation needs them;
+//!   empty mapped pages (the spares), whose number stays between `spare_pages` and
+//!   `2 * spare_pages`: below it a page is mapped ahead (the preallocation), above it empty
+//!   pages unmap (the band keeps a block allocated and freed at a page boundary from mapping
+//!   and unmapping a page each time). Fewer only where the memory limit, the end of the range
+//!   or a refused map stops it, more only where the reservation needs them;
 //! - `free ids on mapped pages >= reserved` (what `try_reserve` promised is mapped);
 //! - at most `limit_pages = memory_limit / page_bytes` pages are mapped, unless sequences hold
 //!   blocks on the excess (then no page is empty, and no page is reclaimable: one whose
@@ -59,7 +61,8 @@ pub struct XTensorConfig {
     /// Memory one page costs when mapped (all layers, K and V), for `mapped_bytes` and the
     /// memory limit.
     pub page_bytes: u64,
-    /// Empty pages kept mapped, ready for the next allocations (the preallocation).
+    /// Empty pages kept mapped, ready for the next allocations (the preallocation): the
+    /// manager maps ahead below `spare_pages` empty pages and unmaps above `2 * spare_pages`.
     pub spare_pages: usize,
     /// Bytes that may be mapped at once (`None`: the whole range); page 0 counts.
     pub memory_limit: Option<u64>,
@@ -114,7 +117,9 @@ impl XTensorConfig {
             self.page_bytes
         );
         ensure_arg!(
-            self.page_bytes.checked_mul(self.num_pages() as u64).is_some(),
+            self.page_bytes
+                .checked_mul(self.num_pages() as u64)
+                .is_some(),
             "page_bytes",
             "{} pages of {} bytes overflow 64 bits",
             self.num_pages(),
@@ -192,9 +197,12 @@ pub struct XTensorBlockManager {
     /// A map was refused for lack of memory: spares are not replenished until memory may have
     /// come back (a page was unmapped, the limit changed, an allocation mapped one).
     map_refused: bool,
-    /// The cache's `lru_insertions` when reclaiming over the limit last ran: until a block
-    /// becomes evictable again, running it again cannot free more.
-    reclaimed_at: Option<u64>,
+    /// Ids drained from the inbox so far.
+    released: u64,
+    /// (`released`, the cache's `lru_insertions`) when reclaiming over the limit last ran: a
+    /// page becomes reclaimable only when a block on it (or below its blocks) is released, so
+    /// until one of the two moves, running it again cannot free more.
+    reclaimed_at: Option<(u64, u64)>,
     /// The last settling failed (a backend error): the page rules are restored by the next.
     unsettled: bool,
     pub(crate) stats: PageStats,
@@ -238,6 +246,7 @@ impl XTensorBlockManager {
             limit_pages: 0,
             reserved: 0,
             map_refused: false,
+            released: 0,
             reclaimed_at: None,
             unsettled: false,
             stats: PageStats::default(),
@@ -265,14 +274,21 @@ impl XTensorBlockManager {
     pub(crate) fn drain(&mut self) {
         while let Some(id) = self.store.free.pop() {
             self.pages.push(id);
+            self.released += 1;
         }
+    }
+
+    /// Most empty pages kept mapped (the top of the spare band).
+    #[inline]
+    fn max_spares(&self) -> usize {
+        2 * self.spare_pages
     }
 
     #[inline]
     fn needs_settle(&self) -> bool {
         let empty = self.pages.empty_len();
         let mapped = self.pages.mapped();
-        empty > self.spare_pages
+        empty > self.max_spares()
             || mapped > self.limit_pages
             || (empty < self.spare_pages
                 && !self.map_refused
@@ -303,12 +319,12 @@ impl XTensorBlockManager {
         Ok(())
     }
 
-    /// Unmaps empty pages while more than `spare_pages` are mapped (and the reservation keeps
-    /// its ids), or while the limit is exceeded (cutting the reservation if it must).
+    /// Unmaps empty pages while more than `2 * spare_pages` are mapped (and the reservation
+    /// keeps its ids), or while the limit is exceeded (cutting the reservation if it must).
     pub(crate) fn trim_empty(&mut self) -> Result<()> {
         loop {
             let over = self.pages.mapped() > self.limit_pages;
-            if !over && self.pages.empty_len() <= self.spare_pages {
+            if !over && self.pages.empty_len() <= self.max_spares() {
                 return Ok(());
             }
             let Some(page) = self.pages.empty_to_unmap() else {
@@ -330,13 +346,18 @@ impl XTensorBlockManager {
             return Ok(());
         };
         cache.drain_released();
-        let clock = cache.lru_insertions();
-        if self.reclaimed_at == Some(clock) {
+        if self.reclaimed_at == Some(self.reclaim_clock()) {
             return Ok(());
         }
         self.reclaim_pages()?;
-        self.reclaimed_at = self.cache.as_ref().map(PrefixCache::lru_insertions);
+        self.reclaimed_at = Some(self.reclaim_clock());
         Ok(())
+    }
+
+    /// What moves when a page may have become reclaimable (see `reclaimed_at`).
+    fn reclaim_clock(&self) -> (u64, u64) {
+        let insertions = self.cache.as_ref().map_or(0, PrefixCache::lru_insertions);
+        (self.released, insertions)
     }
 
     fn replenish(&mut self) -> Result<()> {
@@ -348,8 +369,7 @@ impl XTensorBlockManager {
                 break;
             };
             match self.map_page(page) {
-                Ok(()) => {}
-                Err(PageError::OutOfMemory { .. }) => self.map_refused = true,
+                Ok(()) | Err(PageError::OutOfMemory { .. }) => {} // a refusal ends the loop
                 Err(error) => return Err(backend_error(error)),
             }
         }
@@ -360,9 +380,11 @@ impl XTensorBlockManager {
         if let Err(error) = self.backend.map_page(page as usize) {
             if matches!(error, PageError::OutOfMemory { .. }) {
                 self.stats.map_failures += 1;
+                self.map_refused = true;
             }
             return Err(error);
         }
+        self.map_refused = false;
         self.pages.map(page);
         self.stats.maps += 1;
         self.stats.peak_mapped_pages = self.stats.peak_mapped_pages.max(self.pages.mapped());
@@ -380,8 +402,8 @@ impl XTensorBlockManager {
     }
 
     /// Maps pages (the next in order) until `free ids on mapped pages >= want` or the limit or
-    /// the range ends; returns the pages mapped. A refused map stops it (`map_refused`); any
-    /// other backend error unmaps what it mapped and is returned.
+    /// the range ends; returns the pages mapped. A refused map stops it (and sets
+    /// `map_refused`); any other backend error unmaps what it mapped and is returned.
     fn map_until(&mut self, want: usize) -> Result<Vec<u32>> {
         let mut fresh = Vec::new();
         while self.pages.free_mapped() < want && self.pages.mapped() < self.limit_pages {
@@ -390,26 +412,23 @@ impl XTensorBlockManager {
             };
             match self.map_page(page) {
                 Ok(()) => fresh.push(page),
-                Err(PageError::OutOfMemory { .. }) => {
-                    self.map_refused = true;
-                    break;
-                }
+                Err(PageError::OutOfMemory { .. }) => break,
                 Err(error) => {
                     self.unmap_all(&fresh)?;
                     return Err(backend_error(error));
                 }
             }
         }
-        if !fresh.is_empty() {
-            self.map_refused = false;
-        }
         Ok(fresh)
     }
 
+    /// Gives back the pages a call mapped before it failed; a refusal that made it fail stands.
     fn unmap_all(&mut self, pages: &[u32]) -> Result<()> {
+        let refused = self.map_refused;
         for &page in pages.iter().rev() {
             self.unmap_page(page)?;
         }
+        self.map_refused = refused;
         Ok(())
     }
 
@@ -728,8 +747,7 @@ impl BlockManager for XTensorBlockManager {
 
     fn counts(&self) -> BlockCounts {
         let total = self.store.num_blocks() - 1;
-        let free =
-            self.pages.free_mapped() + self.pages.free_unmapped() + self.store.free.len();
+        let free = self.pages.free_mapped() + self.pages.free_unmapped() + self.store.free.len();
         let cached = self.store.num_cache_only();
         BlockCounts {
             total,
@@ -843,7 +861,11 @@ impl BlockManager for XTensorBlockManager {
             ensure_invariant!(
                 (count == 0) == free[id as usize],
                 "block {id}: count {count} but {} free (R2, R4)",
-                if free[id as usize] { "listed" } else { "not listed" }
+                if free[id as usize] {
+                    "listed"
+                } else {
+                    "not listed"
+                }
             );
             if count > 0 {
                 ensure_invariant!(
@@ -902,9 +924,9 @@ impl XTensorBlockManager {
                 "{mapped} pages mapped over a limit of {}, {empty} of them empty",
                 self.limit_pages
             );
-            let settled_cache = self.cache.as_ref().is_none_or(|c| {
-                self.store.released.is_empty() && self.reclaimed_at == Some(c.lru_insertions())
-            });
+            let settled_cache = self.cache.is_none()
+                || (self.store.released.is_empty()
+                    && self.reclaimed_at == Some(self.reclaim_clock()));
             if settled_cache {
                 let reclaimable = crate::xtensor::reclaim::reclaimable_pages(self);
                 ensure_invariant!(
@@ -916,7 +938,7 @@ impl XTensorBlockManager {
             }
             return Ok(());
         }
-        if empty > self.spare_pages {
+        if empty > self.max_spares() {
             let smallest = self
                 .pages
                 .empty_pages()
@@ -928,7 +950,7 @@ impl XTensorBlockManager {
                 free - smallest < self.reserved,
                 "{empty} empty pages mapped, {} spares allowed and the reservation does not \
                  need them",
-                self.spare_pages
+                self.max_spares()
             );
         }
         if empty < self.spare_pages {

@@ -137,7 +137,10 @@ pub(crate) struct PageTable {
     /// First page of each bucket (index = free count; 0 unused).
     buckets: Box<[u32]>,
     bits: BucketBits,
+    /// The empty list: pages emptied by frees enter at the head (their memory is the most
+    /// recently used), freshly mapped pages at the tail; `pop` takes the head.
     empty_head: u32,
+    empty_tail: u32,
     empty_len: usize,
     /// Unmapped full-size pages, the next to map on top.
     unmapped: Vec<u32>,
@@ -183,6 +186,7 @@ impl PageTable {
             buckets: vec![NIL; blocks_per_page].into_boxed_slice(),
             bits: BucketBits::new(blocks_per_page),
             empty_head: NIL,
+            empty_tail: NIL,
             empty_len: 0,
             // Page 1 on top: memory is mapped from the start of the range.
             unmapped: (1..num_pages as u32)
@@ -277,13 +281,11 @@ impl PageTable {
     }
 
     /// The empty page to unmap first: the short last page (fewest ids for the same memory),
-    /// else the one on top of the empty list.
+    /// else the tail of the empty list (the least recently emptied; `pop` takes the head).
     pub(crate) fn empty_to_unmap(&self) -> Option<u32> {
         match self.unmapped_short {
-            None if self.short_page().is_some_and(|p| self.is_empty_mapped(p)) => {
-                self.short_page()
-            }
-            _ => (self.empty_head != NIL).then_some(self.empty_head),
+            None if self.short_page().is_some_and(|p| self.is_empty_mapped(p)) => self.short_page(),
+            _ => (self.empty_tail != NIL).then_some(self.empty_tail),
         }
     }
 
@@ -334,6 +336,9 @@ impl PageTable {
             }
             Place::Empty => {
                 self.empty_len += 1;
+                if self.empty_tail == NIL {
+                    self.empty_tail = page;
+                }
                 std::mem::replace(&mut self.empty_head, page)
             }
         };
@@ -345,6 +350,23 @@ impl PageTable {
         }
     }
 
+    /// Puts an empty page at the tail of the empty list (a freshly mapped page: used after the
+    /// recently emptied ones, and pages mapped together are used in the order they were mapped).
+    fn link_empty_tail(&mut self, page: u32) {
+        let tail = std::mem::replace(&mut self.empty_tail, page);
+        {
+            let p = &mut self.pages[page as usize];
+            p.prev = tail;
+            p.next = NIL;
+        }
+        if tail == NIL {
+            self.empty_head = page;
+        } else {
+            self.pages[tail as usize].next = page;
+        }
+        self.empty_len += 1;
+    }
+
     #[inline]
     fn unlink(&mut self, page: u32, place: Place) {
         if place == Place::Full {
@@ -353,6 +375,8 @@ impl PageTable {
         let Page { prev, next, .. } = self.pages[page as usize];
         if next != NIL {
             self.pages[next as usize].prev = prev;
+        } else if place == Place::Empty {
+            self.empty_tail = prev;
         }
         if prev != NIL {
             self.pages[prev as usize].next = next;
@@ -427,8 +451,10 @@ impl PageTable {
         self.mapped += 1;
         self.free_mapped += total as usize;
         self.free_unmapped -= total as usize;
-        let place = self.place(page, total);
-        self.link(page, place);
+        match self.place(page, total) {
+            Place::Empty => self.link_empty_tail(page),
+            place => self.link(page, place),
+        }
     }
 
     /// Marks the empty `page` unmapped (the backend just unmapped it).
@@ -541,6 +567,11 @@ impl PageTable {
         }
         ensure_invariant!(self.buckets[0] == NIL, "bucket 0 holds a page");
         walk(self.empty_head, Place::Empty, &mut seen)?;
+        let last = self.empty_pages().last().copied().unwrap_or(NIL);
+        ensure_invariant!(
+            last == self.empty_tail,
+            "the empty list's tail pointer is off"
+        );
         for (p, place) in expected.iter().enumerate() {
             let listed = !matches!(place, None | Some(Place::Full));
             ensure_invariant!(
@@ -564,7 +595,8 @@ impl PageTable {
             self.pages.len() - self.mapped
         );
         ensure_invariant!(
-            self.unmapped_short.is_none_or(|p| Some(p) == self.short_page()),
+            self.unmapped_short
+                .is_none_or(|p| Some(p) == self.short_page()),
             "a full-size page waits in the short page's slot"
         );
         Ok(free)
@@ -611,6 +643,49 @@ mod tests {
             "the partly used page before a spare"
         );
         t.check().unwrap();
+    }
+
+    proptest::proptest! {
+        /// Random pops and pushes (large pages too: several bitmap words and summary words):
+        /// `pop` always takes from the fullest mapped page with room, and `check` passes.
+        #[test]
+        fn pop_takes_the_fullest_page_with_room(
+            steps in proptest::collection::vec((0u8..4, proptest::prelude::any::<u16>()), 1..300),
+            per_page in proptest::prop_oneof![proptest::strategy::Just(3usize), proptest::strategy::Just(70), proptest::strategy::Just(5000)],
+        ) {
+            let num_blocks = per_page * 5 + per_page / 2;
+            let mut t = PageTable::new(num_blocks, per_page).unwrap();
+            let mut held: Vec<u32> = Vec::new();
+            for (kind, pick) in steps {
+                match kind {
+                    0 => if let Some(page) = t.next_to_map() { t.map(page) },
+                    1 => if let Some(page) = t.empty_to_unmap() { t.unmap(page) },
+                    2 if !held.is_empty() => {
+                        let id = held.swap_remove(pick as usize % held.len());
+                        t.push(id);
+                    }
+                    _ => {
+                        let fullest = (0..t.num_pages() as u32)
+                            .filter(|&p| t.is_mapped(p) && t.free(p) > 0)
+                            .filter(|&p| p == 0 || t.free(p) < t.total(p))
+                            .map(|p| t.free(p))
+                            .min();
+                        match t.pop() {
+                            Some((id, opened)) => {
+                                let page = t.page_of(id);
+                                match fullest {
+                                    Some(f) => proptest::prop_assert!(!opened && t.free(page) + 1 == f),
+                                    None => proptest::prop_assert!(opened),
+                                }
+                                held.push(id);
+                            }
+                            None => proptest::prop_assert_eq!(t.free_mapped(), 0),
+                        }
+                    }
+                }
+                t.check().unwrap();
+            }
+        }
     }
 
     #[test]
