@@ -25,6 +25,7 @@ from kvpool._core import (
     SingleBlockManager,
     SlidingWindowBlockManager,
     TransferPlan,
+    XTensorBlockManager,
     __version__,
     hash_blocks,
 )
@@ -49,6 +50,7 @@ __all__ = [
     "SingleBlockManager",
     "SlidingWindowBlockManager",
     "TransferPlan",
+    "XTensorBlockManager",
     "__version__",
     "hash_blocks",
 ]

@@ -9,6 +9,7 @@ mod hierarchy; // host tier (R26)
 mod hybrid;
 mod manager;
 mod pool;
+mod xtensor; // elastic pages (issue 17)
 
 use pyo3::prelude::*;
 
@@ -39,5 +40,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<hybrid::PyCompositeBlockManager>()?;
     m.add_class::<hierarchy::PyHierarchyBlockManagerPool>()?; // host tier (R26)
     m.add_class::<hierarchy::PyTransferPlan>()?; // host tier (R26)
+    m.add_class::<xtensor::PyXTensorBlockManager>()?; // elastic pages (issue 17)
     Ok(())
 }
