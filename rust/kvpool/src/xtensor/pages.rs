@@ -92,7 +92,17 @@ impl BucketBits {
 
     #[inline]
     fn lowest(&self) -> Option<u32> {
-        for (s, &summary) in self.summary.iter().enumerate() {
+        let first = self.summary[0];
+        if first != 0 {
+            let word = first.trailing_zeros() as usize;
+            return Some((word * 64) as u32 + self.words[word].trailing_zeros());
+        }
+        self.lowest_beyond_first()
+    }
+
+    #[cold]
+    fn lowest_beyond_first(&self) -> Option<u32> {
+        for (s, &summary) in self.summary.iter().enumerate().skip(1) {
             if summary != 0 {
                 let word = s * 64 + summary.trailing_zeros() as usize;
                 return Some((word * 64) as u32 + self.words[word].trailing_zeros());
@@ -401,15 +411,65 @@ impl PageTable {
         self.link(page, to);
     }
 
+    /// Takes `page` off bucket `f` (it sits there: its free count is `f`).
+    #[inline]
+    fn unlink_bucket(&mut self, page: u32, f: u32) {
+        let Page { prev, next, .. } = self.pages[page as usize];
+        if next != NIL {
+            self.pages[next as usize].prev = prev;
+        }
+        if prev != NIL {
+            self.pages[prev as usize].next = next;
+        } else {
+            self.buckets[f as usize] = next;
+            if next == NIL {
+                self.bits.clear(f);
+            }
+        }
+    }
+
+    /// Puts `page` on bucket `f`.
+    #[inline]
+    fn link_bucket(&mut self, page: u32, f: u32) {
+        let head = std::mem::replace(&mut self.buckets[f as usize], page);
+        let p = &mut self.pages[page as usize];
+        p.prev = NIL;
+        p.next = head;
+        if head != NIL {
+            self.pages[head as usize].prev = page;
+        } else {
+            self.bits.set(f);
+        }
+    }
+
     /// A free id from the fullest mapped page with room (module doc), or `None`. Also returns
     /// whether the page was empty (a spare was opened).
     #[inline]
     pub(crate) fn pop(&mut self) -> Option<(u32, bool)> {
-        let (page, opened) = match self.bits.lowest() {
-            Some(f) => (self.buckets[f as usize], false),
-            None if self.empty_head != NIL => (self.empty_head, true),
-            None => return None,
+        let Some(f) = self.bits.lowest() else {
+            return self.pop_empty();
         };
+        // A page in bucket f has f free ids, fewer than its total (or it is page 0): after the
+        // pop it has f - 1, so it moves to bucket f - 1, or off the lists when full.
+        let page = self.buckets[f as usize];
+        let p = &mut self.pages[page as usize];
+        let id = p.head;
+        p.head = self.next[id as usize];
+        p.free = f - 1;
+        self.unlink_bucket(page, f);
+        if f > 1 {
+            self.link_bucket(page, f - 1);
+        }
+        self.free_mapped -= 1;
+        Some((id, false))
+    }
+
+    /// `pop` from an empty page, when no partly used page has room.
+    fn pop_empty(&mut self) -> Option<(u32, bool)> {
+        let page = self.empty_head;
+        if page == NIL {
+            return None;
+        }
         let p = &mut self.pages[page as usize];
         let id = p.head;
         p.head = self.next[id as usize];
@@ -417,7 +477,7 @@ impl PageTable {
         let free = p.free;
         self.relink(page, free + 1, free);
         self.free_mapped -= 1;
-        Some((id, opened))
+        Some((id, true))
     }
 
     /// Puts a freed id back on its page, which is mapped (it was handed out from there).
@@ -428,9 +488,17 @@ impl PageTable {
         debug_assert!(p.mapped && p.free < p.total && id != 0);
         self.next[id as usize] = p.head;
         p.head = id;
-        p.free += 1;
-        let free = p.free;
-        self.relink(page, free - 1, free);
+        let f = p.free;
+        p.free = f + 1;
+        let total = p.total;
+        if f > 0 {
+            self.unlink_bucket(page, f); // 0 < f < total: the page sat in bucket f
+        }
+        if f + 1 < total || page == 0 {
+            self.link_bucket(page, f + 1);
+        } else {
+            self.link(page, Place::Empty);
+        }
         self.free_mapped += 1;
     }
 
