@@ -104,6 +104,13 @@ def test_construction_maps_page_zero_and_the_spares():
     assert "XTensorBlockManager(" in repr(m)
 
 
+def test_a_single_page_range_works_with_the_default_spare():
+    m = kvpool.XTensorBlockManager(8, 4, blocks_per_page=8)
+    assert (m.num_pages, m.mapped_pages, m.spare_pages) == (1, 1, 1)
+    assert len(m.allocate(7)) == 7
+    m.check()
+
+
 def test_allocation_packs_pages_and_a_page_unmaps_when_it_empties():
     m = manager(spare_pages=0)
     a = m.allocate(7)
@@ -216,7 +223,7 @@ def test_a_dropped_handle_frees_its_page_at_the_next_call():
         (dict(blocks_per_page="8"), TypeError, "blocks_per_page"),
         (dict(page_bytes=0), ValueError, "page_bytes"),
         (dict(page_bytes=-1), ValueError, "page_bytes"),
-        (dict(spare_pages=8), ValueError, "spare_pages"),
+        (dict(spare_pages=9), ValueError, "spare_pages"),
         (dict(spare_pages=-1), ValueError, "spare_pages"),
         (dict(memory_limit=-1), ValueError, "memory_limit"),
         (dict(memory_limit=1.5), TypeError, "memory_limit"),

@@ -1637,7 +1637,7 @@ class XTensorBlockManager:
         memory limit. Default the backend's ``page_bytes`` attribute, else 2 MiB.
     spare_pages : int
         Empty pages kept mapped for the next allocations: a page is mapped ahead when fewer are
-        left, and empty pages unmap above ``2 * spare_pages`` (below the number of pages).
+        left, and empty pages unmap above ``2 * spare_pages`` (at most the number of pages).
     memory_limit : int or None
         Bytes that may be mapped at once (page 0 counts); None: the whole range.
     backend : None, "accounting", "host" or an object

@@ -474,7 +474,7 @@ fn bad_configs_are_errors_naming_the_argument() {
         (XTensorConfig::new(16, 4, 1 << 17), "blocks_per_page"),
         (
             XTensorConfig {
-                spare_pages: 2,
+                spare_pages: 3,
                 ..XTensorConfig::new(16, 4, 8)
             },
             "spare_pages",
@@ -495,6 +495,19 @@ fn bad_configs_are_errors_naming_the_argument() {
             ..
         })
     ));
+}
+
+#[test]
+fn a_single_page_manager_keeps_no_spare() {
+    // blocks_per_page >= num_blocks: page 0 is the whole range; the default spare cannot exist.
+    let (mut m, backend) = manager(XTensorConfig {
+        page_bytes: PAGE,
+        ..XTensorConfig::new(8, 4, 8)
+    });
+    assert_eq!((m.num_pages(), m.mapped_pages()), (1, 1));
+    let blocks = m.allocate(7).unwrap();
+    assert!(m.allocate(1).is_err());
+    assert_page_rules(&m, &backend, &blocks.iter().collect::<Vec<_>>());
 }
 
 #[test]

@@ -126,9 +126,9 @@ impl XTensorConfig {
             self.page_bytes
         );
         ensure_arg!(
-            self.spare_pages < self.num_pages().max(1),
+            self.spare_pages <= self.num_pages(),
             "spare_pages",
-            "must be below the number of pages ({}), got {}",
+            "must be at most the number of pages ({}), got {}",
             self.num_pages(),
             self.spare_pages
         );
