@@ -1753,3 +1753,272 @@ def encode_events(events: Iterable[_IndexEvent | Any]) -> bytes:
 
 def decode_events(data: bytes) -> list[_IndexEvent]:
     """The events of a msgpack batch, as dicts with every field."""
+
+# --- elastic pages: XTensorBlockManager (issue 17) -------------------------------------------
+
+__all__ += ["XTensorBlockManager"]
+
+class _XTensorStats(_ManagerStats):
+    """Counts, prefix-cache statistics and page counters of an :class:`XTensorBlockManager`."""
+
+    num_available_blocks: int
+    mapped_pages: int
+    mapped_bytes: int
+    peak_mapped_pages: int
+    num_page_maps: int
+    num_page_unmaps: int
+    num_map_failures: int
+    memory_limit: int | None
+    reserved_blocks: int
+
+class _MemoryLimitReport(TypedDict):
+    """What :meth:`XTensorBlockManager.set_memory_limit` did."""
+
+    limit_bytes: int | None
+    limit_pages: int
+    mapped_pages: int
+    mapped_bytes: int
+    evicted_blocks: int
+    unmapped_pages: int
+    mapped_new_pages: int
+    released_reserved_blocks: int
+    excess_bytes: int
+    """Bytes mapped above the limit that sequences hold; returned as they release them."""
+    held_pages: int
+    """Mapped pages on which sequences hold blocks (page 0 included when it holds one)."""
+
+@final
+class XTensorBlockManager:
+    """Elastic block allocator on virtual-memory pages (the seed's XTensorBlockManagerImpl),
+    with the prefix cache on top (docs/xtensor.md).
+
+    Ids are grouped into pages of ``blocks_per_page``; a page's memory is mapped (by the
+    backend) only while it holds a used or cached block, plus a few spare pages, so the KV
+    footprint follows the load. Allocation packs into the fullest mapped page with room and
+    maps a page only when none has room; a page whose blocks are all free is unmapped (beyond
+    the spares). The memory limit can change at run time; lowering it evicts cached blocks page
+    by page. R1-R5, R10 and R29 hold as for :class:`BlockManager`; block 0 lives on page 0,
+    which stays mapped.
+
+    Parameters
+    ----------
+    num_blocks : int
+        Ids in the pool, padding block 0 included (as :class:`BlockManager`).
+    block_size : int
+        Tokens per block, at least 1.
+    blocks_per_page : int
+        Blocks per page, 1..65536 (the last page may hold fewer).
+    page_bytes : int or None
+        Memory one mapped page costs (all layers, K and V): counts ``mapped_bytes`` and the
+        memory limit. Default the backend's ``page_bytes`` attribute, else 2 MiB.
+    spare_pages : int
+        Empty pages kept mapped for the next allocations: a page is mapped ahead when fewer are
+        left, and empty pages unmap above ``2 * spare_pages`` (at most the number of pages).
+    memory_limit : int or None
+        Bytes that may be mapped at once (page 0 counts); None: the whole range.
+    backend : None, "accounting", "host" or an object
+        What maps the pages. None / "accounting": bookkeeping only. "host": one reserved
+        anonymous mapping of the process (resident memory follows the mapped pages).
+        An object with ``map_page(page)`` and ``unmap_page(page)`` (e.g.
+        :class:`kvpool.xtensor.CudaPageBackend`), called with the GIL; ``MemoryError`` from
+        ``map_page`` means the device has no memory for it now; other exceptions propagate.
+        Optional attributes ``page_bytes``, ``blocks_per_page``, ``num_pages`` are checked.
+    enable_prefix_cache, hash_seed, debug_hash_bits
+        As for :class:`BlockManager`.
+
+    Raises
+    ------
+    ValueError
+        An argument out of range (named), or one that disagrees with the backend.
+    TypeError
+        A backend without callable ``map_page`` / ``unmap_page``.
+    """
+
+    def __new__(
+        cls,
+        num_blocks: int,
+        block_size: int,
+        *,
+        blocks_per_page: int,
+        page_bytes: int | None = None,
+        spare_pages: int = 1,
+        memory_limit: int | None = None,
+        backend: Any = None,
+        enable_prefix_cache: bool = True,
+        hash_seed: int | None = None,
+        debug_hash_bits: int | None = None,
+    ) -> XTensorBlockManager: ...
+    @property
+    def num_blocks(self) -> int:
+        """Ids in the pool, padding block 0 included."""
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per block."""
+
+    @property
+    def enable_prefix_cache(self) -> bool:
+        """Whether a prefix cache is kept."""
+
+    @property
+    def backend(self) -> Any:
+        """The page backend: ``"accounting"``, ``"host"`` or the object given."""
+
+    @property
+    def blocks_per_page(self) -> int:
+        """Blocks per page (the last page may hold fewer)."""
+
+    @property
+    def num_pages(self) -> int:
+        """Pages of the range: ``ceil(num_blocks / blocks_per_page)``."""
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes one mapped page costs."""
+
+    @property
+    def spare_pages(self) -> int:
+        """Empty pages kept mapped (mapped ahead below it, unmapped above twice it)."""
+
+    @property
+    def num_total_blocks(self) -> int:
+        """Allocatable ids: ``num_blocks - 1`` (R1)."""
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Ids not handed out, those on unmapped pages included (R2)."""
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Ids held only by the prefix cache: evictable (R2)."""
+
+    @property
+    def num_used_blocks(self) -> int:
+        """Ids held by a handle outside the cache (R2)."""
+
+    @property
+    def num_available_blocks(self) -> int:
+        """Exactly what ``allocate`` can hand out: free ids on mapped pages, cached blocks, and
+        the ids of the unmapped pages the memory limit allows."""
+
+    @property
+    def mapped_pages(self) -> int:
+        """Pages mapped now, page 0 included."""
+
+    @property
+    def mapped_bytes(self) -> int:
+        """Bytes mapped now: ``mapped_pages * page_bytes``."""
+
+    @property
+    def memory_limit(self) -> int | None:
+        """The memory limit in bytes, or None (the whole range)."""
+
+    @property
+    def limit_pages(self) -> int:
+        """Pages the memory limit allows: ``memory_limit // page_bytes``, at most ``num_pages``."""
+
+    @property
+    def reserved_blocks(self) -> int:
+        """Blocks promised by :meth:`try_reserve` and not yet allocated."""
+
+    @property
+    def resident_bytes(self) -> int | None:
+        """Physical bytes the backend holds, where it can measure them (the host backend asks
+        the kernel, ``mincore``); None otherwise."""
+
+    def allocate(self, n: int) -> list[Block]:
+        """Allocate ``n`` fresh blocks (R3): free ids on mapped pages (fullest page first), then
+        newly mapped pages within the limit, then evicted cached blocks (LRU).
+
+        Raises
+        ------
+        OutOfBlocksError
+            Fewer than ``n`` available (or the device refused a page); nothing was changed.
+        ValueError
+            ``n < 0``.
+        """
+
+    def deallocate(self, blocks: Iterable[Block]) -> None:
+        """Release these handles (R5); pages left with no used or cached block unmap (beyond
+        the spares).
+
+        Raises
+        ------
+        ValueError
+            A handle was already released, is listed twice, or belongs to another manager.
+        TypeError
+            An item is not a :class:`Block`.
+        """
+
+    def allocate_shared(self, token_ids: _TokenIds, *, extra_key: _ExtraKey = None) -> list[Block]:
+        """Handles of the longest cached prefix of ``token_ids`` (R7)."""
+
+    def cache(
+        self, token_ids: _TokenIds, blocks: Iterable[Block], *, extra_key: _ExtraKey = None
+    ) -> int:
+        """Publish the full blocks of ``token_ids`` held in ``blocks`` (R9); returns how many are
+        new. Cached blocks keep their pages mapped."""
+
+    def evict(self, n: int) -> int:
+        """Evict up to ``n`` cached blocks: whole reclaimable pages first (their memory comes
+        back), then least recently used leaves (R10). Returns how many."""
+
+    def reset_prefix_cache(self) -> None:
+        """Drop every cached entry; held blocks stay with their holders (R12)."""
+
+    def check(self) -> None:
+        """Walk every structure: R1-R5, R10 and the page rules (mapped pages = page 0, pages
+        holding a used or cached block, and the spares; the reservation is mapped; the limit is
+        met unless sequences hold the excess).
+
+        Raises
+        ------
+        InvariantError
+            A rule is broken.
+        """
+
+    def try_reserve(self, n: int) -> bool:
+        """Promise ``n`` more blocks to the coming allocations, mapping the pages they need now
+        (within the limit; never evicts). False, changing nothing, if it cannot."""
+
+    def free_reserved(self) -> int:
+        """Drop what is left of the reservation; returns how many blocks were still promised."""
+
+    def set_memory_limit(self, limit: int | None) -> _MemoryLimitReport:
+        """Set the memory limit in bytes (None: the whole range; page 0 counts).
+
+        Lowering it unmaps spare pages, evicts cached blocks page by page and unmaps the pages
+        that empty; what sequences hold stays mapped and is reported (``excess_bytes``,
+        ``held_pages``); the manager keeps reclaiming toward the limit as they release it.
+        Raising it maps spares again.
+
+        Raises
+        ------
+        ValueError
+            ``limit < 0``.
+        """
+
+    def trim(self) -> int:
+        """Take in handles dropped outside :meth:`deallocate` and unmap the pages they emptied;
+        returns how many pages were unmapped."""
+
+    def page_of(self, block_id: int) -> int:
+        """The page holding block ``block_id`` (``block_id // blocks_per_page``).
+
+        Raises
+        ------
+        ValueError
+            ``block_id`` is not below ``num_blocks``.
+        """
+
+    def is_page_mapped(self, page: int) -> bool:
+        """Whether ``page`` is mapped (ValueError past ``num_pages``)."""
+
+    def mapped_page_ids(self) -> list[int]:
+        """The mapped pages, ascending."""
+
+    def stats(self) -> _XTensorStats:
+        """Block counts, prefix-cache statistics and page counters."""
+
+    def eviction_order(self) -> list[int]:
+        """Block ids in LRU eviction order, oldest first (for tests and debugging)."""

@@ -10,6 +10,7 @@ mod hybrid;
 mod index; // prefix index over KV events (issue "Beyond one instance")
 mod manager;
 mod pool;
+mod xtensor; // elastic pages (issue 17)
 
 use pyo3::prelude::*;
 
@@ -43,5 +44,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<index::PyKVIndex>()?;
     m.add_function(wrap_pyfunction!(index::encode_events, m)?)?;
     m.add_function(wrap_pyfunction!(index::decode_events, m)?)?;
+    m.add_class::<xtensor::PyXTensorBlockManager>()?; // elastic pages (issue 17)
     Ok(())
 }

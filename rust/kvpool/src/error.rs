@@ -2,7 +2,8 @@
 //!
 //! Every fallible public entry returns [`Result<T>`]; no public path panics on bad input. The
 //! bindings map [`KvPoolError::InvalidArgument`] to `ValueError`, [`KvPoolError::OutOfBlocks`] to
-//! `kvpool.OutOfBlocksError` and [`KvPoolError::Invariant`] to `kvpool.InvariantError` (R29).
+//! `kvpool.OutOfBlocksError`, [`KvPoolError::Invariant`] to `kvpool.InvariantError` and
+//! [`KvPoolError::PageBackend`] to `kvpool.KVPoolError` (or the backend's own exception) (R29).
 
 /// Errors of the kvpool core.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -17,6 +18,11 @@ pub enum KvPoolError {
     /// A structure broke one of the contract's rules (found by `check()`).
     #[error("invariant violated: {0}")]
     Invariant(String),
+    /// The memory behind a page could not be mapped or unmapped for a reason other than a lack
+    /// of memory (which is [`KvPoolError::OutOfBlocks`]): see [`crate::xtensor::PageError`].
+    /// The manager's structures are consistent (the page keeps the state the backend left).
+    #[error("page backend: {0}")]
+    PageBackend(String),
 }
 
 /// `Result` with [`KvPoolError`].

@@ -20,6 +20,7 @@ pub mod prefix_cache;
 pub mod sequence;
 pub mod sliding_window;
 mod sync;
+pub mod xtensor;
 
 pub use block::Block;
 pub use composite::{CompositeBlockManager, GroupManager, GroupSpec, GroupTables};
@@ -40,6 +41,10 @@ pub use manager::{
 };
 pub use prefix_cache::{CacheEvent, CacheStats, ExtraKey, PrefixCache, Probe};
 pub use sliding_window::{SlidingWindowBlockManager, WindowTable};
+pub use xtensor::{
+    AccountingBackend, MemoryLimitReport, PageBackend, PageError, PageStats, XTensorBlockManager,
+    XTensorConfig,
+};
 
 /// The crate version.
 pub fn version() -> &'static str {

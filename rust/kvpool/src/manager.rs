@@ -56,6 +56,12 @@ pub trait BlockManager {
     fn owns(&self, block: &Block) -> bool;
     /// Block counts (R2).
     fn counts(&self) -> BlockCounts;
+    /// How many blocks `allocate` can hand out now: `free + cached` for a manager whose free ids
+    /// are all usable; less for one whose memory is bounded otherwise (an
+    /// `XTensorBlockManager` under a memory limit).
+    fn num_available_blocks(&self) -> usize {
+        self.counts().available()
+    }
     /// `n` fresh blocks, evicting cached ones if needed; all-or-nothing (R3).
     fn allocate(&mut self, n: usize) -> Result<Vec<Block>>;
     /// Logical release of handles (R5).

@@ -490,6 +490,51 @@ impl PrefixCache {
         evicted
     }
 
+    /// Evicts block `id` if it is an evictable leaf: cache-only, on the LRU list (so call
+    /// [`Self::drain_released`] first) and without cached children (R10: the cached set stays
+    /// closed under prefix). Returns whether it did; otherwise nothing changes. The same
+    /// bookkeeping as [`Self::evict`] (statistics, events). For callers that choose victims by
+    /// a policy of their own among the evictable leaves (`XTensorBlockManager` frees whole
+    /// pages); `evict` stays the LRU walk.
+    pub fn evict_leaf(&mut self, id: u32) -> bool {
+        let Some(entry) = self.entries.get(id as usize) else {
+            return false;
+        };
+        if !entry.live || !entry.in_lru || entry.children > 0 {
+            return false;
+        }
+        let (hash, extra_key) = self.remove_entry(id);
+        self.stats.evictions += 1;
+        if let Some(events) = self.events.as_mut() {
+            events.push(CacheEvent::Removed {
+                block_hashes: vec![hash],
+                extra_key,
+            });
+        }
+        true
+    }
+
+    /// The cached parent of cached block `id`: `None` for a chain's first block, or when `id`
+    /// is not cached.
+    pub fn parent_of(&self, id: u32) -> Option<u32> {
+        let entry = self.entries.get(id as usize)?;
+        (entry.live && entry.parent != NIL).then_some(entry.parent)
+    }
+
+    /// Every cached block (held or not) with its cached parent, unordered.
+    pub fn entries(&self) -> impl Iterator<Item = (u32, Option<u32>)> + '_ {
+        self.index.values().map(|&id| {
+            let parent = self.entries[id as usize].parent;
+            (id, (parent != NIL).then_some(parent))
+        })
+    }
+
+    /// How many times a block entered the LRU list so far (became evictable and was drained):
+    /// a change tells a caller that some block became cache-only since it last looked.
+    pub fn lru_insertions(&self) -> u64 {
+        self.clock
+    }
+
     /// Removes a cache-only leaf on the LRU and frees its block.
     fn remove_entry(&mut self, id: u32) -> (BlockHash, Option<ExtraKey>) {
         self.lru_unlink(id);
