@@ -33,6 +33,14 @@ pub struct BlockCounts {
 }
 
 impl BlockCounts {
+    /// Adds `other`'s counts (totals over ranks).
+    pub(crate) fn add(&mut self, other: &BlockCounts) {
+        self.total += other.total;
+        self.free += other.free;
+        self.cached += other.cached;
+        self.used += other.used;
+    }
+
     /// `free + cached`: what `allocate` can hand out.
     pub fn available(&self) -> usize {
         self.free + self.cached

@@ -33,6 +33,8 @@ use crate::block::{Block, BlockStore, CACHED, COUNT_MASK, QUEUED};
 use crate::error::{ensure_invariant, Result};
 use crate::hash::{BlockHash, BlockHasher};
 use crate::sync::Arc;
+// std, not the loom shim: a debug counter, outside every loom model.
+use std::sync::atomic::{AtomicU64, Ordering};
 
 const NIL: u32 = u32::MAX;
 
@@ -104,14 +106,20 @@ impl Default for Entry {
 pub enum CacheEvent {
     /// Consecutive blocks of one chain became matchable.
     Stored {
+        /// Chain hashes of the blocks.
         block_hashes: Vec<BlockHash>,
+        /// Hash of the first block's parent (`None` for a chain's first block).
         parent_hash: Option<BlockHash>,
+        /// Tokens of the blocks.
         token_ids: Vec<u32>,
+        /// The chain's extra key.
         extra_key: Option<ExtraKey>,
     },
     /// Blocks left the cache (eviction).
     Removed {
+        /// Chain hashes of the blocks.
         block_hashes: Vec<BlockHash>,
+        /// The chain's extra key.
         extra_key: Option<ExtraKey>,
     },
     /// Every entry was dropped (`reset`).
@@ -157,7 +165,16 @@ pub struct PrefixCache {
     stats: CacheStats,
     events: Option<Vec<CacheEvent>>,
     scratch: Vec<u32>,
+    /// Ids of `match_prefix`'s walk (kept to reuse the allocation).
+    walked: Vec<u32>,
+    /// Walks of a chain through the index (probes and matches), for tests of admission's one
+    /// walk (a debug counter, never part of `stats`).
+    walks: AtomicU64,
 }
+
+/// Bit set on an id [`PrefixCache::walk`] reports when the cache alone holds the block (ids are
+/// below [`crate::MAX_BLOCKS`], so the bit is free).
+pub(crate) const CACHE_ONLY_BIT: u32 = 1 << 31;
 
 impl PrefixCache {
     /// Bytes the cache spends per block of `block_size` tokens (entry and tokens).
@@ -185,6 +202,8 @@ impl PrefixCache {
             stats: CacheStats::default(),
             events: None,
             scratch: Vec::new(),
+            walked: Vec::new(),
+            walks: AtomicU64::new(0),
         })
     }
 
@@ -270,23 +289,64 @@ impl PrefixCache {
         extra_key: Option<&[u8]>,
         max_blocks: usize,
     ) -> Probe {
-        let mut probe = Probe::default();
+        let mut ids = Vec::new();
+        self.walk(hashes, tokens, extra_key, max_blocks, &mut ids);
+        Probe {
+            matched: ids.len(),
+            cache_only: ids.iter().filter(|&&id| id & CACHE_ONLY_BIT != 0).count(),
+        }
+    }
+
+    /// The one walk of a chain (R7): appends to `out` the ids of its leading cached blocks (at
+    /// most `max_blocks`), each with [`CACHE_ONLY_BIT`] set when only the cache holds it. No side
+    /// effect but the walk counter; [`Self::retain`] then takes exactly these blocks as long as
+    /// the cache was not changed in between (handle drops elsewhere do not change it).
+    pub(crate) fn walk(
+        &self,
+        hashes: &[BlockHash],
+        tokens: &[u32],
+        extra_key: Option<&[u8]>,
+        max_blocks: usize,
+        out: &mut Vec<u32>,
+    ) {
+        // Relaxed: a debug counter.
+        self.walks.fetch_add(1, Ordering::Relaxed);
         let mut parent = NIL;
         for (i, &hash) in hashes.iter().enumerate().take(max_blocks) {
             let block = &tokens[i * self.block_size..(i + 1) * self.block_size];
-            match self.find(hash, parent, extra_key, block) {
-                Some(id) => {
-                    let state = self.store.state(id);
-                    if state & (CACHED | COUNT_MASK) == CACHED | 1 {
-                        probe.cache_only += 1;
-                    }
-                    probe.matched += 1;
-                    parent = id;
-                }
-                None => break,
-            }
+            let Some(id) = self.find(hash, parent, extra_key, block) else {
+                break;
+            };
+            let state = self.store.state(id);
+            let cache_only = state & (CACHED | COUNT_MASK) == CACHED | 1;
+            out.push(id | if cache_only { CACHE_ONLY_BIT } else { 0 });
+            parent = id;
         }
-        probe
+    }
+
+    /// New handles of the blocks of `ids` (from [`Self::walk`], flags ignored), appended to
+    /// `out` in order: they become used, so they leave the LRU. The ids must still be entries
+    /// of this cache (no insert, evict or reset since the walk).
+    pub(crate) fn retain(&mut self, ids: &[u32], out: &mut Vec<Block>) {
+        self.drain_released();
+        out.reserve(ids.len());
+        for &flagged in ids {
+            let id = flagged & !CACHE_ONLY_BIT;
+            debug_assert!(
+                self.entries[id as usize].live,
+                "walked block {id} left the cache"
+            );
+            if self.entries[id as usize].in_lru {
+                self.lru_unlink(id);
+            }
+            out.push(self.store.retain_cached(id));
+        }
+    }
+
+    /// Chain walks so far (probes, walks and matches): a debug counter.
+    pub(crate) fn num_walks(&self) -> u64 {
+        // Relaxed: a debug counter.
+        self.walks.load(Ordering::Relaxed)
     }
 
     /// Hands out new handles of the leading cached blocks of a chain (at most `max_blocks`),
@@ -299,21 +359,12 @@ impl PrefixCache {
         max_blocks: usize,
         out: &mut Vec<Block>,
     ) -> usize {
-        self.drain_released();
-        let mut parent = NIL;
-        let mut matched = 0;
-        for (i, &hash) in hashes.iter().enumerate().take(max_blocks) {
-            let block = &tokens[i * self.block_size..(i + 1) * self.block_size];
-            let Some(id) = self.find(hash, parent, extra_key, block) else {
-                break;
-            };
-            if self.entries[id as usize].in_lru {
-                self.lru_unlink(id);
-            }
-            out.push(self.store.retain_cached(id));
-            matched += 1;
-            parent = id;
-        }
+        let mut ids = std::mem::take(&mut self.walked);
+        self.walk(hashes, tokens, extra_key, max_blocks, &mut ids);
+        self.retain(&ids, out);
+        let matched = ids.len();
+        ids.clear();
+        self.walked = ids;
         matched
     }
 
