@@ -37,7 +37,7 @@ counters! {
 
 impl HostStats {
     /// Adds `other` (totals over ranks).
-    pub(crate) fn add(&mut self, other: &HostStats) {
+    pub fn add(&mut self, other: &HostStats) {
         self.add_counters(other);
     }
 }
