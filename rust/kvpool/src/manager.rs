@@ -259,7 +259,10 @@ impl BlockManagerImpl {
         }
         let mut out = Vec::with_capacity(1);
         self.allocate_into(1, &mut out)?;
-        Ok(out.pop().expect("allocate_into gave one block"))
+        out.pop().ok_or(KvPoolError::OutOfBlocks {
+            requested: 1,
+            available: 0,
+        })
     }
 
     /// Chain hashes for `tokens` with this manager's hasher.
