@@ -111,6 +111,42 @@ impl Allocation {
     }
 }
 
+/// The chain hashes (R6) of a sequence's full blocks, memoized for one hasher and block size.
+#[derive(Debug, Default)]
+pub(crate) struct ChainHashes {
+    hashes: Vec<BlockHash>,
+    made_by: Option<(BlockHasher, usize)>,
+}
+
+impl ChainHashes {
+    /// The hashes of the full blocks among the first `num_tokens` of `tokens`, computing what is
+    /// not memoized yet.
+    #[inline]
+    pub(crate) fn ensure(
+        &mut self,
+        hasher: &BlockHasher,
+        block_size: usize,
+        tokens: &[u32],
+        extra_key: Option<&[u8]>,
+        num_tokens: usize,
+    ) -> &[BlockHash] {
+        if self.made_by != Some((*hasher, block_size)) {
+            self.hashes.clear();
+            self.made_by = Some((*hasher, block_size));
+        }
+        let full = num_tokens.min(tokens.len()) / block_size;
+        if self.hashes.len() < full {
+            hasher.extend_chain(
+                &mut self.hashes,
+                &tokens[..full * block_size],
+                block_size,
+                extra_key,
+            );
+        }
+        &self.hashes[..full]
+    }
+}
+
 /// A request's tokens and KV-cache state.
 pub struct Sequence {
     seq_id: u64,
@@ -120,9 +156,7 @@ pub struct Sequence {
     extra_key: Option<ExtraKey>,
     /// Tokens given at construction (the prompt): its last block boundary gets a checkpoint.
     num_prompt_tokens: usize,
-    /// Chain hashes of the full blocks of `tokens`, memoized for one hasher and block size.
-    hashes: Vec<BlockHash>,
-    hashes_for: Option<(BlockHasher, usize)>,
+    hashes: ChainHashes,
     num_cached_tokens: usize,
     num_computed_tokens: usize,
     dp_rank: Option<usize>,
@@ -144,8 +178,7 @@ impl Sequence {
             tokens,
             extra_key: extra_key.map(ExtraKey::from),
             num_prompt_tokens,
-            hashes: Vec::new(),
-            hashes_for: None,
+            hashes: ChainHashes::default(),
             num_cached_tokens: 0,
             num_computed_tokens: 0,
             dp_rank: None,
@@ -401,29 +434,34 @@ impl Sequence {
         block_size: usize,
         num_tokens: usize,
     ) {
-        if self.hashes_for != Some((*hasher, block_size)) {
-            self.hashes.clear();
-            self.hashes_for = Some((*hasher, block_size));
-        }
-        let full = num_tokens.min(self.tokens.len()) / block_size;
-        if self.hashes.len() < full {
-            hasher.extend_chain(
-                &mut self.hashes,
-                &self.tokens[..full * block_size],
-                block_size,
-                self.extra_key.as_deref(),
-            );
-        }
+        let key = self.extra_key.as_deref();
+        self.hashes
+            .ensure(hasher, block_size, &self.tokens, key, num_tokens);
     }
 
     /// The first `num_blocks` memoized chain hashes (after `ensure_hashes`).
     pub(crate) fn hashes(&self, num_blocks: usize) -> &[BlockHash] {
-        &self.hashes[..num_blocks.min(self.hashes.len())]
+        let hashes = &self.hashes.hashes;
+        &hashes[..num_blocks.min(hashes.len())]
     }
 
-    /// The memoized hashes with the allocation, mutably, for calls that publish its blocks.
-    pub(crate) fn split_for_publish(&mut self) -> (&[BlockHash], &[u32], Option<&mut Allocation>) {
-        (&self.hashes, &self.tokens, self.alloc.as_mut())
+    /// The parts a publication needs at once: the hash memo (to extend), the tokens, the extra
+    /// key and the allocation.
+    #[inline]
+    pub(crate) fn split_for_publish(
+        &mut self,
+    ) -> (
+        &mut ChainHashes,
+        &[u32],
+        Option<&ExtraKey>,
+        Option<&mut Allocation>,
+    ) {
+        (
+            &mut self.hashes,
+            &self.tokens,
+            self.extra_key.as_ref(),
+            self.alloc.as_mut(),
+        )
     }
 }
 

@@ -32,7 +32,9 @@ impl BlockManagerPool {
     /// R25), then the sampled token appended.
     #[inline]
     fn step(&mut self, seq: &mut Sequence, token: u32) {
-        seq.sync();
+        if self.host.is_some() {
+            seq.sync(); // only a host tier hands out tickets
+        }
         seq.compute_all();
         self.publish(seq, Publish::Step);
         seq.append_token(token);
@@ -113,7 +115,9 @@ impl BlockManagerPool {
             if !self.slides && tokens <= seq.capacity() {
                 continue; // the table holds them already (most decode steps)
             }
-            seq.sync();
+            if self.host.is_some() {
+                seq.sync();
+            }
             if !self.grow(seq, tokens) {
                 failed.push(i);
             }

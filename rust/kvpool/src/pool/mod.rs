@@ -263,7 +263,9 @@ impl BlockManagerPool {
     /// (R26) and says whether it holds blocks of this pool.
     #[inline]
     fn take_seq(&self, seq: &mut Sequence) -> Result<bool> {
-        seq.sync();
+        if self.host.is_some() {
+            seq.sync(); // only a host tier hands out tickets
+        }
         self.check_owner(seq)
     }
 
@@ -336,8 +338,7 @@ impl BlockManagerPool {
             return false;
         };
         if self.slides {
-            self.publish_groups(seq); // before the slide releases them (R25)
-            self.slide(seq);
+            self.publish_and_slide_groups(seq); // publish before the slide releases (R25)
         }
         if need == 0 {
             return true;
@@ -384,109 +385,96 @@ impl BlockManagerPool {
     }
 
     /// Publishes the full computed blocks (R17) in the prefix cache and every group, then slides
-    /// the groups; at a step, lets the groups plan what they plan at a step (R24).
+    /// the groups; at a step, lets the groups plan what they plan at a step (R24). The chain
+    /// hashes are computed only as far as something needs them.
     fn publish(&mut self, seq: &mut Sequence, when: Publish) {
         if self.publish_is_noop(seq) {
             return;
         }
-        let Some(alloc) = seq.alloc() else { return };
-        let rank_index = alloc.rank;
         let block_size = self.config.block_size;
         let computed = seq.computed();
-        let full = (computed / block_size).min(alloc.blocks.len());
         let prompt = seq.num_prompt_tokens();
-        let rank = &self.ranks[rank_index];
-        let epoch = rank.full.cache().map(|c| c.epoch());
-        let stale = epoch.is_some_and(|e| e != alloc.published_epoch);
-        let published = if stale { 0 } else { alloc.published };
-        let publishes_full = epoch.is_some() && published < full;
-        let saves = when == Publish::Step
-            && rank
-                .groups
-                .iter()
-                .zip(&alloc.groups)
-                .any(|(g, t)| g.saves_at(t, computed, prompt));
-        let groups_publish = rank
-            .groups
-            .iter()
-            .zip(&alloc.groups)
-            .any(|(g, t)| g.wants_publish(t, full));
-        if epoch.is_some() && (publishes_full || saves || groups_publish) {
-            seq.ensure_hashes(&rank.full.hasher(), block_size, full * block_size);
-        }
-        let key = seq.extra_key_arc().cloned();
-        let (hashes, tokens, alloc) = seq.split_for_publish();
+        let (chain, tokens, key, alloc) = seq.split_for_publish();
         let Some(alloc) = alloc else { return };
-        let rank = &mut self.ranks[rank_index];
+        let rank_index = alloc.rank;
+        let full = (computed / block_size).min(alloc.blocks.len());
+        let Rank {
+            full: attention,
+            groups,
+            ..
+        } = &mut self.ranks[rank_index];
+        let raw_key = key.map(|k| &**k);
+        let epoch = attention.cache().map(|c| c.epoch());
         if let Some(epoch) = epoch {
-            alloc.published_epoch = epoch;
-            alloc.published = published;
-            if publishes_full {
-                alloc.published = rank.full.publish(
-                    &hashes[..full],
+            if alloc.published_epoch != epoch {
+                alloc.published = 0;
+                alloc.published_epoch = epoch;
+            }
+            if alloc.published < full {
+                let hasher = attention.hasher();
+                let hashes = chain.ensure(&hasher, block_size, tokens, raw_key, full * block_size);
+                alloc.published = attention.publish(
+                    hashes,
                     tokens,
                     &alloc.blocks[..full],
-                    published,
-                    key.as_ref(),
+                    alloc.published,
+                    key,
                     matches!(when, Publish::Release { all_released: true }),
                 );
             }
-            for (group, table) in rank.groups.iter_mut().zip(alloc.groups.iter_mut()) {
-                if group.wants_publish(table, full) {
-                    group.publish(table, &hashes[..full], tokens, full);
-                }
+        }
+        let step = when == Publish::Step;
+        for (group, table) in groups.iter_mut().zip(alloc.groups.iter_mut()) {
+            if epoch.is_some() && group.wants_publish(table, full) {
+                let hashes = chain.ensure(
+                    &attention.hasher(),
+                    block_size,
+                    tokens,
+                    raw_key,
+                    full * block_size,
+                );
+                group.publish(table, hashes, tokens, full);
             }
-        }
-        for (group, table) in rank.groups.iter_mut().zip(alloc.groups.iter_mut()) {
             group.slide(table, computed);
-        }
-        if when == Publish::Step {
-            let hash = (epoch.is_some() && saves && full > 0).then(|| hashes[full - 1]);
-            for (group, table) in rank.groups.iter_mut().zip(alloc.groups.iter_mut()) {
-                if group.steps() {
-                    let save = hash.filter(|_| group.saves_at(table, computed, prompt));
-                    group.step(table, computed, save, &mut self.ledger);
-                }
+            if step && group.steps() {
+                let save = (epoch.is_some() && full > 0 && group.saves_at(table, computed, prompt))
+                    .then(|| {
+                        let hasher = attention.hasher();
+                        chain.ensure(&hasher, block_size, tokens, raw_key, full * block_size)
+                            [full - 1]
+                    });
+                group.step(table, computed, save, &mut self.ledger);
             }
         }
         self.collect_events(rank_index);
     }
 
-    /// Publishes the full computed blocks of the groups only (before a slide in `may_append`).
-    fn publish_groups(&mut self, seq: &mut Sequence) {
-        let Some(alloc) = seq.alloc() else { return };
-        let rank_index = alloc.rank;
+    /// Publishes the groups' full computed blocks, then slides them (before a growth: the
+    /// slide must not release blocks before they are published, R25).
+    fn publish_and_slide_groups(&mut self, seq: &mut Sequence) {
         let block_size = self.config.block_size;
-        let full = (seq.computed() / block_size).min(alloc.blocks.len());
-        let rank = &self.ranks[rank_index];
-        if rank.full.cache().is_none() {
-            return;
-        }
-        let wanted = rank
-            .groups
-            .iter()
-            .zip(&alloc.groups)
-            .any(|(g, t)| g.wants_publish(t, full));
-        if !wanted {
-            return;
-        }
-        seq.ensure_hashes(&rank.full.hasher(), block_size, full * block_size);
-        let (hashes, tokens, alloc) = seq.split_for_publish();
-        let Some(alloc) = alloc else { return };
-        let rank = &mut self.ranks[rank_index];
-        for (group, table) in rank.groups.iter_mut().zip(alloc.groups.iter_mut()) {
-            if group.wants_publish(table, full) {
-                group.publish(table, &hashes[..full], tokens, full);
-            }
-        }
-    }
-
-    /// Releases what the groups of `seq` no longer need (R25).
-    fn slide(&mut self, seq: &mut Sequence) {
         let computed = seq.computed();
-        let Some(alloc) = seq.alloc_mut() else { return };
-        let rank = &mut self.ranks[alloc.rank];
-        for (group, table) in rank.groups.iter_mut().zip(alloc.groups.iter_mut()) {
+        let (chain, tokens, key, alloc) = seq.split_for_publish();
+        let Some(alloc) = alloc else { return };
+        let full = (computed / block_size).min(alloc.blocks.len());
+        let Rank {
+            full: attention,
+            groups,
+            ..
+        } = &mut self.ranks[alloc.rank];
+        let cache_on = attention.cache().is_some();
+        for (group, table) in groups.iter_mut().zip(alloc.groups.iter_mut()) {
+            if cache_on && group.wants_publish(table, full) {
+                let raw_key = key.map(|k| &**k);
+                let hashes = chain.ensure(
+                    &attention.hasher(),
+                    block_size,
+                    tokens,
+                    raw_key,
+                    full * block_size,
+                );
+                group.publish(table, hashes, tokens, full);
+            }
             group.slide(table, computed);
         }
     }

@@ -167,8 +167,6 @@ pub struct PrefixCache {
     stats: CacheStats,
     events: Option<Vec<CacheEvent>>,
     scratch: Vec<u32>,
-    /// Ids of `match_prefix`'s walk (kept to reuse the allocation).
-    walked: Vec<u32>,
     /// Walks of a chain through the index (probes and matches), for tests of admission's one
     /// walk (a debug counter, never part of `stats`).
     walks: AtomicU64,
@@ -204,7 +202,6 @@ impl PrefixCache {
             stats: CacheStats::default(),
             events: None,
             scratch: Vec::new(),
-            walked: Vec::new(),
             walks: AtomicU64::new(0),
         })
     }
@@ -353,6 +350,7 @@ impl PrefixCache {
 
     /// Hands out new handles of the leading cached blocks of a chain (at most `max_blocks`),
     /// appended to `out`; returns how many. Matched blocks become used, so they leave the LRU.
+    /// One walk: each block is retained as it is found.
     pub fn match_prefix(
         &mut self,
         hashes: &[BlockHash],
@@ -361,12 +359,23 @@ impl PrefixCache {
         max_blocks: usize,
         out: &mut Vec<Block>,
     ) -> usize {
-        let mut ids = std::mem::take(&mut self.walked);
-        self.walk(hashes, tokens, extra_key, max_blocks, &mut ids);
-        self.retain(&ids, out);
-        let matched = ids.len();
-        ids.clear();
-        self.walked = ids;
+        // Relaxed: a debug counter.
+        self.walks.fetch_add(1, Ordering::Relaxed);
+        self.drain_released();
+        let mut parent = NIL;
+        let mut matched = 0;
+        for (i, &hash) in hashes.iter().enumerate().take(max_blocks) {
+            let block = &tokens[i * self.block_size..(i + 1) * self.block_size];
+            let Some(id) = self.find(hash, parent, extra_key, block) else {
+                break;
+            };
+            if self.entries[id as usize].in_lru {
+                self.lru_unlink(id);
+            }
+            out.push(self.store.retain_cached(id));
+            matched += 1;
+            parent = id;
+        }
         matched
     }
 
