@@ -450,12 +450,7 @@ impl SingleBlockManager {
     pub fn new(num_slots: usize) -> Result<Self> {
         let mut config = ManagerConfig::new(num_slots, 1);
         config.enable_prefix_cache = false;
-        let rename = |e| match e {
-            KvPoolError::InvalidArgument { message, .. } => {
-                KvPoolError::invalid("num_slots", message)
-            }
-            other => other,
-        };
+        let rename = |e: KvPoolError| e.renamed_all("num_slots");
         config.validate().map_err(rename)?;
         Ok(Self {
             inner: BlockManagerImpl::new(config).map_err(rename)?,
