@@ -2,12 +2,14 @@
 
 The Rust core (``kvpool._core``) provides block handles, free lists, the prefix cache and the
 sequence-level pool; ``kvpool.kernels`` holds the GPU data plane; ``kvpool simulate`` is a
-serving-workload simulator built on the pool. The rules cited as "R<n>" are those of docs/contract.md.
+serving-workload simulator built on the pool. The rules cited as "R<n>" are those of the
+contract (docs/contract.md).
 """
 
 from kvpool import router  # noqa: E402  (policies on KVIndex; imports _core)
 from kvpool._core import (
     DEFAULT_HASH_SEED,
+    AllocationPlan,
     Block,
     BlockManager,
     BlockManagerPool,
@@ -36,6 +38,7 @@ from kvpool._core import (
 
 __all__ = [
     "DEFAULT_HASH_SEED",
+    "AllocationPlan",
     "Block",
     "BlockManager",
     "BlockManagerPool",

@@ -3,7 +3,8 @@
 Hand-written; checked against the built module with ``python -m mypy.stubtest kvpool._core
 --allowlist stubtest-allowlist.txt``. Rule numbers ("R7") refer to DESIGN.md section 2.
 Every class is frozen with a lock inside, safe to share between threads (R28), and cannot be
-subclassed.
+subclassed, but ``BlockManagerPool``, whose subclass is ``HierarchyBlockManagerPool``. The
+Python docs live here; a binding's own ``__doc__`` is one line.
 """
 
 from collections.abc import Iterable, Iterator
@@ -12,6 +13,7 @@ from typing import Any, Final, Literal, SupportsIndex, TypeAlias, TypedDict, fin
 
 import numpy as np
 from numpy.typing import NDArray
+from typing_extensions import disjoint_base
 
 __all__ = [
     "__version__",
@@ -27,6 +29,7 @@ __all__ = [
     "Sequence",
     "SequenceBatch",
     "BlockManagerPool",
+    "AllocationPlan",
     "ConcurrentBlockManager",
     "KVEvent",
     "LinearStatePrefixCache",
@@ -98,7 +101,7 @@ class _RankStats(_BlockCounts):
     num_checkpoint_evictions: int
     num_checkpoint_commits: int
     window: _WindowCounts | None
-    host: _BlockCounts | None
+    host: _HostStats | None
 
 class _PoolStats(_RankStats):
     """``BlockManagerPool.stats()``: totals over all ranks plus ``ranks``, one dict per rank."""
@@ -132,6 +135,12 @@ class _HierarchyRankStats(_BlockCounts):
     num_checkpoint_commits: int
     window: _WindowCounts | None
     host: _HostStats
+
+class _DebugCounters(TypedDict):
+    """``BlockManagerPool.debug_counters()``: chain walks so far (for tests, not statistics)."""
+
+    device_chain_walks: int
+    host_chain_walks: int
 
 class _HierarchyPoolStats(_HierarchyRankStats, total=False):
     """``HierarchyBlockManagerPool.stats()``: totals plus ``ranks``, one dict per rank; with a
@@ -854,7 +863,7 @@ class KVEvent:
     def extra_key(self) -> bytes | None:
         """Extra key (cache salt) of the chain, or None."""
 
-@final
+@disjoint_base
 class BlockManagerPool:
     """Sequence-level KV-cache manager: per dp rank a BlockManager and a SingleBlockManager.
 
@@ -895,10 +904,15 @@ class BlockManagerPool:
     debug_hash_bits : int or None
         Truncate hashes to this many bits (1..128) to force collisions in tests.
 
+    Every option composes with every other, and with a host tier (the subclass
+    ``HierarchyBlockManagerPool``; docs/host_tier.md).
+
     Raises
     ------
     ValueError
-        An argument is out of range or names a feature this build lacks.
+        An argument is out of range (the message names it).
+    TypeError
+        An option of the wrong type, or an unknown option.
     """
 
     def __new__(
@@ -947,7 +961,47 @@ class BlockManagerPool:
     def can_allocate(self, seq: Sequence, num_tokens: int | None = None) -> bool:
         """What ``allocate(seq, num_tokens)`` would return, with no side effect (R15)."""
 
-    def allocate(self, seq: Sequence, num_tokens: int | None = None) -> bool:
+    def plan(self, seq: Sequence, num_tokens: int | None = None) -> AllocationPlan | None:
+        """The allocation ``allocate(seq, num_tokens)`` would make, with no side effect of any kind.
+
+        One walk of the prefix chain per tier (device, then host); the plan carries what the
+        walks found, so ``allocate(seq, num_tokens, plan=plan)`` only retains it. The hit is
+        the deepest boundary every group of the rank can serve (R23, R25, docs/host_tier.md).
+
+        Returns
+        -------
+        AllocationPlan or None
+            None exactly when ``allocate`` would return False (R15). A sequence that holds
+            blocks gets a growth plan (``is_growth``).
+
+        Raises
+        ------
+        ValueError
+            ``num_tokens`` out of range, or ``seq`` holds blocks of another pool.
+        TypeError
+            ``plan`` is not an ``AllocationPlan``.
+        """
+
+    def allocate_shared(self, seq: Sequence) -> bool:
+        """The prefix hit only, into a sequence that holds nothing (the seed's ``allocate_shared``).
+
+        Takes the hit's blocks (trimmed as ``allocate`` trims it), the single block and the
+        live slot, but no new blocks; ``num_computed_tokens`` is the hit. ``allocate`` then grows
+        the table. With a host tier only the device hit is taken (loads need new blocks).
+
+        Returns
+        -------
+        bool
+            False if the rank has no single block or live slot; nothing changed then.
+
+        Raises
+        ------
+        ValueError
+            ``seq`` already holds blocks, has no tokens, or holds blocks of another pool.
+        """
+
+    def allocate(self, seq: Sequence, num_tokens: int | None = None, *,
+                 plan: AllocationPlan | None = None) -> bool:
         """Give ``seq`` blocks for ``num_tokens`` tokens after a prefix-cache match (R8, R13, R14).
 
         On a sequence that holds blocks, grows its table (chunked prefill).
@@ -958,6 +1012,10 @@ class BlockManagerPool:
             The sequence; gets ``num_cached_tokens``, ``num_computed_tokens`` and ``dp_rank``.
         num_tokens : int or None
             Tokens the table must hold, in ``1..len(seq)``; None is ``len(seq)``.
+        plan : AllocationPlan or None
+            A plan from ``plan(seq, num_tokens)``: carried out when nothing changed since
+            (this pool, this sequence at its length, no pool call in between), else the pool
+            plans again.
 
         Returns
         -------
@@ -1068,6 +1126,10 @@ class BlockManagerPool:
     def stats(self) -> _PoolStats:
         """Counts, prefix-cache and slot statistics, totals and per rank (R20)."""
 
+    def debug_counters(self) -> _DebugCounters:
+        """Chain walks of the device and host prefix caches so far (for tests of one walk per
+        admission; not part of ``stats``)."""
+
     def check(self) -> None:
         """Walk every structure (R20).
 
@@ -1109,6 +1171,59 @@ class BlockManagerPool:
         ValueError
             The plan was already committed or comes from another pool.
         """
+
+@final
+class AllocationPlan:
+    """An allocation decided by ``BlockManagerPool.plan``, with no side effect (issue "One pool").
+
+    Hand it to ``allocate(seq, num_tokens, plan=plan)``. Read-only; tokens are multiples of the
+    block size. ``num_cached_tokens`` is what ``seq.num_cached_tokens`` becomes once every load
+    is confirmed (nano-vllm's ``can_allocate``, vLLM's ``get_computed_blocks``).
+    """
+
+    @property
+    def dp_rank(self) -> int:
+        """The dp rank the sequence goes (or is) to (R13)."""
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens the table will hold."""
+
+    @property
+    def is_growth(self) -> bool:
+        """Whether the sequence already holds blocks (the plan grows its table)."""
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks of the prefix hit, every tier together (0 for a growth)."""
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """Tokens of the prefix hit, every tier together."""
+
+    @property
+    def device_hit_tokens(self) -> int:
+        """Hit tokens already on the device (cached at allocation)."""
+
+    @property
+    def host_hit_tokens(self) -> int:
+        """Hit tokens loaded from the host tier (cached once the load is confirmed, R26)."""
+
+    @property
+    def remote_hit_tokens(self) -> int:
+        """Hit tokens fetched from the remote tier, then loaded from host."""
+
+    @property
+    def num_new_blocks(self) -> int:
+        """Fresh device blocks the allocation takes (load destinations included)."""
+
+    @property
+    def num_blocks(self) -> int:
+        """Entries of the block table after the allocation."""
+
+    @property
+    def restore_checkpoint(self) -> bytes | None:
+        """Prefix hash (16 bytes) of the checkpoint the linear state is restored from (R23)."""
 
 # --- hybrid models (R22-R25) ------------------------------------------------------------------
 
@@ -1378,15 +1493,19 @@ class TransferPlan:
     def __len__(self) -> int: ...
 
 @final
-class HierarchyBlockManagerPool:
+class HierarchyBlockManagerPool(BlockManagerPool):
     """A ``BlockManagerPool`` with a host-memory KV tier per dp rank (R26).
 
-    Each rank has a device manager and a host manager (ids ``1..host_num_blocks-1``), each with
-    its own prefix cache. ``allocate`` continues the device prefix match in the host cache and
+    Each rank has a host manager (ids ``1..host_num_blocks-1``) with its own prefix cache beside
+    the device groups. ``allocate`` continues the device prefix match in the host cache and
     plans loads (host id -> device id) for the host hits; ``deallocate`` plans offloads (device
     id -> host id) of the full computed blocks not yet on host. Blocks in a pending transfer are
     held on both tiers until the engine confirms it; loaded tokens count in
-    ``num_cached_tokens`` / ``num_computed_tokens`` only after ``complete_loads``.
+    ``num_cached_tokens`` / ``num_computed_tokens`` only after ``complete_loads``. Every pool
+    method is this pool's (it is a subclass): dp ranks, linear state, sliding windows, events,
+    ``concurrent``, ``plan``, ``advance`` / ``may_append_all`` / ``SequenceBatch``. A hit across
+    tiers counts only up to the boundary every group can serve: linear-state checkpoints and
+    window blocks stay on the device (docs/host_tier.md).
 
     Parameters
     ----------
@@ -1401,13 +1520,12 @@ class HierarchyBlockManagerPool:
         offloaded. ``"on_evict"``: only the blocks that the release makes evictable (held by
         nothing but the device cache); a block another sequence holds goes when its last
         holder releases it.
-    dp_size, enable_prefix_cache, num_single_blocks, concurrent, enable_events, hash_seed, debug_hash_bits
+    dp_size, enable_prefix_cache, num_single_blocks, linear_state_slots, checkpoint_interval, linear_state_match, linear_state_save, concurrent, enable_events, hash_seed, sliding_window, swa_num_blocks, debug_hash_bits
         As for ``BlockManagerPool``. Without the device prefix cache the host tier stays idle.
-    linear_state_slots, checkpoint_interval, linear_state_match, sliding_window, swa_num_blocks
-        Not available with a host tier in this build (ValueError if set).
     remote : kvpool.remote.RemoteTier or None
         A shared remote tier (issue 10): ``allocate`` makes one ``exists_many`` call past the
-        device+host reach; remote hits get host staging blocks and fetch plans.
+        device+host reach (``kvpool.tiers.remote.RemoteLookup``); remote hits get host staging
+        blocks and fetch plans. Only ranks of full attention alone take remote hits.
     remote_policy : {"write_through", "on_host_evict"}
         When the executor sends offloaded host blocks to the remote tier.
     remote_budget_ms : float
@@ -1417,6 +1535,8 @@ class HierarchyBlockManagerPool:
     ------
     ValueError
         An argument is out of range (the message names it).
+    TypeError
+        An option of the wrong type, or an unknown option.
     """
 
     def __new__(
@@ -1432,6 +1552,7 @@ class HierarchyBlockManagerPool:
         linear_state_slots: int = 0,
         checkpoint_interval: int | None = None,
         linear_state_match: _LinearStateMatch = "deepest",
+        linear_state_save: _LinearStateSave = "copy",
         concurrent: bool = False,
         enable_events: bool = False,
         hash_seed: int | None = None,
@@ -1455,38 +1576,22 @@ class HierarchyBlockManagerPool:
         """Scheduler budget of the one remote lookup per allocate, in milliseconds."""
 
     @property
-    def num_blocks(self) -> int:
-        """Device block ids per rank, padding block included."""
-
-    @property
     def host_num_blocks(self) -> int:
         """Host block ids per rank, padding block included."""
-
-    @property
-    def block_size(self) -> int:
-        """Tokens per block."""
-
-    @property
-    def dp_size(self) -> int:
-        """Number of data-parallel ranks."""
-
-    @property
-    def enable_prefix_cache(self) -> bool:
-        """Whether each rank keeps a device prefix cache."""
 
     @property
     def offload_policy(self) -> _OffloadPolicy:
         """``"on_deallocate"`` or ``"on_evict"``."""
 
-    def can_allocate(self, seq: Sequence, num_tokens: int | None = None) -> bool:
-        """What ``allocate(seq, num_tokens)`` would return, with no side effect on either tier (R15)."""
-
-    def allocate(self, seq: Sequence, num_tokens: int | None = None) -> bool:
+    def allocate(self, seq: Sequence, num_tokens: int | None = None, *,
+                 plan: AllocationPlan | None = None) -> bool:
         """Device match, host match past it, then new blocks (R8, R13, R14, R26).
 
         Host hits get fresh device blocks (their table entries) and a load plan; they are
-        trimmed to what the device can hold, so success is decided exactly as for
-        ``BlockManagerPool``. On a sequence that holds blocks, grows its table.
+        trimmed to what the device can hold and to the boundary every group can serve, so
+        success is decided exactly as for ``BlockManagerPool``. With a remote tier, one lookup
+        of the chain past the local reach extends the hit. On a sequence that holds blocks,
+        grows its table.
 
         Returns
         -------
@@ -1494,20 +1599,18 @@ class HierarchyBlockManagerPool:
             False if the blocks cannot be had; both tiers and ``seq`` are then unchanged.
         """
 
-    def can_append(self, seq: Sequence, lookahead: int = 0) -> bool:
-        """Whether the blocks for ``len(seq) + lookahead`` tokens can be had (R16)."""
+    def remote_query(self, seq: Sequence, num_tokens: int | None = None, *,
+                     plan: AllocationPlan | None = None) -> tuple[int, list[bytes]] | None:
+        """What to ask the remote tier before allocating ``seq``: ``(from, keys)``, the chain
+        hashes of blocks ``from..`` past the device and host reach (R8), or None when there is
+        nothing to ask. With ``plan`` (from ``plan(seq)``), no walk of its own. No side effect."""
 
-    def may_append(self, seq: Sequence, lookahead: int = 0) -> bool:
-        """Take the blocks ``can_append`` asks about (all or nothing)."""
-
-    def cache(self, seq: Sequence) -> None:
-        """Publish the full computed blocks in the device prefix cache (R17)."""
-
-    def deallocate(self, seq: Sequence) -> None:
-        """``cache(seq)``, plan the offload of its blocks not yet on host, release it (R18, R26).
-
-        Offloaded device blocks stay held until ``complete_offloads``.
-        """
+    def allocate_with_remote(self, seq: Sequence, num_tokens: int | None = None, *,
+                             remote_hits: tuple[int, int] | None = None,
+                             plan: AllocationPlan | None = None) -> bool:
+        """``allocate`` where chain blocks ``remote_hits = (from, to)`` exist on the remote tier
+        (the answer to ``remote_query``): the same answer as ``allocate`` (R14, R15); remote hits
+        get host staging blocks and a fetch plan (``take_fetch_plans``)."""
 
     def take_load_plans(self) -> list[TransferPlan]:
         """Load plans (host -> device) made since the last call, one per rank that has any.
@@ -1557,29 +1660,9 @@ class HierarchyBlockManagerPool:
             nothing is changed then.
         """
 
-    def block_tables(self, seqs: _Seqs, group: int = 0) -> NDArray[np.int32]:
-        """Block tables of ``seqs``: int32 ``[len(seqs), max_blocks]``, padded with 0 (R19)."""
-
-    def slot_mapping(self, seqs: _Seqs, group: int = 0) -> NDArray[np.int64]:
-        """Cache slots (int64) of tokens ``[num_computed_tokens, len)`` of every sequence (R19)."""
-
-    def stats(self) -> _HierarchyPoolStats:
-        """Device statistics (R20) with ``host`` (host counts and transfers), totals and per rank."""
-
-    def check(self) -> None:
-        """Walk both tiers of every rank and every pending plan.
-
-        Raises
-        ------
-        InvariantError
-            A rule is broken.
-        """
-
-    def drain_events(self) -> list[KVEvent]:
-        """Return and clear the device tier's KV events (R21)."""
-
-    def reset_prefix_cache(self) -> None:
-        """Drop every cached entry of both tiers; held and pending blocks stay held (R12, R26)."""
+    def stats(self) -> _HierarchyPoolStats:  # type: ignore[override]
+        """Device statistics (R20) with ``host`` (host counts and transfers), totals and per rank;
+        with a remote tier, ``remote`` (lookups, hit/miss/fetched/failed blocks, the tier's own)."""
 
 # --- prefix index over KV events (issue "Beyond one instance") --------------------------------
 

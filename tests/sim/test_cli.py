@@ -167,9 +167,11 @@ def test_hybrid_and_host_options_run() -> None:
         assert summary[key] > 0, (args, summary)
 
 
-def test_unavailable_combinations_fail_cleanly() -> None:
-    p = run("simulate", *SMALL, "--host-blocks", "512", "--linear-state-slots", "32")
-    assert_clean_failure(p, "not available in this kvpool build")
+def test_a_configuration_the_pool_rejects_fails_cleanly() -> None:
+    # Issue 16: the host tier composes with linear state (tests/sim/test_tier_combinations.py);
+    # what the pool rejects is still a clean failure naming the option.
+    p = run("simulate", *SMALL, "--host-blocks", "1", "--linear-state-slots", "32")
+    assert_clean_failure(p, "host_num_blocks")
 
 
 def test_help() -> None:

@@ -355,8 +355,9 @@ def test_bad_input_names_the_argument():
         kvpool.HierarchyBlockManagerPool(16, 8, BS, offload_policy="sometimes")
     with pytest.raises(TypeError, match="offload_policy"):
         kvpool.HierarchyBlockManagerPool(16, 8, BS, offload_policy=1)
+    # Issue 16: linear state composes with the host tier; a bad slot count is still named.
     with pytest.raises(ValueError, match="linear_state_slots"):
-        kvpool.HierarchyBlockManagerPool(16, 8, BS, linear_state_slots=4)
+        kvpool.HierarchyBlockManagerPool(16, 8, BS, linear_state_slots=1)
     pool = kvpool.HierarchyBlockManagerPool(16, 8, BS)
     with pytest.raises(TypeError, match="plans"):
         pool.complete_loads(5)

@@ -14,7 +14,8 @@ One call of :meth:`Simulator.step` is one engine step (one forward pass per dp r
 3. prefill chunks of running sequences, oldest first, take what is left of the budget
    (``allocate`` with a larger ``num_tokens``; preempting as above);
 4. if nothing was preempted, waiting requests are admitted in order while a rank has budget
-   and ``can_allocate`` agrees (the first chunk; prefix hits are free);
+   and ``plan`` finds room (the first chunk; prefix hits are free), then ``allocate`` carries
+   the plan out (one walk of the prefix chain per tier);
 5. the (simulated or executed) forward pass, timed by the step-time model
    (:mod:`kvpool.sim.timing`); then prefill chunks advance ``num_computed_tokens`` and
    ``cache`` the blocks that became full, finished sequences are released (``deallocate``),
@@ -247,49 +248,24 @@ class SimResult:
 def _import_kvpool() -> Any:
     import kvpool
 
-    if not hasattr(kvpool, "BlockManagerPool") or not hasattr(kvpool, "Sequence"):
-        raise UnavailableError(
-            "kvpool.BlockManagerPool is not available in this kvpool build (the compiled core "
-            "has no pool yet); rebuild with `make build`")
     return kvpool
 
 
-def _feature_error(cfg: SimConfig, err: Exception) -> UnavailableError | None:
-    msg = str(err)
-    for opt, name in (("linear_state", "linear state (--linear-state-slots)"),
-                      ("checkpoint_interval", "linear-state checkpoints (--checkpoint-interval)"),
-                      ("sliding_window", "sliding window (--sliding-window)"),
-                      ("swa_num_blocks", "sliding window (--swa-num-blocks)"),
-                      ("hash_seed", "hash_seed"), ("dp_size", "dp ranks (--dp)")):
-        if opt in msg:
-            return UnavailableError(f"{name} is not available in this kvpool build ({msg})")
-    return None
-
-
 def make_pool(cfg: SimConfig) -> Any:
+    """The pool of ``cfg``: a ``HierarchyBlockManagerPool`` with a host tier (which composes with
+    dp ranks, linear state and sliding windows: docs/host_tier.md), else a ``BlockManagerPool``."""
     kvpool = _import_kvpool()
     kw = cfg.pool_kwargs()
     try:
         if cfg.host_num_blocks:
-            cls = getattr(kvpool, "HierarchyBlockManagerPool", None)
-            if cls is None:
-                raise UnavailableError(
-                    "the host tier (--host-blocks, HierarchyBlockManagerPool) is not available in this kvpool build")
             if cfg.remote is not None:
                 from kvpool.remote import RedisRemoteTier
 
                 ns = f"kvpool-sim|bs{cfg.block_size}|seed{cfg.hash_seed}"
                 kw["remote"] = RedisRemoteTier(cfg.remote, ns, timeout_ms=1000)
-            return cls(cfg.num_blocks, cfg.host_num_blocks, cfg.block_size, **kw)
+            return kvpool.HierarchyBlockManagerPool(cfg.num_blocks, cfg.host_num_blocks, cfg.block_size, **kw)
         return kvpool.BlockManagerPool(cfg.num_blocks, cfg.block_size, **kw)
-    except TypeError as e:
-        fe = _feature_error(cfg, e)
-        if fe is not None:
-            raise fe from None
-        raise SimError(f"the pool rejected the configuration: {e}") from None
-    except ValueError as e:
-        if "not available" in str(e):
-            raise UnavailableError(f"{e} (requested by the simulator options)") from None
+    except (TypeError, ValueError) as e:
         raise SimError(f"the pool rejected the configuration: {e}") from None
 
 
@@ -343,8 +319,6 @@ class Simulator:
 
             self.remote = RemoteTransfer(self.pool, _SimBlocks())
         self.linear = bool(cfg.linear_state_slots)
-        if self.linear and not hasattr(self.pool, "take_linear_state_plan"):
-            raise UnavailableError("linear state (take_linear_state_plan) is not available in this kvpool build")
         self.requests = sorted(requests, key=lambda r: (r.arrival, r.request_id))
         # the trace's clock when every request has one, else the step count
         self.seconds_clock = bool(self.requests) and all(r.arrival_s is not None for r in self.requests)
@@ -708,11 +682,13 @@ class Simulator:
             seq = lv.seq if lv.seq is not None else self._make_seq(lv)
             L = len(seq)
             first = min(L, top)
-            if not pool.can_allocate(seq, first):
+            # Plan once (one walk of the chain per tier), then allocate with the plan.
+            plan = pool.plan(seq, first)
+            if plan is None:
                 break
-            if not pool.allocate(seq, first):
+            if not pool.allocate(seq, first, plan=plan):
                 if cfg.check:
-                    raise AssertionError("can_allocate said yes but allocate failed (R15)")
+                    raise AssertionError("plan said yes but allocate failed (R15)")
                 break
             waiting.popleft()
             if self.hier:
@@ -722,7 +698,7 @@ class Simulator:
             self.admissions += 1
             self.admit_tokens += L
             self.admit_cached += cached
-            if self.linear and getattr(seq, "linear_state_restore_slot", None) is not None:
+            if self.linear and seq.linear_state_restore_slot is not None:
                 self.ckpt_restores += 1
             if lv.first_admit_step < 0:
                 lv.first_admit_step = step

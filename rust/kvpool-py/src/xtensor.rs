@@ -14,21 +14,20 @@
 use std::cell::Cell;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
-use kvpool::xtensor::{HostPageBackend, DEFAULT_PAGE_BYTES};
 use kvpool::{
-    AccountingBackend, BlockManager, KvPoolError, MemoryLimitReport, PageBackend, PageError,
-    XTensorBlockManager, XTensorConfig,
+    AccountingBackend, BlockManager, HostPageBackend, KvPoolError, MemoryLimitReport, PageBackend,
+    PageError, XTensorBlockManager, XTensorConfig, DEFAULT_PAGE_BYTES,
 };
 use pyo3::exceptions::{PyMemoryError, PyRuntimeError};
 use pyo3::prelude::*;
 use pyo3::sync::MutexExt;
 use pyo3::types::{PyDict, PyList, PyString};
 
+use crate::block::{blocks_to_list, borrow_handles, take_handles};
 use crate::convert;
+use crate::convert::hasher;
 use crate::errors::{to_py, type_error, value_error};
-use crate::manager::{
-    blocks_to_list, borrow_handles, counts_dict, debug_bits, hasher, take_handles,
-};
+use crate::stats::counts_dict;
 
 thread_local! {
     /// Set while this thread runs a Python backend's method (reentrancy guard).
@@ -185,7 +184,7 @@ impl PyXTensorBlockManager {
             convert::flag(enable_prefix_cache, "enable_prefix_cache", true)?;
         config.spare_pages = convert::optional_count(spare_pages, "spare_pages")?.unwrap_or(1);
         config.memory_limit = optional_bytes(memory_limit, "memory_limit")?;
-        config.hasher = hasher(hash_seed, debug_bits(debug_hash_bits)?)?;
+        config.hasher = hasher(hash_seed, debug_hash_bits)?;
         let backend = backend.filter(|b| !b.is_none());
         let kind = match backend {
             None => "accounting",

@@ -21,7 +21,7 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use kvpool::index::Row;
+use kvpool::Row;
 use kvpool::{BlockHash, BlockHasher, IndexConfig, IndexEvent, KVIndex};
 
 const BLOCK_SIZE: u32 = 512;

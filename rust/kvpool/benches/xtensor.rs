@@ -7,7 +7,7 @@ use std::hint::black_box;
 use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use kvpool::xtensor::HostPageBackend;
+use kvpool::HostPageBackend;
 use kvpool::{
     AccountingBackend, Block, BlockManager, BlockManagerImpl, ManagerConfig, PageBackend,
     XTensorBlockManager, XTensorConfig,

@@ -11,10 +11,20 @@ pub enum KvPoolError {
     /// A manager cannot hand out what was asked for: `requested` blocks with `available` free or
     /// evictable (R3). Nothing was changed.
     #[error("out of blocks: requested {requested}, available {available}")]
-    OutOfBlocks { requested: usize, available: usize },
+    OutOfBlocks {
+        /// Blocks asked for.
+        requested: usize,
+        /// Free plus evictable blocks there were.
+        available: usize,
+    },
     /// An argument is out of its domain; `name` is the argument's name. Nothing was changed.
     #[error("{name}: {message}")]
-    InvalidArgument { name: &'static str, message: String },
+    InvalidArgument {
+        /// The argument's name (as the caller spells it).
+        name: &'static str,
+        /// What is wrong with it.
+        message: String,
+    },
     /// A structure broke one of the contract's rules (found by `check()`).
     #[error("invariant violated: {0}")]
     Invariant(String),
@@ -34,6 +44,38 @@ impl KvPoolError {
         Self::InvalidArgument {
             name,
             message: message.into(),
+        }
+    }
+}
+
+impl KvPoolError {
+    /// An `InvalidArgument` about `from` as one about `to` (a part validated under its own name
+    /// for a caller that takes it under another); other errors unchanged.
+    pub(crate) fn renamed(self, from: &str, to: &'static str) -> Self {
+        match self {
+            Self::InvalidArgument { name, message } if name == from => Self::invalid(to, message),
+            other => other,
+        }
+    }
+
+    /// Every `InvalidArgument` as one about `to`; other errors unchanged.
+    pub(crate) fn renamed_all(self, to: &'static str) -> Self {
+        match self {
+            Self::InvalidArgument { message, .. } => Self::invalid(to, message),
+            other => other,
+        }
+    }
+
+    /// An `Invariant` prefixed with the dp rank (and `what` of it) it was found in.
+    pub(crate) fn in_rank(self, rank: usize, what: &str) -> Self {
+        match self {
+            Self::Invariant(message) if what.is_empty() => {
+                Self::Invariant(format!("dp rank {rank}: {message}"))
+            }
+            Self::Invariant(message) => {
+                Self::Invariant(format!("dp rank {rank} {what}: {message}"))
+            }
+            other => other,
         }
     }
 }

@@ -415,9 +415,12 @@ impl LinearStatePrefixCache {
             requested: 1,
             available: 0,
         })?;
-        let old = self.held[live_slot as usize]
-            .take()
-            .expect("live slot held");
+        let Some(old) = self.held[live_slot as usize].take() else {
+            // A live slot is held by its kind's invariant (checked by `check`); `fresh` goes back.
+            return Err(KvPoolError::Invariant(format!(
+                "live slot {live_slot} is not held"
+            )));
+        };
         self.num_live_held -= 1;
         self.adopt_committed(old, prefix_hash);
         let id = fresh.id();

@@ -102,7 +102,7 @@ fn host_hit_after_device_eviction_loads_and_counts_after_confirmation() {
     assert_eq!(c.num_cached_tokens(), 12);
     assert!(p.take_load_plans().is_empty());
     // slot_mapping counts the load as computed: only the last token is left to compute.
-    let slots = p.slot_mapping(&[&b]).unwrap();
+    let slots = p.slot_mapping(&[&b], 0).unwrap();
     assert_eq!(slots.len(), 1);
     p.deallocate(&mut b).unwrap();
     p.deallocate(&mut c).unwrap();

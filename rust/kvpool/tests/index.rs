@@ -7,11 +7,11 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use kvpool::index::{Gap, LocationKey};
 use kvpool::{
     BlockHash, BlockHasher, EventKind, GroupKind, IndexConfig, IndexEvent, KVIndex, KvPoolError,
     Match, Medium,
 };
+use kvpool::{Gap, LocationKey};
 use proptest::prelude::*;
 
 fn index(max_entries: usize) -> KVIndex {

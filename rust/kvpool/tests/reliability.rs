@@ -302,7 +302,7 @@ trait Harness: KvCacheManager {
 
 fn device_room(p: &BlockManagerPool, seq: &Sequence) -> (usize, Option<usize>) {
     let rank = seq.dp_rank().unwrap();
-    let full = p.counts(rank).available();
+    let full = p.counts(rank).unwrap().available();
     (full, p.window_manager(rank).map(|w| w.counts().available()))
 }
 
@@ -354,7 +354,7 @@ impl Harness for BlockManagerPool {
     }
     fn free_everywhere(&self) -> bool {
         (0..self.dp_size()).all(|r| {
-            let c = self.counts(r);
+            let c = self.counts(r).unwrap();
             c.free == c.total
         })
     }

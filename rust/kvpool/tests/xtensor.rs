@@ -5,7 +5,7 @@
 
 use std::collections::BTreeSet;
 
-use kvpool::xtensor::HostPageBackend;
+use kvpool::HostPageBackend;
 use kvpool::{
     AccountingBackend, Block, BlockHasher, BlockManager, KvPoolError, PageBackend, PageError,
     XTensorBlockManager, XTensorConfig,

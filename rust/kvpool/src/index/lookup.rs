@@ -27,9 +27,13 @@ use crate::index::tree::{Entry, SPECULATIVE};
 /// One location's matched prefix.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Match {
+    /// The serving instance.
     pub instance: u64,
+    /// The data-parallel rank inside the instance.
     pub dp_rank: u32,
+    /// Where the blocks live: device, host or remote.
     pub medium: Medium,
+    /// Tokens per block at this location.
     pub block_size: u32,
     /// Leading blocks of the request held there.
     pub blocks: u32,
@@ -42,14 +46,22 @@ pub struct Match {
 /// row per instance holding the first block, so the rows' size is most of its cost.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Row {
+    /// Index into the match's locations.
     pub location: u32,
+    /// Leading blocks of the query held at that location.
     pub blocks: u32,
 }
 
 impl IndexState {
     /// Appends to `out` one [`Row`] per location of `block_size` that holds at least the
     /// first block of `chain` (in no particular order).
-    pub fn rows_chain(&self, chain: &[BlockHash], block_size: u32, now: f64, out: &mut Vec<Row>) {
+    pub(crate) fn rows_chain(
+        &self,
+        chain: &[BlockHash],
+        block_size: u32,
+        now: f64,
+        out: &mut Vec<Row>,
+    ) {
         let counts = self.locations.size_counts(block_size);
         if chain.is_empty() || counts.locations == 0 {
             return;
@@ -64,7 +76,7 @@ impl IndexState {
 
     /// [`IndexState::rows_chain`] for the chain of `tokens` under `extra_key`, for each block
     /// size in use.
-    pub fn rows_tokens(
+    pub(crate) fn rows_tokens(
         &self,
         tokens: &[u32],
         extra_key: Option<&[u8]>,
@@ -82,7 +94,7 @@ impl IndexState {
 
     /// The [`Match`] of a row.
     #[inline]
-    pub fn to_match(&self, row: Row) -> Match {
+    pub(crate) fn to_match(&self, row: Row) -> Match {
         let key = self.locations.key(row.location);
         Match {
             instance: key.instance,
@@ -95,7 +107,7 @@ impl IndexState {
     }
 
     /// The location of a row.
-    pub fn location(&self, id: u32) -> Option<crate::index::location::LocationKey> {
+    pub(crate) fn location(&self, id: u32) -> Option<crate::index::location::LocationKey> {
         ((id as usize) < self.locations.len()).then(|| self.locations.key(id))
     }
 

@@ -56,12 +56,19 @@ pub struct ApplyReport {
 /// Counters over the index's life.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct IndexCounters {
+    /// Events applied.
     pub events_applied: u64,
+    /// Events ignored because their sequence number was already applied.
     pub duplicates: u64,
+    /// Events dropped (unknown parent, bad group, or over capacity).
     pub dropped: u64,
+    /// Gaps found in a source's sequence numbers.
     pub gaps: u64,
+    /// Entries evicted to stay under `max_entries`.
     pub evicted_entries: u64,
+    /// Speculative entries expired without confirmation.
     pub expired_entries: u64,
+    /// Speculative entries inserted.
     pub speculative_inserted: u64,
 }
 
@@ -110,7 +117,7 @@ pub(crate) struct IndexState {
 }
 
 impl IndexState {
-    pub fn new(config: IndexConfig) -> Result<Self> {
+    pub(crate) fn new(config: IndexConfig) -> Result<Self> {
         ensure_arg!(
             config.max_entries >= 1,
             "max_entries",
@@ -128,7 +135,7 @@ impl IndexState {
     }
 
     /// Runs `op`; `Err` (bad input) changes nothing.
-    pub fn run(&mut self, op: &WriteOp) -> Result<Outcome> {
+    pub(crate) fn run(&mut self, op: &WriteOp) -> Result<Outcome> {
         match op {
             WriteOp::Apply { instance, events } => {
                 self.apply(*instance, events).map(Outcome::Applied)
@@ -272,7 +279,7 @@ impl IndexState {
     }
 
     /// Evicts until the entries fit `max_entries`; returns how many went.
-    pub fn enforce_bound(&mut self) -> usize {
+    pub(crate) fn enforce_bound(&mut self) -> usize {
         let mut evicted = 0;
         while self.tree.entries > self.config.max_entries {
             let gone = self.tree.evict_one();
@@ -366,7 +373,7 @@ impl IndexState {
     }
 
     /// An expiry record per speculative entry.
-    pub fn speculative_due(&self) -> Vec<Due> {
+    pub(crate) fn speculative_due(&self) -> Vec<Due> {
         let mut out = Vec::with_capacity(self.tree.speculative);
         for id in self.tree.ids_in_order() {
             let node = self.tree.node(id);
@@ -390,12 +397,12 @@ impl IndexState {
     }
 
     /// Every source's sequence state.
-    pub fn sources(&self) -> Vec<SourceState> {
+    pub(crate) fn sources(&self) -> Vec<SourceState> {
         self.sources.list()
     }
 
     /// Checks every invariant of the module doc.
-    pub fn check(&self) -> Result<()> {
+    pub(crate) fn check(&self) -> Result<()> {
         self.locations.check()?;
         self.tree.check(self.locations.len())?;
         ensure_invariant!(

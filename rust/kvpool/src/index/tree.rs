@@ -56,7 +56,7 @@ pub(crate) struct Entry {
 impl Entry {
     /// Whether the speculative bit is set and not lapsed at `now`.
     #[inline]
-    pub fn speculative_at(&self, now: f64) -> bool {
+    pub(crate) fn speculative_at(&self, now: f64) -> bool {
         self.mask & SPECULATIVE != 0 && self.expires > now
     }
 }
@@ -89,7 +89,7 @@ pub(crate) struct Tree {
 }
 
 impl Tree {
-    pub fn new() -> Self {
+    pub(crate) fn new() -> Self {
         Self {
             head: NIL,
             tail: NIL,
@@ -98,28 +98,28 @@ impl Tree {
     }
 
     /// Live nodes.
-    pub fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.by_hash.len()
     }
 
     #[inline]
-    pub fn find(&self, hash: u128) -> Option<u32> {
+    pub(crate) fn find(&self, hash: u128) -> Option<u32> {
         self.by_hash.get(&hash).copied()
     }
 
     #[inline]
-    pub fn node(&self, id: u32) -> &Node {
+    pub(crate) fn node(&self, id: u32) -> &Node {
         &self.nodes[id as usize]
     }
 
     /// The node of `hash`, if live.
     #[inline]
-    pub fn get(&self, hash: u128) -> Option<&Node> {
+    pub(crate) fn get(&self, hash: u128) -> Option<&Node> {
         self.find(hash).map(|id| &self.nodes[id as usize])
     }
 
     /// Live node ids in LRU order (oldest first), then the nodes without entries.
-    pub fn ids_in_order(&self) -> Vec<u32> {
+    pub(crate) fn ids_in_order(&self) -> Vec<u32> {
         let mut out = Vec::with_capacity(self.len());
         let mut id = self.head;
         while id != NIL {
@@ -137,7 +137,7 @@ impl Tree {
     /// The node of `hash`, created (without entries) if new. A new node, or a live one whose
     /// parent is unknown, is linked under `parent` (`None`: a chain's first block; the parent
     /// node is created if absent); a link that would close a cycle is not made.
-    pub fn get_or_create(&mut self, hash: u128, parent: Option<u128>) -> u32 {
+    pub(crate) fn get_or_create(&mut self, hash: u128, parent: Option<u128>) -> u32 {
         if let Some(id) = self.find(hash) {
             if !self.nodes[id as usize].parent_known {
                 self.link_late(id, parent);
@@ -204,7 +204,7 @@ impl Tree {
 
     /// Adds group bits `bits` of `location` to node `id`; a speculative bit there is
     /// confirmed (cleared). Returns whether the entry is new.
-    pub fn add_groups(&mut self, id: u32, location: u32, bits: u32) -> bool {
+    pub(crate) fn add_groups(&mut self, id: u32, location: u32, bits: u32) -> bool {
         let node = &mut self.nodes[id as usize];
         let new = match node.entries.binary_search_by_key(&location, |e| e.location) {
             Ok(i) => {
@@ -234,7 +234,7 @@ impl Tree {
 
     /// Marks `location`'s entry at node `id` speculative until `expires`, unless a group
     /// already holds it there. Returns whether the speculative bit was set or extended.
-    pub fn add_speculative(&mut self, id: u32, location: u32, expires: f64) -> bool {
+    pub(crate) fn add_speculative(&mut self, id: u32, location: u32, expires: f64) -> bool {
         let node = &mut self.nodes[id as usize];
         let changed = match node.entries.binary_search_by_key(&location, |e| e.location) {
             Ok(i) => {
@@ -270,7 +270,7 @@ impl Tree {
     /// an entry left with no bit is dropped, and the node collected if emptied. With
     /// `only_expiring == Some(t)` the speculative bit is cleared only if it lapses at `t`.
     /// Returns the bits cleared.
-    pub fn clear_bits(
+    pub(crate) fn clear_bits(
         &mut self,
         id: u32,
         location: u32,
@@ -304,7 +304,7 @@ impl Tree {
     }
 
     /// Drops every entry of the locations `drop` says, in every node. Returns how many.
-    pub fn drop_locations(&mut self, drop: impl Fn(u32) -> bool) -> usize {
+    pub(crate) fn drop_locations(&mut self, drop: impl Fn(u32) -> bool) -> usize {
         let mut emptied = Vec::new();
         let mut dropped = 0;
         let mut speculative = 0;
@@ -332,7 +332,7 @@ impl Tree {
     }
 
     /// Moves node `id` (which has entries) to the newest end of the LRU list.
-    pub fn touch(&mut self, id: u32) {
+    pub(crate) fn touch(&mut self, id: u32) {
         if self.nodes[id as usize].in_lru {
             self.lru_unlink(id);
             self.lru_push(id);
@@ -341,7 +341,7 @@ impl Tree {
 
     /// Evicts the oldest node with no children (a node with children met on the way is moved
     /// to the newest end, so each pass is amortized O(1)). Returns how many entries went.
-    pub fn evict_one(&mut self) -> usize {
+    pub(crate) fn evict_one(&mut self) -> usize {
         let mut budget = self.len();
         while self.head != NIL && budget > 0 {
             budget -= 1;
@@ -436,7 +436,7 @@ impl Tree {
     /// `i`-th of `nodes`) and its entries. Structural checks are left to [`Tree::check`]
     /// except those restoring needs (distinct hashes).
     #[allow(clippy::type_complexity)]
-    pub fn restore(nodes: Vec<(u128, Option<Option<u32>>, Vec<Entry>)>) -> Result<Self> {
+    pub(crate) fn restore(nodes: Vec<(u128, Option<Option<u32>>, Vec<Entry>)>) -> Result<Self> {
         let mut tree = Self::new();
         let mut parents = Vec::with_capacity(nodes.len());
         for (hash, parent, entries) in nodes {
@@ -462,7 +462,7 @@ impl Tree {
     }
 
     /// Checks the module's invariants; `locations` is the number of registered locations.
-    pub fn check(&self, locations: usize) -> Result<()> {
+    pub(crate) fn check(&self, locations: usize) -> Result<()> {
         let mut children = vec![0u32; self.nodes.len()];
         let mut entries = 0;
         let mut speculative = 0;

@@ -19,12 +19,18 @@ use parking_lot::Mutex;
 pub enum PageError {
     /// No physical memory for the page now; nothing changed.
     #[error("page {page}: out of memory")]
-    OutOfMemory { page: usize },
+    OutOfMemory {
+        /// The page index.
+        page: usize,
+    },
     /// Anything else (a driver error, a bad page number); nothing changed.
     #[error("page {page}: {operation} failed: {message}")]
     Failed {
+        /// The page index.
         page: usize,
+        /// The backend operation that failed.
         operation: &'static str,
+        /// The backend's own words.
         message: String,
     },
 }
@@ -170,4 +176,9 @@ mod tests {
         assert_eq!(view.mapped_pages(), vec![1]);
         assert_eq!(view.operations(), (2, 1));
     }
+}
+
+/// A backend's refusal as the crate's error.
+pub(crate) fn backend_error(error: PageError) -> crate::KvPoolError {
+    crate::KvPoolError::PageBackend(error.to_string())
 }

@@ -11,17 +11,19 @@
 //!
 //! docs/xtensor.md describes the policy, the backends and the accounting.
 
-pub mod backend;
+pub(crate) mod backend;
+mod buckets;
+pub(crate) mod config;
 #[cfg(unix)]
-pub mod host;
-pub mod manager;
+pub(crate) mod host;
+pub(crate) mod manager;
 pub(crate) mod pages;
 pub(crate) mod reclaim;
 
 pub use backend::{AccountingBackend, PageBackend, PageError};
+pub use config::{
+    MemoryLimitReport, PageStats, XTensorConfig, DEFAULT_PAGE_BYTES, MAX_BLOCKS_PER_PAGE,
+};
 #[cfg(unix)]
 pub use host::HostPageBackend;
-pub use manager::{
-    MemoryLimitReport, PageStats, XTensorBlockManager, XTensorConfig, DEFAULT_PAGE_BYTES,
-    MAX_BLOCKS_PER_PAGE,
-};
+pub use manager::XTensorBlockManager;

@@ -25,43 +25,20 @@
 //! are still cached or held, which only arises when a chain's head was released before its
 //! tail.
 
-use std::collections::HashMap;
-use std::hash::{BuildHasherDefault, Hasher};
+mod check;
+mod keys;
 
 use crate::alloc;
-use crate::block::{Block, BlockStore, CACHED, COUNT_MASK, QUEUED};
-use crate::error::{ensure_invariant, Result};
+use crate::block::{Block, BlockStore, CACHED, COUNT_MASK};
+use crate::error::Result;
 use crate::hash::{BlockHash, BlockHasher};
 use crate::sync::Arc;
+// std, not the loom shim: a debug counter, outside every loom model.
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use keys::{same_tokens, HashIndex};
 
 const NIL: u32 = u32::MAX;
-
-/// The map's hasher: keys are already uniformly distributed 128-bit hashes.
-#[derive(Default)]
-pub(crate) struct IdentityHasher(u64);
-
-impl Hasher for IdentityHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.0 = self.0.rotate_left(8) ^ u64::from(b);
-        }
-    }
-    fn write_u128(&mut self, value: u128) {
-        self.0 = (value as u64) ^ ((value >> 64) as u64);
-    }
-}
-
-type HashIndex = HashMap<u128, u32, BuildHasherDefault<IdentityHasher>>;
-
-/// `a == b` for token blocks, branch-free over the block (it vectorizes; a slice `==` calls
-/// `memcmp`, which costs more than the compare for a 16-token block).
-#[inline]
-fn same_tokens(a: &[u32], b: &[u32]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0, |diff, (x, y)| diff | (x ^ y)) == 0
-}
 
 /// Extra key of a chain (cache salt, LoRA id, model namespace). Immutable shared bytes: always
 /// `std::sync::Arc`, also under loom (see `sync.rs`).
@@ -104,14 +81,20 @@ impl Default for Entry {
 pub enum CacheEvent {
     /// Consecutive blocks of one chain became matchable.
     Stored {
+        /// Chain hashes of the blocks.
         block_hashes: Vec<BlockHash>,
+        /// Hash of the first block's parent (`None` for a chain's first block).
         parent_hash: Option<BlockHash>,
+        /// Tokens of the blocks.
         token_ids: Vec<u32>,
+        /// The chain's extra key.
         extra_key: Option<ExtraKey>,
     },
     /// Blocks left the cache (eviction).
     Removed {
+        /// Chain hashes of the blocks.
         block_hashes: Vec<BlockHash>,
+        /// The chain's extra key.
         extra_key: Option<ExtraKey>,
     },
     /// Every entry was dropped (`reset`).
@@ -157,7 +140,14 @@ pub struct PrefixCache {
     stats: CacheStats,
     events: Option<Vec<CacheEvent>>,
     scratch: Vec<u32>,
+    /// Walks of a chain through the index (probes and matches), for tests of admission's one
+    /// walk (a debug counter, never part of `stats`).
+    walks: AtomicU64,
 }
+
+/// Bit set on an id [`PrefixCache::walk`] reports when the cache alone holds the block (ids are
+/// below [`crate::MAX_BLOCKS`], so the bit is free).
+pub(crate) const CACHE_ONLY_BIT: u32 = 1 << 31;
 
 impl PrefixCache {
     /// Bytes the cache spends per block of `block_size` tokens (entry and tokens).
@@ -185,6 +175,7 @@ impl PrefixCache {
             stats: CacheStats::default(),
             events: None,
             scratch: Vec::new(),
+            walks: AtomicU64::new(0),
         })
     }
 
@@ -270,27 +261,69 @@ impl PrefixCache {
         extra_key: Option<&[u8]>,
         max_blocks: usize,
     ) -> Probe {
-        let mut probe = Probe::default();
+        let mut ids = Vec::new();
+        self.walk(hashes, tokens, extra_key, max_blocks, &mut ids);
+        Probe {
+            matched: ids.len(),
+            cache_only: ids.iter().filter(|&&id| id & CACHE_ONLY_BIT != 0).count(),
+        }
+    }
+
+    /// The one walk of a chain (R7): appends to `out` the ids of its leading cached blocks (at
+    /// most `max_blocks`), each with [`CACHE_ONLY_BIT`] set when only the cache holds it. No side
+    /// effect but the walk counter; [`Self::retain`] then takes exactly these blocks as long as
+    /// the cache was not changed in between (handle drops elsewhere do not change it).
+    pub(crate) fn walk(
+        &self,
+        hashes: &[BlockHash],
+        tokens: &[u32],
+        extra_key: Option<&[u8]>,
+        max_blocks: usize,
+        out: &mut Vec<u32>,
+    ) {
+        // Relaxed: a debug counter.
+        self.walks.fetch_add(1, Ordering::Relaxed);
         let mut parent = NIL;
         for (i, &hash) in hashes.iter().enumerate().take(max_blocks) {
             let block = &tokens[i * self.block_size..(i + 1) * self.block_size];
-            match self.find(hash, parent, extra_key, block) {
-                Some(id) => {
-                    let state = self.store.state(id);
-                    if state & (CACHED | COUNT_MASK) == CACHED | 1 {
-                        probe.cache_only += 1;
-                    }
-                    probe.matched += 1;
-                    parent = id;
-                }
-                None => break,
-            }
+            let Some(id) = self.find(hash, parent, extra_key, block) else {
+                break;
+            };
+            let state = self.store.state(id);
+            let cache_only = state & (CACHED | COUNT_MASK) == CACHED | 1;
+            out.push(id | if cache_only { CACHE_ONLY_BIT } else { 0 });
+            parent = id;
         }
-        probe
+    }
+
+    /// New handles of the blocks of `ids` (from [`Self::walk`], flags ignored), appended to
+    /// `out` in order: they become used, so they leave the LRU. The ids must still be entries
+    /// of this cache (no insert, evict or reset since the walk).
+    pub(crate) fn retain(&mut self, ids: &[u32], out: &mut Vec<Block>) {
+        self.drain_released();
+        out.reserve(ids.len());
+        for &flagged in ids {
+            let id = flagged & !CACHE_ONLY_BIT;
+            debug_assert!(
+                self.entries[id as usize].live,
+                "walked block {id} left the cache"
+            );
+            if self.entries[id as usize].in_lru {
+                self.lru_unlink(id);
+            }
+            out.push(self.store.retain_cached(id));
+        }
+    }
+
+    /// Chain walks so far (probes, walks and matches): a debug counter.
+    pub(crate) fn num_walks(&self) -> u64 {
+        // Relaxed: a debug counter.
+        self.walks.load(Ordering::Relaxed)
     }
 
     /// Hands out new handles of the leading cached blocks of a chain (at most `max_blocks`),
     /// appended to `out`; returns how many. Matched blocks become used, so they leave the LRU.
+    /// One walk: each block is retained as it is found.
     pub fn match_prefix(
         &mut self,
         hashes: &[BlockHash],
@@ -299,6 +332,8 @@ impl PrefixCache {
         max_blocks: usize,
         out: &mut Vec<Block>,
     ) -> usize {
+        // Relaxed: a debug counter.
+        self.walks.fetch_add(1, Ordering::Relaxed);
         self.drain_released();
         let mut parent = NIL;
         let mut matched = 0;
@@ -640,119 +675,5 @@ impl PrefixCache {
     /// Hashes of every entry (unordered).
     pub fn hashes(&self) -> Vec<BlockHash> {
         self.index.keys().map(|&h| BlockHash(h)).collect()
-    }
-
-    /// Walks every structure and verifies the invariants in the module doc.
-    pub fn check(&self) -> Result<()> {
-        let n = self.entries.len();
-        let mut children = vec![0u32; n];
-        let mut cache_only = 0usize;
-        for (&hash, &id) in &self.index {
-            ensure_invariant!((id as usize) < n && id != 0, "cached id {id} out of range");
-            let entry = &self.entries[id as usize];
-            ensure_invariant!(
-                entry.live,
-                "index names block {id} but its entry is not live"
-            );
-            ensure_invariant!(
-                entry.hash.0 == hash,
-                "block {id} indexed under a foreign hash"
-            );
-            let state = self.store.state(id);
-            ensure_invariant!(
-                state & CACHED != 0,
-                "cached block {id} lacks the cache's reference"
-            );
-            let count = state & COUNT_MASK;
-            ensure_invariant!(count >= 1, "cached block {id} has count 0");
-            if count == 1 {
-                cache_only += 1;
-                ensure_invariant!(
-                    entry.in_lru || state & QUEUED != 0,
-                    "cache-only block {id} is neither on the LRU nor queued for it"
-                );
-            } else {
-                ensure_invariant!(
-                    !entry.in_lru,
-                    "held block {id} is on the eviction list (R10)"
-                );
-            }
-            ensure_invariant!(
-                self.store.hash_of(id) == entry.hash,
-                "block {id}'s recorded hash differs from its entry"
-            );
-            let parent_hash = if entry.parent == NIL {
-                ensure_invariant!(
-                    entry.depth == 0,
-                    "root block {id} has depth {}",
-                    entry.depth
-                );
-                self.hasher.root(entry.extra_key.as_deref())
-            } else {
-                let parent = &self.entries[entry.parent as usize];
-                ensure_invariant!(
-                    parent.live,
-                    "cached block {id}'s parent {} is not cached (R10 prefix closure)",
-                    entry.parent
-                );
-                ensure_invariant!(
-                    parent.depth + 1 == entry.depth,
-                    "depth of block {id} is off"
-                );
-                children[entry.parent as usize] += 1;
-                parent.hash
-            };
-            ensure_invariant!(
-                self.hasher.hash_block(parent_hash, self.block_tokens(id)) == entry.hash,
-                "block {id}'s tokens do not hash to its key (R6)"
-            );
-        }
-        for (id, entry) in self.entries.iter().enumerate() {
-            if entry.live {
-                ensure_invariant!(
-                    entry.children == children[id],
-                    "block {id} counts {} children, has {}",
-                    entry.children,
-                    children[id]
-                );
-            } else {
-                ensure_invariant!(!entry.in_lru, "dead entry {id} on the LRU");
-                if id > 0 {
-                    ensure_invariant!(
-                        self.store.state(id as u32) & CACHED == 0,
-                        "block {id} is marked cached but has no entry"
-                    );
-                }
-            }
-        }
-        ensure_invariant!(
-            cache_only == self.store.num_cache_only(),
-            "cached-block count {} differs from the {} cache-only entries (R2)",
-            self.store.num_cache_only(),
-            cache_only
-        );
-        let order = self.lru_order();
-        ensure_invariant!(
-            order.len() == self.lru_len,
-            "LRU list length differs from its count"
-        );
-        let mut seen = vec![false; n];
-        let mut prev = NIL;
-        for &id in &order {
-            ensure_invariant!(!seen[id as usize], "block {id} twice on the LRU");
-            seen[id as usize] = true;
-            let entry = &self.entries[id as usize];
-            ensure_invariant!(
-                entry.in_lru && entry.prev == prev,
-                "LRU links broken at block {id}"
-            );
-            ensure_invariant!(
-                prev == NIL || self.entries[prev as usize].stamp < entry.stamp,
-                "LRU stamps do not increase at block {id}"
-            );
-            prev = id;
-        }
-        ensure_invariant!(prev == self.newest, "LRU tail pointer is off");
-        Ok(())
     }
 }

@@ -34,153 +34,18 @@
 //! is lowered, or `evict`), eviction frees whole pages first ([`super::reclaim`]).
 
 use crate::alloc;
-use crate::block::{Block, BlockStore, CACHED, COUNT_MASK};
-use crate::error::{ensure_arg, ensure_invariant, KvPoolError, Result};
+use crate::block::{Block, BlockStore};
+use crate::error::{ensure_arg, KvPoolError, Result};
 use crate::hash::{BlockHash, BlockHasher};
-use crate::manager::{BlockCounts, BlockManager, ManagerConfig};
+use crate::manager::{BlockCounts, BlockManager};
 use crate::prefix_cache::{ExtraKey, PrefixCache};
 use crate::sync::Arc;
-use crate::xtensor::backend::{AccountingBackend, PageBackend, PageError};
+use crate::xtensor::backend::{backend_error, AccountingBackend, PageBackend, PageError};
 use crate::xtensor::pages::PageTable;
 
-/// Default bytes per page: 2 MiB, CUDA's allocation granularity (and kvcached's page).
-pub const DEFAULT_PAGE_BYTES: u64 = 2 << 20;
+mod check;
 
-/// Most blocks one page may hold.
-pub const MAX_BLOCKS_PER_PAGE: usize = 1 << 16;
-
-/// Options of an [`XTensorBlockManager`].
-#[derive(Clone, Copy, Debug)]
-pub struct XTensorConfig {
-    /// Ids in the pool, padding block 0 included (>= 2).
-    pub num_blocks: usize,
-    /// Tokens per block (>= 1).
-    pub block_size: usize,
-    /// Blocks per page (1..=[`MAX_BLOCKS_PER_PAGE`]); the last page may hold fewer.
-    pub blocks_per_page: usize,
-    /// Memory one page costs when mapped (all layers, K and V), for `mapped_bytes` and the
-    /// memory limit.
-    pub page_bytes: u64,
-    /// Empty pages kept mapped, ready for the next allocations (the preallocation): the
-    /// manager maps ahead below `spare_pages` empty pages and unmaps above `2 * spare_pages`.
-    pub spare_pages: usize,
-    /// Bytes that may be mapped at once (`None`: the whole range); page 0 counts.
-    pub memory_limit: Option<u64>,
-    /// Keep a prefix cache.
-    pub enable_prefix_cache: bool,
-    /// Hasher of the prefix cache.
-    pub hasher: BlockHasher,
-}
-
-impl XTensorConfig {
-    /// Defaults: 2 MiB pages, one spare page, no memory limit, prefix cache on.
-    pub fn new(num_blocks: usize, block_size: usize, blocks_per_page: usize) -> Self {
-        Self {
-            num_blocks,
-            block_size,
-            blocks_per_page,
-            page_bytes: DEFAULT_PAGE_BYTES,
-            spare_pages: 1,
-            memory_limit: None,
-            enable_prefix_cache: true,
-            hasher: BlockHasher::default(),
-        }
-    }
-
-    /// Pages of the range: `ceil(num_blocks / blocks_per_page)`.
-    pub fn num_pages(&self) -> usize {
-        self.num_blocks.div_ceil(self.blocks_per_page.max(1))
-    }
-
-    fn as_manager_config(&self) -> ManagerConfig {
-        ManagerConfig {
-            num_blocks: self.num_blocks,
-            block_size: self.block_size,
-            enable_prefix_cache: self.enable_prefix_cache,
-            hasher: self.hasher,
-        }
-    }
-
-    /// Validates the numbers (R1, R29).
-    pub fn validate(&self) -> Result<()> {
-        self.as_manager_config().validate()?;
-        ensure_arg!(
-            (1..=MAX_BLOCKS_PER_PAGE).contains(&self.blocks_per_page),
-            "blocks_per_page",
-            "must be in 1..={MAX_BLOCKS_PER_PAGE}, got {}",
-            self.blocks_per_page
-        );
-        ensure_arg!(
-            self.page_bytes >= 1,
-            "page_bytes",
-            "must be at least 1, got {}",
-            self.page_bytes
-        );
-        ensure_arg!(
-            self.page_bytes
-                .checked_mul(self.num_pages() as u64)
-                .is_some(),
-            "page_bytes",
-            "{} pages of {} bytes overflow 64 bits",
-            self.num_pages(),
-            self.page_bytes
-        );
-        ensure_arg!(
-            self.spare_pages <= self.num_pages(),
-            "spare_pages",
-            "must be at most the number of pages ({}), got {}",
-            self.num_pages(),
-            self.spare_pages
-        );
-        Ok(())
-    }
-
-    /// Bytes a manager of this config allocates (for [`crate::alloc::probe`]).
-    fn footprint(&self) -> u128 {
-        let ids = self.as_manager_config().footprint()
-            + self.num_blocks as u128 * PageTable::BYTES_PER_ID;
-        ids + self.num_pages() as u128 * PageTable::BYTES_PER_PAGE
-    }
-}
-
-/// Page counters of a manager's life.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct PageStats {
-    /// Pages mapped (page 0 included).
-    pub maps: u64,
-    /// Pages unmapped.
-    pub unmaps: u64,
-    /// Maps the backend refused for lack of memory.
-    pub map_failures: u64,
-    /// Most pages mapped at once.
-    pub peak_mapped_pages: usize,
-}
-
-/// What [`XTensorBlockManager::set_memory_limit`] did.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct MemoryLimitReport {
-    /// The new limit (`None`: the whole range).
-    pub limit_bytes: Option<u64>,
-    /// Pages the limit allows (`limit_bytes / page_bytes`, at most the range).
-    pub limit_pages: usize,
-    /// Pages mapped now.
-    pub mapped_pages: usize,
-    /// Bytes mapped now.
-    pub mapped_bytes: u64,
-    /// Cached blocks evicted to return memory.
-    pub evicted_blocks: usize,
-    /// Pages unmapped.
-    pub unmapped_pages: usize,
-    /// Pages mapped (spares, when the limit was raised).
-    pub mapped_new_pages: usize,
-    /// Blocks of the reservation given up because the limit cut the pages it needed.
-    pub released_reserved_blocks: usize,
-    /// Bytes mapped above the limit: what could not be freed, because sequences hold blocks on
-    /// those pages (0 when the limit is met). They are returned as the sequences release them.
-    pub excess_bytes: u64,
-    /// Mapped pages on which sequences hold blocks (page 0 included when it holds one).
-    pub held_pages: usize,
-}
+use crate::xtensor::config::{MemoryLimitReport, PageStats, XTensorConfig};
 
 /// The elastic allocator (module doc).
 pub struct XTensorBlockManager {
@@ -206,10 +71,6 @@ pub struct XTensorBlockManager {
     /// The last settling failed (a backend error): the page rules are restored by the next.
     unsettled: bool,
     pub(crate) stats: PageStats,
-}
-
-pub(crate) fn backend_error(error: PageError) -> KvPoolError {
-    KvPoolError::PageBackend(error.to_string())
 }
 
 impl XTensorBlockManager {
@@ -831,135 +692,6 @@ impl BlockManager for XTensorBlockManager {
     }
 
     fn check(&self) -> Result<()> {
-        let n = self.store.num_blocks();
-        let mut free = self.pages.check()?;
-        let inbox = self.store.free.snapshot();
-        ensure_invariant!(
-            inbox.len() == self.store.free.len(),
-            "the inbox holds {} ids but counts {}",
-            inbox.len(),
-            self.store.free.len()
-        );
-        for &id in &inbox {
-            ensure_invariant!(id != 0, "padding block 0 was released (R1)");
-            ensure_invariant!((id as usize) < n, "released id {id} out of range");
-            ensure_invariant!(!free[id as usize], "id {id} is free twice (R4)");
-            ensure_invariant!(
-                self.pages.is_mapped(self.pages.page_of(id)),
-                "released id {id} lies on an unmapped page"
-            );
-            free[id as usize] = true;
-        }
-        ensure_invariant!(
-            self.store.state(0) & COUNT_MASK == 0,
-            "padding block 0 was handed out (R1)"
-        );
-        let mut cached = 0;
-        for id in 1..n as u32 {
-            let state = self.store.state(id);
-            let count = state & COUNT_MASK;
-            ensure_invariant!(
-                (count == 0) == free[id as usize],
-                "block {id}: count {count} but {} free (R2, R4)",
-                if free[id as usize] {
-                    "listed"
-                } else {
-                    "not listed"
-                }
-            );
-            if count > 0 {
-                ensure_invariant!(
-                    self.pages.is_mapped(self.pages.page_of(id)),
-                    "block {id} is held on unmapped page {}",
-                    self.pages.page_of(id)
-                );
-            }
-            if state & CACHED != 0 {
-                ensure_invariant!(
-                    self.cache.is_some(),
-                    "block {id} is cached with the cache off"
-                );
-                if count == 1 {
-                    cached += 1;
-                }
-            }
-        }
-        let counts = self.counts();
-        ensure_invariant!(
-            counts.cached == cached,
-            "num_cached_blocks is {} but {cached} blocks are cache-only (R2)",
-            counts.cached
-        );
-        ensure_invariant!(
-            counts.free + counts.cached + counts.used == counts.total,
-            "free {} + cached {} + used {} != total {} (R2)",
-            counts.free,
-            counts.cached,
-            counts.used,
-            counts.total
-        );
-        if let Some(cache) = &self.cache {
-            cache.check()?;
-        }
-        if inbox.is_empty() && !self.unsettled {
-            self.check_page_rules()?;
-        }
-        Ok(())
-    }
-}
-
-impl XTensorBlockManager {
-    /// The rules on the mapped set (module doc), once every release has been taken in.
-    fn check_page_rules(&self) -> Result<()> {
-        let (mapped, empty) = (self.pages.mapped(), self.pages.empty_len());
-        let free = self.pages.free_mapped();
-        ensure_invariant!(
-            free >= self.reserved,
-            "{} blocks are reserved but only {free} free ids are mapped",
-            self.reserved
-        );
-        if mapped > self.limit_pages {
-            ensure_invariant!(
-                empty == 0,
-                "{mapped} pages mapped over a limit of {}, {empty} of them empty",
-                self.limit_pages
-            );
-            let settled_cache = self.cache.is_none()
-                || (self.store.released.is_empty()
-                    && self.reclaimed_at == Some(self.reclaim_clock()));
-            if settled_cache {
-                let reclaimable = crate::xtensor::reclaim::reclaimable_pages(self);
-                ensure_invariant!(
-                    reclaimable == 0,
-                    "{mapped} pages mapped over a limit of {} but {reclaimable} could be \
-                     reclaimed",
-                    self.limit_pages
-                );
-            }
-            return Ok(());
-        }
-        if empty > self.max_spares() {
-            let smallest = self
-                .pages
-                .empty_pages()
-                .iter()
-                .map(|&p| self.pages.total(p) as usize)
-                .min()
-                .unwrap_or(0);
-            ensure_invariant!(
-                free - smallest < self.reserved,
-                "{empty} empty pages mapped, {} spares allowed and the reservation does not \
-                 need them",
-                self.max_spares()
-            );
-        }
-        if empty < self.spare_pages {
-            ensure_invariant!(
-                mapped == self.limit_pages || self.pages.unmapped_len() == 0 || self.map_refused,
-                "{empty} empty pages mapped, {} spares wanted, and nothing stops mapping more",
-                self.spare_pages
-            );
-        }
-        Ok(())
+        self.check_all()
     }
 }
