@@ -1,7 +1,7 @@
 """Type stubs of ``kvpool._core``, the Rust extension behind :mod:`kvpool`.
 
 Hand-written; checked against the built module with ``python -m mypy.stubtest kvpool._core
---allowlist stubtest-allowlist.txt``. Rule numbers ("R7") refer to DESIGN.md section 2.
+--allowlist stubtest-allowlist.txt``. Rule numbers ("R7") refer to docs/contract.md.
 Every class is frozen with a lock inside, safe to share between threads (R28), and cannot be
 subclassed, but ``BlockManagerPool``, whose subclass is ``HierarchyBlockManagerPool``. The
 Python docs live here; a binding's own ``__doc__`` is one line.

@@ -6,7 +6,7 @@
 //! releases those blocks and their table entries become the padding id 0. A fresh prefill holds
 //! all its blocks (the step that computes them needs them).
 //!
-//! Prefix sharing (the rule kvpool chooses, DESIGN.md R25): a window block is shareable only
+//! Prefix sharing (the rule kvpool chooses, R25 in docs/contract.md): a window block is shareable only
 //! while it is still held. The manager keeps an index `chain hash -> block id` of the published
 //! window blocks, whose entries hold *no* reference, and it holds two kinds of blocks:
 //! - blocks of running sequences; those a slide releases are free at once (released window

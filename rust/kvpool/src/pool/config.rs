@@ -50,7 +50,7 @@ pub struct PoolConfig {
 }
 
 impl PoolConfig {
-    /// Defaults of DESIGN.md 2b.
+    /// Defaults of the host tier (R26, docs/host_tier.md).
     pub fn new(num_blocks: usize, block_size: usize) -> Self {
         Self {
             num_blocks,

@@ -26,7 +26,7 @@ pub struct HierarchyConfig {
 }
 
 impl HierarchyConfig {
-    /// Defaults of DESIGN.md 2b.
+    /// Defaults of the host tier (R26, docs/host_tier.md).
     pub fn new(num_blocks: usize, host_num_blocks: usize, block_size: usize) -> Self {
         Self {
             pool: PoolConfig::new(num_blocks, block_size),
