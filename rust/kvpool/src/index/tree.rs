@@ -13,35 +13,15 @@
 //!   eviction, which takes the oldest node with no children, works from the chains' tails:
 //!   a location that held a prefix-closed set still does after an eviction.
 
-use std::collections::HashMap;
-use std::hash::{BuildHasherDefault, Hasher};
-
 use smallvec::SmallVec;
 
 use crate::error::{ensure_invariant, Result};
+use crate::hash::ByHash;
 
 const NIL: u32 = u32::MAX;
 
 /// The bit of an entry's mask that marks a speculative entry (bits below it are groups).
 pub(crate) const SPECULATIVE: u32 = 1 << crate::index::event::MAX_GROUPS;
-
-/// The map's hasher: keys are already uniformly distributed 128-bit hashes.
-#[derive(Default)]
-pub(crate) struct HashHasher(u64);
-
-impl Hasher for HashHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.0 = self.0.rotate_left(8) ^ u64::from(b);
-        }
-    }
-    fn write_u128(&mut self, value: u128) {
-        self.0 = (value as u64) ^ ((value >> 64) as u64);
-    }
-}
 
 /// One location's entry in a node.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -80,7 +60,7 @@ pub(crate) struct Node {
 pub(crate) struct Tree {
     nodes: Vec<Node>,
     free: Vec<u32>,
-    by_hash: HashMap<u128, u32, BuildHasherDefault<HashHasher>>,
+    by_hash: ByHash<u32>,
     /// Oldest and newest node of the LRU list.
     head: u32,
     tail: u32,
