@@ -6,6 +6,7 @@
 mod batch;
 mod block;
 mod convert;
+mod elastic; // the pool's xtensor option
 mod errors;
 mod events;
 mod hierarchy;

@@ -146,7 +146,7 @@ impl PyBlockManagerPool {
         block_size: &Bound<'_, PyAny>,
         options: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<Self> {
-        let options = Options::new("BlockManagerPool", options, &[])?;
+        let options = Options::new("BlockManagerPool", options, &["xtensor"])?;
         let (config, concurrent) = options.pool_config(num_blocks, block_size)?;
         Self::build(config, concurrent)
     }
@@ -362,6 +362,60 @@ impl PyBlockManagerPool {
         self.with_seqs(py, &seqs, |pool, locked| {
             pool.may_append_all(&mut locked.args_mut()?, lookahead)
         })
+    }
+
+    /// The xtensor option (elastic pages per dp rank, defaults filled in), or None.
+    #[getter]
+    fn xtensor<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
+        let options = self.inner.lock().config().xtensor;
+        options
+            .map(|o| crate::elastic::options_dict(py, &o))
+            .transpose()
+    }
+
+    /// Sets the memory limit in bytes (None: the whole range) of dp rank dp_rank, or of every
+    /// rank; one report per rank set (docs/xtensor.md). Needs the xtensor option.
+    #[pyo3(signature = (limit, *, dp_rank = None))]
+    fn set_memory_limit<'py>(
+        &self,
+        py: Python<'py>,
+        limit: Option<&Bound<'py, PyAny>>,
+        dp_rank: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyList>> {
+        let limit = match limit {
+            Some(l) if !l.is_none() => Some(convert::uint64(l, "limit")?),
+            _ => None,
+        };
+        let rank = convert::optional_count(dp_rank, "dp_rank")?;
+        if let Some(rank) = rank.filter(|&r| r >= self.dp_size) {
+            return Err(value_error(
+                "dp_rank",
+                format!("must be < dp_size {}, got {rank}", self.dp_size),
+            ));
+        }
+        let reports = self.with_pool(py, |pool| pool.set_memory_limit(limit, rank))?;
+        let list = PyList::empty(py);
+        for report in &reports {
+            list.append(crate::xtensor::report_dict(py, report)?)?;
+        }
+        Ok(list)
+    }
+
+    /// The mapped pages of dp rank dp_rank, ascending (elastic pages; [] without xtensor).
+    #[pyo3(signature = (dp_rank = None), text_signature = "(self, dp_rank=0)")]
+    fn mapped_page_ids(&self, dp_rank: Option<&Bound<'_, PyAny>>) -> PyResult<Vec<usize>> {
+        let rank = convert::optional_count(dp_rank, "dp_rank")?.unwrap_or(0);
+        if rank >= self.dp_size {
+            return Err(value_error(
+                "dp_rank",
+                format!("must be < dp_size {}, got {rank}", self.dp_size),
+            ));
+        }
+        let pool = self.inner.lock();
+        Ok(pool
+            .xtensor_manager(rank)
+            .map(|m| m.mapped_page_ids())
+            .unwrap_or_default())
     }
 
     /// The linear-state cache of dp rank dp_rank (a live view, R22).

@@ -139,7 +139,10 @@ impl PyXTensorBlockManager {
     }
 }
 
-fn report_dict<'py>(py: Python<'py>, report: &MemoryLimitReport) -> PyResult<Bound<'py, PyDict>> {
+pub(crate) fn report_dict<'py>(
+    py: Python<'py>,
+    report: &MemoryLimitReport,
+) -> PyResult<Bound<'py, PyDict>> {
     let dict = PyDict::new(py);
     dict.set_item("limit_bytes", report.limit_bytes)?;
     dict.set_item("limit_pages", report.limit_pages)?;
