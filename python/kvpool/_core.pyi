@@ -130,7 +130,9 @@ class _XTensorOption(TypedDict, total=False):
     page_bytes: int
     spare_pages: int
     memory_limit: int | None
-    backend: Literal["accounting", "host"]
+    backend: Literal["accounting", "host"] | Any
+    """A name, or page backend objects (``map_page(page)`` / ``unmap_page(page)``, e.g.
+    ``kvpool.xtensor.CudaPageBackend``): a list of one per dp rank, or one object for one rank."""
 
 class _PoolStats(_RankStats):
     """``BlockManagerPool.stats()``: totals over all ranks plus ``ranks``, one dict per rank."""
@@ -937,8 +939,11 @@ class BlockManagerPool:
         Every rank's full-attention blocks on elastic virtual-memory pages (an
         ``XTensorBlockManager`` per rank, the seed's ``enable_xtensor``; docs/xtensor.md):
         ``{"blocks_per_page": int, "page_bytes": int = 2 MiB, "spare_pages": int = 1,
-        "memory_limit": int | None = None, "backend": "accounting" | "host" = "accounting"}``,
-        ``memory_limit`` in bytes per rank. Errors name ``xtensor.<key>``.
+        "memory_limit": int | None = None, "backend": "accounting" | "host" | [object per rank]
+        = "accounting"}``, ``memory_limit`` in bytes per rank. Backend objects have
+        ``map_page(page)`` / ``unmap_page(page)`` (``kvpool.xtensor.CudaPageBackend``); the pool
+        then releases the GIL in every call, and an exception a backend raises propagates from
+        the call it was raised in. Errors name ``xtensor.<key>``.
 
     Every option composes with every other, and with a host tier (the subclass
     ``HierarchyBlockManagerPool``; docs/host_tier.md), except ``xtensor``, which takes no
@@ -1186,7 +1191,8 @@ class BlockManagerPool:
 
     @property
     def xtensor(self) -> _XTensorOption | None:
-        """The ``xtensor`` option with its defaults filled in, or None (fixed memory)."""
+        """The ``xtensor`` option with its defaults filled in (``backend`` ``"custom"`` for
+        objects), or None (fixed memory)."""
 
     def set_memory_limit(self, limit: int | None, *, dp_rank: int | None = None) -> list[_MemoryLimitReport]:
         """Set the memory limit in bytes (None: the whole range) of rank ``dp_rank``, or of every

@@ -228,3 +228,162 @@ def test_host_backend_resident_memory_follows_the_pool():
     pool.reset_prefix_cache()
     assert pool.stats()["xtensor"]["mapped_pages"] == 1
     pool.check()
+
+
+# --- page backend objects, one per dp rank (kvpool.xtensor.CudaPageBackend's protocol) ----------
+
+
+class PageBook:
+    """A Python page backend: records the mapped set, refuses maps past `capacity` (MemoryError),
+    raises on demand, and can call back into its pool (which must be refused)."""
+
+    def __init__(self, num_pages, capacity=None):
+        self.num_pages = num_pages
+        self.page_bytes = MIB
+        self.capacity = capacity
+        self.mapped = set()
+        self.fail = False
+        self.pool = None
+
+    def map_page(self, page):
+        if self.pool is not None:
+            self.pool.stats()  # re-entry: RuntimeError
+        if self.fail:
+            raise KeyError("driver gone")
+        assert page not in self.mapped, f"page {page} mapped twice"
+        if self.capacity is not None and len(self.mapped) >= self.capacity:
+            raise MemoryError("device full")
+        self.mapped.add(page)
+
+    def unmap_page(self, page):
+        assert page in self.mapped and page != 0
+        self.mapped.remove(page)
+
+
+def _book_pool(books, num_blocks=96, bpp=4, **options):
+    xtensor = {"blocks_per_page": bpp, "spare_pages": 1, "backend": books}
+    return kvpool.BlockManagerPool(num_blocks, BS, dp_size=len(books), xtensor=xtensor, **options)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_backend_objects_see_exactly_the_mapped_pages(seed):
+    rng = random.Random(seed)
+    books = [PageBook(24), PageBook(24)]
+    pool = _book_pool(books)
+    assert pool.xtensor["backend"] == "custom" and pool.xtensor["page_bytes"] == MIB, "page_bytes from the backends"
+    running = kvpool.SequenceBatch()
+    live = []
+    for _ in range(120):
+        if rng.random() < 0.4:
+            seq = kvpool.Sequence(_prompt(rng))
+            if pool.allocate(seq):
+                seq.num_computed_tokens = len(seq)
+                live.append(seq)
+                running.add(seq)
+        elif rng.random() < 0.6 and live:
+            for i in reversed(pool.advance(running, [rng.randrange(10_000) for _ in running], lookahead=0)):
+                seq = running[i]
+                running.remove(seq)
+                live.remove(seq)
+                pool.deallocate(seq)
+        elif live:
+            seq = live.pop(rng.randrange(len(live)))
+            running.remove(seq)
+            pool.deallocate(seq)
+        if rng.random() < 0.05:
+            pool.set_memory_limit(rng.choice([None, 3 * MIB, 6 * MIB]))
+        _check_pages(pool, live, 4, 1)
+        for rank, book in enumerate(books):
+            assert book.mapped == set(pool.mapped_page_ids(rank)), "the backend and the pool agree"
+    for seq in live:
+        pool.deallocate(seq)
+    pool.reset_prefix_cache()
+    for rank, book in enumerate(books):
+        assert book.mapped == set(pool.mapped_page_ids(rank)) and 0 in book.mapped
+        assert 2 <= len(book.mapped) <= 3, "page 0 and the spare band (1..2) only"
+
+
+def test_a_refused_map_fails_the_allocation_and_changes_nothing():
+    book = PageBook(24, capacity=3)  # page 0, one spare, one more
+    pool = _book_pool([book], enable_prefix_cache=False)
+    fits = kvpool.Sequence(list(range(11 * BS)))  # 11 blocks: pages 0 (3), 1 (4), 2 (4)
+    assert pool.allocate(fits)
+    big = kvpool.Sequence(list(range(1000, 1000 + 4 * BS)))
+    before = pool.stats()
+    assert pool.can_allocate(big), "the pool counts what the limit allows, not what the device has"
+    assert not pool.allocate(big), "the device refused the page: no room, nothing changed"
+    assert pool.stats()["num_free_blocks"] == before["num_free_blocks"] and not big.is_allocated
+    assert pool.stats()["xtensor"]["num_map_failures"] > before["xtensor"]["num_map_failures"]
+    pool.check()
+    pool.deallocate(fits)
+    assert pool.allocate(big), "memory came back"
+    pool.check()
+
+
+def test_backend_exceptions_propagate_and_reentry_is_refused():
+    book = PageBook(24)
+    pool = _book_pool([book], enable_prefix_cache=False)
+    book.fail = True
+    with pytest.raises(KeyError, match="driver gone"):
+        pool.allocate(kvpool.Sequence(list(range(12 * BS))))
+    book.fail = False
+    pool.check()
+    book.pool = pool
+    with pytest.raises(RuntimeError, match="must not call its pool"):
+        pool.allocate(kvpool.Sequence(list(range(12 * BS))))
+    book.pool = None
+    seq = kvpool.Sequence(list(range(12 * BS)))
+    assert pool.allocate(seq) and book.mapped == set(pool.mapped_page_ids())
+    pool.check()
+
+
+def test_backend_objects_are_validated_by_name():
+    with pytest.raises(ValueError, match="one backend object per dp rank"):
+        kvpool.BlockManagerPool(16, BS, dp_size=2, xtensor={"blocks_per_page": 4, "backend": [PageBook(24)]})
+    with pytest.raises(TypeError, match="map_page"):
+        kvpool.BlockManagerPool(16, BS, xtensor={"blocks_per_page": 4, "backend": [object()]})
+    small = PageBook(2)
+    with pytest.raises(ValueError, match="holds 2 pages"):
+        kvpool.BlockManagerPool(16, BS, xtensor={"blocks_per_page": 4, "backend": small})
+    odd = PageBook(24)
+    odd.blocks_per_page = 8
+    with pytest.raises(ValueError, match="xtensor.blocks_per_page"):
+        kvpool.BlockManagerPool(16, BS, xtensor={"blocks_per_page": 4, "backend": odd})
+    with pytest.raises(ValueError, match="xtensor.page_bytes"):
+        kvpool.BlockManagerPool(16, BS, xtensor={"blocks_per_page": 4, "page_bytes": 2 * MIB, "backend": PageBook(24)})
+    one = PageBook(24)
+    kvpool.BlockManagerPool(16, BS, xtensor={"blocks_per_page": 4, "backend": one}).check()
+    assert one.mapped == {0, 1}, "a single object for one rank"
+
+
+def test_threads_share_a_pool_with_backend_objects():
+    """A backend runs under the pool's lock and needs the GIL: every wait for the lock releases
+    the GIL, so threads calling the pool (some holding the GIL) never deadlock (R27, R28)."""
+    import threading
+
+    books = [PageBook(64), PageBook(64)]
+    pool = _book_pool(books, num_blocks=256)
+    errors = []
+
+    def work(salt):
+        try:
+            rng = random.Random(salt)
+            for _ in range(150):
+                seq = kvpool.Sequence([salt * 100_000 + rng.randrange(50_000) for _ in range(rng.randrange(1, 40))])
+                if pool.allocate(seq):
+                    pool.stats()
+                    pool.deallocate(seq)
+                pool.mapped_page_ids(salt % 2)
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads), "deadlock"
+    assert not errors, errors
+    pool.check()
+    for rank, book in enumerate(books):
+        assert book.mapped == set(pool.mapped_page_ids(rank))

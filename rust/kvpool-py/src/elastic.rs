@@ -1,12 +1,15 @@
 //! The pool's `xtensor=` option (elastic pages per dp rank, issue 17) and its figures: the option
 //! is a dict `{"blocks_per_page": int, "page_bytes": int, "spare_pages": int,
-//! "memory_limit": int | None, "backend": "accounting" | "host"}` (only `blocks_per_page`
-//! required), each key validated under `xtensor.<key>` (R29), an unknown key a `TypeError`.
+//! "memory_limit": int | None, "backend": "accounting" | "host" | [object per rank]}` (only
+//! `blocks_per_page` required), each key validated under `xtensor.<key>` (R29), an unknown key a
+//! `TypeError`. Backend objects (`map_page(page)` / `unmap_page(page)`, e.g.
+//! `kvpool.xtensor.CudaPageBackend`) are one per dp rank; their optional `page_bytes`,
+//! `blocks_per_page` and `num_pages` attributes are checked against the option.
 
 use kvpool::{PageBackendKind, XTensorOptions, XTensorRankStats};
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyString};
+use pyo3::types::{PyDict, PyList, PyString, PyTuple};
 
 use crate::convert;
 use crate::errors::{type_error, value_error};
@@ -65,19 +68,20 @@ pub(crate) fn xtensor_option(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Option<
         options.memory_limit = Some(convert::uint64(&v, "xtensor.memory_limit")?);
     }
     if let Some(v) = get("backend")? {
-        let kind: String = v.extract().map_err(|_| {
-            type_error(
-                "xtensor.backend",
-                format!("must be 'accounting' or 'host', got {}", v.get_type()),
-            )
-        })?;
+        let Ok(kind) = v.extract::<String>() else {
+            options.backend = PageBackendKind::Custom; // objects: `python_backends`
+            return Ok(Some(options));
+        };
         options.backend = match kind.as_str() {
             "accounting" => PageBackendKind::Accounting,
             "host" => PageBackendKind::Host,
             other => {
                 return Err(value_error(
                     "xtensor.backend",
-                    format!("must be 'accounting' or 'host', got {other:?}"),
+                    format!(
+                        "must be 'accounting', 'host' or a list of backend objects (one per dp \
+                         rank), got {other:?}"
+                    ),
                 ))
             }
         };
@@ -117,4 +121,107 @@ pub(crate) fn xtensor_dict<'py>(
         }
     });
     result.map(|()| d)
+}
+
+/// The backend objects of an option whose backend is not a name (one per dp rank; one object
+/// alone for `dp_size == 1`), checked; `options.page_bytes` taken from them unless the dict gave
+/// it. Empty for a named backend.
+pub(crate) fn python_backends<'py>(
+    obj: Option<&Bound<'py, PyAny>>,
+    options: &mut XTensorOptions,
+    dp_size: usize,
+    num_blocks: usize,
+) -> PyResult<Vec<Bound<'py, PyAny>>> {
+    if options.backend != PageBackendKind::Custom {
+        return Ok(Vec::new());
+    }
+    let Some(dict) = obj.and_then(|o| o.cast::<PyDict>().ok()) else {
+        return Ok(Vec::new());
+    };
+    let Some(backend) = dict.get_item("backend")? else {
+        return Ok(Vec::new());
+    };
+    let objects: Vec<Bound<'py, PyAny>> =
+        if backend.is_instance_of::<PyList>() || backend.is_instance_of::<PyTuple>() {
+            backend.try_iter()?.collect::<PyResult<_>>()?
+        } else {
+            vec![backend]
+        };
+    if objects.len() != dp_size {
+        return Err(value_error(
+            "xtensor.backend",
+            format!(
+                "needs one backend object per dp rank: {} for dp_size {dp_size}",
+                objects.len()
+            ),
+        ));
+    }
+    let given_page_bytes = dict
+        .get_item("page_bytes")?
+        .filter(|v| !v.is_none())
+        .is_some();
+    let num_pages = num_blocks.div_ceil(options.blocks_per_page.max(1));
+    let mut declared: Option<u64> = None;
+    for (rank, b) in objects.iter().enumerate() {
+        for method in ["map_page", "unmap_page"] {
+            if !b.getattr(method).is_ok_and(|m| m.is_callable()) {
+                return Err(type_error(
+                    "xtensor.backend",
+                    format!(
+                        "backend of dp rank {rank} must have a callable {method}(page), got {}",
+                        b.get_type().name()?
+                    ),
+                ));
+            }
+        }
+        if let Ok(v) = b.getattr("page_bytes") {
+            if !v.is_none() {
+                let theirs = convert::uint64(&v, "xtensor.backend.page_bytes")?;
+                match declared {
+                    Some(first) if first != theirs => {
+                        return Err(value_error(
+                            "xtensor.backend",
+                            format!("backends differ in page_bytes: {first} and {theirs}"),
+                        ))
+                    }
+                    _ => declared = Some(theirs),
+                }
+            }
+        }
+        if let Ok(v) = b.getattr("blocks_per_page") {
+            let theirs = convert::count(&v, "xtensor.backend.blocks_per_page")?;
+            if theirs != options.blocks_per_page {
+                return Err(value_error(
+                    "xtensor.blocks_per_page",
+                    format!(
+                        "{} differs from dp rank {rank}'s backend's blocks_per_page {theirs}",
+                        options.blocks_per_page
+                    ),
+                ));
+            }
+        }
+        if let Ok(v) = b.getattr("num_pages") {
+            let theirs = convert::count(&v, "xtensor.backend.num_pages")?;
+            if theirs < num_pages {
+                return Err(value_error(
+                    "xtensor.backend",
+                    format!("dp rank {rank}'s backend holds {theirs} pages but a rank needs {num_pages}"),
+                ));
+            }
+        }
+    }
+    if let Some(declared) = declared {
+        if !given_page_bytes {
+            options.page_bytes = declared;
+        } else if declared != options.page_bytes {
+            return Err(value_error(
+                "xtensor.page_bytes",
+                format!(
+                    "{} differs from the backends' page_bytes {declared}",
+                    options.page_bytes
+                ),
+            ));
+        }
+    }
+    Ok(objects)
 }
