@@ -124,3 +124,9 @@ def test_xtensor_needs_a_model_shape():
 def test_limit_bytes_per_rank():
     cfg, extra = cli.make_config(cli.build_parser().parse_args(SMALL + ["--xtensor", "--memory-limit-gib", "1.5"]))
     assert cfg.xtensor["memory_limit"] == int(1.5 * GIB) and extra["xtensor_page_mib"] == 128
+
+
+def test_a_limit_below_one_request_fails_cleanly():
+    p = _run(*SMALL, "--xtensor", "--memory-limit-gib", "0.3")
+    assert p.returncode == 1 and "Traceback" not in p.stderr
+    assert "cannot be admitted" in p.stderr and "memory limit of 0.25 GiB" in p.stderr, p.stderr

@@ -672,9 +672,12 @@ class Simulator:
             self.stall_steps += 1
             if self.stall_steps > 3:
                 lv = self.waiting[0]
+                limit = ""
+                if self.mapped is not None:
+                    limit = f", a memory limit of {self.mapped.limit_bytes / GIB:g} GiB over all ranks"
                 raise SimError(
                     f"request {lv.req.request_id} ({lv.prompt_len + lv.generated} tokens) cannot be admitted "
-                    f"into an idle pool (stats: {_brief(st)}): the configuration cannot serve it")
+                    f"into an idle pool (stats: {_brief(st)}{limit}): the configuration cannot serve it")
         else:
             self.stall_steps = 0
         self.step_no += 1
