@@ -16,6 +16,7 @@ mod manager;
 mod options;
 mod plan;
 mod pool;
+mod pool_lock; // waiting for a pool's lock without the GIL
 mod prefix_cache;
 mod sequence;
 mod stats;

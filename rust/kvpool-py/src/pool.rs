@@ -23,6 +23,7 @@ use crate::events::events_list;
 use crate::linear_state::{PyLinearStatePlan, PyLinearStatePrefixCache};
 use crate::options::Options;
 use crate::plan::{plan_arg, PyAllocationPlan};
+use crate::pool_lock::lock_pool;
 use crate::sequence::seq_ref;
 use crate::stats::pool_dict;
 use crate::xtensor::{in_backend, ErrorSlot, PythonBackend};
@@ -40,26 +41,6 @@ pub struct PyBlockManagerPool {
     detach: bool,
     /// Where each rank's page backend object leaves the exception it raised (empty without).
     backend_errors: Vec<ErrorSlot>,
-}
-
-/// Locks `pool` from a thread that holds the GIL, waiting for it without the GIL (a page backend
-/// object running under the lock on another thread needs the GIL to finish). A page backend
-/// calling its own pool is a `RuntimeError`.
-pub(crate) fn lock_pool<'a>(
-    py: Python<'_>,
-    pool: &'a Mutex<BlockManagerPool>,
-) -> PyResult<MutexGuard<'a, BlockManagerPool>> {
-    if in_backend() {
-        return Err(pyo3::exceptions::PyRuntimeError::new_err(
-            "BlockManagerPool: a page backend must not call its pool",
-        ));
-    }
-    loop {
-        if let Some(guard) = pool.try_lock() {
-            return Ok(guard);
-        }
-        py.detach(|| drop(pool.lock())); // wait without the GIL, then take it with the GIL
-    }
 }
 
 pub(crate) fn group_arg(group: Option<&Bound<'_, PyAny>>) -> PyResult<usize> {
