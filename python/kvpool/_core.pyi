@@ -9,7 +9,7 @@ Python docs live here; a binding's own ``__doc__`` is one line.
 
 from collections.abc import Iterable, Iterator
 from collections.abc import Sequence as _Sequence
-from typing import Any, Final, Literal, SupportsIndex, TypeAlias, TypedDict, final
+from typing import Any, Final, Literal, Required, SupportsIndex, TypeAlias, TypedDict, final
 
 import numpy as np
 from numpy.typing import NDArray
@@ -101,7 +101,38 @@ class _RankStats(_BlockCounts):
     num_checkpoint_evictions: int
     num_checkpoint_commits: int
     window: _WindowCounts | None
+    xtensor: _MappedMemoryStats | None
+    """Mapped memory on elastic pages (the ``xtensor`` option); None without it."""
     host: _HostStats | None
+
+class _MappedMemoryStats(TypedDict):
+    """Mapped memory of one rank of a pool on elastic pages, or the sum over the ranks (issue 17)."""
+
+    num_pages: int
+    mapped_pages: int
+    """Pages mapped now, page 0 included."""
+    mapped_bytes: int
+    spare_pages: int
+    """Mapped pages with no used or cached block (the preallocated spares)."""
+    limit_pages: int
+    limit_bytes: int
+    peak_mapped_pages: int
+    """Most pages mapped at once (for the total: the sum of the ranks' peaks)."""
+    num_page_maps: int
+    num_page_unmaps: int
+    num_map_failures: int
+
+class _XTensorOption(TypedDict, total=False):
+    """The ``xtensor=`` option of :class:`BlockManagerPool` (docs/xtensor.md); only
+    ``blocks_per_page`` is required."""
+
+    blocks_per_page: Required[int]
+    page_bytes: int
+    spare_pages: int
+    memory_limit: int | None
+    backend: Literal["accounting", "host"] | Any
+    """A name, or page backend objects (``map_page(page)`` / ``unmap_page(page)``, e.g.
+    ``kvpool.xtensor.CudaPageBackend``): a list of one per dp rank, or one object for one rank."""
 
 class _PoolStats(_RankStats):
     """``BlockManagerPool.stats()``: totals over all ranks plus ``ranks``, one dict per rank."""
@@ -134,6 +165,7 @@ class _HierarchyRankStats(_BlockCounts):
     num_checkpoint_evictions: int
     num_checkpoint_commits: int
     window: _WindowCounts | None
+    xtensor: None
     host: _HostStats
 
 class _DebugCounters(TypedDict):
@@ -903,9 +935,19 @@ class BlockManagerPool:
         live slot (zero-copy; the sequence continues in a fresh slot) (R22).
     debug_hash_bits : int or None
         Truncate hashes to this many bits (1..128) to force collisions in tests.
+    xtensor : dict or None
+        Every rank's full-attention blocks on elastic virtual-memory pages (an
+        ``XTensorBlockManager`` per rank, the seed's ``enable_xtensor``; docs/xtensor.md):
+        ``{"blocks_per_page": int, "page_bytes": int = 2 MiB, "spare_pages": int = 1,
+        "memory_limit": int | None = None, "backend": "accounting" | "host" | [object per rank]
+        = "accounting"}``, ``memory_limit`` in bytes per rank. Backend objects have
+        ``map_page(page)`` / ``unmap_page(page)`` (``kvpool.xtensor.CudaPageBackend``); the pool
+        then releases the GIL in every call, and an exception a backend raises propagates from
+        the call it was raised in. Errors name ``xtensor.<key>``.
 
     Every option composes with every other, and with a host tier (the subclass
-    ``HierarchyBlockManagerPool``; docs/host_tier.md).
+    ``HierarchyBlockManagerPool``; docs/host_tier.md), except ``xtensor``, which takes no
+    host tier.
 
     Raises
     ------
@@ -933,6 +975,7 @@ class BlockManagerPool:
         swa_num_blocks: int | None = None,
         linear_state_save: _LinearStateSave = "copy",
         debug_hash_bits: int | None = None,
+        xtensor: _XTensorOption | None = None,
     ) -> BlockManagerPool: ...
     @property
     def num_blocks(self) -> int:
@@ -1145,6 +1188,28 @@ class BlockManagerPool:
     def reset_prefix_cache(self) -> None:
         """Drop every cached entry of every rank, every committed checkpoint nothing pins and
         every sliding-window publication; blocks sequences hold stay with them (R12, R24)."""
+
+    @property
+    def xtensor(self) -> _XTensorOption | None:
+        """The ``xtensor`` option with its defaults filled in (``backend`` ``"custom"`` for
+        objects), or None (fixed memory)."""
+
+    def set_memory_limit(self, limit: int | None, *, dp_rank: int | None = None) -> list[_MemoryLimitReport]:
+        """Set the memory limit in bytes (None: the whole range) of rank ``dp_rank``, or of every
+        rank; one report per rank set. Lowering it unmaps spares, evicts cached blocks page by page
+        and unmaps what empties; what sequences hold stays mapped (``excess_bytes``) and returns
+        as they release it (docs/xtensor.md).
+
+        Raises
+        ------
+        ValueError
+            The pool has no ``xtensor`` option (names ``limit``), ``limit`` negative, or
+            ``dp_rank`` out of range.
+        """
+
+    def mapped_page_ids(self, dp_rank: int = 0) -> list[int]:
+        """The mapped pages of rank ``dp_rank``, ascending (page ``p`` holds blocks
+        ``p * blocks_per_page ..``); ``[]`` without the ``xtensor`` option."""
 
     def linear_state_cache(self, dp_rank: int) -> LinearStatePrefixCache:
         """The linear-state cache of rank ``dp_rank``, a live view (R22).

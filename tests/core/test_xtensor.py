@@ -547,6 +547,28 @@ def test_cuda_backend_out_of_memory_rolls_back_the_page():
     m.check()
 
 
+def test_cuda_backends_drive_the_pool_one_per_rank():
+    """BlockManagerPool(..., xtensor={"backend": [CudaPageBackend per rank]}): each rank's device
+    maps exactly its rank's pages (issue 17, the pool option)."""
+    drivers = [FakeDriver(), FakeDriver()]
+    backends = [cuda_backend(d) for d in drivers]
+    pool = kvpool.BlockManagerPool(256, 16, dp_size=2, xtensor={"blocks_per_page": 64, "backend": backends})
+    assert pool.xtensor["page_bytes"] == backends[0].page_bytes, "page_bytes from the backends"
+    seqs = [kvpool.Sequence([i * 10_000 + t for t in range(16 * 70)]) for i in range(2)]
+    for seq in seqs:
+        assert pool.allocate(seq)
+    assert {seq.dp_rank for seq in seqs} == {0, 1}
+    for rank, (backend, driver) in enumerate(zip(backends, drivers, strict=True)):
+        assert backend.mapped_pages() == pool.mapped_page_ids(rank)
+        assert len(driver.mappings) == 4 * len(backend.mapped_pages()) and driver.accessible == set(driver.mappings)
+    pool.set_memory_limit(2 * backends[0].page_bytes)
+    for seq in seqs:
+        pool.deallocate(seq)
+    pool.check()
+    for rank, backend in enumerate(backends):
+        assert backend.mapped_pages() == pool.mapped_page_ids(rank) and len(backend.mapped_pages()) <= 2
+
+
 def test_cuda_backend_validates_its_layout():
     with pytest.raises(ValueError, match="blocks_per_page"):
         cuda_backend(FakeDriver(), blocks_per_page=48)

@@ -49,7 +49,8 @@ def _check(d: dict, typed: dict[str, object], dicts: dict[str, dict[str, object]
 def test_pool_stats_keys_match_the_stub():
     dicts = _typed_dicts()
     for pool in (kvpool.BlockManagerPool(16, 4), kvpool.BlockManagerPool(16, 4, dp_size=2, sliding_window=8,
-                                                                          linear_state_slots=4)):
+                                                                          linear_state_slots=4),
+                 kvpool.BlockManagerPool(16, 4, dp_size=2, xtensor={"blocks_per_page": 4})):
         _check(pool.stats(), dicts["_PoolStats"], dicts, "BlockManagerPool.stats()")
 
 

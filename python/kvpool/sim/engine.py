@@ -49,6 +49,7 @@ from typing import Any
 import numpy as np
 
 from kvpool.sim.capacity import ModelShape
+from kvpool.sim.elastic import GIB, MappedMemory
 from kvpool.sim.timing import GPUS, FixedStepTime, Roofline, StepWork, chunk_work
 from kvpool.sim.traces import output_base, output_span, output_token, output_tokens
 from kvpool.sim.workloads import Request
@@ -92,6 +93,9 @@ class SimConfig:
     mfu: float = 0.5
     mbu: float = 0.8
     model_shape: ModelShape | None = None
+    # elastic pages (--xtensor): the pool's xtensor= dict, and (seconds, GiB per rank or None) limit changes
+    xtensor: dict[str, Any] | None = None
+    memory_limit_schedule: tuple[tuple[float, float | None], ...] = ()
 
     def pool_kwargs(self) -> dict[str, Any]:
         kw: dict[str, Any] = {"dp_size": self.dp_size, "enable_prefix_cache": self.enable_prefix_cache}
@@ -106,6 +110,8 @@ class SimConfig:
                 kw["swa_num_blocks"] = self.swa_num_blocks
         if self.hash_seed is not None:
             kw["hash_seed"] = self.hash_seed
+        if self.xtensor is not None:
+            kw["xtensor"] = dict(self.xtensor)
         return kw
 
     def step_timer(self) -> FixedStepTime | Roofline:
@@ -157,6 +163,10 @@ class SimConfig:
                            "state or sliding window")
         if not self.step_ms > 0:
             raise SimError(f"step_ms must be > 0, got {self.step_ms}")
+        if self.memory_limit_schedule and self.xtensor is None:
+            raise SimError("a memory-limit schedule needs elastic pages (--xtensor)")
+        if self.xtensor is not None and self.host_num_blocks:
+            raise SimError("--xtensor does not combine with a host tier (--host-blocks)")
         if self.gpu is not None and self.gpu not in GPUS:
             raise SimError(f"unknown gpu {self.gpu!r}; expected one of {', '.join(GPUS)}")
         self.step_timer()
@@ -229,6 +239,8 @@ class StepRecord:
     sched_us: float
     time_s: float = 0.0  # the simulated clock at the end of the step
     step_s: float = 0.0  # the step's duration (step-time model)
+    mapped_gib: float = 0.0  # --xtensor: memory mapped at the end of the step, all ranks
+    limit_gib: float = 0.0  # --xtensor: what the limits allow, all ranks
 
 
 @dataclass
@@ -312,6 +324,9 @@ class Simulator:
         self.kvpool = _import_kvpool()
         self.timer = cfg.step_timer()
         self.pool = make_pool(cfg)
+        self.mapped: MappedMemory | None = None
+        if cfg.xtensor is not None:
+            self.mapped = MappedMemory(self.pool, cfg.memory_limit_schedule)
         self.hier = bool(cfg.host_num_blocks)
         self.remote: Any = None
         if cfg.remote is not None:
@@ -553,6 +568,8 @@ class Simulator:
         preempted = False
         # whether a pool call other than the decode batch's advance ran (the counts may have changed)
         touched = self.hier or self.linear
+        if self.mapped is not None and self.mapped.due(self.now_s):
+            touched = self.mapped.apply_due(self.now_s) or touched  # a co-located tenant squeezes (or frees) memory
         # 2. decodes: room for those that advanced without it, then one token of budget each
         if self.need_room:
             touched = True
@@ -642,18 +659,25 @@ class Simulator:
         if used > self.peak_used_blocks:
             self.peak_used_blocks = used
         q = st.get("prefix_query_tokens", 0)
+        mapped_gib = limit_gib = 0.0
+        if self.mapped is not None:
+            self.mapped.record(st, end_s)
+            mapped_gib, limit_gib = self.mapped.now_bytes / GIB, self.mapped.limit_bytes / GIB
         self.timeline.append(StepRecord(
             step, usage, used, int(st["num_cached_blocks"]), len(self.running), len(self.waiting), batched,
-            (st.get("prefix_hit_tokens", 0) / q) if q else 0.0, sched / 1e3, end_s, dt))
+            (st.get("prefix_hit_tokens", 0) / q) if q else 0.0, sched / 1e3, end_s, dt, mapped_gib, limit_gib))
         if cfg.check:
             self._check(st)
         if not batched and not self.running and self.waiting and not self._arrival_ahead(step):
             self.stall_steps += 1
             if self.stall_steps > 3:
                 lv = self.waiting[0]
+                limit = ""
+                if self.mapped is not None:
+                    limit = f", a memory limit of {self.mapped.limit_bytes / GIB:g} GiB over all ranks"
                 raise SimError(
                     f"request {lv.req.request_id} ({lv.prompt_len + lv.generated} tokens) cannot be admitted "
-                    f"into an idle pool (stats: {_brief(st)}): the configuration cannot serve it")
+                    f"into an idle pool (stats: {_brief(st)}{limit}): the configuration cannot serve it")
         else:
             self.stall_steps = 0
         self.step_no += 1
@@ -902,9 +926,12 @@ class Simulator:
             self.pending.popleft()
             lv = _Live(req, float(req.arrival_s) if req.arrival_s is not None else 0.0, i)
             self.now_s = max(self.now_s, lv.arrival_s)
+            if self.mapped is not None:
+                self.mapped.apply_due(self.now_s)
             seq = self._make_seq(lv)
             if not pool.allocate(seq):
-                raise SimError(f"request {req.request_id} ({len(seq)} tokens) does not fit the cache")
+                limit = " under the memory limit" if self.mapped is not None else ""
+                raise SimError(f"request {req.request_id} ({len(seq)} tokens) does not fit the cache{limit}")
             if self.hier:
                 self._sync_loads()
             L = len(seq)
@@ -925,6 +952,8 @@ class Simulator:
             self.peak_usage = max(self.peak_usage, usage)
             self.usage_sum += usage
             self._release(lv)
+            if self.mapped is not None:
+                self.mapped.record(pool.stats(), lv.arrival_s + dt)
             lv.seq = None
             lv.state = DONE
             lv.first_token_step = lv.finish_step = i
@@ -1039,6 +1068,8 @@ class Simulator:
         }
         if self.trace_read_s is not None:
             out["trace_read_s"] = self.trace_read_s
+        if self.mapped is not None:
+            out.update(self.mapped.summary(st, self.now_s))
         sessions = [lv for lv in fin if lv.req.session is not None]
         if sessions:
             first = [lv for lv in sessions if lv.req.session.parent_chat_id < 0]

@@ -6,6 +6,7 @@
 mod batch;
 mod block;
 mod convert;
+mod elastic; // the pool's xtensor option
 mod errors;
 mod events;
 mod hierarchy;
@@ -15,6 +16,7 @@ mod manager;
 mod options;
 mod plan;
 mod pool;
+mod pool_lock; // waiting for a pool's lock without the GIL
 mod prefix_cache;
 mod sequence;
 mod stats;

@@ -43,7 +43,8 @@ impl PyLinearStatePrefixCache {
         match &self.inner {
             CacheRef::Own(cache) => call(&mut cache.lock()).py(),
             CacheRef::View { pool, rank } => {
-                let mut pool = pool.lock();
+                // Waited for without the GIL (a page backend object may hold the pool's lock).
+                let mut pool = Python::attach(|py| crate::pool_lock::lock_pool(py, pool))?;
                 match pool.linear_state_cache_mut(*rank) {
                     Some(cache) => call(cache).py(),
                     // Views exist only for ranks with linear state: unreachable.

@@ -116,6 +116,7 @@ impl<'py> Options<'py> {
             sliding_window: self.count("sliding_window")?,
             swa_num_blocks: self.count("swa_num_blocks")?,
             host: None,
+            xtensor: crate::elastic::xtensor_option(self.get("xtensor")?.as_ref())?,
         };
         Ok((config, concurrent))
     }

@@ -1,27 +1,32 @@
 //! `kvpool.BlockManagerPool`: the sequence-level pool (R13-R25), the base class of
 //! `kvpool.HierarchyBlockManagerPool`. Each method validates, makes one core call and maps the
 //! error. Lock order: a `SequenceBatch` argument, the pool, then the sequences (see
-//! `batch.rs`); no lock is held while Python code runs. A pool built with `concurrent=True`
-//! releases the GIL in every call (R28).
+//! `batch.rs`); no lock is held while Python code runs, except a page backend object's
+//! `map_page` / `unmap_page` (the `xtensor` option), which runs under the pool's lock: such a pool
+//! releases the GIL in every call, and every lock of the pool is waited for without the GIL
+//! ([`lock_pool`]), so the backend's thread can always take it. A pool built with
+//! `concurrent=True` releases the GIL in every call (R28).
 
 use std::sync::Arc;
 
 use kvpool::{BlockManagerPool, KvCacheManager, PoolConfig, Sequence};
 use numpy::ndarray::Array2;
 use numpy::{IntoPyArray, PyArray1, PyArray2};
-use parking_lot::Mutex;
+use parking_lot::{Mutex, MutexGuard};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
 use crate::batch::SeqsArg;
 use crate::convert;
-use crate::errors::{type_error, value_error, IntoPyResult};
+use crate::errors::{to_py, type_error, value_error, IntoPyResult};
 use crate::events::events_list;
 use crate::linear_state::{PyLinearStatePlan, PyLinearStatePrefixCache};
 use crate::options::Options;
 use crate::plan::{plan_arg, PyAllocationPlan};
+use crate::pool_lock::lock_pool;
 use crate::sequence::seq_ref;
 use crate::stats::pool_dict;
+use crate::xtensor::{in_backend, ErrorSlot, PythonBackend};
 
 /// Sequence-level KV-cache manager: per dp rank a BlockManager and a SingleBlockManager.
 #[pyclass(subclass, frozen, module = "kvpool", name = "BlockManagerPool")]
@@ -32,6 +37,10 @@ pub struct PyBlockManagerPool {
     dp_size: usize,
     enable_prefix_cache: bool,
     concurrent: bool,
+    /// Release the GIL in every call: `concurrent`, or page backend objects (which need it).
+    detach: bool,
+    /// Where each rank's page backend object leaves the exception it raised (empty without).
+    backend_errors: Vec<ErrorSlot>,
 }
 
 pub(crate) fn group_arg(group: Option<&Bound<'_, PyAny>>) -> PyResult<usize> {
@@ -44,10 +53,35 @@ pub(crate) fn group_arg(group: Option<&Bound<'_, PyAny>>) -> PyResult<usize> {
 impl PyBlockManagerPool {
     /// A pool per `config` (the constructor of both pool classes).
     pub(crate) fn build(config: PoolConfig, concurrent: bool) -> PyResult<Self> {
+        Self::build_with(config, concurrent, Vec::new())
+    }
+
+    /// A pool whose rank `r` maps its pages through `backends[r]` (a Python object), if any.
+    fn build_with(
+        config: PoolConfig,
+        concurrent: bool,
+        backends: Vec<Bound<'_, PyAny>>,
+    ) -> PyResult<Self> {
         let (num_blocks, block_size, dp_size) =
             (config.num_blocks, config.block_size, config.dp_size);
         let enable_prefix_cache = config.enable_prefix_cache;
-        let pool = BlockManagerPool::new(config).py()?;
+        let backend_errors: Vec<ErrorSlot> =
+            backends.iter().map(|_| ErrorSlot::default()).collect();
+        let pool = match backends.is_empty() {
+            true => BlockManagerPool::new(config).py()?,
+            false => {
+                let boxes: Vec<Box<dyn kvpool::PageBackend>> = backends
+                    .iter()
+                    .zip(&backend_errors)
+                    .map(|(b, slot)| {
+                        Box::new(PythonBackend::new(b.clone().unbind(), Arc::clone(slot)))
+                            as Box<dyn kvpool::PageBackend>
+                    })
+                    .collect();
+                BlockManagerPool::with_page_backends(config, boxes)
+                    .map_err(|e| Self::raised(&backend_errors, e))?
+            }
+        };
         Ok(Self {
             inner: Arc::new(Mutex::new(pool)),
             num_blocks,
@@ -55,12 +89,55 @@ impl PyBlockManagerPool {
             dp_size,
             enable_prefix_cache,
             concurrent,
+            detach: concurrent || !backend_errors.is_empty(),
+            backend_errors,
         })
     }
 
-    /// Runs `call` with the GIL released if the pool is concurrent (R28).
+    /// Maps a core error, re-raising a page backend object's own exception.
+    fn raised(slots: &[ErrorSlot], error: kvpool::KvPoolError) -> PyErr {
+        slots
+            .iter()
+            .find_map(|slot| slot.lock().take())
+            .unwrap_or_else(|| to_py(error))
+    }
+
+    /// `.py()` of a core result; a page backend object's exception raised during the call is
+    /// raised as itself, also where the core turned it into "no room" (a failed growth changes
+    /// nothing) or deferred it (an unmap after a release: the page stays mapped and is retried).
+    fn result<T>(&self, result: kvpool::Result<T>) -> PyResult<T> {
+        let mut raised = None;
+        for slot in &self.backend_errors {
+            if let Some(error) = slot.lock().take() {
+                raised.get_or_insert(error);
+            }
+        }
+        match (result, raised) {
+            (_, Some(error)) => Err(error),
+            (Ok(value), None) => Ok(value),
+            (Err(error), None) => Err(to_py(error)),
+        }
+    }
+
+    /// Locks the pool (the GIL held; see [`lock_pool`]).
+    fn lock(&self, py: Python<'_>) -> PyResult<MutexGuard<'_, BlockManagerPool>> {
+        lock_pool(py, &self.inner)
+    }
+
+    /// A `RuntimeError` if a page backend calls its pool (it runs under the pool's lock).
+    fn not_in_backend() -> PyResult<()> {
+        match in_backend() {
+            true => Err(pyo3::exceptions::PyRuntimeError::new_err(
+                "BlockManagerPool: a page backend must not call its pool",
+            )),
+            false => Ok(()),
+        }
+    }
+
+    /// Runs `call` with the GIL released if the pool is concurrent (R28) or has page backend
+    /// objects.
     fn run<T: Send>(&self, py: Python<'_>, call: impl FnOnce() -> T + Send) -> T {
-        if self.concurrent {
+        if self.detach {
             py.detach(call)
         } else {
             call()
@@ -74,14 +151,15 @@ impl PyBlockManagerPool {
         seq: &Bound<'_, PyAny>,
         call: impl FnOnce(&mut BlockManagerPool, &mut Sequence) -> kvpool::Result<T> + Send,
     ) -> PyResult<T> {
+        Self::not_in_backend()?;
         let seq = seq_ref(seq)?.get();
         let inner = &self.inner;
-        self.run(py, || {
+        let result = self.run(py, || {
             let mut pool = inner.lock();
             let mut seq = seq.inner.lock();
             call(&mut pool, &mut seq)
-        })
-        .py()
+        });
+        self.result(result)
     }
 
     /// Locks the pool and makes one core call.
@@ -90,8 +168,10 @@ impl PyBlockManagerPool {
         py: Python<'_>,
         call: impl FnOnce(&mut BlockManagerPool) -> kvpool::Result<T> + Send,
     ) -> PyResult<T> {
+        Self::not_in_backend()?;
         let inner = &self.inner;
-        self.run(py, || call(&mut inner.lock())).py()
+        let result = self.run(py, || call(&mut inner.lock()));
+        self.result(result)
     }
 
     /// Locks the pool and `seqs` (GIL released) for a batch call, each distinct sequence once
@@ -103,8 +183,10 @@ impl PyBlockManagerPool {
         call: impl FnOnce(&mut BlockManagerPool, &mut crate::batch::Locked<'_>) -> kvpool::Result<T>
             + Send,
     ) -> PyResult<T> {
+        Self::not_in_backend()?;
         let view = seqs.view();
-        py.detach(|| view.with_locked(&self.inner, call)).py()
+        let result = py.detach(|| view.with_locked(&self.inner, call));
+        self.result(result)
     }
 
     /// `allocate(seq, num_tokens, plan=plan)` (R14), shared with the subclass.
@@ -130,7 +212,7 @@ impl PyBlockManagerPool {
         py: Python<'py>,
     ) -> PyResult<(Bound<'py, PyDict>, Option<kvpool::HostStats>)> {
         let (stats, hosts) = {
-            let pool = self.inner.lock();
+            let pool = self.lock(py)?;
             (pool.stats(), pool.host_stats())
         };
         pool_dict(py, &stats, hosts.as_deref())
@@ -146,9 +228,18 @@ impl PyBlockManagerPool {
         block_size: &Bound<'_, PyAny>,
         options: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<Self> {
-        let options = Options::new("BlockManagerPool", options, &[])?;
-        let (config, concurrent) = options.pool_config(num_blocks, block_size)?;
-        Self::build(config, concurrent)
+        let options = Options::new("BlockManagerPool", options, &["xtensor"])?;
+        let (mut config, concurrent) = options.pool_config(num_blocks, block_size)?;
+        let backends = match config.xtensor.as_mut() {
+            Some(x) => crate::elastic::python_backends(
+                options.get("xtensor")?.as_ref(),
+                x,
+                config.dp_size,
+                config.num_blocks,
+            )?,
+            None => Vec::new(),
+        };
+        Self::build_with(config, concurrent, backends)
     }
 
     /// Block ids per rank, padding block included.
@@ -178,8 +269,8 @@ impl PyBlockManagerPool {
     }
     /// Block groups of every sequence: 1, or 2 with sliding_window (R25).
     #[getter]
-    fn num_groups(&self) -> usize {
-        self.inner.lock().num_groups()
+    fn num_groups(&self, py: Python<'_>) -> PyResult<usize> {
+        Ok(self.lock(py)?.num_groups())
     }
 
     /// What allocate(seq, num_tokens) would return, with no side effect (R15).
@@ -301,7 +392,7 @@ impl PyBlockManagerPool {
 
     /// Chain walks of the device and host caches so far (a debug counter, for tests).
     fn debug_counters<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let c = self.inner.lock().debug_counters();
+        let c = self.lock(py)?.debug_counters();
         let d = PyDict::new(py);
         d.set_item("device_chain_walks", c.device_chain_walks)?;
         d.set_item("host_chain_walks", c.host_chain_walks)?;
@@ -310,20 +401,23 @@ impl PyBlockManagerPool {
 
     /// Walks every structure; raises InvariantError if a rule is broken (R20).
     fn check(&self, py: Python<'_>) -> PyResult<()> {
+        Self::not_in_backend()?;
         let inner = &self.inner;
         py.detach(|| inner.lock().check()).py()
     }
 
     /// Returns and clears the recorded KV events (R21); [] unless enable_events.
     fn drain_events<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        let events = self.inner.lock().drain_events();
+        let events = self.lock(py)?.drain_events();
         events_list(py, events)
     }
 
     /// Drops every cached entry nothing holds, of every rank and tier (R12, R24, R26).
-    fn reset_prefix_cache(&self, py: Python<'_>) {
+    fn reset_prefix_cache(&self, py: Python<'_>) -> PyResult<()> {
+        Self::not_in_backend()?;
         let inner = &self.inner;
         py.detach(|| inner.lock().reset_prefix_cache());
+        self.result(Ok(()))
     }
 
     /// After a forward step, for every sequence: computed, cache, append token_ids[i] (R17).
@@ -364,8 +458,70 @@ impl PyBlockManagerPool {
         })
     }
 
+    /// The xtensor option (elastic pages per dp rank, defaults filled in), or None.
+    #[getter]
+    fn xtensor<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
+        let options = self.lock(py)?.config().xtensor;
+        options
+            .map(|o| crate::elastic::options_dict(py, &o))
+            .transpose()
+    }
+
+    /// Sets the memory limit in bytes (None: the whole range) of dp rank dp_rank, or of every
+    /// rank; one report per rank set (docs/xtensor.md). Needs the xtensor option.
+    #[pyo3(signature = (limit, *, dp_rank = None))]
+    fn set_memory_limit<'py>(
+        &self,
+        py: Python<'py>,
+        limit: Option<&Bound<'py, PyAny>>,
+        dp_rank: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyList>> {
+        let limit = match limit {
+            Some(l) if !l.is_none() => Some(convert::uint64(l, "limit")?),
+            _ => None,
+        };
+        let rank = convert::optional_count(dp_rank, "dp_rank")?;
+        if let Some(rank) = rank.filter(|&r| r >= self.dp_size) {
+            return Err(value_error(
+                "dp_rank",
+                format!("must be < dp_size {}, got {rank}", self.dp_size),
+            ));
+        }
+        let reports = self.with_pool(py, |pool| pool.set_memory_limit(limit, rank))?;
+        let list = PyList::empty(py);
+        for report in &reports {
+            list.append(crate::xtensor::report_dict(py, report)?)?;
+        }
+        Ok(list)
+    }
+
+    /// The mapped pages of dp rank dp_rank, ascending (elastic pages; [] without xtensor).
+    #[pyo3(signature = (dp_rank = None), text_signature = "(self, dp_rank=0)")]
+    fn mapped_page_ids(
+        &self,
+        py: Python<'_>,
+        dp_rank: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Vec<usize>> {
+        let rank = convert::optional_count(dp_rank, "dp_rank")?.unwrap_or(0);
+        if rank >= self.dp_size {
+            return Err(value_error(
+                "dp_rank",
+                format!("must be < dp_size {}, got {rank}", self.dp_size),
+            ));
+        }
+        let pool = self.lock(py)?;
+        Ok(pool
+            .xtensor_manager(rank)
+            .map(|m| m.mapped_page_ids())
+            .unwrap_or_default())
+    }
+
     /// The linear-state cache of dp rank dp_rank (a live view, R22).
-    fn linear_state_cache(&self, dp_rank: &Bound<'_, PyAny>) -> PyResult<PyLinearStatePrefixCache> {
+    fn linear_state_cache(
+        &self,
+        py: Python<'_>,
+        dp_rank: &Bound<'_, PyAny>,
+    ) -> PyResult<PyLinearStatePrefixCache> {
         let rank = convert::count(dp_rank, "dp_rank")?;
         if rank >= self.dp_size {
             return Err(value_error(
@@ -373,7 +529,7 @@ impl PyBlockManagerPool {
                 format!("must be < dp_size {}, got {rank}", self.dp_size),
             ));
         }
-        if self.inner.lock().linear_state_cache(rank).is_none() {
+        if self.lock(py)?.linear_state_cache(rank).is_none() {
             return Err(value_error(
                 "dp_rank",
                 "this pool has no linear state (build it with linear_state_slots > 0)",
@@ -386,10 +542,10 @@ impl PyBlockManagerPool {
     }
 
     /// The recurrent-state copies planned since the last call, for every rank (R24).
-    fn take_linear_state_plan(&self) -> PyLinearStatePlan {
-        PyLinearStatePlan {
-            plan: self.inner.lock().take_linear_state_plan(),
-        }
+    fn take_linear_state_plan(&self, py: Python<'_>) -> PyResult<PyLinearStatePlan> {
+        Ok(PyLinearStatePlan {
+            plan: self.lock(py)?.take_linear_state_plan(),
+        })
     }
 
     /// Confirms that the worker made the copies of plan (R24).
@@ -404,11 +560,11 @@ impl PyBlockManagerPool {
         self.with_pool(py, |pool| pool.commit_linear_state_plan(plan))
     }
 
-    fn __repr__(&self) -> String {
-        let c = self.inner.lock().stats().total.counts;
-        format!(
+    fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
+        let c = self.lock(py)?.stats().total.counts;
+        Ok(format!(
             "BlockManagerPool(num_blocks={}, block_size={}, dp_size={}, free={}, cached={}, used={})",
             self.num_blocks, self.block_size, self.dp_size, c.free, c.cached, c.used
-        )
+        ))
     }
 }

@@ -40,6 +40,10 @@ pub(crate) fn rank_dict<'py>(
     });
     result?;
     d.set_item("window", window)?;
+    match &r.xtensor {
+        Some(x) => d.set_item("xtensor", crate::elastic::xtensor_dict(py, x)?)?,
+        None => d.set_item("xtensor", py.None())?,
+    }
     match host {
         Some(h) => d.set_item("host", host_dict(py, h)?)?,
         None => d.set_item("host", py.None())?,

@@ -34,16 +34,27 @@ thread_local! {
     static IN_BACKEND: Cell<bool> = const { Cell::new(false) };
 }
 
+/// Whether this thread is running a Python backend's method (a backend must not call the
+/// manager or pool that called it: that is a `RuntimeError`, not a deadlock).
+pub(crate) fn in_backend() -> bool {
+    IN_BACKEND.with(Cell::get)
+}
+
 /// The exception a Python backend raised, kept for the binding to re-raise.
-type ErrorSlot = Arc<parking_lot::Mutex<Option<PyErr>>>;
+pub(crate) type ErrorSlot = Arc<parking_lot::Mutex<Option<PyErr>>>;
 
 /// A Python object with `map_page(page)` / `unmap_page(page)` as a page backend.
-struct PythonBackend {
+pub(crate) struct PythonBackend {
     object: Py<PyAny>,
     error: ErrorSlot,
 }
 
 impl PythonBackend {
+    /// `object` as a backend whose exceptions land in `error`.
+    pub(crate) fn new(object: Py<PyAny>, error: ErrorSlot) -> Self {
+        Self { object, error }
+    }
+
     fn call(&mut self, method: &'static str, page: usize) -> Result<(), PageError> {
         Python::attach(|py| {
             IN_BACKEND.with(|flag| flag.set(true));
@@ -139,7 +150,10 @@ impl PyXTensorBlockManager {
     }
 }
 
-fn report_dict<'py>(py: Python<'py>, report: &MemoryLimitReport) -> PyResult<Bound<'py, PyDict>> {
+pub(crate) fn report_dict<'py>(
+    py: Python<'py>,
+    report: &MemoryLimitReport,
+) -> PyResult<Bound<'py, PyDict>> {
     let dict = PyDict::new(py);
     dict.set_item("limit_bytes", report.limit_bytes)?;
     dict.set_item("limit_pages", report.limit_pages)?;

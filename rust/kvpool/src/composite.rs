@@ -44,7 +44,7 @@ impl GroupManager {
     /// The group's manager as the common trait.
     pub fn as_manager(&self) -> &dyn BlockManager {
         match &self.kind {
-            Kind::Full(g) => g.manager(),
+            Kind::Full(g) => g.as_dyn(),
             Kind::Window(g) => g.manager(),
         }
     }
@@ -52,7 +52,7 @@ impl GroupManager {
     /// The group's manager as the common trait.
     pub fn as_manager_mut(&mut self) -> &mut dyn BlockManager {
         match &mut self.kind {
-            Kind::Full(g) => g.manager_mut(),
+            Kind::Full(g) => g.as_dyn_mut(),
             Kind::Window(g) => g.manager_mut(),
         }
     }

@@ -48,7 +48,8 @@ pub use manager::{
 pub use pool::{
     AllocationPlan, BlockManagerPool, DebugCounters, HierarchyBlockManagerPool, HierarchyConfig,
     HierarchyStats, KvCacheManager, KvEvent, KvEventKind, LinearStateMatch, LinearStatePlan,
-    LinearStateSave, PoolConfig, PoolStats, RankStats,
+    LinearStateSave, PageBackendKind, PoolConfig, PoolStats, RankStats, XTensorOptions,
+    XTensorRankStats,
 };
 pub use prefix_cache::{CacheEvent, CacheStats, ExtraKey, PrefixCache, Probe};
 pub use sequence::Sequence;

@@ -3,21 +3,38 @@
 //! It is the group that owns the prefix chain: an admission's hit starts as its walk of the
 //! chain ([`FullGroup::walk`]), the other groups narrow it, and [`FullGroup::take_hit`] then
 //! retains exactly the walked blocks (no second walk). Blocks stay in a sequence's table for its
-//! life (no slide). The allocator is an [`Allocator`], so a new allocator kind plugs in as a
-//! variant without touching the pool.
+//! life (no slide). The allocator is an [`Allocator`]: fixed memory (`BlockManagerImpl`) or
+//! elastic pages (`XTensorBlockManager`, the seed's `enable_xtensor`); the pool never asks which.
 //!
-//! Invariants: those of the allocator (R1-R12, `BlockManagerImpl::check`).
+//! Invariants: those of the allocator (R1-R12, `BlockManagerImpl::check`, and for elastic pages
+//! the page rules of `XTensorBlockManager::check`). An elastic allocator is settled (released ids
+//! taken onto their pages, emptied pages unmapped) whenever the pool drains the group.
 
 use crate::block::Block;
 use crate::error::Result;
 use crate::hash::{BlockHash, BlockHasher};
 use crate::manager::{BlockCounts, BlockManager, BlockManagerImpl};
 use crate::prefix_cache::{ExtraKey, PrefixCache, CACHE_ONLY_BIT};
+use crate::xtensor::XTensorBlockManager;
 
 /// The physical allocator of a rank's full-attention group.
+// The plain manager stays inline (the hot path, no indirection); the elastic one is boxed.
+#[allow(clippy::large_enum_variant)]
 pub(crate) enum Allocator {
-    /// Fixed pages with a prefix cache (`BlockManagerImpl`).
+    /// Fixed memory with a prefix cache (`BlockManagerImpl`).
     Paged(BlockManagerImpl),
+    /// Elastic memory on virtual-memory pages, with a prefix cache (`XTensorBlockManager`).
+    Elastic(Box<XTensorBlockManager>),
+}
+
+/// Calls `$body` with `$m` bound to the allocator, whichever kind it is.
+macro_rules! with_allocator {
+    ($allocator:expr, $m:ident => $body:expr) => {
+        match $allocator {
+            Allocator::Paged($m) => $body,
+            Allocator::Elastic($m) => $body,
+        }
+    };
 }
 
 /// The full-attention group of one rank.
@@ -54,53 +71,93 @@ impl FullGroup {
         }
     }
 
-    /// The allocator as a `BlockManagerImpl` (every kind today).
-    #[inline]
-    pub(crate) fn manager(&self) -> &BlockManagerImpl {
+    /// A group on elastic pages.
+    pub(crate) fn elastic(manager: XTensorBlockManager) -> Self {
+        Self {
+            allocator: Allocator::Elastic(Box::new(manager)),
+        }
+    }
+
+    /// The allocator as the common trait.
+    pub(crate) fn as_dyn(&self) -> &dyn BlockManager {
         match &self.allocator {
             Allocator::Paged(m) => m,
+            Allocator::Elastic(m) => &**m,
+        }
+    }
+
+    /// The allocator as the common trait.
+    pub(crate) fn as_dyn_mut(&mut self) -> &mut dyn BlockManager {
+        match &mut self.allocator {
+            Allocator::Paged(m) => m,
+            Allocator::Elastic(m) => &mut **m,
+        }
+    }
+
+    /// The allocator if it is a `BlockManagerImpl` (fixed memory).
+    #[inline]
+    pub(crate) fn paged(&self) -> Option<&BlockManagerImpl> {
+        match &self.allocator {
+            Allocator::Paged(m) => Some(m),
+            Allocator::Elastic(_) => None,
+        }
+    }
+
+    /// The allocator if it is an `XTensorBlockManager` (elastic pages).
+    #[inline]
+    pub(crate) fn elastic_manager(&self) -> Option<&XTensorBlockManager> {
+        match &self.allocator {
+            Allocator::Paged(_) => None,
+            Allocator::Elastic(m) => Some(m),
         }
     }
 
     #[inline]
-    pub(crate) fn manager_mut(&mut self) -> &mut BlockManagerImpl {
+    pub(crate) fn elastic_manager_mut(&mut self) -> Option<&mut XTensorBlockManager> {
         match &mut self.allocator {
-            Allocator::Paged(m) => m,
+            Allocator::Paged(_) => None,
+            Allocator::Elastic(m) => Some(m),
         }
     }
 
     /// The prefix cache, if enabled.
     #[inline]
     pub(crate) fn cache(&self) -> Option<&PrefixCache> {
-        self.manager().prefix_cache()
+        with_allocator!(&self.allocator, m => m.prefix_cache())
     }
 
     #[inline]
     pub(crate) fn cache_mut(&mut self) -> Option<&mut PrefixCache> {
-        self.manager_mut().prefix_cache_mut()
+        match &mut self.allocator {
+            Allocator::Paged(m) => m.prefix_cache_mut(),
+            Allocator::Elastic(m) => m.cache.as_mut(),
+        }
     }
 
     /// The hasher of the chains (also when the cache is off).
     pub(crate) fn hasher(&self) -> BlockHasher {
-        *self.manager().hasher()
+        with_allocator!(&self.allocator, m => *m.hasher())
     }
 
-    /// Free plus evictable blocks.
+    /// Free plus evictable blocks (for elastic pages: plus what the memory limit lets map).
     #[inline]
     pub(crate) fn num_available(&self) -> usize {
-        self.manager().num_available()
+        match &self.allocator {
+            Allocator::Paged(m) => m.num_available(),
+            Allocator::Elastic(m) => m.num_available_blocks(),
+        }
     }
 
     pub(crate) fn counts(&self) -> BlockCounts {
-        self.manager().counts()
+        with_allocator!(&self.allocator, m => m.counts())
     }
 
     pub(crate) fn owns(&self, block: &Block) -> bool {
-        self.manager().owns(block)
+        with_allocator!(&self.allocator, m => m.owns(block))
     }
 
     pub(crate) fn check(&self) -> Result<()> {
-        self.manager().check()
+        with_allocator!(&self.allocator, m => m.check())
     }
 
     /// One walk of the chain in the cache (empty without a cache).
@@ -136,14 +193,14 @@ impl FullGroup {
     pub(crate) fn grow(&mut self, table: &mut Vec<Block>, need: usize) -> bool {
         match need {
             0 => true,
-            1 => match self.manager_mut().allocate_one() {
+            1 => match with_allocator!(&mut self.allocator, m => m.allocate_one()) {
                 Ok(block) => {
                     table.push(block);
                     true
                 }
                 Err(_) => false,
             },
-            _ => self.manager_mut().allocate_into(need, table).is_ok(),
+            _ => with_allocator!(&mut self.allocator, m => m.allocate_into(need, table)).is_ok(),
         }
     }
 
@@ -170,15 +227,25 @@ impl FullGroup {
         }
     }
 
-    /// Puts the blocks whose last outside handle went onto the LRU list.
+    /// Puts the blocks whose last outside handle went onto the LRU list; elastic pages also
+    /// take the released ids onto their pages and unmap the pages that emptied.
     pub(crate) fn drain(&mut self) {
-        if let Some(cache) = self.cache_mut() {
-            cache.drain_released();
+        match &mut self.allocator {
+            Allocator::Paged(m) => {
+                if let Some(cache) = m.prefix_cache_mut() {
+                    cache.drain_released();
+                }
+            }
+            // A backend error leaves the manager unsettled; its next call retries (and `check`
+            // does not hold the page rules against it meanwhile).
+            Allocator::Elastic(m) => {
+                let _deferred = m.trim();
+            }
         }
     }
 
     /// Drops every cached entry (R12).
     pub(crate) fn reset(&mut self) {
-        self.manager_mut().reset_prefix_cache();
+        with_allocator!(&mut self.allocator, m => m.reset_prefix_cache());
     }
 }

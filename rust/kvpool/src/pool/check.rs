@@ -28,7 +28,7 @@ impl BlockManagerPool {
                 .map(|g| g.cache())
         })?;
         if let Some(host) = &self.host {
-            let devices: Vec<_> = self.ranks.iter().map(|r| r.full.manager()).collect();
+            let devices: Vec<_> = self.ranks.iter().filter_map(|r| r.full.paged()).collect();
             host.check(&devices)?;
         }
         Ok(())

@@ -10,9 +10,11 @@ use crate::linear_state::LinearStatePrefixCache;
 use crate::manager::{BlockManagerImpl, ManagerConfig, SingleBlockManager};
 use crate::sliding_window::SlidingWindowBlockManager;
 use crate::tiers::HostTierConfig;
+use crate::xtensor::{PageBackend, XTensorBlockManager};
 
 pub use crate::groups::{LinearStateMatch, LinearStateSave};
 
+use super::elastic::{PageBackendKind, XTensorOptions};
 use super::Rank;
 
 /// Options of a [`super::BlockManagerPool`].
@@ -47,6 +49,9 @@ pub struct PoolConfig {
     pub swa_num_blocks: Option<usize>,
     /// A host tier per rank (R26); `None`: the device only.
     pub host: Option<HostTierConfig>,
+    /// Full-attention blocks of every rank on elastic pages (`XTensorBlockManager`, the seed's
+    /// `enable_xtensor`); `None`: fixed memory.
+    pub xtensor: Option<XTensorOptions>,
 }
 
 impl PoolConfig {
@@ -67,6 +72,7 @@ impl PoolConfig {
             sliding_window: None,
             swa_num_blocks: None,
             host: None,
+            xtensor: None,
         }
     }
 
@@ -139,8 +145,15 @@ impl PoolConfig {
         if self.sliding_window.is_some() {
             within_caps(self.swa_blocks(), self.block_size, "swa_num_blocks")?;
         }
+        if let Some(xtensor) = &self.xtensor {
+            xtensor.validate(self)?;
+        }
+        let allocator = match &self.xtensor {
+            Some(xtensor) => xtensor.manager_config(self).footprint(),
+            None => self.manager().footprint(),
+        };
         // F1: the whole footprint of every rank in one request, before anything is filled.
-        let per_rank = self.manager().footprint()
+        let per_rank = allocator
             + self.num_single() as u128 * BlockStore::BYTES_PER_ID
             + LinearStatePrefixCache::footprint(self.linear_state_slots)
             + self.sliding_window.map_or(0, |_| {
@@ -154,13 +167,40 @@ impl PoolConfig {
     }
 
     /// The ranks (after [`Self::validate`]).
-    pub(crate) fn build_ranks(&self) -> Result<Vec<Rank>> {
+    /// `backends`: rank `r`'s page backend at `r`, for elastic pages with a `Custom` backend.
+    pub(crate) fn build_ranks(&self, backends: Vec<Box<dyn PageBackend>>) -> Result<Vec<Rank>> {
         let mut ranks = Vec::with_capacity(self.dp_size);
+        let mut backends = backends.into_iter();
         for index in 0..self.dp_size {
-            let mut blocks = BlockManagerImpl::new(self.manager())?;
-            if let Some(cache) = blocks.prefix_cache_mut() {
-                cache.set_record_events(self.enable_events);
-            }
+            let full = match &self.xtensor {
+                None => {
+                    let mut blocks = BlockManagerImpl::new(self.manager())?;
+                    if let Some(cache) = blocks.prefix_cache_mut() {
+                        cache.set_record_events(self.enable_events);
+                    }
+                    FullGroup::new(blocks)
+                }
+                Some(xtensor) => {
+                    let backend = match xtensor.backend(self)? {
+                        Some(backend) => backend,
+                        None => backends.next().ok_or_else(|| {
+                            crate::error::KvPoolError::invalid(
+                                "xtensor.backend",
+                                format!("no page backend for dp rank {index}"),
+                            )
+                        })?,
+                    };
+                    debug_assert!(
+                        xtensor.backend == PageBackendKind::Custom || backends.len() == 0
+                    );
+                    let mut manager =
+                        XTensorBlockManager::with_backend(xtensor.manager_config(self), backend)?;
+                    if let Some(cache) = manager.cache.as_mut() {
+                        cache.set_record_events(self.enable_events);
+                    }
+                    FullGroup::elastic(manager)
+                }
+            };
             let single = SingleBlockManager::new(self.num_single())
                 .map_err(|e| e.renamed("num_slots", "num_single_blocks"))?;
             let mut groups = Vec::new();
@@ -190,7 +230,7 @@ impl PoolConfig {
                 groups.push(Group::Window(WindowGroup::new(manager)));
             }
             ranks.push(Rank {
-                full: FullGroup::new(blocks),
+                full,
                 single,
                 groups,
                 query_tokens: 0,

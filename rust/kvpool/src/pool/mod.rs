@@ -19,6 +19,7 @@ mod admission;
 mod batch;
 mod check;
 mod config;
+mod elastic;
 mod events;
 mod hierarchy;
 mod linear_plans;
@@ -38,6 +39,7 @@ use crate::tiers::HostTier;
 
 pub use admission::{AllocationPlan, DebugCounters};
 pub use config::{LinearStateMatch, LinearStateSave, PoolConfig};
+pub use elastic::{PageBackendKind, XTensorOptions, XTensorRankStats};
 pub use events::{KvEvent, KvEventKind};
 pub use hierarchy::{HierarchyBlockManagerPool, HierarchyConfig, HierarchyStats};
 pub use linear_plans::LinearStatePlan;
@@ -123,8 +125,17 @@ const _: fn() = || {
 impl BlockManagerPool {
     /// A pool per `config`.
     pub fn new(config: PoolConfig) -> Result<Self> {
+        Self::build(config, Vec::new())
+    }
+
+    /// A pool per `config`; on elastic pages with a `Custom` backend, `backends[r]` is rank
+    /// `r`'s.
+    fn build(
+        config: PoolConfig,
+        backends: Vec<Box<dyn crate::xtensor::PageBackend>>,
+    ) -> Result<Self> {
         config.validate()?;
-        let ranks = config.build_ranks()?;
+        let ranks = config.build_ranks(backends)?;
         // Relaxed: only uniqueness matters.
         let id = NEXT_POOL_ID.fetch_add(1, Ordering::Relaxed);
         let host = match config.host {
@@ -179,9 +190,10 @@ impl BlockManagerPool {
         self.host.is_some()
     }
 
-    /// The block manager of `rank`'s full-attention group.
+    /// The block manager of `rank`'s full-attention group (`None` on elastic pages: see
+    /// [`Self::xtensor_manager`]).
     pub fn block_manager(&self, rank: usize) -> Option<&BlockManagerImpl> {
-        self.ranks.get(rank).map(|r| r.full.manager())
+        self.ranks.get(rank).and_then(|r| r.full.paged())
     }
 
     /// The sliding-window group's manager of `rank`, if any.

@@ -4,6 +4,7 @@ use crate::counters::counters;
 use crate::groups::GroupCounters;
 use crate::manager::{BlockCounts, BlockManager};
 
+use super::elastic::XTensorRankStats;
 use super::BlockManagerPool;
 
 counters! {
@@ -12,6 +13,8 @@ counters! {
     pub struct RankStats {
         + /// Block counts of the sliding-window group (R25), when there is one.
         window: Option<BlockCounts>;
+        + /// Mapped memory, when the pool is on elastic pages (`xtensor`).
+        xtensor: Option<XTensorRankStats>;
         rank {
             /// Tokens of the full blocks successful allocations looked up.
             prefix_query_tokens: u64 => "prefix_query_tokens",
@@ -48,6 +51,11 @@ impl RankStats {
         self.add_counters(other);
         if let Some(w) = &other.window {
             self.window.get_or_insert_with(BlockCounts::default).add(w);
+        }
+        if let Some(x) = &other.xtensor {
+            self.xtensor
+                .get_or_insert_with(XTensorRankStats::default)
+                .add(x);
         }
     }
 }
@@ -86,6 +94,7 @@ impl BlockManagerPool {
                 num_checkpoint_commits: g.checkpoint_commits,
                 num_window_releases: g.window_releases,
                 window: g.window,
+                xtensor: rank.full.elastic_manager().map(XTensorRankStats::of),
             };
             stats.total.add(&r);
             stats.ranks.push(r);
