@@ -26,6 +26,7 @@ pub(crate) const POOL_OPTIONS: &[&str] = &[
     "sliding_window",
     "swa_num_blocks",
     "debug_hash_bits",
+    "dedup",
 ];
 
 /// The `**options` of a constructor, checked against the names it takes.
@@ -116,6 +117,7 @@ impl<'py> Options<'py> {
             sliding_window: self.count("sliding_window")?,
             swa_num_blocks: self.count("swa_num_blocks")?,
             host: None,
+            dedup: self.flag("dedup", true)?,
         };
         Ok((config, concurrent))
     }

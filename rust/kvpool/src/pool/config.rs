@@ -47,6 +47,9 @@ pub struct PoolConfig {
     pub swa_num_blocks: Option<usize>,
     /// A host tier per rank (R26); `None`: the device only.
     pub host: Option<HostTierConfig>,
+    /// Dedup on publish (R9 revised): a computed duplicate of a cached block switches to the
+    /// cached copy. `false`: first writer wins, as at the physical level.
+    pub dedup: bool,
 }
 
 impl PoolConfig {
@@ -67,6 +70,7 @@ impl PoolConfig {
             sliding_window: None,
             swa_num_blocks: None,
             host: None,
+            dedup: true,
         }
     }
 
