@@ -119,13 +119,13 @@ class BlockManager:
     def can_append(self, seq) -> bool:
         """Whether the block the next step writes into can be had (nano-vllm: ``len(seq)``
         counts the token sampled last step)."""
-        if len(seq) <= len(seq.block_table) * self.block_size:
+        if seq.num_tokens <= len(seq.block_table) * self.block_size:
             return True  # the table holds it: no call into Rust
         return self.pool.can_append(self._twin(seq))
 
     def may_append(self, seq) -> None:
         """Takes that block (if the table does not hold the token yet)."""
-        if len(seq) <= len(seq.block_table) * self.block_size:
+        if seq.num_tokens <= len(seq.block_table) * self.block_size:
             return
         twin = self._twin(seq)
         if not self.pool.may_append(twin):
@@ -137,8 +137,9 @@ class BlockManager:
     def hash_blocks(self, seq) -> None:
         """Publishes the blocks the step just filled (before ``num_cached_tokens`` advances)."""
         bs = self.block_size
-        done = seq.num_cached_tokens + seq.num_scheduled_tokens
-        if seq.num_cached_tokens // bs == done // bs:
+        cached = seq.num_cached_tokens
+        done = cached + seq.num_scheduled_tokens
+        if cached // bs == done // bs:
             return  # no block became full: no call into Rust
         twin = self._twin(seq)
         twin.num_computed_tokens = done
