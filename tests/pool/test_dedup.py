@@ -103,6 +103,39 @@ def test_r9_n_sequences_sharing_a_prompt(n):
     pool.check()
 
 
+def test_r9_the_batch_step_call_dedups_too():
+    pool = kvpool.BlockManagerPool(64, 4)
+    a = kvpool.Sequence(SYSTEM + [1])
+    b = kvpool.Sequence(SYSTEM + [2])
+    batch = kvpool.SequenceBatch([a, b])
+    pool.allocate(a)
+    pool.allocate(b)
+    pool.advance(batch, [7, 8], lookahead=0)  # computed = len, publish, append (R17)
+    assert a.block_ids()[:2] == b.block_ids()[:2]
+    assert len(pool.drain_block_switches()) == 2
+    pool.check()
+
+
+@pytest.mark.parametrize("options", [{"sliding_window": 8}, {"dp_size": 2}])
+def test_r9_dedup_composes_with_other_groups_and_ranks(options):
+    pool = kvpool.BlockManagerPool(64, 4, **options)
+    seqs = [kvpool.Sequence(SYSTEM + [i, i + 1, i + 2, i + 3, 9]) for i in range(3)]
+    for s in seqs:
+        assert pool.allocate(s)
+    computed(*seqs)
+    for s in seqs:
+        pool.cache(s)
+        pool.check()
+    by_rank = {}
+    for s in seqs:
+        by_rank.setdefault(s.dp_rank, []).append(s)
+    for group in by_rank.values():
+        assert all(s.block_ids()[:2] == group[0].block_ids()[:2] for s in group)
+    for s in seqs:
+        pool.deallocate(s)
+    pool.check()
+
+
 def test_r9_no_stored_event_for_a_duplicate():
     pool, a, b = fan_out(enable_events=True)
     stored = [e for e in pool.drain_events() if e.kind == "stored"]

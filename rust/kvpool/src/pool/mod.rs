@@ -12,8 +12,10 @@
 //! Invariants: a sequence holds blocks of at most one pool (its allocation's `owner`) and one
 //! rank (R13); every entry point is all-or-nothing (R14, R16, R29): it either succeeds or leaves
 //! the pool and the sequence as they were (blocks, LRU, single blocks, statistics, dp rank);
-//! counts of every rank obey R2; blocks are published only once their KV exists (R17). Every
-//! entry that changes the pool advances its generation, which a plan is checked against.
+//! counts of every rank obey R2; blocks are published only once their KV exists (R17); with
+//! `dedup` a step's publication switches a duplicate the sequence alone holds to the cached copy
+//! and records the switch (R9 revised, `prefix_cache/dedup.rs`). Every entry that changes the
+//! pool advances its generation, which a plan is checked against.
 
 mod admission;
 mod batch;
