@@ -9,7 +9,17 @@ Python docs live here; a binding's own ``__doc__`` is one line.
 
 from collections.abc import Iterable, Iterator
 from collections.abc import Sequence as _Sequence
-from typing import Any, Final, Literal, Required, SupportsIndex, TypeAlias, TypedDict, final
+from typing import (
+    Any,
+    Final,
+    Literal,
+    Required,
+    Self,
+    SupportsIndex,
+    TypeAlias,
+    TypedDict,
+    final,
+)
 
 import numpy as np
 from numpy.typing import NDArray
@@ -667,9 +677,13 @@ def hash_blocks(
 
 # --- sequence level (R13-R21) -----------------------------------------------------------------
 
-@final
+@disjoint_base
 class Sequence:
     """A request's tokens and KV-cache state (block table, computed tokens, dp rank).
+
+    Subclass it for an engine's own sequence class (no twin object): instances take their own
+    attributes, and a subclass's constructor arguments past ``token_ids`` (and the keywords
+    ``seq_id`` / ``extra_key``) go to its ``__init__``, which need not call the base's.
 
     Parameters
     ----------
@@ -682,8 +696,13 @@ class Sequence:
     """
 
     def __new__(
-        cls, token_ids: _TokenIds, *, seq_id: int | None = None, extra_key: _ExtraKey = None
-    ) -> Sequence: ...
+        cls,
+        token_ids: _TokenIds,
+        *args: Any,
+        seq_id: int | None = None,
+        extra_key: _ExtraKey = None,
+        **kwargs: Any,
+    ) -> Self: ...
     def __len__(self) -> int:
         """Number of tokens (prompt plus appended)."""
 
@@ -730,8 +749,28 @@ class Sequence:
         """Number of entries of the block table."""
 
     @property
+    def last_block_id(self) -> int | None:
+        """The table's last entry (the one ``may_append`` just added), or None; no copy."""
+
+    def block_id(self, i: int) -> int:
+        """Entry ``i`` of the block table (negative ``i`` counts from the end); no copy.
+
+        Raises
+        ------
+        IndexError
+            ``i`` is out of range.
+        """
+
+    def block_ids(self) -> list[int]:
+        """The block table as a Python list of int (engines that keep tables as lists)."""
+
+    @property
     def num_cached_tokens(self) -> int:
-        """Tokens whose KV came from the prefix cache at allocation."""
+        """Tokens whose KV came from the prefix cache at allocation.
+
+        vLLM's ``num_cached_tokens`` (the admission hit). nano-vllm's ``num_cached_tokens``
+        ("KV exists") is ``num_computed_tokens`` here.
+        """
 
     @property
     def num_computed_tokens(self) -> int:
@@ -944,6 +983,11 @@ class BlockManagerPool:
         ``map_page(page)`` / ``unmap_page(page)`` (``kvpool.xtensor.CudaPageBackend``); the pool
         then releases the GIL in every call, and an exception a backend raises propagates from
         the call it was raised in. Errors name ``xtensor.<key>``.
+    dedup : bool
+        Dedup on publish (R9 revised): a computed full block whose chain position is already
+        cached with another block switches the sequence's table entry to the cached block and
+        frees the duplicate (read the switches with ``drain_block_switches``). False keeps first
+        writer wins (engines whose workers only append to block tables, as vLLM's do).
 
     Every option composes with every other, and with a host tier (the subclass
     ``HierarchyBlockManagerPool``; docs/host_tier.md), except ``xtensor``, which takes no
@@ -976,6 +1020,7 @@ class BlockManagerPool:
         linear_state_save: _LinearStateSave = "copy",
         debug_hash_bits: int | None = None,
         xtensor: _XTensorOption | None = None,
+        dedup: bool = True,
     ) -> BlockManagerPool: ...
     @property
     def num_blocks(self) -> int:
@@ -1093,19 +1138,33 @@ class BlockManagerPool:
             ``seq`` holds blocks of another pool.
         """
 
-    def block_tables(self, seqs: _Seqs, group: int = 0) -> NDArray[np.int32]:
+    def block_tables(self, seqs: _Seqs, group: int = 0, *, pad: int = 0) -> NDArray[np.int32]:
         """Block tables of ``seqs`` in one array (R19).
+
+        Parameters
+        ----------
+        pad : int
+            The value past each table's end (0, id 0 being the padding block; nano-vllm pads
+            with -1). Released sliding-window entries stay 0.
 
         Returns
         -------
         numpy.ndarray
-            int32 of shape ``[len(seqs), max_blocks]``, padded with 0.
+            int32 of shape ``[len(seqs), max_blocks]``, padded with ``pad``.
         """
 
-    def slot_mapping(self, seqs: _Seqs, group: int = 0) -> NDArray[np.int64]:
+    def slot_mapping(
+        self, seqs: _Seqs, group: int = 0, *, num_tokens: _TokenIds | None = None
+    ) -> NDArray[np.int64]:
         """Cache slots of tokens ``[num_computed_tokens, len)`` of every sequence (R19).
 
         ``slot = block_id * block_size + position % block_size``.
+
+        Parameters
+        ----------
+        num_tokens : sequence of int or None
+            One count per sequence: the slots of its next ``num_tokens[i]`` tokens from
+            ``num_computed_tokens`` (a chunked prefill's chunk) instead of all of them.
 
         Returns
         -------
@@ -1115,7 +1174,8 @@ class BlockManagerPool:
         Raises
         ------
         ValueError
-            A token is not held by its table yet (call ``may_append`` first).
+            A token is not held by its table yet (call ``may_append`` first), or a count goes
+            past ``len(seq)`` or the table (the message names ``num_tokens``).
         """
 
     def advance(
@@ -1184,6 +1244,21 @@ class BlockManagerPool:
 
     def drain_events(self) -> list[KVEvent]:
         """Return and clear the recorded KV events (R21); ``[]`` unless ``enable_events``."""
+
+    def drain_block_switches(self) -> list[tuple[int, int, int]]:
+        """Return and clear the table entries dedup on publish switched (R9 revised).
+
+        Returns
+        -------
+        list of (seq_id, old_id, new_id)
+            In the order they happened; ``old_id`` went back to the free list, ``new_id`` is
+            the cached block the sequence now holds at that position. ``[]`` with
+            ``dedup=False``. The list grows until drained.
+        """
+
+    @property
+    def dedup(self) -> bool:
+        """Whether the pool dedups on publish (R9 revised)."""
 
     def reset_prefix_cache(self) -> None:
         """Drop every cached entry of every rank, every committed checkpoint nothing pins and
@@ -1624,6 +1699,7 @@ class HierarchyBlockManagerPool(BlockManagerPool):
         sliding_window: int | None = None,
         swa_num_blocks: int | None = None,
         debug_hash_bits: int | None = None,
+        dedup: bool = True,
         remote: Any = None,
         remote_policy: Literal["write_through", "on_host_evict"] = "write_through",
         remote_budget_ms: float = 50.0,

@@ -26,6 +26,7 @@ pub(crate) const POOL_OPTIONS: &[&str] = &[
     "sliding_window",
     "swa_num_blocks",
     "debug_hash_bits",
+    "dedup",
 ];
 
 /// The `**options` of a constructor, checked against the names it takes.
@@ -117,6 +118,7 @@ impl<'py> Options<'py> {
             swa_num_blocks: self.count("swa_num_blocks")?,
             host: None,
             xtensor: crate::elastic::xtensor_option(self.get("xtensor")?.as_ref())?,
+            dedup: self.flag("dedup", true)?,
         };
         Ok((config, concurrent))
     }

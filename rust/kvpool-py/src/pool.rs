@@ -349,19 +349,31 @@ impl PyBlockManagerPool {
         self.with_seq(py, seq, |pool, seq| pool.deallocate(seq))
     }
 
-    /// Block tables of seqs: int32 [len(seqs), max_blocks], padded with 0 (R19).
-    #[pyo3(signature = (seqs, group = None), text_signature = "(self, seqs, group=0)")]
+    /// Block tables of seqs: int32 [len(seqs), max_blocks], padded with pad (R19).
+    #[pyo3(
+        signature = (seqs, group = None, *, pad = None),
+        text_signature = "(self, seqs, group=0, *, pad=0)"
+    )]
     fn block_tables<'py>(
         &self,
         py: Python<'py>,
         seqs: &Bound<'py, PyAny>,
         group: Option<&Bound<'py, PyAny>>,
+        pad: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyArray2<i32>>> {
         let group = group_arg(group)?;
+        let pad = match pad.filter(|p| !p.is_none()) {
+            None => 0,
+            Some(p) => {
+                let value = convert::int(p, "pad")?;
+                i32::try_from(value)
+                    .map_err(|_| value_error("pad", format!("must fit in int32, got {value}")))?
+            }
+        };
         let seqs = SeqsArg::extract(seqs)?;
         let (rows, table, width) = self.with_seqs(py, &seqs, |pool, locked| {
             let refs = locked.refs();
-            pool.block_tables(&refs, group)
+            pool.block_tables_padded(&refs, group, pad)
                 .map(|(t, w)| (refs.len(), t, w))
         })?;
         let array = Array2::from_shape_vec((rows, width), table)
@@ -369,18 +381,27 @@ impl PyBlockManagerPool {
         Ok(array.into_pyarray(py))
     }
 
-    /// Cache slots (int64) of tokens [num_computed_tokens, len) of every sequence (R19).
-    #[pyo3(signature = (seqs, group = None), text_signature = "(self, seqs, group=0)")]
+    /// Cache slots (int64) of tokens [num_computed_tokens, len) of every sequence (R19), or of
+    /// the next num_tokens[i] tokens of seqs[i] (chunked prefill).
+    #[pyo3(
+        signature = (seqs, group = None, *, num_tokens = None),
+        text_signature = "(self, seqs, group=0, *, num_tokens=None)"
+    )]
     fn slot_mapping<'py>(
         &self,
         py: Python<'py>,
         seqs: &Bound<'py, PyAny>,
         group: Option<&Bound<'py, PyAny>>,
+        num_tokens: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyArray1<i64>>> {
         let group = group_arg(group)?;
+        let counts = match num_tokens.filter(|n| !n.is_none()) {
+            None => None,
+            Some(n) => Some(convert::tokens(n, "num_tokens")?),
+        };
         let seqs = SeqsArg::extract(seqs)?;
         let slots = self.with_seqs(py, &seqs, |pool, locked| {
-            pool.slot_mapping(&locked.refs(), group)
+            pool.slot_mapping_counts(&locked.refs(), group, counts.as_deref())
         })?;
         Ok(slots.into_pyarray(py))
     }
@@ -410,6 +431,18 @@ impl PyBlockManagerPool {
     fn drain_events<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         let events = self.lock(py)?.drain_events();
         events_list(py, events)
+    }
+
+    /// Returns and clears the table entries dedup on publish switched (R9 revised): a list of
+    /// (seq_id, old block id, new block id); [] with dedup=False.
+    fn drain_block_switches(&self) -> Vec<(u64, u32, u32)> {
+        self.inner.lock().drain_block_switches()
+    }
+
+    /// Whether the pool dedups on publish (R9 revised; built with dedup=True, the default).
+    #[getter]
+    fn dedup(&self) -> bool {
+        self.inner.lock().config().dedup
     }
 
     /// Drops every cached entry nothing holds, of every rank and tier (R12, R24, R26).

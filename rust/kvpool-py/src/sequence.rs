@@ -4,14 +4,18 @@
 use kvpool::Sequence;
 use numpy::{IntoPyArray, PyArray1};
 use parking_lot::Mutex;
+use pyo3::exceptions::{PyIndexError, PyTypeError};
 use pyo3::prelude::*;
-use pyo3::types::PyBytes;
+use pyo3::types::{PyBytes, PyDict, PyList, PyTuple, PyType};
 
 use crate::convert;
 use crate::errors::{type_error, value_error, IntoPyResult};
 
 /// A request's tokens and KV-cache state (block table, computed tokens, dp rank).
-#[pyclass(frozen, module = "kvpool", name = "Sequence")]
+///
+/// Subclassable (an engine's own sequence class, with its own attributes: `dict`): a subclass's
+/// constructor arguments past `token_ids` go to its `__init__`.
+#[pyclass(frozen, subclass, dict, module = "kvpool", name = "Sequence")]
 pub struct PySequence {
     pub(crate) inner: Mutex<Sequence>,
 }
@@ -19,12 +23,23 @@ pub struct PySequence {
 #[pymethods]
 impl PySequence {
     #[new]
-    #[pyo3(signature = (token_ids, *, seq_id = None, extra_key = None))]
+    #[classmethod]
+    #[pyo3(signature = (token_ids, *args, seq_id = None, extra_key = None, **kwargs))]
     fn new(
+        cls: &Bound<'_, PyType>,
         token_ids: &Bound<'_, PyAny>,
+        args: &Bound<'_, PyTuple>,
         seq_id: Option<&Bound<'_, PyAny>>,
         extra_key: Option<&Bound<'_, PyAny>>,
+        kwargs: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<Self> {
+        let extra = !args.is_empty() || kwargs.is_some_and(|k| !k.is_empty());
+        if extra && cls.is(cls.py().get_type::<Self>()) {
+            // Only a subclass's __init__ takes more arguments.
+            return Err(PyTypeError::new_err(
+                "Sequence() takes token_ids and the keywords seq_id and extra_key only",
+            ));
+        }
         let seq_id = match seq_id.filter(|s| !s.is_none()) {
             Some(id) => Some(convert::uint64(id, "seq_id")?),
             None => None,
@@ -105,6 +120,33 @@ impl PySequence {
     #[getter]
     fn num_blocks(&self) -> usize {
         self.inner.lock().blocks().len()
+    }
+
+    /// The last entry of the block table (the one may_append just added), or None.
+    #[getter]
+    fn last_block_id(&self) -> Option<u32> {
+        self.inner.lock().blocks().last().map(|b| b.id())
+    }
+
+    /// Entry i of the block table (negative i counts from the end), without copying the table.
+    fn block_id(&self, i: &Bound<'_, PyAny>) -> PyResult<u32> {
+        let i = convert::int(i, "i")?;
+        let seq = self.inner.lock();
+        let blocks = seq.blocks();
+        let n = blocks.len() as i128;
+        let index = if i < 0 { i + n } else { i };
+        if !(0..n).contains(&index) {
+            return Err(PyIndexError::new_err(format!(
+                "i: block index {i} out of range for a table of {n} entries"
+            )));
+        }
+        Ok(blocks[index as usize].id())
+    }
+
+    /// The block table as a Python list of int (for engines that keep tables as lists).
+    fn block_ids<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let ids: Vec<u32> = self.inner.lock().block_ids().collect();
+        PyList::new(py, ids)
     }
 
     /// Tokens whose KV came from the prefix cache at allocation.

@@ -14,7 +14,7 @@ use crate::block::Block;
 use crate::error::Result;
 use crate::hash::{BlockHash, BlockHasher};
 use crate::manager::{BlockCounts, BlockManager, BlockManagerImpl};
-use crate::prefix_cache::{ExtraKey, PrefixCache, CACHE_ONLY_BIT};
+use crate::prefix_cache::{ExtraKey, PrefixCache, Switch, CACHE_ONLY_BIT};
 use crate::xtensor::XTensorBlockManager;
 
 /// The physical allocator of a rank's full-attention group.
@@ -221,6 +221,27 @@ impl FullGroup {
             Some(cache) => {
                 cache
                     .insert(hashes, tokens, blocks, published, extra_key, releasing)
+                    .1
+            }
+            None => published,
+        }
+    }
+
+    /// [`Self::publish`] with dedup on publish (R9 revised): duplicates switch to their cached
+    /// copy (appended to `switches`) and the chain continues.
+    pub(crate) fn publish_dedup(
+        &mut self,
+        hashes: &[BlockHash],
+        tokens: &[u32],
+        blocks: &mut [Block],
+        published: usize,
+        extra_key: Option<&ExtraKey>,
+        switches: &mut Vec<Switch>,
+    ) -> usize {
+        match self.cache_mut() {
+            Some(cache) => {
+                cache
+                    .insert_dedup(hashes, tokens, blocks, published, extra_key, switches)
                     .1
             }
             None => published,

@@ -63,6 +63,15 @@ impl GroupTable {
             Self::Window(_) => None,
         }
     }
+
+    /// Whether a copy planned for this sequence is not confirmed yet (a linear-state save or
+    /// restore in `ledger`, R24): dedup on publish waits for it (R9 revised).
+    pub(crate) fn holds_plan(&self, ledger: &Ledger) -> bool {
+        match self {
+            Self::Linear(t) => t.ops.iter().any(|id| ledger.ops.contains_key(id)),
+            Self::Window(_) => false,
+        }
+    }
 }
 
 /// The counters the groups of a rank report (R20).

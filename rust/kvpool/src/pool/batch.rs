@@ -128,12 +128,23 @@ impl BlockManagerPool {
     /// R19: the block tables of `seqs` in group `group`, row-major
     /// `[len(seqs), max_blocks]`, padded with 0 (released window entries are 0 too).
     pub fn block_tables(&self, seqs: &[&Sequence], group: usize) -> Result<(Vec<i32>, usize)> {
+        self.block_tables_padded(seqs, group, 0)
+    }
+
+    /// [`Self::block_tables`] padded with `pad` (an engine's own pad value, e.g. nano-vllm's
+    /// -1); released window entries stay 0.
+    pub fn block_tables_padded(
+        &self,
+        seqs: &[&Sequence],
+        group: usize,
+        pad: i32,
+    ) -> Result<(Vec<i32>, usize)> {
         self.check_group(group)?;
         for seq in seqs {
             self.check_owner_as(seq, "seqs")?;
         }
         let width = seqs.iter().map(|s| s.blocks().len()).max().unwrap_or(0);
-        let mut table = vec![0i32; seqs.len() * width];
+        let mut table = vec![pad; seqs.len() * width];
         for (row, seq) in table.chunks_exact_mut(width.max(1)).zip(seqs) {
             if group == 0 {
                 for (slot, id) in row.iter_mut().zip(seq.block_ids()) {
@@ -151,18 +162,67 @@ impl BlockManagerPool {
     /// R19: the cache slots, in group `group`, of tokens `[num_computed_tokens, len)` of every
     /// sequence; tokens a confirmed host load brought count as computed (R26).
     pub fn slot_mapping(&self, seqs: &[&Sequence], group: usize) -> Result<Vec<i64>> {
+        self.slot_mapping_counts(seqs, group, None)
+    }
+
+    /// [`Self::slot_mapping`] of the next `counts[i]` tokens of `seqs[i]` from its
+    /// `num_computed_tokens` (a chunked prefill's chunk), or of all its uncomputed tokens when
+    /// `counts` is `None`. A count past `len(seq)`, or past what the table holds, is an error
+    /// naming `num_tokens`.
+    pub fn slot_mapping_counts(
+        &self,
+        seqs: &[&Sequence],
+        group: usize,
+        counts: Option<&[u32]>,
+    ) -> Result<Vec<i64>> {
         self.check_group(group)?;
         let block_size = self.config.block_size;
         let mut total = 0;
-        for seq in seqs {
-            self.check_sequence_owned(seq)?;
-            total += seq.len() - seq.num_computed_tokens();
+        let mut ends = Vec::with_capacity(seqs.len());
+        match counts {
+            None => {
+                for seq in seqs {
+                    self.check_sequence_owned(seq)?;
+                    total += seq.len() - seq.num_computed_tokens();
+                    ends.push(seq.len());
+                }
+            }
+            Some(counts) => {
+                ensure_arg!(
+                    counts.len() == seqs.len(),
+                    "num_tokens",
+                    "has {} counts for {} sequences",
+                    counts.len(),
+                    seqs.len()
+                );
+                for (seq, &count) in seqs.iter().zip(counts) {
+                    ensure_arg!(
+                        self.check_owner_as(seq, "seqs")?,
+                        "seqs",
+                        "sequence {} is not allocated in this pool",
+                        seq.seq_id()
+                    );
+                    let end = seq.num_computed_tokens() + count as usize;
+                    ensure_arg!(
+                        end <= seq.len() && end <= seq.capacity(),
+                        "num_tokens",
+                        "sequence {}: {} computed + {count} tokens exceed its {} tokens or the {} \
+                         its table holds",
+                        seq.seq_id(),
+                        seq.num_computed_tokens(),
+                        seq.len(),
+                        seq.capacity()
+                    );
+                    total += count as usize;
+                    ends.push(end);
+                }
+            }
         }
         let mut slots = Vec::with_capacity(total);
-        for seq in seqs {
+        for (seq, &end) in seqs.iter().zip(&ends) {
             let blocks = seq.blocks();
             let window = seq.window_table();
-            for position in seq.num_computed_tokens()..seq.len() {
+            for position in seq.num_computed_tokens()..end {
                 let index = position / block_size;
                 let id = if group == 0 {
                     blocks[index].id()

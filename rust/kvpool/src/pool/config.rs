@@ -52,6 +52,9 @@ pub struct PoolConfig {
     /// Full-attention blocks of every rank on elastic pages (`XTensorBlockManager`, the seed's
     /// `enable_xtensor`); `None`: fixed memory.
     pub xtensor: Option<XTensorOptions>,
+    /// Dedup on publish (R9 revised): a computed duplicate of a cached block switches to the
+    /// cached copy. `false`: first writer wins, as at the physical level.
+    pub dedup: bool,
 }
 
 impl PoolConfig {
@@ -73,6 +76,7 @@ impl PoolConfig {
             swa_num_blocks: None,
             host: None,
             xtensor: None,
+            dedup: true,
         }
     }
 

@@ -12,8 +12,10 @@
 //! Invariants: a sequence holds blocks of at most one pool (its allocation's `owner`) and one
 //! rank (R13); every entry point is all-or-nothing (R14, R16, R29): it either succeeds or leaves
 //! the pool and the sequence as they were (blocks, LRU, single blocks, statistics, dp rank);
-//! counts of every rank obey R2; blocks are published only once their KV exists (R17). Every
-//! entry that changes the pool advances its generation, which a plan is checked against.
+//! counts of every rank obey R2; blocks are published only once their KV exists (R17); with
+//! `dedup` a step's publication switches a duplicate the sequence alone holds to the cached copy
+//! and records the switch (R9 revised, `prefix_cache/dedup.rs`). Every entry that changes the
+//! pool advances its generation, which a plan is checked against.
 
 mod admission;
 mod batch;
@@ -33,6 +35,7 @@ use crate::error::{ensure_arg, KvPoolError, Result};
 use crate::groups::{FullGroup, Group, Ledger};
 use crate::linear_state::LinearStatePrefixCache;
 use crate::manager::{BlockCounts, BlockManager, BlockManagerImpl, SingleBlockManager};
+use crate::prefix_cache::Switch;
 use crate::sequence::Sequence;
 use crate::sliding_window::SlidingWindowBlockManager;
 use crate::tiers::HostTier;
@@ -113,6 +116,10 @@ pub struct BlockManagerPool {
     host: Option<HostTier>,
     /// Advanced by every entry that changes the pool (plans are checked against it).
     generation: u64,
+    /// Table entries switched by dedup on publish since the last drain: (seq_id, old, new).
+    block_switches: Vec<(u64, u32, u32)>,
+    /// Scratch of one publish's switches (position, old, new).
+    switch_scratch: Vec<Switch>,
 }
 
 // R27: the pool can be shared between threads (behind a lock).
@@ -162,7 +169,16 @@ impl BlockManagerPool {
             next_plan: 1,
             host,
             generation: 0,
+            block_switches: Vec::new(),
+            switch_scratch: Vec::new(),
         })
+    }
+
+    /// Takes the table entries that dedup on publish switched since the last call (R9
+    /// revised): (seq_id, old block id, new block id), in the order they happened. Engines that
+    /// mirror block tables apply them; the list grows until drained.
+    pub fn drain_block_switches(&mut self) -> Vec<(u64, u32, u32)> {
+        std::mem::take(&mut self.block_switches)
     }
 
     /// The options.
@@ -406,6 +422,7 @@ impl BlockManagerPool {
         let block_size = self.config.block_size;
         let computed = seq.computed();
         let prompt = seq.num_prompt_tokens();
+        let seq_id = seq.seq_id();
         let (chain, tokens, key, alloc) = seq.split_for_publish();
         let Some(alloc) = alloc else { return };
         let rank_index = alloc.rank;
@@ -425,14 +442,33 @@ impl BlockManagerPool {
             if alloc.published < full {
                 let hasher = attention.hasher();
                 let hashes = chain.ensure(&hasher, block_size, tokens, raw_key, full * block_size);
-                alloc.published = attention.publish(
-                    hashes,
-                    tokens,
-                    &alloc.blocks[..full],
-                    alloc.published,
-                    key,
-                    matches!(when, Publish::Release { all_released: true }),
-                );
+                // R9 revised: dedup between steps, never while a planned copy is unconfirmed.
+                let dedup = self.config.dedup
+                    && step_publish(when)
+                    && !alloc.groups.iter().any(|t| t.holds_plan(&self.ledger));
+                alloc.published = if dedup {
+                    let switches = &mut self.switch_scratch;
+                    let reached = attention.publish_dedup(
+                        hashes,
+                        tokens,
+                        &mut alloc.blocks[..full],
+                        alloc.published,
+                        key,
+                        switches,
+                    );
+                    self.block_switches
+                        .extend(switches.drain(..).map(|(_, old, new)| (seq_id, old, new)));
+                    reached
+                } else {
+                    attention.publish(
+                        hashes,
+                        tokens,
+                        &alloc.blocks[..full],
+                        alloc.published,
+                        key,
+                        matches!(when, Publish::Release { all_released: true }),
+                    )
+                };
             }
         }
         let step = when == Publish::Step;
@@ -506,6 +542,12 @@ impl BlockManagerPool {
         drop(alloc); // the table tail first (`Allocation`'s `Drop`)
         rank.full.drain();
     }
+}
+
+/// Whether a publication happens at a step (`cache`, the batch step calls), where dedup on
+/// publish switches duplicates (R9 revised); a release publishes with the physical rule.
+fn step_publish(when: Publish) -> bool {
+    when == Publish::Step
 }
 
 /// `len(seq) + lookahead`, the tokens R16 asks room for; `None` past `usize::MAX` (F5).

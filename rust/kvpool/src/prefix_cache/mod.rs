@@ -26,6 +26,7 @@
 //! tail.
 
 mod check;
+mod dedup;
 mod keys;
 
 use crate::alloc;
@@ -36,6 +37,7 @@ use crate::sync::Arc;
 // std, not the loom shim: a debug counter, outside every loom model.
 use std::sync::atomic::{AtomicU64, Ordering};
 
+pub(crate) use dedup::Switch;
 use keys::{same_tokens, HashIndex};
 
 const NIL: u32 = u32::MAX;
