@@ -326,7 +326,7 @@ def drive(manager, trace: list[Item], *, budget: int = 512, max_seqs: int = 16,
 LLAMA_CONFIG = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 128,
     "intermediate_size": 256, "num_attention_heads": 2, "num_key_value_heads": 2,
-    "num_hidden_layers": 2, "max_position_embeddings": 8192, "vocab_size": VOCAB,
+    "num_hidden_layers": 2, "max_position_embeddings": 16384, "vocab_size": VOCAB,
     "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "torch_dtype": "bfloat16", "bos_token_id": 1,
     "eos_token_id": 2, "tie_word_embeddings": False,
 }

@@ -65,7 +65,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig  # noqa:
 from vllm.v1.metrics.stats import PrefixCacheStats  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
 
-from kvpool._core import BlockManagerPool, KVEvent  # noqa: E402
+from kvpool._core import BlockManagerPool, InvariantError, KVEvent  # noqa: E402
 from kvpool._core import Sequence as PoolSequence  # noqa: E402
 
 __all__ = ["REQUIRED_VLLM", "KVCacheManager", "PoolBlocks", "Scheduler", "AsyncScheduler", "install"]
@@ -107,6 +107,16 @@ class PoolBlocks(KVCacheBlocks):
         return tuple(list(self.block_ids) for _ in groups)
 
 
+class _EmptyBlocks(KVCacheBlocks):
+    """vLLM's empty sentinel (``blocks == ((),)``, compared by identity), answering
+    ``get_block_ids`` without a walk: what most decode steps return."""
+
+    def get_block_ids(self, allow_none: bool = False, *, group_ids: Sequence[int] | None = None):  # type: ignore[override]
+        if group_ids is not None and any(g != 0 for g in group_ids):
+            raise IndexError(f"group_ids: the KV cache has one group (0), got {list(group_ids)}")
+        return None if allow_none else ([],)
+
+
 class _Hit(KVCacheBlocks):
     """What ``get_computed_blocks`` returns: the plan of the hit, handed back to ``allocate_slots``.
 
@@ -128,6 +138,21 @@ class _Hit(KVCacheBlocks):
 
     def get_block_ids(self, allow_none: bool = False, *, group_ids: Sequence[int] | None = None):  # type: ignore[override]
         return self.blocks
+
+
+class _Entry:
+    """A request's kvpool sequence and a Python mirror of what the hot path reads of it (pyo3
+    property reads cost more than the rest of a decode step): ``length`` = ``len(seq)``,
+    ``capacity`` = tokens its table holds (0: holds no blocks), ``computed`` =
+    ``seq.num_computed_tokens``. ``KVCacheManager.check`` compares them."""
+
+    __slots__ = ("seq", "length", "capacity", "computed")
+
+    def __init__(self, seq: PoolSequence, length: int) -> None:
+        self.seq = seq
+        self.length = length
+        self.capacity = 0
+        self.computed = 0
 
 
 class _GroupView:
@@ -258,6 +283,7 @@ class KVCacheManager:
         self.log_stats = log_stats
         self.metrics_collector = metrics_collector
         self.prefix_cache_stats = PrefixCacheStats() if log_stats else None
+        self._no_prefix_cache_stats = PrefixCacheStats()
         self.pool = BlockManagerPool(
             num_blocks,
             block_size,
@@ -274,12 +300,13 @@ class KVCacheManager:
         self.mamba_shared_prefix_checkpoint = False
         self.retained_hit_group_ids: tuple[int, ...] = ()
         self.kv_cache_event_metadata = [(_KIND, None)]
-        self.empty_kv_cache_blocks = KVCacheBlocks(((),))
-        self._seqs: dict[str, PoolSequence] = {}
+        self.empty_kv_cache_blocks: KVCacheBlocks = _EmptyBlocks(((),))
+        self._seqs: dict[str, _Entry] = {}
         # requests whose scheduled tokens fill a block: published at the next step's start
-        self._unpublished: dict[str, tuple[Request, PoolSequence]] = {}
+        self._unpublished: dict[str, tuple[Request, _Entry]] = {}
         self._int_hashes = bool(envs.VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES)
         self._chain_keys: dict[bytes, tuple[str | None, str | None]] = {}
+        self._usage: float | None = None  # None: blocks were taken or released since the read
 
     # ------------------------------------------------------------------------------ requests
     def _extra_key(self, request: Request) -> bytes | None:
@@ -306,30 +333,31 @@ class KVCacheManager:
             self._chain_keys[key] = (lora, request.cache_salt)
         return key
 
-    def _sequence(self, request: Request) -> PoolSequence:
-        """The request's kvpool sequence, created on first sight, its tokens brought up to date."""
-        seq = self._seqs.get(request.request_id)
-        if seq is None:
-            seq = PoolSequence(request.all_token_ids, extra_key=self._extra_key(request))
-            self._seqs[request.request_id] = seq
-            return seq
-        have, want = len(seq), request.num_tokens
-        if want > have:
+    def _entry(self, request: Request) -> _Entry:
+        """The request's entry, created on first sight, its sequence's tokens brought up to date."""
+        entry = self._seqs.get(request.request_id)
+        if entry is None:
+            # the prompt is a plain list (fast to read); outputs exist after a preemption
+            seq = PoolSequence(request.prompt_token_ids, extra_key=self._extra_key(request))
+            entry = self._seqs[request.request_id] = _Entry(seq, len(request.prompt_token_ids))
+        want = request.num_tokens
+        if want != entry.length:
+            if want < entry.length:
+                raise _unsupported(f"request {request.request_id!r} losing tokens ({entry.length} -> {want})")
             tokens = request.all_token_ids
-            if want == have + 1:
-                seq.append_token(tokens[have])
+            if want == entry.length + 1:
+                entry.seq.append_token(tokens[entry.length])
             else:
-                seq.append_tokens(tokens[have:])
-        elif want < have:
-            raise _unsupported(f"request {request.request_id!r} losing tokens ({have} -> {want})")
-        return seq
+                entry.seq.append_tokens(tokens[entry.length:])
+            entry.length = want
+        return entry
 
-    def _publish(self, seq: PoolSequence, num_computed_tokens: int) -> None:
+    def _publish(self, entry: _Entry, num_computed_tokens: int) -> None:
         """Publish the full blocks within ``num_computed_tokens`` (tokens whose KV exists, R17)."""
-        n = min(num_computed_tokens, len(seq), seq.num_blocks * self.block_size)
-        if n > seq.num_computed_tokens and self.enable_caching:
-            seq.num_computed_tokens = n
-            self.pool.cache(seq)
+        n = min(num_computed_tokens, entry.length, entry.capacity)
+        if n > entry.computed and self.enable_caching:
+            entry.seq.num_computed_tokens = entry.computed = n
+            self.pool.cache(entry.seq)
 
     # --------------------------------------------------------------------------- the lookup
     def prefix_cache_lookup_enabled(self, request: Request) -> bool:
@@ -348,18 +376,18 @@ class KVCacheManager:
         """
         if max_cache_hit_length is not None and max_cache_hit_length < request.num_tokens - 1:
             raise _unsupported("max_cache_hit_length (aux output connectors)")
-        seq = self._sequence(request)
-        if seq.is_allocated:
+        entry = self._entry(request)
+        if entry.capacity:
             raise ValueError(f"request: {request.request_id!r} already holds blocks")
-        plan = self.pool.plan(seq)
+        plan = self.pool.plan(entry.seq)
         if plan is not None:
             hit = plan.num_cached_tokens
         else:  # the whole sequence does not fit now: the hit alone, for the Scheduler's budget
-            small = self.pool.plan(seq, 1)
+            small = self.pool.plan(entry.seq, 1)
             hit = small.num_cached_tokens if small is not None else 0
         if not self.prefix_cache_lookup_enabled(request):
             hit = 0
-        return _Hit(plan, plan is not None, hit, len(seq)), hit, 0
+        return _Hit(plan, plan is not None, hit, entry.length), hit, 0
 
     # ----------------------------------------------------------------------- the allocation
     def allocate_slots(
@@ -382,7 +410,8 @@ class KVCacheManager:
 
         A waiting request gets its prefix hit (the one ``get_computed_blocks`` reported) and new
         blocks for the first chunk; with ``full_sequence_must_fit`` only if its whole sequence
-        fits. A running request first publishes the blocks its last step computed (R17).
+        fits. A running request grows its table; the blocks a step fills are published at the
+        next ``new_step_starts`` (R17).
 
         Returns
         -------
@@ -400,37 +429,41 @@ class KVCacheManager:
             raise ValueError("num_new_tokens: must be > 0 when nothing is computed")
         if num_external_computed_tokens:
             raise _unsupported("num_external_computed_tokens (KV connectors)")
-        seq = self._sequence(request)
+        entry = self._entry(request)
         computed = request.num_computed_tokens + num_new_computed_tokens
-        need = min(computed + num_new_tokens + num_lookahead_tokens, self.max_model_len)
-        if seq.is_allocated:
-            blocks = self._grow(seq, need)
+        end = computed + num_new_tokens
+        need = min(end + num_lookahead_tokens, self.max_model_len)
+        if entry.capacity:
+            blocks = self.empty_kv_cache_blocks if need <= entry.capacity else self._grow(entry, need)
         else:
-            blocks = self._admit(request, seq, need, num_new_computed_tokens, new_computed_blocks,
+            blocks = self._admit(request, entry, need, num_new_computed_tokens, new_computed_blocks,
                                  full_sequence_must_fit, reserved_blocks, has_scheduled_reqs)
-        if blocks is not None and (computed + num_new_tokens) // self.block_size > computed // self.block_size:
-            self._unpublished[request.request_id] = (request, seq)  # a block fills this step
+        bs = self.block_size
+        if blocks is not None and end // bs > computed // bs:
+            self._unpublished[request.request_id] = (request, entry)  # a block fills this step
         return blocks
 
-    def _grow(self, seq: PoolSequence, need: int) -> KVCacheBlocks | None:
-        old = seq.num_blocks
-        if need <= old * self.block_size:
-            return self.empty_kv_cache_blocks
-        if need <= len(seq):
+    def _grow(self, entry: _Entry, need: int) -> KVCacheBlocks | None:
+        seq = entry.seq
+        old = entry.capacity // self.block_size
+        if need <= entry.length:
             ok = self.pool.allocate(seq, need)
         else:
-            ok = self.pool.may_append(seq, need - len(seq))
+            ok = self.pool.may_append(seq, need - entry.length)
         if not ok:
             return None
+        entry.capacity = seq.num_blocks * self.block_size
+        self._usage = None
         return PoolBlocks(seq.block_table[old:].tolist())
 
-    def _admit(self, request: Request, seq: PoolSequence, need: int, hit_tokens: int,
+    def _admit(self, request: Request, entry: _Entry, need: int, hit_tokens: int,
                hit: KVCacheBlocks | None, must_fit: bool, reserved_blocks: int,
                has_scheduled_reqs: bool) -> KVCacheBlocks | None:
-        fresh = isinstance(hit, _Hit) and hit.seq_len == len(seq)  # planned at this length
+        seq, length = entry.seq, entry.length
+        fresh = isinstance(hit, _Hit) and hit.seq_len == length  # planned at this length
         if must_fit:  # the whole sequence must fit, not only the first chunk (vLLM's gate)
-            whole = min(len(seq), self.max_model_len)
-            if fresh and whole == len(seq):
+            whole = min(length, self.max_model_len)
+            if fresh and whole == length:
                 fits = hit.fits  # type: ignore[union-attr]
             else:
                 fits = self.pool.plan(seq, whole) is not None
@@ -439,57 +472,59 @@ class KVCacheManager:
         watermark = self.watermark_blocks if has_scheduled_reqs and request.status in (
             RequestStatus.WAITING, RequestStatus.PREEMPTED) else 0
         if watermark or reserved_blocks:
-            wanted = self.pool.plan(seq, min(need, len(seq)))
+            wanted = self.pool.plan(seq, min(need, length))
             if wanted is None or (wanted.num_new_blocks + watermark + reserved_blocks
                                   > self.block_pool.get_num_free_blocks()):
                 return None
-        if need <= len(seq):
+        if need <= length:
             # a plan of the whole sequence is carried out as it is; any other is planned again
-            plan = hit.plan if fresh and need == len(seq) else None  # type: ignore[union-attr]
+            plan = hit.plan if fresh and need == length else None  # type: ignore[union-attr]
             ok = self.pool.allocate(seq, need, plan=plan)
         else:  # lookahead slots past the prompt: allocate, then append, all or nothing
             ok = self.pool.allocate(seq)
-            if ok and not self.pool.may_append(seq, need - len(seq)):
+            if ok and not self.pool.may_append(seq, need - length):
                 self.pool.deallocate(seq)  # publishes nothing: only the hit is computed
                 ok = False
         if not ok:
             return None
-        if seq.num_cached_tokens != hit_tokens and self.prefix_cache_lookup_enabled(request):
-            got = seq.num_cached_tokens
+        self._usage = None
+        got = seq.num_cached_tokens
+        if got != hit_tokens and self.prefix_cache_lookup_enabled(request):
             self.pool.deallocate(seq)
             raise ValueError(f"num_new_computed_tokens: {hit_tokens} is not the hit of "
                              f"get_computed_blocks for {request.request_id!r} ({got} tokens now)")
-        return PoolBlocks(seq.block_table[seq.num_cached_tokens // self.block_size:].tolist())
+        entry.capacity = seq.num_blocks * self.block_size
+        entry.computed = got
+        return PoolBlocks(seq.block_table[got // self.block_size:].tolist())
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Publish the request's full blocks within ``num_computed_tokens`` (the async Scheduler
         passes tokens whose KV exists, R17)."""
-        if not self.enable_caching:
-            return
-        seq = self._seqs.get(request.request_id)
-        if seq is not None and seq.is_allocated:
-            self._sequence(request)
-            self._publish(seq, num_computed_tokens)
+        entry = self._seqs.get(request.request_id)
+        if entry is not None and entry.capacity:
+            self._entry(request)
+            self._publish(entry, num_computed_tokens)
 
     def free(self, request: Request) -> None:
         """Publish what the request computed, then release its blocks (R18); unknown ids are a no-op."""
-        seq = self._seqs.get(request.request_id)
-        if seq is None:
+        entry = self._seqs.get(request.request_id)
+        if entry is None:
             return
-        if seq.is_allocated:
-            self._sequence(request)
-            self._publish(seq, request.num_computed_tokens - request.num_in_flight_tokens)
-            self.pool.deallocate(seq)
+        if entry.capacity:
+            self._entry(request)
+            self._publish(entry, request.num_computed_tokens - request.num_in_flight_tokens)
+            self.pool.deallocate(entry.seq)
+            self._usage = None
         del self._seqs[request.request_id]
         self._unpublished.pop(request.request_id, None)
 
     # ------------------------------------------------------------------------------ reading
     def get_blocks(self, request_id: str) -> KVCacheBlocks:
         """All of the request's blocks (the empty sentinel if it holds none)."""
-        seq = self._seqs.get(request_id)
-        if seq is None or not seq.num_blocks:
+        entry = self._seqs.get(request_id)
+        if entry is None or not entry.capacity:
             return self.empty_kv_cache_blocks
-        return PoolBlocks(seq.block_table.tolist())
+        return PoolBlocks(entry.seq.block_table.tolist())
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         """The request's block ids, one list per group."""
@@ -507,11 +542,11 @@ class KVCacheManager:
 
     def estimate_cached_tokens(self, request: Request) -> int:
         """Tokens of the request's full blocks whose KV exists (what vLLM counts as cached)."""
-        seq = self._seqs.get(request.request_id)
-        if seq is None or not self.enable_caching:
+        entry = self._seqs.get(request.request_id)
+        if entry is None or not self.enable_caching:
             return 0
-        computed = min(request.num_computed_tokens - request.num_in_flight_tokens, len(seq),
-                       seq.num_blocks * self.block_size)
+        computed = min(request.num_computed_tokens - request.num_in_flight_tokens, entry.length,
+                       entry.capacity)
         return max(computed, 0) // self.block_size * self.block_size
 
     def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
@@ -520,8 +555,14 @@ class KVCacheManager:
 
     @property
     def usage(self) -> float:
-        """Used blocks over usable ones (cached-only blocks count as free, as vLLM's)."""
-        return self.pool.stats()["usage"]
+        """Used blocks over usable ones (cached-only blocks count as free, as vLLM's).
+
+        Read from the pool's stats only after an allocation or a release since the last read
+        (nothing else changes which blocks are held): the Scheduler reads it every step.
+        """
+        if self._usage is None:
+            self._usage = self.pool.stats()["usage"]
+        return self._usage
 
     # -------------------------------------------------------------------- per-step no-ops
     def new_step_starts(self) -> None:
@@ -531,13 +572,13 @@ class KVCacheManager:
         the steps that computed them (tokens still in flight wait for a later step)."""
         if not self._unpublished:
             return
-        waiting: dict[str, tuple[Request, PoolSequence]] = {}
-        for rid, (request, seq) in self._unpublished.items():
-            if seq.is_allocated:
-                self._sequence(request)
-                self._publish(seq, request.num_computed_tokens - request.num_in_flight_tokens)
+        waiting: dict[str, tuple[Request, _Entry]] = {}
+        for rid, (request, entry) in self._unpublished.items():
+            if entry.capacity:
+                self._entry(request)
+                self._publish(entry, request.num_computed_tokens - request.num_in_flight_tokens)
                 if request.num_in_flight_tokens:
-                    waiting[rid] = (request, seq)
+                    waiting[rid] = (request, entry)
         self._unpublished = waiting
 
     def take_new_block_ids(self) -> list[int]:
@@ -588,12 +629,15 @@ class KVCacheManager:
         """The stats since the last call (a fresh object starts); None unless ``log_stats``."""
         if not self.log_stats:
             return None
-        stats, self.prefix_cache_stats = self.prefix_cache_stats, PrefixCacheStats()
+        stats = self.prefix_cache_stats
+        if not (stats.requests or stats.preempted_requests or stats.reset):
+            return self._no_prefix_cache_stats  # nothing recorded: an empty object nobody fills
+        self.prefix_cache_stats = PrefixCacheStats()
         return stats
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached block (R12); False, with nothing changed, while a request holds blocks."""
-        if any(seq.is_allocated for seq in self._seqs.values()):
+        if any(entry.capacity for entry in self._seqs.values()):
             return False
         self.pool.reset_prefix_cache()
         if self.prefix_cache_stats is not None:
@@ -628,8 +672,9 @@ class KVCacheManager:
                            extra_keys=extra_keys, group_idx=0, kv_cache_spec_kind=_KIND)
 
     def check(self) -> None:
-        """Walk the pool's structures (R20) and this manager's: every tracked sequence's table
-        holds its computed tokens and no id 0.
+        """Walk the pool's structures (R20) and this manager's: each entry mirrors its sequence
+        (length, table capacity, computed tokens), a held table has no id 0 and holds the
+        computed tokens, and every request awaiting publication is tracked.
 
         Raises
         ------
@@ -637,13 +682,18 @@ class KVCacheManager:
             A rule is broken.
         """
         self.pool.check()
-        from kvpool._core import InvariantError
-
-        for rid, seq in self._seqs.items():
-            if seq.is_allocated and (seq.num_computed_tokens > seq.num_blocks * self.block_size
-                                     or 0 in seq.block_table.tolist()):
-                raise InvariantError(f"request {rid!r}: table {seq.block_table.tolist()} with "
-                                     f"{seq.num_computed_tokens} computed tokens")
+        for rid, entry in self._seqs.items():
+            seq = entry.seq
+            table = seq.block_table.tolist()
+            mirror = (entry.length, entry.capacity, entry.computed if entry.capacity else 0)
+            actual = (len(seq), len(table) * self.block_size, seq.num_computed_tokens)
+            if mirror != actual or (entry.capacity == 0) == seq.is_allocated or 0 in table \
+                    or entry.computed > entry.capacity:
+                raise InvariantError(f"request {rid!r}: entry (length, capacity, computed) "
+                                     f"{mirror}, sequence {actual}, table {table}")
+        for rid, (_, entry) in self._unpublished.items():
+            if self._seqs.get(rid) is not entry:
+                raise InvariantError(f"request {rid!r}: awaits publication but is not tracked")
 
 
 # ------------------------------------------------------------------------------ installing
