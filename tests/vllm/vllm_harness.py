@@ -18,7 +18,7 @@ Importing this module imports vLLM (15-25 s): callers check ``vllm_available()``
 from __future__ import annotations
 
 import collections
-import importlib.util
+import importlib.metadata
 import json
 import os
 import tempfile
@@ -35,11 +35,10 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 def vllm_available() -> bool:
     """Whether vLLM 0.33.0 is installed (without importing it)."""
-    if importlib.util.find_spec("vllm") is None:
+    try:
+        return importlib.metadata.version("vllm").split("+")[0] == REQUIRED
+    except importlib.metadata.PackageNotFoundError:
         return False
-    from importlib.metadata import version
-
-    return version("vllm").split("+")[0] == REQUIRED
 
 
 import kvpool  # noqa: E402
