@@ -172,8 +172,9 @@ def test_cache_salt_and_lora_root_the_chain():
     sp = SamplingParams(max_tokens=1)
     prompt = list(range(100, 164))
 
-    def admit_and_free(rid, **kw):
+    def admit_and_free(rid, skip_reading=False, **kw):
         r = Request(rid, prompt, sp, None, **kw)
+        r.skip_reading_prefix_cache = skip_reading  # what prompt-logprobs requests set
         blocks, hit, _ = manager.get_computed_blocks(r)
         assert manager.allocate_slots(r, r.num_tokens - hit, hit, blocks) is not None
         r.num_computed_tokens = r.num_tokens
@@ -185,6 +186,8 @@ def test_cache_salt_and_lora_root_the_chain():
     assert admit_and_free("c", cache_salt="tenant-1") == 0
     assert admit_and_free("d", cache_salt="tenant-1") == 48
     assert admit_and_free("e", lora_request=LoRARequest("adapter", 1, "/nowhere")) == 0
+    assert admit_and_free("f", skip_reading=True) == 0  # vLLM's rule: no lookup for it
+    assert admit_and_free("g") == 48
     manager.check()
 
 
@@ -250,3 +253,54 @@ def test_import_names_the_found_and_required_versions(monkeypatch):
     with pytest.raises(ImportError, match=r"vllm==0\.33\.0 only; found vllm 0\.32\.1"):
         importlib.import_module("kvpool.integrations.vllm")
     monkeypatch.setitem(sys.modules, "kvpool.integrations.vllm", module)
+
+
+def _scenario(kind, hasher):
+    """The two by-design differences on four requests sharing a 64-token prefix P:
+    step 1 admits A = P+a and B = P+b (same step); step 2 admits C = P+b+c while A and B run;
+    then B is freed and D = P+b+d is admitted. Returns the hits of B, C and D."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request, RequestStatus
+
+    manager = h.make_manager(kind, 64, BS)
+    sp = SamplingParams(max_tokens=4)
+    prefix, a, b, c, d = (list(range(s, s + n)) for s, n in
+                          ((1000, 64), (2000, 16), (3000, 16), (4000, 16), (5000, 16)))
+    hashing = None if kind == "kvpool" else hasher
+
+    def admit(rid, tokens):
+        r = Request(rid, tokens, sp, None, block_hasher=hashing)
+        blocks, hit, _ = manager.get_computed_blocks(r)
+        assert manager.allocate_slots(r, r.num_tokens - hit, hit, blocks, full_sequence_must_fit=True)
+        r.status, r.num_computed_tokens = RequestStatus.RUNNING, hit
+        return r, hit
+
+    def forward(*requests):  # the step's forward pass: every scheduled token computed
+        for r in requests:
+            r.num_computed_tokens = r.num_tokens
+
+    manager.new_step_starts()
+    ra, _ = admit("A", prefix + a)
+    rb, hit_b = admit("B", prefix + b)
+    forward(ra, rb)
+    manager.new_step_starts()
+    rc, hit_c = admit("C", prefix + b + c)
+    forward(rc)
+    manager.free(rb)
+    manager.new_step_starts()
+    _, hit_d = admit("D", prefix + b + d)
+    if kind == "kvpool":
+        manager.check()
+    return hit_b, hit_c, hit_d
+
+
+def test_by_design_differences_on_a_crafted_trace(hasher):
+    # vLLM publishes A's blocks when it allocates them: B, admitted in the same step, hits P
+    # before its KV exists; kvpool (R17) and vLLM publishing after compute do not.
+    assert _scenario("vllm", hasher)[0] == 64
+    assert _scenario("vllm-r17", hasher)[0] == _scenario("kvpool", hasher)[0] == 0
+    # B recomputed P, a duplicate of A's published P (R9: first writer wins, no dedup), so
+    # kvpool publishes B's block b only when B is released: C (P+b+c) hits P alone while B runs,
+    # vLLM publishing after compute also hits b; once B is freed, D hits P+b in both.
+    assert _scenario("vllm-r17", hasher)[1:] == (80, 80)
+    assert _scenario("kvpool", hasher)[1:] == (64, 80)

@@ -22,9 +22,10 @@ Invariants this module keeps:
   only grows, as vLLM's workers assume.
 - Blocks are published when their KV exists (R17): ``seq.num_computed_tokens`` follows
   ``request.num_computed_tokens - request.num_in_flight_tokens`` (the Scheduler's count of
-  tokens whose forward pass has returned) at every ``allocate_slots``, ``cache_blocks`` and
-  ``free``. vLLM publishes at allocation instead, so a request admitted in the same step as
-  another with the same prefix shares that prefix in vLLM only (by design; docs/integrations.md).
+  tokens whose forward pass has returned) at the ``new_step_starts`` after a step filled a
+  block, at the async Scheduler's ``cache_blocks`` and at ``free``. vLLM publishes at allocation
+  instead, so a request admitted in the step that another schedules the same prefix shares it
+  in vLLM only (by design; docs/integrations.md).
 - ``get_computed_blocks`` changes nothing (``BlockManagerPool.plan``): the Scheduler calls it
   again every step for a blocked waiting request. ``allocate_slots`` is all or nothing: None
   leaves the pool and the request as they were.
@@ -45,9 +46,12 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-import vllm
-
 REQUIRED_VLLM = "0.33.0"
+try:
+    import vllm
+except ImportError as error:  # vLLM missing (or broken): one error naming what is needed
+    raise ImportError(f"kvpool.integrations.vllm needs vllm=={REQUIRED_VLLM} (pip install "
+                      f"'kvpool[vllm]'); importing vllm failed: {error}") from error
 if vllm.__version__.split("+")[0] != REQUIRED_VLLM:
     raise ImportError(
         f"kvpool.integrations.vllm supports vllm=={REQUIRED_VLLM} only; found vllm "
@@ -289,9 +293,9 @@ class KVCacheManager:
             block_size,
             enable_prefix_cache=enable_caching,
             enable_events=enable_kv_cache_events,
-            # TODO: dedup=False once the pool has the option (issue "Engines"): vLLM's workers
-            # only append to a running request's table, so a switched entry would leave one
-            # reading a freed block. Today's pool is first-writer-wins already (R9).
+            # dedup=False,  TODO: uncomment once the pool has the option (issue "Engines"): vLLM's
+            # workers only append to a running request's table, so a switched entry would leave
+            # one reading a freed block. Today's pool is first-writer-wins already (R9).
         )
         self.num_kv_cache_groups = 1
         self.coordinator = _CoordinatorView((_GroupView(spec, block_size),))
@@ -329,8 +333,8 @@ class KVCacheManager:
         if not parts:
             return None
         key = repr(tuple(parts)).encode()
-        if self.enable_kv_cache_events:
-            self._chain_keys[key] = (lora, request.cache_salt)
+        if self.enable_kv_cache_events and parts[-1][0] in ("lora", "cache_salt"):
+            self._chain_keys[key] = (lora, request.cache_salt)  # for the events' lora_name, extra_keys
         return key
 
     def _entry(self, request: Request) -> _Entry:
@@ -338,8 +342,11 @@ class KVCacheManager:
         entry = self._seqs.get(request.request_id)
         if entry is None:
             # the prompt is a plain list (fast to read); outputs exist after a preemption
-            seq = PoolSequence(request.prompt_token_ids, extra_key=self._extra_key(request))
-            entry = self._seqs[request.request_id] = _Entry(seq, len(request.prompt_token_ids))
+            prompt = request.prompt_token_ids
+            if prompt is None:  # prompt embeddings: placeholder tokens, never shared (_extra_key)
+                prompt = request.all_token_ids[: request.num_prompt_tokens]
+            seq = PoolSequence(prompt, extra_key=self._extra_key(request))
+            entry = self._seqs[request.request_id] = _Entry(seq, len(prompt))
         want = request.num_tokens
         if want != entry.length:
             if want < entry.length:
