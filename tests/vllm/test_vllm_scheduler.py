@@ -120,3 +120,15 @@ def test_scheduler_publishes_vllm_kv_events(hasher):
     publish(type("Batch", (), {"events": scheduler.kv_cache_manager.take_events()})())
     assert kinds.get("BlockStored", 0) > 0 and kinds.get("BlockRemoved", 0) > 0
     assert kinds.get("AllBlocksCleared") == 1  # run_scheduler's closing reset_prefix_cache()
+
+
+def test_install_puts_kvpool_under_every_scheduler_built_after(monkeypatch):
+    import vllm.v1.core.sched.scheduler as sched_module
+    from kvpool.integrations import vllm as kv_vllm
+
+    monkeypatch.setattr(sched_module, "KVCacheManager", sched_module.KVCacheManager)  # undone after
+    kv_vllm.install()  # the documented one line
+    scheduler, config = h.build_scheduler("vllm", 256)  # vLLM's own Scheduler class
+    assert isinstance(scheduler.kv_cache_manager, kv_vllm.KVCacheManager)
+    trace = h.chat_trace(20, seed=7)
+    assert h.run_scheduler(scheduler, config, trace, arrival_scale=0.5).finished == len(trace)
