@@ -9,7 +9,7 @@ PIP := $(PY) -m pip install -q --disable-pip-version-check
 export VIRTUAL_ENV := $(abspath $(VENV))
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: run test build wheel wheel-from-sdist test-deps redis-server test-rust test-loom test-python lint bench clean
+.PHONY: run test build wheel wheel-from-sdist test-deps redis-server test-rust test-loom test-python test-vllm lint bench clean
 
 $(PY):
 	@$(PYTHON) -m venv $(VENV)
@@ -77,6 +77,28 @@ test-loom:
 test-python: test-deps build
 	$(PY) -m pytest -q
 
+# kvpool under vLLM 0.33.0's real Scheduler, on CPU (issue 19, tests/vllm). Its own venv: vllm
+# pins torch 2.14.0, whose CUDA build (with its nvidia-* wheels, about 9 GB) imports without a
+# GPU; uv installs it from PyPI in about a minute, once per machine (the stamp). kvpool goes in
+# with maturin develop (the warm cargo target of `make build`).
+VLLM_VENV ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.vllm-stamp
+
+$(VLLM_STAMP): $(RUN_DEPS)
+	@echo "== installing vllm==0.33.0 (torch 2.14.0) into $(VLLM_VENV) with uv (about a minute, 9 GB)"
+	@$(PYTHON) -m venv $(VLLM_VENV)
+	@$(VLLM_VENV)/bin/python -m pip install -q --disable-pip-version-check uv >$(VLLM_VENV)/install.log 2>&1 \
+		|| (cat $(VLLM_VENV)/install.log >&2; exit 1)
+	@$(VLLM_VENV)/bin/uv pip install -q --python $(VLLM_VENV)/bin/python "vllm==0.33.0" "pytest>=8" xxhash \
+		"hypothesis>=6.100" "numpy>=1.24" >>$(VLLM_VENV)/install.log 2>&1 || (cat $(VLLM_VENV)/install.log >&2; exit 1)
+	@touch $@
+
+test-vllm: $(VLLM_STAMP)
+	@echo "== installing kvpool into $(VLLM_VENV)"
+	@VIRTUAL_ENV=$(abspath $(VLLM_VENV)) PATH=$(abspath $(VLLM_VENV))/bin:$$PATH $(VENV)/bin/maturin develop --release \
+		>$(VLLM_VENV)/build.log 2>&1 || (cat $(VLLM_VENV)/build.log >&2; exit 1)
+	VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 $(VLLM_VENV)/bin/python -m pytest -q tests/vllm
+
 lint: $(DEPS) build
 	cargo fmt --all --check
 	cargo clippy --workspace --all-targets -- -D warnings
@@ -87,4 +109,4 @@ bench:
 	cargo bench -p kvpool
 
 clean:
-	rm -rf $(VENV) target dist
+	rm -rf $(VENV) $(VLLM_VENV) target dist
