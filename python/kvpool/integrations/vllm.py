@@ -18,8 +18,8 @@ Invariants this module keeps:
 - Block ids are the pool's ids, which are the ids vLLM's workers index: vLLM's null block 0 is
   kvpool's padding block 0 and never appears in a table; ``kv_cache_config.num_blocks`` counts it
   in both. An id handed out in ``NewRequestData`` or ``new_block_ids`` stays in the request's
-  table until ``free``: the pool runs first-writer-wins publication (R9, ``dedup=False``), so a table
-  only grows, as vLLM's workers assume.
+  table until ``free``: the pool runs first-writer-wins publication (R9, ``dedup=False``), so
+  a table only grows, as vLLM's workers assume.
 - Blocks are published when their KV exists (R17): ``seq.num_computed_tokens`` follows
   ``request.num_computed_tokens - request.num_in_flight_tokens`` (the Scheduler's count of
   tokens whose forward pass has returned) at the ``new_step_starts`` after a step filled a
