@@ -48,7 +48,7 @@ pub use manager::{
 pub use pool::{
     AllocationPlan, BlockManagerPool, DebugCounters, HierarchyBlockManagerPool, HierarchyConfig,
     HierarchyStats, KvCacheManager, KvEvent, KvEventKind, LinearStateMatch, LinearStatePlan,
-    LinearStateSave, PoolConfig, PoolStats, RankStats,
+    LinearStateSave, PoolConfig, PoolStats, RankStats, DEFAULT_EVENT_REPLAY,
 };
 pub use prefix_cache::{CacheEvent, CacheStats, ExtraKey, PrefixCache, Probe};
 pub use sequence::Sequence;

@@ -32,6 +32,8 @@ pub struct PoolConfig {
     pub hasher: BlockHasher,
     /// Record KV events (R21).
     pub enable_events: bool,
+    /// Events per rank the replay buffer keeps (`events_since`); 0: none.
+    pub event_replay: usize,
     /// Recurrent-state slots per rank, padding slot 0 included; 0 disables linear state (R22).
     pub linear_state_slots: usize,
     /// Save a checkpoint every this many computed tokens (a multiple of `block_size`), besides
@@ -60,6 +62,7 @@ impl PoolConfig {
             num_single_blocks: None,
             hasher: BlockHasher::default(),
             enable_events: false,
+            event_replay: super::DEFAULT_EVENT_REPLAY,
             linear_state_slots: 0,
             checkpoint_interval: None,
             linear_state_match: LinearStateMatch::Deepest,

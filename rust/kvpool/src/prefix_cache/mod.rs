@@ -26,6 +26,7 @@
 //! tail.
 
 mod check;
+mod describe;
 mod keys;
 
 use crate::alloc;
