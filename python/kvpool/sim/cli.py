@@ -219,6 +219,9 @@ def build_parser(prog: str = "kvpool simulate") -> argparse.ArgumentParser:
     o.add_argument("--check", action="store_true",
                    help="test mode: pool.check() and accounting asserts after every step (slow)")
 
+    from kvpool.sim import fleet_cli
+
+    fleet_cli.add_arguments(p)
     e = p.add_argument_group("data plane")
     e.add_argument("--execute", action="store_true",
                    help="also run a small random-weight attention stack through kvpool.kernels "
@@ -440,8 +443,11 @@ def _main(args: argparse.Namespace) -> int:
 
     if args.timeline and not args.json:
         raise UsageError("--timeline goes with --json")
+    from kvpool.sim import fleet_cli
+
+    fleet = fleet_cli.fleet_requested(args)
     sweep = _parse_sweep(args.sweep)
-    if not sweep:
+    if not sweep and not fleet:
         make_config(args)  # configuration errors before reading the workload
     if args.plot:
         report.require_matplotlib()
@@ -458,6 +464,8 @@ def _main(args: argparse.Namespace) -> int:
     show = args.progress or (not args.no_progress and not os.environ.get("KVPOOL_NO_PROGRESS")
                              and sys.stderr.isatty())
     console = Console()
+    if fleet:  # --instances / --router: N pools behind a router (kvpool.sim.fleet)
+        return fleet_cli.run(args, reqs, wl, console, show)
     if args.plot and sweep and not any(k in CAPACITY_KEYS for k, _, _ in sweep):
         raise UsageError(f"--plot with --sweep draws the hit rate against a capacity: sweep one of "
                          f"{', '.join(CAPACITY_KEYS)}")
