@@ -241,3 +241,21 @@ def test_vllm_messages_read_into_the_same_form():
         assert all(hasattr(e, f) for f in FIELDS)
         d = event_to_dict(e)
         assert set(FIELDS) <= set(d)
+
+
+def test_pool_events_travel_in_the_msgpack_wire_format():
+    """docs/events.md's wire format carries every field of the pool's events, every medium."""
+    pool = hierarchy()
+    serve(pool, list(range(3 * BS)))
+    events = pool.drain_events()
+    data = kvpool.encode_events(events)
+    decoded = kvpool.decode_events(data)
+    assert [(d["sequence"], d["medium"], d["kind"]) for d in decoded] == [
+        (e.sequence, e.medium, e.kind) for e in events]
+    assert {d["medium"] for d in decoded} == {"device", "host"}
+    for d, e in zip(decoded, events, strict=True):
+        assert d["block_hashes"] == list(e.block_hashes) and d["block_size"] == e.block_size
+        assert d["group_kind"] == e.group_kind and d["dp_rank"] == e.dp_rank
+    index = kvpool.KVIndex()
+    assert index.apply_msgpack(0, data)["applied"] == len(events)
+    assert sorted(index.lookup(list(range(3 * BS)))) == [(0, 0, "device", 3, 12), (0, 0, "host", 3, 12)]
