@@ -183,8 +183,9 @@ def build_parser(prog: str = "kvpool simulate") -> argparse.ArgumentParser:
     c.add_argument("--host-cache-tokens", type=_tokens_arg, default=None, metavar="N",
                    help="host tier per rank in tokens (sets --host-blocks to ceil(N / block size) + 1)")
     c.add_argument("--remote", default=None, metavar="URL",
-                   help="shared remote KV tier, e.g. redis://127.0.0.1:6379/0 (needs --host-blocks); "
-                        "simulators sharing one Redis reuse each other's prefixes")
+                   help="shared remote KV tier, e.g. redis://127.0.0.1:6379/0, or memory (in this process) "
+                        "(needs --host-blocks); simulators sharing one Redis reuse each other's prefixes; "
+                        "with --instances a comma list of none, memory and URLs, one table row each")
 
     h = p.add_argument_group("hybrid models")
     h.add_argument("--linear-state-slots", type=_nonneg_int, default=0,
