@@ -259,3 +259,33 @@ def test_pool_events_travel_in_the_msgpack_wire_format():
     index = kvpool.KVIndex()
     assert index.apply_msgpack(0, data)["applied"] == len(events)
     assert sorted(index.lookup(list(range(3 * BS)))) == [(0, 0, "device", 3, 12), (0, 0, "host", 3, 12)]
+
+
+def test_an_index_fed_the_events_agrees_with_the_pool_after_every_step():
+    """Random requests through a two-rank hierarchy pool (device evictions, host offloads and
+    host evictions): after every step, the index's device and host matches of a probe prompt on
+    each rank are what the pool's side-effect-free plan finds there."""
+    rng = random.Random(4)
+    pool = kvpool.HierarchyBlockManagerPool(10, 8, BS, dp_size=2, enable_events=True)
+    index = kvpool.KVIndex()
+    probes = [[1000 * p + i for i in range(4 * BS)] + [1] for p in range(6)]
+    compared = host_hits = 0
+    for _ in range(50):
+        held = serve(pool, random_prompt(rng))
+        assert held is not None
+        assert index.apply(0, pool.drain_events())["gaps"] == []
+        pool.check()
+        index.check()
+        for tokens in probes:
+            rows = index.lookup(tokens)
+            plan = pool.plan(kvpool.Sequence(tokens))
+            assert plan is not None
+            rank = plan.dp_rank
+            device = max((t for _, r, m, _, t in rows if r == rank and m == "device"), default=0)
+            host = max((t for _, r, m, _, t in rows if r == rank and m == "host"), default=0)
+            assert plan.device_hit_tokens == device
+            # the host hit continues the device match in the host cache (prefix-closed, R10)
+            assert plan.device_hit_tokens + plan.host_hit_tokens == max(device, host)
+            compared += plan.device_hit_tokens
+            host_hits += plan.host_hit_tokens
+    assert compared > 0 and host_hits > 0
