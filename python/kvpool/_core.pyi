@@ -848,7 +848,7 @@ class KVEvent:
 
     @property
     def group(self) -> int:
-        """The KV-cache group (0: full attention)."""
+        """The KV-cache group: 0 full attention, 1 the linear-state checkpoints (R22)."""
 
     @property
     def group_kind(self) -> _GroupKind:

@@ -289,3 +289,40 @@ def test_an_index_fed_the_events_agrees_with_the_pool_after_every_step():
             compared += plan.device_hit_tokens
             host_hits += plan.host_hit_tokens
     assert compared > 0 and host_hits > 0
+
+
+def test_linear_state_checkpoints_are_group_1_events_and_the_index_trims_as_the_pool():
+    """R22-R24 with events: committed checkpoints are stored events of group 1
+    (``linear_state``), evicted ones removed events; the index then credits an instance with a
+    prefix only up to a checkpointed boundary, exactly as the pool's deepest-checkpoint rule."""
+    rng = random.Random(6)
+    pool = kvpool.BlockManagerPool(40, BS, linear_state_slots=5, checkpoint_interval=2 * BS, enable_events=True)
+    index = kvpool.KVIndex()
+    kv_only = kvpool.KVIndex()  # the same events without group 1: full attention alone
+    prompts = [[1000 * p + i for i in range(5 * BS + 2)] for p in range(5)]
+    kinds = set()
+    trimmed = 0
+    for _ in range(25):
+        tokens = prompts[rng.randrange(len(prompts))]
+        seq = kvpool.Sequence(tokens)
+        assert pool.allocate(seq)
+        for n in range(seq.num_computed_tokens + 2 * BS, len(tokens) + 2 * BS, 2 * BS):
+            seq.num_computed_tokens = min(n, len(tokens))
+            pool.cache(seq)
+            pool.commit_linear_state_plan(pool.take_linear_state_plan())
+        pool.deallocate(seq)
+        events = pool.drain_events()
+        kinds |= {(e.group, e.group_kind, e.kind) for e in events}
+        assert all(len(e.block_hashes) == 1 for e in events if e.group == 1)
+        assert index.apply(0, events)["gaps"] == []
+        kv_only.apply(0, [e for e in events if e.group == 0])
+        pool.check()
+        for probe in prompts:
+            plan = pool.plan(kvpool.Sequence(probe))
+            assert plan is not None
+            held = max((t for _, _, m, _, t in index.lookup(probe) if m == "device"), default=0)
+            assert held == plan.num_cached_tokens, "the index trims to a checkpoint as the pool does"
+            kv = max((t for _, _, m, _, t in kv_only.lookup(probe) if m == "device"), default=0)
+            trimmed += kv > held
+    assert (1, "linear_state", "stored") in kinds and (1, "linear_state", "removed") in kinds
+    assert trimmed > 0, "some KV hits were trimmed to a checkpoint"

@@ -14,7 +14,7 @@ pub struct PyKvEvent {
     kind: &'static str,
     /// "device", "host" or "remote".
     medium: &'static str,
-    /// The KV-cache group (0: full attention).
+    /// The KV-cache group: 0 full attention, 1 the linear-state checkpoints (R22).
     group: u32,
     /// "full_attention", "sliding_window" or "linear_state".
     group_kind: &'static str,

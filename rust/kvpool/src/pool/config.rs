@@ -168,8 +168,9 @@ impl PoolConfig {
                 .map_err(|e| e.renamed("num_slots", "num_single_blocks"))?;
             let mut groups = Vec::new();
             if self.linear_state_slots > 0 {
-                let cache = LinearStatePrefixCache::new(self.linear_state_slots)
+                let mut cache = LinearStatePrefixCache::new(self.linear_state_slots)
                     .map_err(|e| e.renamed("num_slots", "linear_state_slots"))?;
+                cache.events = self.enable_events.then(Vec::new);
                 groups.push(Group::Linear(LinearGroup::new(
                     cache,
                     index,

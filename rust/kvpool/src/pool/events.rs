@@ -8,8 +8,9 @@
 //!   repeat, in the order they were recorded, whatever their medium;
 //! - the replay buffer of a rank holds the last `min(recorded, capacity)` events of that rank,
 //!   consecutive numbers ending at the rank's last; `events_since` answers exactly from it;
-//! - every event names its medium, group (0, full attention: the only group whose blocks are
-//!   published to other instances' routers), dp rank, block size, extra key and parent hash.
+//! - every event names its medium, group (0: full attention; the linear-state group's
+//!   checkpoints are group 1; the sliding-window group records none yet), dp rank, block size,
+//!   extra key and parent hash.
 
 use std::collections::VecDeque;
 
@@ -63,7 +64,7 @@ pub struct KvEvent {
     pub kind: KvEventKind,
     /// Where the blocks live: the device cache, the host tier or the remote tier.
     pub medium: Medium,
-    /// The KV-cache group (0: the full-attention group).
+    /// The KV-cache group: 0 full attention, 1 the linear-state checkpoints (R22).
     pub group: u32,
     /// The group's kind.
     pub group_kind: GroupKind,
@@ -197,6 +198,26 @@ impl BlockManagerPool {
         }
         if let Some(cache) = self.host.as_mut().and_then(|h| h.cache_mut(rank)) {
             log.record_cache(cache, Medium::Host, bs, rank);
+        }
+        // The linear-state group's checkpoints (R22): one block each, under its prefix hash.
+        for (position, group) in self.ranks[rank].groups.iter_mut().enumerate() {
+            let Some(linear) = group.as_linear_mut() else {
+                continue;
+            };
+            let changes = linear.cache_mut().events.as_mut().map(std::mem::take);
+            for (committed, hash) in changes.unwrap_or_default() {
+                let kind = if committed {
+                    KvEventKind::Stored
+                } else {
+                    KvEventKind::Removed
+                };
+                let mut event = KvEvent::new(kind, Medium::Device, bs, rank);
+                // Groups after full attention (0), in the order of a sequence's tables.
+                event.group = position as u32 + 1;
+                event.group_kind = GroupKind::LinearState;
+                event.block_hashes.push(hash);
+                log.record(event);
+            }
         }
     }
 
