@@ -904,7 +904,30 @@ class SequenceBatch:
 
 @final
 class KVEvent:
-    """A KV event for external KV-aware routers (R21), from ``BlockManagerPool.drain_events``."""
+    """A KV event for external KV-aware routers (R21), from ``BlockManagerPool.drain_events``.
+
+    Self-describing (docs/events.md): ``KVIndex.apply(instance, pool.drain_events())`` takes
+    the list as it is."""
+
+    @property
+    def sequence(self) -> int:
+        """Position in the (pool, dp rank) stream: 1, 2, 3, ... over every medium."""
+
+    @property
+    def medium(self) -> _Medium:
+        """``"device"``, ``"host"`` (the host tier, R26) or ``"remote"`` (the remote tier)."""
+
+    @property
+    def group(self) -> int:
+        """The KV-cache group: 0 full attention, 1 the linear-state checkpoints (R22)."""
+
+    @property
+    def group_kind(self) -> _GroupKind:
+        """The group's kind."""
+
+    @property
+    def sliding_window(self) -> int | None:
+        """The group's window in tokens for ``"sliding_window"``, else None."""
 
     @property
     def kind(self) -> _EventKind:
@@ -963,6 +986,8 @@ class BlockManagerPool:
         thread-safe either way, and batch exports always release it.
     enable_events : bool
         Record KV events for ``drain_events`` (R21).
+    event_replay : int
+        Events per rank the replay buffer keeps for ``events_since`` (default 4096; 0: none).
     hash_seed : int or None
         Seed of the block hash in ``[0, 2**64)``; None is ``DEFAULT_HASH_SEED``.
     sliding_window : int or None
@@ -1014,6 +1039,7 @@ class BlockManagerPool:
         linear_state_match: _LinearStateMatch = "deepest",
         concurrent: bool = False,
         enable_events: bool = False,
+        event_replay: int = 4096,
         hash_seed: int | None = None,
         sliding_window: int | None = None,
         swa_num_blocks: int | None = None,
@@ -1259,6 +1285,21 @@ class BlockManagerPool:
     @property
     def dedup(self) -> bool:
         """Whether the pool dedups on publish (R9 revised)."""
+
+    def last_event_sequence(self, dp_rank: int) -> int:
+        """The last event sequence number of rank ``dp_rank`` (0 before its first event)."""
+
+    def events_since(self, dp_rank: int, sequence: int) -> list[KVEvent] | None:
+        """Replay: rank ``dp_rank``'s events numbered ``sequence`` and later, drained or not,
+        from the bounded buffer (``event_replay``); None when it no longer reaches back that
+        far (the consumer then calls ``KVIndex.resync``). ``sequence`` past the next number is
+        a ValueError."""
+
+    def record_remote_events(self, dp_rank: int, kind: Literal["stored", "removed"],
+                             block_hashes: _Sequence[bytes]) -> int:
+        """Record the remote tier's stores or removals of rank ``dp_rank``'s blocks as
+        ``"remote"`` events in its stream (``kvpool.remote.RemoteTransfer`` calls it: the pool
+        does no I/O); returns the events recorded (0 without ``enable_events``)."""
 
     def reset_prefix_cache(self) -> None:
         """Drop every cached entry of every rank, every committed checkpoint nothing pins and
@@ -1660,7 +1701,7 @@ class HierarchyBlockManagerPool(BlockManagerPool):
         offloaded. ``"on_evict"``: only the blocks that the release makes evictable (held by
         nothing but the device cache); a block another sequence holds goes when its last
         holder releases it.
-    dp_size, enable_prefix_cache, num_single_blocks, linear_state_slots, checkpoint_interval, linear_state_match, linear_state_save, concurrent, enable_events, hash_seed, sliding_window, swa_num_blocks, debug_hash_bits
+    dp_size, enable_prefix_cache, num_single_blocks, linear_state_slots, checkpoint_interval, linear_state_match, linear_state_save, concurrent, enable_events, event_replay, hash_seed, sliding_window, swa_num_blocks, debug_hash_bits
         As for ``BlockManagerPool``. Without the device prefix cache the host tier stays idle.
     remote : kvpool.remote.RemoteTier or None
         A shared remote tier (issue 10): ``allocate`` makes one ``exists_many`` call past the
@@ -1695,6 +1736,7 @@ class HierarchyBlockManagerPool(BlockManagerPool):
         linear_state_save: _LinearStateSave = "copy",
         concurrent: bool = False,
         enable_events: bool = False,
+        event_replay: int = 4096,
         hash_seed: int | None = None,
         sliding_window: int | None = None,
         swa_num_blocks: int | None = None,

@@ -353,6 +353,27 @@ def test_event_stream_replays_into_the_index_the_pool_events_imply(server):
     assert pub.errors == 0 and pub.published > 0
 
 
+def test_the_stream_carries_every_field_into_a_kv_index(server):
+    """Issue 21: the published events are self-describing (sequence, medium, group, ...), and
+    read_events feeds a kvpool.KVIndex with them: device and host media, numbered per rank."""
+    e = Engine(RedisRemoteTier(server.url, NS), num_blocks=12, enable_events=True)
+    pub = RedisEventPublisher(server.url, "instance-a", stream="kv:fields", maxlen=10_000)
+    rng = random.Random(8)
+    for _ in range(10):
+        e.serve(prompt(rng.randrange(4), 2 + rng.randrange(3), shared=1))
+        pub.publish(e.pool.drain_events())
+    direct = kvpool.KVIndex()
+    again = kvpool.KVIndex()
+    direct.apply(0, e.pool.events_since(0, 1))  # the pool's replay buffer still holds them all
+    ids: dict[str, int] = {}
+    read_events(server.url, stream="kv:fields", kv_index=again, instance_ids=ids)
+    assert ids == {"instance-a": 0}
+    assert again.sources() == direct.sources() and again.sources()[0]["last"] > 0
+    probe = prompt(0, 4, shared=1)
+    assert sorted(again.lookup(probe)) == sorted(direct.lookup(probe))
+    assert {row[2] for row in again.lookup(probe)} >= {"device", "host"}
+
+
 # ------------------------------------------------------------------------------ Redis Cluster
 # Issue 10: "works with a single Redis/Valkey server and with Redis Cluster". Keys are not
 # hash-tagged, so one request's blocks spread over the slots of every node; the tier's multi-key

@@ -186,8 +186,9 @@ def build_parser(prog: str = "kvpool simulate") -> argparse.ArgumentParser:
     c.add_argument("--host-cache-tokens", type=_tokens_arg, default=None, metavar="N",
                    help="host tier per rank in tokens (sets --host-blocks to ceil(N / block size) + 1)")
     c.add_argument("--remote", default=None, metavar="URL",
-                   help="shared remote KV tier, e.g. redis://127.0.0.1:6379/0 (needs --host-blocks); "
-                        "simulators sharing one Redis reuse each other's prefixes")
+                   help="shared remote KV tier, e.g. redis://127.0.0.1:6379/0, or memory (in this process) "
+                        "(needs --host-blocks); simulators sharing one Redis reuse each other's prefixes; "
+                        "with --instances a comma list of none, memory and URLs, one table row each")
 
     x = p.add_argument_group("elastic memory (XTensor pages, docs/xtensor.md)")
     x.add_argument("--xtensor", action="store_true",
@@ -236,6 +237,9 @@ def build_parser(prog: str = "kvpool simulate") -> argparse.ArgumentParser:
     o.add_argument("--check", action="store_true",
                    help="test mode: pool.check() and accounting asserts after every step (slow)")
 
+    from kvpool.sim import fleet_cli
+
+    fleet_cli.add_arguments(p)
     e = p.add_argument_group("data plane")
     e.add_argument("--execute", action="store_true",
                    help="also run a small random-weight attention stack through kvpool.kernels "
@@ -490,8 +494,11 @@ def _main(args: argparse.Namespace) -> int:
 
     if args.timeline and not args.json:
         raise UsageError("--timeline goes with --json")
+    from kvpool.sim import fleet_cli
+
+    fleet = fleet_cli.fleet_requested(args)
     sweep = _parse_sweep(args.sweep)
-    if not sweep:
+    if not sweep and not fleet:
         make_config(args)  # configuration errors before reading the workload
     if args.plot:
         report.require_matplotlib()
@@ -508,6 +515,8 @@ def _main(args: argparse.Namespace) -> int:
     show = args.progress or (not args.no_progress and not os.environ.get("KVPOOL_NO_PROGRESS")
                              and sys.stderr.isatty())
     console = Console()
+    if fleet:  # --instances / --router: N pools behind a router (kvpool.sim.fleet)
+        return fleet_cli.run(args, reqs, wl, console, show)
     if args.plot and sweep and not any(k in CAPACITY_KEYS for k, _, _ in sweep):
         raise UsageError(f"--plot with --sweep draws the hit rate against a capacity: sweep one of "
                          f"{', '.join(CAPACITY_KEYS)}")

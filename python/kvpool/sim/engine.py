@@ -81,7 +81,8 @@ class SimConfig:
     sliding_window: int | None = None
     swa_num_blocks: int | None = None
     host_num_blocks: int = 0
-    remote: str | None = None  # redis:// URL of a shared remote tier (needs the host tier)
+    remote: str | None = None  # redis:// URL of a shared remote tier, or "memory" (needs the host tier)
+    enable_events: bool = False  # the pool records KV events (the fleet simulation feeds a KVIndex)
     hash_seed: int | None = None
     check: bool = False  # test mode: pool.check() and accounting asserts every step
     max_steps: int | None = None
@@ -112,6 +113,8 @@ class SimConfig:
             kw["hash_seed"] = self.hash_seed
         if self.xtensor is not None:
             kw["xtensor"] = dict(self.xtensor)
+        if self.enable_events:
+            kw["enable_events"] = True
         return kw
 
     def step_timer(self) -> FixedStepTime | Roofline:
@@ -263,14 +266,22 @@ def _import_kvpool() -> Any:
     return kvpool
 
 
-def make_pool(cfg: SimConfig) -> Any:
+def make_pool(cfg: SimConfig, remote_tier: Any = None) -> Any:
     """The pool of ``cfg``: a ``HierarchyBlockManagerPool`` with a host tier (which composes with
-    dp ranks, linear state and sliding windows: docs/host_tier.md), else a ``BlockManagerPool``."""
+    dp ranks, linear state and sliding windows: docs/host_tier.md), else a ``BlockManagerPool``.
+    ``remote_tier`` (a ``kvpool.remote.RemoteTier``) replaces the one ``cfg.remote`` names (the
+    fleet simulation shares one among its instances)."""
     kvpool = _import_kvpool()
     kw = cfg.pool_kwargs()
     try:
         if cfg.host_num_blocks:
-            if cfg.remote is not None:
+            if remote_tier is not None:
+                kw["remote"] = remote_tier
+            elif cfg.remote == "memory":
+                from kvpool.tiers.memory import MemoryRemoteTier
+
+                kw["remote"] = MemoryRemoteTier()
+            elif cfg.remote is not None:
                 from kvpool.remote import RedisRemoteTier
 
                 ns = f"kvpool-sim|bs{cfg.block_size}|seed{cfg.hash_seed}"
@@ -318,12 +329,12 @@ class Simulator:
     """
 
     def __init__(self, cfg: SimConfig, requests: Sequence[Request], *, executor: Any = None,
-                 on_step: Callable[[Simulator], None] | None = None) -> None:
+                 on_step: Callable[[Simulator], None] | None = None, remote_tier: Any = None) -> None:
         cfg.validate()
         self.cfg = cfg
         self.kvpool = _import_kvpool()
         self.timer = cfg.step_timer()
-        self.pool = make_pool(cfg)
+        self.pool = make_pool(cfg, remote_tier)
         self.mapped: MappedMemory | None = None
         if cfg.xtensor is not None:
             self.mapped = MappedMemory(self.pool, cfg.memory_limit_schedule)

@@ -1,4 +1,6 @@
-//! `kvpool.KVEvent` (R21) and the list `drain_events` returns.
+//! `kvpool.KVEvent` (R21, self-describing: docs/events.md) and the list `drain_events` and
+//! `events_since` return. Every field an index needs travels on the event, so
+//! `KVIndex.apply(instance, pool.drain_events())` takes the list as it is.
 
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList};
@@ -6,8 +8,18 @@ use pyo3::types::{PyBytes, PyList};
 /// A KV event for external KV-aware routers (R21).
 #[pyclass(frozen, module = "kvpool", name = "KVEvent", get_all)]
 pub struct PyKvEvent {
+    /// Position in the (pool, dp rank) stream: 1, 2, 3, ... over every medium.
+    sequence: u64,
     /// "stored", "removed" or "cleared".
-    kind: String,
+    kind: &'static str,
+    /// "device", "host" or "remote".
+    medium: &'static str,
+    /// The KV-cache group: 0 full attention, 1 the linear-state checkpoints (R22).
+    group: u32,
+    /// "full_attention", "sliding_window" or "linear_state".
+    group_kind: &'static str,
+    /// The group's window in tokens, for "sliding_window", else None.
+    sliding_window: Option<u32>,
     /// 16-byte hashes of the blocks.
     block_hashes: Vec<Py<PyBytes>>,
     /// Hash of the parent of the first block, None for a chain's first block.
@@ -26,8 +38,10 @@ pub struct PyKvEvent {
 impl PyKvEvent {
     fn __repr__(&self) -> String {
         format!(
-            "KVEvent(kind={:?}, blocks={}, dp_rank={}, block_size={})",
+            "KVEvent(sequence={}, kind={:?}, medium={:?}, blocks={}, dp_rank={}, block_size={})",
+            self.sequence,
             self.kind,
+            self.medium,
             self.block_hashes.len(),
             self.dp_rank,
             self.block_size
@@ -43,7 +57,12 @@ pub(crate) fn events_list<'py>(
     let out = PyList::empty(py);
     for e in events {
         let event = PyKvEvent {
-            kind: e.kind.as_str().to_owned(),
+            sequence: e.sequence,
+            kind: e.kind.as_str(),
+            medium: e.medium.as_str(),
+            group: e.group,
+            group_kind: e.group_kind.as_str(),
+            sliding_window: e.group_kind.window(),
             block_hashes: e
                 .block_hashes
                 .iter()

@@ -225,7 +225,10 @@ fn report_to_py<'py>(py: Python<'py>, r: &ApplyReport) -> PyResult<Bound<'py, Py
 }
 
 /// Hashes given as a list of 16-byte bytes.
-fn hashes_from_py(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<kvpool::BlockHash>> {
+pub(crate) fn hashes_from_py(
+    obj: &Bound<'_, PyAny>,
+    name: &str,
+) -> PyResult<Vec<kvpool::BlockHash>> {
     if obj.is_instance_of::<PyBytes>() || obj.is_instance_of::<PyString>() {
         return Err(type_error(name, "must be a list of 16-byte bytes"));
     }

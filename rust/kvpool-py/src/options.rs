@@ -22,6 +22,7 @@ pub(crate) const POOL_OPTIONS: &[&str] = &[
     "linear_state_save",
     "concurrent",
     "enable_events",
+    "event_replay",
     "hash_seed",
     "sliding_window",
     "swa_num_blocks",
@@ -110,6 +111,9 @@ impl<'py> Options<'py> {
             num_single_blocks,
             hasher,
             enable_events,
+            event_replay: self
+                .count("event_replay")?
+                .unwrap_or(kvpool::DEFAULT_EVENT_REPLAY),
             linear_state_slots: self.count("linear_state_slots")?.unwrap_or(0),
             checkpoint_interval: self.count("checkpoint_interval")?,
             linear_state_match,

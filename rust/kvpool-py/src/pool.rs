@@ -445,6 +445,52 @@ impl PyBlockManagerPool {
         self.inner.lock().config().dedup
     }
 
+    /// The last event sequence number of dp_rank (0 before its first event).
+    fn last_event_sequence(&self, dp_rank: &Bound<'_, PyAny>) -> PyResult<u64> {
+        let rank = convert::count(dp_rank, "dp_rank")?;
+        self.inner.lock().last_event_sequence(rank).py()
+    }
+
+    /// Replay: dp_rank's events numbered sequence and later from the bounded buffer, or None
+    /// when the buffer no longer reaches back that far (the consumer resyncs).
+    fn events_since<'py>(
+        &self,
+        py: Python<'py>,
+        dp_rank: &Bound<'_, PyAny>,
+        sequence: &Bound<'_, PyAny>,
+    ) -> PyResult<Option<Bound<'py, PyList>>> {
+        let rank = convert::count(dp_rank, "dp_rank")?;
+        let from = convert::uint64(sequence, "sequence")?;
+        let events = self.inner.lock().events_since(rank, from).py()?;
+        events.map(|e| events_list(py, e)).transpose()
+    }
+
+    /// Records the remote tier's stores or removals of dp_rank's blocks as "remote" events;
+    /// returns the number of events recorded (0 without enable_events).
+    fn record_remote_events(
+        &self,
+        dp_rank: &Bound<'_, PyAny>,
+        kind: &Bound<'_, PyAny>,
+        block_hashes: &Bound<'_, PyAny>,
+    ) -> PyResult<usize> {
+        let rank = convert::count(dp_rank, "dp_rank")?;
+        let kind = match convert::choice(Some(kind), "kind", "")?.as_str() {
+            "stored" => kvpool::KvEventKind::Stored,
+            "removed" => kvpool::KvEventKind::Removed,
+            other => {
+                return Err(value_error(
+                    "kind",
+                    format!("must be 'stored' or 'removed', got {other:?}"),
+                ))
+            }
+        };
+        let hashes = crate::index::hashes_from_py(block_hashes, "block_hashes")?;
+        self.inner
+            .lock()
+            .record_remote_events(rank, kind, &hashes)
+            .py()
+    }
+
     /// Drops every cached entry nothing holds, of every rank and tier (R12, R24, R26).
     fn reset_prefix_cache(&self, py: Python<'_>) -> PyResult<()> {
         Self::not_in_backend()?;

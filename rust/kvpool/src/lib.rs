@@ -49,7 +49,7 @@ pub use pool::{
     AllocationPlan, BlockManagerPool, DebugCounters, HierarchyBlockManagerPool, HierarchyConfig,
     HierarchyStats, KvCacheManager, KvEvent, KvEventKind, LinearStateMatch, LinearStatePlan,
     LinearStateSave, PageBackendKind, PoolConfig, PoolStats, RankStats, XTensorOptions,
-    XTensorRankStats,
+    XTensorRankStats, DEFAULT_EVENT_REPLAY,
 };
 pub use prefix_cache::{CacheEvent, CacheStats, ExtraKey, PrefixCache, Probe};
 pub use sequence::Sequence;

@@ -177,6 +177,61 @@ fn r19_exports_and_r21_events() {
     assert!(p.drain_events().is_empty());
 }
 
+/// Issue 21: events numbered 1, 2, 3, ... per rank, self-describing, replayable from the
+/// bounded buffer; the index applies them as they are.
+#[test]
+fn events_are_numbered_per_rank_and_replayable() {
+    let mut config = PoolConfig::new(6, 4);
+    config.enable_events = true;
+    config.dp_size = 2;
+    config.event_replay = 3;
+    let mut p = BlockManagerPool::new(config).unwrap();
+    let mut all = Vec::new();
+    let mut held: Option<Sequence> = None;
+    for i in 0..12u32 {
+        let mut a = Sequence::new((100 * i..100 * i + 8).collect(), None, None);
+        assert!(p.allocate(&mut a, None).unwrap());
+        a.set_num_computed_tokens(8).unwrap();
+        p.cache(&mut a).unwrap();
+        // Two sequences at a time: the second goes to the other rank.
+        if let Some(mut previous) = held.replace(a) {
+            p.deallocate(&mut previous).unwrap();
+        }
+        all.extend(p.drain_events());
+        p.check().unwrap();
+    }
+    for rank in 0..2 {
+        let numbers: Vec<u64> = all
+            .iter()
+            .filter(|e| e.dp_rank == rank)
+            .map(|e| e.sequence)
+            .collect();
+        let last = p.last_event_sequence(rank).unwrap();
+        assert_eq!(numbers, (1..=last).collect::<Vec<_>>(), "rank {rank}");
+        assert!(last > 3, "rank {rank}: {last} events");
+        let tail = p.events_since(rank, last - 2).unwrap().unwrap();
+        assert_eq!(
+            tail.iter().map(|e| e.sequence).collect::<Vec<_>>(),
+            vec![last - 2, last - 1, last]
+        );
+        assert!(
+            p.events_since(rank, last - 3).unwrap().is_none(),
+            "beyond the buffer"
+        );
+        assert!(p.events_since(rank, last + 1).unwrap().unwrap().is_empty());
+        assert!(p.events_since(rank, last + 2).is_err());
+    }
+    assert!(p.events_since(2, 1).is_err());
+    assert!(all.iter().all(|e| e.medium == kvpool::Medium::Device
+        && e.group == 0
+        && e.group_kind == kvpool::GroupKind::FullAttention
+        && e.block_size == 4));
+    let index = kvpool::KVIndex::new(kvpool::IndexConfig::default()).unwrap();
+    let batch: Vec<kvpool::IndexEvent> = all.iter().map(|e| e.to_index_event()).collect();
+    let report = index.apply(0, batch).unwrap();
+    assert!(report.gaps.is_empty());
+}
+
 /// The batch calls do what the per-sequence calls do, step by step, on twin pools (R16, R17);
 /// a decode step whose tokens fit publishes nothing and takes nothing (the fast path).
 #[test]

@@ -34,6 +34,8 @@ pub struct PoolConfig {
     pub hasher: BlockHasher,
     /// Record KV events (R21).
     pub enable_events: bool,
+    /// Events per rank the replay buffer keeps (`events_since`); 0: none.
+    pub event_replay: usize,
     /// Recurrent-state slots per rank, padding slot 0 included; 0 disables linear state (R22).
     pub linear_state_slots: usize,
     /// Save a checkpoint every this many computed tokens (a multiple of `block_size`), besides
@@ -68,6 +70,7 @@ impl PoolConfig {
             num_single_blocks: None,
             hasher: BlockHasher::default(),
             enable_events: false,
+            event_replay: super::DEFAULT_EVENT_REPLAY,
             linear_state_slots: 0,
             checkpoint_interval: None,
             linear_state_match: LinearStateMatch::Deepest,
@@ -209,8 +212,9 @@ impl PoolConfig {
                 .map_err(|e| e.renamed("num_slots", "num_single_blocks"))?;
             let mut groups = Vec::new();
             if self.linear_state_slots > 0 {
-                let cache = LinearStatePrefixCache::new(self.linear_state_slots)
+                let mut cache = LinearStatePrefixCache::new(self.linear_state_slots)
                     .map_err(|e| e.renamed("num_slots", "linear_state_slots"))?;
+                cache.events = self.enable_events.then(Vec::new);
                 groups.push(Group::Linear(LinearGroup::new(
                     cache,
                     index,

@@ -108,6 +108,9 @@ impl BlockManagerPool {
                 None => debug_assert!(false, "a copy of a rank without linear state"),
             }
         }
+        for rank in 0..self.ranks.len() {
+            self.collect_events(rank); // the committed checkpoints (R21)
+        }
         Ok(())
     }
 

@@ -43,7 +43,7 @@ use crate::tiers::HostTier;
 pub use admission::{AllocationPlan, DebugCounters};
 pub use config::{LinearStateMatch, LinearStateSave, PoolConfig};
 pub use elastic::{PageBackendKind, XTensorOptions, XTensorRankStats};
-pub use events::{KvEvent, KvEventKind};
+pub use events::{KvEvent, KvEventKind, DEFAULT_EVENT_REPLAY};
 pub use hierarchy::{HierarchyBlockManagerPool, HierarchyConfig, HierarchyStats};
 pub use linear_plans::LinearStatePlan;
 pub use stats::{PoolStats, RankStats};
@@ -109,7 +109,7 @@ pub struct BlockManagerPool {
     has_groups: bool,
     /// Whether some group publishes or slides a table (a sliding window).
     slides: bool,
-    events: Option<Vec<KvEvent>>,
+    events: Option<events::EventLog>,
     ledger: Ledger,
     open_plans: HashSet<u64>,
     next_plan: u64,
@@ -147,13 +147,12 @@ impl BlockManagerPool {
         let id = NEXT_POOL_ID.fetch_add(1, Ordering::Relaxed);
         let host = match config.host {
             None => None,
-            Some(host) => Some(HostTier::new(
-                host,
-                id,
-                config.dp_size,
-                config.block_size,
-                config.hasher,
-            )?),
+            Some(host) => {
+                let mut tier =
+                    HostTier::new(host, id, config.dp_size, config.block_size, config.hasher)?;
+                tier.set_record_events(config.enable_events);
+                Some(tier)
+            }
         };
         let has_groups = ranks.iter().any(|r| !r.groups.is_empty());
         let slides = ranks.iter().any(|r| r.groups.iter().any(Group::publishes));
@@ -163,7 +162,9 @@ impl BlockManagerPool {
             ranks,
             has_groups,
             slides,
-            events: config.enable_events.then(Vec::new),
+            events: config
+                .enable_events
+                .then(|| events::EventLog::new(config.dp_size, config.event_replay)),
             ledger: Ledger::default(),
             open_plans: HashSet::new(),
             next_plan: 1,
@@ -327,6 +328,9 @@ impl BlockManagerPool {
         }
         if let Some(host) = self.host.as_mut() {
             host.reset();
+            for index in 0..self.ranks.len() {
+                self.collect_events(index);
+            }
         }
     }
 

@@ -27,6 +27,7 @@
 
 mod check;
 mod dedup;
+mod describe;
 mod keys;
 
 use crate::alloc;

@@ -178,6 +178,30 @@ impl HostTier {
         self.ranks.get(rank).map(|h| &h.host)
     }
 
+    /// The host cache of `rank`.
+    pub(crate) fn cache(&self, rank: usize) -> Option<&crate::prefix_cache::PrefixCache> {
+        self.ranks.get(rank).and_then(|h| h.host.prefix_cache())
+    }
+
+    /// The host cache of `rank`, to take its events.
+    pub(crate) fn cache_mut(
+        &mut self,
+        rank: usize,
+    ) -> Option<&mut crate::prefix_cache::PrefixCache> {
+        self.ranks
+            .get_mut(rank)
+            .and_then(|h| h.host.prefix_cache_mut())
+    }
+
+    /// Whether the host caches record KV events (R21, medium "host").
+    pub(crate) fn set_record_events(&mut self, on: bool) {
+        for rank in &mut self.ranks {
+            if let Some(cache) = rank.host.prefix_cache_mut() {
+                cache.set_record_events(on);
+            }
+        }
+    }
+
     /// Chain walks of the host caches (a debug counter).
     pub(crate) fn num_walks(&self) -> u64 {
         self.ranks
