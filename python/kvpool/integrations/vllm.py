@@ -13,8 +13,9 @@ kvpool.integrations.vllm.Scheduler`` (``AsyncScheduler`` with async scheduling).
 Invariants this module keeps:
 
 - One kvpool ``Sequence`` per request the Scheduler has looked up or allocated, keyed by
-  ``request_id``; its tokens are the request's tokens (synced before every pool call; a request
-  never loses tokens). ``free`` drops it, so nothing outlives its request.
+  ``request_id``; its tokens are the request's tokens (synced before every pool call, so a decode
+  step that needs no block syncs nothing; a request never loses tokens). ``free`` drops it, so
+  nothing outlives its request.
 - Block ids are the pool's ids, which are the ids vLLM's workers index: vLLM's null block 0 is
   kvpool's padding block 0 and never appears in a table; ``kv_cache_config.num_blocks`` counts it
   in both. An id handed out in ``NewRequestData`` or ``new_block_ids`` stays in the request's
@@ -336,13 +337,18 @@ class KVCacheManager:
             raise ValueError("num_new_tokens: must be > 0 when nothing is computed")
         if num_external_computed_tokens:
             raise _unsupported("num_external_computed_tokens (KV connectors)")
-        entry = self._entry(request)
         computed = request.num_computed_tokens + num_new_computed_tokens
         end = computed + num_new_tokens
         need = min(end + num_lookahead_tokens, self.max_model_len)
-        if entry.capacity:
-            blocks = self.empty_kv_cache_blocks if need <= entry.capacity else self._grow(entry, need)
+        entry = self._seqs.get(request.request_id)
+        if entry is not None and entry.capacity:
+            # running (the decode path): tokens are synced only when the pool is called
+            if need <= entry.capacity:
+                blocks = self.empty_kv_cache_blocks
+            else:
+                blocks = self._grow(self._entry(request), need)
         else:
+            entry = self._entry(request)
             blocks = self._admit(request, entry, need, num_new_computed_tokens, new_computed_blocks,
                                  full_sequence_must_fit, reserved_blocks, has_scheduled_reqs)
         bs = self.block_size
@@ -452,7 +458,7 @@ class KVCacheManager:
         entry = self._seqs.get(request.request_id)
         if entry is None or not self.enable_caching:
             return 0
-        computed = min(request.num_computed_tokens - request.num_in_flight_tokens, entry.length,
+        computed = min(request.num_computed_tokens - request.num_in_flight_tokens, request.num_tokens,
                        entry.capacity)
         return max(computed, 0) // self.block_size * self.block_size
 
@@ -464,11 +470,11 @@ class KVCacheManager:
     def usage(self) -> float:
         """Used blocks over usable ones (cached-only blocks count as free, as vLLM's).
 
-        Read from the pool's stats only after an allocation or a release since the last read
-        (nothing else changes which blocks are held): the Scheduler reads it every step.
+        Read from the pool's counters only after an allocation or a release since the last
+        read (nothing else changes which blocks are held): the Scheduler reads it every step.
         """
         if self._usage is None:
-            self._usage = self.pool.stats()["usage"]
+            self._usage = self.block_pool.get_usage()
         return self._usage
 
     # -------------------------------------------------------------------- per-step no-ops
@@ -579,7 +585,8 @@ class KVCacheManager:
                            extra_keys=extra_keys, group_idx=0, kv_cache_spec_kind=_KIND)
 
     def check(self) -> None:
-        """Walk the pool's structures (R20) and this manager's: each entry mirrors its sequence
+        """Walk the pool's structures (R20) and this manager's: ``usage`` (cached since the last
+        allocation or release) and the free count are the pool's stats; each entry mirrors its sequence
         (length, table capacity, computed tokens), a held table has no id 0 and holds the
         computed tokens, and every request awaiting publication is tracked.
 
@@ -589,6 +596,10 @@ class KVCacheManager:
             A rule is broken.
         """
         self.pool.check()
+        stats = self.pool.stats()
+        counted = (self.usage, self.block_pool.get_num_free_blocks())
+        if counted != (stats["usage"], stats["num_free_blocks"] + stats["num_cached_blocks"]):
+            raise InvariantError(f"usage and free blocks {counted} disagree with the pool's stats {stats}")
         for rid, entry in self._seqs.items():
             seq = entry.seq
             table = seq.block_table.tolist()
