@@ -189,6 +189,7 @@ class KVCacheManager:
         self.metrics_collector = metrics_collector
         self.prefix_cache_stats = PrefixCacheStats() if log_stats else None
         self._no_prefix_cache_stats = PrefixCacheStats()
+        self._stats_recorded = False  # prefix_cache_stats holds something since it was taken
         self.pool = BlockManagerPool(
             num_blocks,
             block_size,
@@ -537,15 +538,17 @@ class KVCacheManager:
             return
         self.prefix_cache_stats.record(num_tokens=request.num_tokens, num_hits=num_hits,
                                        preempted=request.num_preemptions > 0)
+        self._stats_recorded = True
 
     def make_prefix_cache_stats(self) -> PrefixCacheStats | None:
         """The stats since the last call (a fresh object starts); None unless ``log_stats``."""
         if not self.log_stats:
             return None
-        stats = self.prefix_cache_stats
-        if not (stats.requests or stats.preempted_requests or stats.reset):
+        if not self._stats_recorded:  # the Scheduler asks every step: no attribute walk
             return self._no_prefix_cache_stats  # nothing recorded: an empty object nobody fills
+        stats = self.prefix_cache_stats
         self.prefix_cache_stats = PrefixCacheStats()
+        self._stats_recorded = False
         return stats
 
     def reset_prefix_cache(self) -> bool:
@@ -555,6 +558,7 @@ class KVCacheManager:
         self.pool.reset_prefix_cache()
         if self.prefix_cache_stats is not None:
             self.prefix_cache_stats.reset = True
+            self._stats_recorded = True
         return True
 
     def take_events(self) -> list[Any]:
@@ -600,6 +604,10 @@ class KVCacheManager:
         counted = (self.usage, self.block_pool.get_num_free_blocks())
         if counted != (stats["usage"], stats["num_free_blocks"] + stats["num_cached_blocks"]):
             raise InvariantError(f"usage and free blocks {counted} disagree with the pool's stats {stats}")
+        recorded = self.prefix_cache_stats
+        if recorded is not None and self._stats_recorded != bool(
+                recorded.requests or recorded.preempted_requests or recorded.reset):
+            raise InvariantError(f"prefix cache stats {recorded} but recorded={self._stats_recorded}")
         for rid, entry in self._seqs.items():
             seq = entry.seq
             table = seq.block_table.tolist()
