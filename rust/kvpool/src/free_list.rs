@@ -285,7 +285,11 @@ mod tests {
         assert_eq!(list.pop(), None);
         assert_eq!(list.take_all(&mut out), 0);
         list.push(3);
-        assert_eq!((list.len(), list.pop()), (1, Some(3)), "usable after a take");
+        assert_eq!(
+            (list.len(), list.pop()),
+            (1, Some(3)),
+            "usable after a take"
+        );
     }
 
     #[test]
