@@ -1069,6 +1069,18 @@ class BlockManagerPool:
         """Whether every call releases the GIL (built with ``concurrent=True``)."""
 
     @property
+    def num_free_blocks(self) -> int:
+        """Free blocks over all ranks: ``stats()["num_free_blocks"]`` without building the dict."""
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Cache-only blocks over all ranks: ``stats()["num_cached_blocks"]``."""
+
+    @property
+    def num_used_blocks(self) -> int:
+        """Blocks held by sequences over all ranks: ``stats()["num_used_blocks"]``."""
+
+    @property
     def num_groups(self) -> int:
         """Block groups of every sequence: 1, or 2 with ``sliding_window`` (R25)."""
 

@@ -250,6 +250,9 @@ class PoolMachine(RuleBasedStateMachine):
             )
         for s in self.waiting:
             assert table(s) == []
+        # the count properties read the same counters as stats()'s totals (R2, R20)
+        counts = (self.pool.num_free_blocks, self.pool.num_cached_blocks, self.pool.num_used_blocks)
+        assert counts == (st["num_free_blocks"], st["num_cached_blocks"], st["num_used_blocks"])
 
     @invariant()
     def exports_match_reference(self):

@@ -120,8 +120,7 @@ class _BlockPoolView:
         self.num_gpu_blocks = pool.num_blocks
 
     def get_num_free_blocks(self) -> int:
-        stats = self._pool.stats()
-        return stats["num_free_blocks"] + stats["num_cached_blocks"]
+        return self._pool.num_free_blocks + self._pool.num_cached_blocks
 
     def get_usage(self) -> float:
-        return self._pool.stats()["usage"]
+        return self._pool.num_used_blocks / (self.num_gpu_blocks - 1)  # stats()["usage"]

@@ -13,8 +13,9 @@ kvpool.integrations.vllm.Scheduler`` (``AsyncScheduler`` with async scheduling).
 Invariants this module keeps:
 
 - One kvpool ``Sequence`` per request the Scheduler has looked up or allocated, keyed by
-  ``request_id``; its tokens are the request's tokens (synced before every pool call; a request
-  never loses tokens). ``free`` drops it, so nothing outlives its request.
+  ``request_id``; its tokens are the request's tokens (synced before every pool call, so a decode
+  step that needs no block syncs nothing; a request never loses tokens). ``free`` drops it, so
+  nothing outlives its request.
 - Block ids are the pool's ids, which are the ids vLLM's workers index: vLLM's null block 0 is
   kvpool's padding block 0 and never appears in a table; ``kv_cache_config.num_blocks`` counts it
   in both. An id handed out in ``NewRequestData`` or ``new_block_ids`` stays in the request's
@@ -188,6 +189,7 @@ class KVCacheManager:
         self.metrics_collector = metrics_collector
         self.prefix_cache_stats = PrefixCacheStats() if log_stats else None
         self._no_prefix_cache_stats = PrefixCacheStats()
+        self._stats_recorded = False  # prefix_cache_stats holds something since it was taken
         self.pool = BlockManagerPool(
             num_blocks,
             block_size,
@@ -336,13 +338,18 @@ class KVCacheManager:
             raise ValueError("num_new_tokens: must be > 0 when nothing is computed")
         if num_external_computed_tokens:
             raise _unsupported("num_external_computed_tokens (KV connectors)")
-        entry = self._entry(request)
         computed = request.num_computed_tokens + num_new_computed_tokens
         end = computed + num_new_tokens
         need = min(end + num_lookahead_tokens, self.max_model_len)
-        if entry.capacity:
-            blocks = self.empty_kv_cache_blocks if need <= entry.capacity else self._grow(entry, need)
+        entry = self._seqs.get(request.request_id)
+        if entry is not None and entry.capacity:
+            # running (the decode path): tokens are synced only when the pool is called
+            if need <= entry.capacity:
+                blocks = self.empty_kv_cache_blocks
+            else:
+                blocks = self._grow(self._entry(request), need)
         else:
+            entry = self._entry(request)
             blocks = self._admit(request, entry, need, num_new_computed_tokens, new_computed_blocks,
                                  full_sequence_must_fit, reserved_blocks, has_scheduled_reqs)
         bs = self.block_size
@@ -452,7 +459,7 @@ class KVCacheManager:
         entry = self._seqs.get(request.request_id)
         if entry is None or not self.enable_caching:
             return 0
-        computed = min(request.num_computed_tokens - request.num_in_flight_tokens, entry.length,
+        computed = min(request.num_computed_tokens - request.num_in_flight_tokens, request.num_tokens,
                        entry.capacity)
         return max(computed, 0) // self.block_size * self.block_size
 
@@ -464,11 +471,11 @@ class KVCacheManager:
     def usage(self) -> float:
         """Used blocks over usable ones (cached-only blocks count as free, as vLLM's).
 
-        Read from the pool's stats only after an allocation or a release since the last read
-        (nothing else changes which blocks are held): the Scheduler reads it every step.
+        Read from the pool's counters only after an allocation or a release since the last
+        read (nothing else changes which blocks are held): the Scheduler reads it every step.
         """
         if self._usage is None:
-            self._usage = self.pool.stats()["usage"]
+            self._usage = self.block_pool.get_usage()
         return self._usage
 
     # -------------------------------------------------------------------- per-step no-ops
@@ -531,15 +538,17 @@ class KVCacheManager:
             return
         self.prefix_cache_stats.record(num_tokens=request.num_tokens, num_hits=num_hits,
                                        preempted=request.num_preemptions > 0)
+        self._stats_recorded = True
 
     def make_prefix_cache_stats(self) -> PrefixCacheStats | None:
         """The stats since the last call (a fresh object starts); None unless ``log_stats``."""
         if not self.log_stats:
             return None
-        stats = self.prefix_cache_stats
-        if not (stats.requests or stats.preempted_requests or stats.reset):
+        if not self._stats_recorded:  # the Scheduler asks every step: no attribute walk
             return self._no_prefix_cache_stats  # nothing recorded: an empty object nobody fills
+        stats = self.prefix_cache_stats
         self.prefix_cache_stats = PrefixCacheStats()
+        self._stats_recorded = False
         return stats
 
     def reset_prefix_cache(self) -> bool:
@@ -549,6 +558,7 @@ class KVCacheManager:
         self.pool.reset_prefix_cache()
         if self.prefix_cache_stats is not None:
             self.prefix_cache_stats.reset = True
+            self._stats_recorded = True
         return True
 
     def take_events(self) -> list[Any]:
@@ -579,7 +589,8 @@ class KVCacheManager:
                            extra_keys=extra_keys, group_idx=0, kv_cache_spec_kind=_KIND)
 
     def check(self) -> None:
-        """Walk the pool's structures (R20) and this manager's: each entry mirrors its sequence
+        """Walk the pool's structures (R20) and this manager's: ``usage`` (cached since the last
+        allocation or release) and the free count are the pool's stats; each entry mirrors its sequence
         (length, table capacity, computed tokens), a held table has no id 0 and holds the
         computed tokens, and every request awaiting publication is tracked.
 
@@ -589,6 +600,14 @@ class KVCacheManager:
             A rule is broken.
         """
         self.pool.check()
+        stats = self.pool.stats()
+        counted = (self.usage, self.block_pool.get_num_free_blocks())
+        if counted != (stats["usage"], stats["num_free_blocks"] + stats["num_cached_blocks"]):
+            raise InvariantError(f"usage and free blocks {counted} disagree with the pool's stats {stats}")
+        recorded = self.prefix_cache_stats
+        if recorded is not None and self._stats_recorded != bool(
+                recorded.requests or recorded.preempted_requests or recorded.reset):
+            raise InvariantError(f"prefix cache stats {recorded} but recorded={self._stats_recorded}")
         for rid, entry in self._seqs.items():
             seq = entry.seq
             table = seq.block_table.tolist()

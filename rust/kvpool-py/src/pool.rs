@@ -267,6 +267,21 @@ impl PyBlockManagerPool {
     fn concurrent(&self) -> bool {
         self.concurrent
     }
+    /// Free blocks over all ranks (`stats()["num_free_blocks"]`, without building the dict).
+    #[getter]
+    fn num_free_blocks(&self, py: Python<'_>) -> PyResult<usize> {
+        Ok(self.lock(py)?.total_counts().free)
+    }
+    /// Cache-only blocks over all ranks (`stats()["num_cached_blocks"]`).
+    #[getter]
+    fn num_cached_blocks(&self, py: Python<'_>) -> PyResult<usize> {
+        Ok(self.lock(py)?.total_counts().cached)
+    }
+    /// Blocks held by sequences over all ranks (`stats()["num_used_blocks"]`).
+    #[getter]
+    fn num_used_blocks(&self, py: Python<'_>) -> PyResult<usize> {
+        Ok(self.lock(py)?.total_counts().used)
+    }
     /// Block groups of every sequence: 1, or 2 with sliding_window (R25).
     #[getter]
     fn num_groups(&self, py: Python<'_>) -> PyResult<usize> {

@@ -177,6 +177,44 @@ impl FreeList {
         }
     }
 
+    /// Detaches the whole list with one CAS and appends its ids to `out`, top first (the order
+    /// repeated `pop`s would give); returns how many. Only for a list whose detached ids nobody
+    /// pushes again before this returns (their `next` links are read after the detach): the
+    /// `released` stack, whose ids stay `QUEUED` (never pushed twice) until the drain that took
+    /// them clears the bit, after this call.
+    pub(crate) fn take_all(&self, out: &mut Vec<u32>) -> usize {
+        // Relaxed: the CAS re-checks the head; a stale value only costs a retry.
+        let mut head = self.head.load(Ordering::Relaxed);
+        loop {
+            if top_of(head) == NIL {
+                return 0;
+            }
+            // Acquire on success: pairs with the Release CAS of every push below the top, so the
+            // walk sees each `next` link they wrote. Relaxed on failure: retry with the fresh value.
+            match self.head.compare_exchange_weak(
+                head,
+                pack(tag_of(head).wrapping_add(1), NIL),
+                Ordering::Acquire,
+                Ordering::Relaxed,
+            ) {
+                Ok(_) => break,
+                Err(current) => head = current,
+            }
+        }
+        let start = out.len();
+        let mut id = top_of(head);
+        // At most `capacity` steps, so a corrupted list cannot loop forever.
+        while id != NIL && out.len() - start < self.next.len() {
+            out.push(id);
+            // Relaxed: ordered by the Acquire CAS above.
+            id = self.next[id as usize].load(Ordering::Relaxed);
+        }
+        let taken = out.len() - start;
+        // Relaxed: lowered only after the ids are unpublished (module doc).
+        self.len.fetch_sub(taken, Ordering::Relaxed);
+        taken
+    }
+
     /// Pops exactly `n` ids into `out`, or none: if the list runs dry midway, the ids already
     /// taken are pushed back (in their original order) and `false` is returned.
     #[cfg(test)]
@@ -234,6 +272,24 @@ mod tests {
         assert_eq!(list.pop(), Some(1), "just-freed id is reused first");
         assert_eq!(list.len(), 5);
         assert_eq!(list.snapshot(), vec![3, 4, 5, 6, 7]);
+    }
+
+    #[test]
+    fn take_all_empties_in_pop_order() {
+        let list = FreeList::with_ids(8, 1..6u32);
+        list.push(7);
+        let mut out = vec![0];
+        assert_eq!(list.take_all(&mut out), 6);
+        assert_eq!(out, vec![0, 7, 1, 2, 3, 4, 5], "appended, top first");
+        assert!(list.is_empty());
+        assert_eq!(list.pop(), None);
+        assert_eq!(list.take_all(&mut out), 0);
+        list.push(3);
+        assert_eq!(
+            (list.len(), list.pop()),
+            (1, Some(3)),
+            "usable after a take"
+        );
     }
 
     #[test]

@@ -259,6 +259,16 @@ impl BlockManagerPool {
             .ok_or_else(|| self.rank_error(rank))
     }
 
+    /// Block counts of every rank's full-attention group, summed: `stats().total.counts`
+    /// without the rest of the stats (one read of each rank's counters).
+    pub fn total_counts(&self) -> BlockCounts {
+        let mut total = BlockCounts::default();
+        for rank in &self.ranks {
+            total.add(&rank.full.counts());
+        }
+        total
+    }
+
     fn rank_error(&self, rank: usize) -> KvPoolError {
         KvPoolError::invalid(
             "rank",

@@ -478,14 +478,16 @@ impl PrefixCache {
     /// were released (F9: a block's place is its release time, whenever the drain runs).
     pub fn drain_released(&mut self) {
         let mut batch = std::mem::take(&mut self.scratch);
-        while let Some(id) = self.store.released.pop() {
-            let state = self.store.clear_queued(id);
-            let entry = &self.entries[id as usize];
-            if state & (CACHED | COUNT_MASK) == CACHED | 1 && entry.live && !entry.in_lru {
-                batch.push(id);
-            }
-        }
-        // The stack pops the newest release first.
+        // The whole stack at once (one CAS), then each id's QUEUED bit cleared: from then on a
+        // drop may queue it anew, so its link was read first (`take_all`).
+        self.store.released.take_all(&mut batch);
+        let (store, entries) = (&self.store, &self.entries);
+        batch.retain(|&id| {
+            let state = store.clear_queued(id);
+            let entry = &entries[id as usize];
+            state & (CACHED | COUNT_MASK) == CACHED | 1 && entry.live && !entry.in_lru
+        });
+        // The stack holds the newest release first.
         for &id in batch.iter().rev() {
             self.lru_push_newest(id);
         }
