@@ -211,8 +211,16 @@ class PoolMachine(RuleBasedStateMachine):
         st0 = self.pool.stats()
         self.pool.cache(s)
         st1 = self.pool.stats()
-        for k in ("num_free_blocks", "num_cached_blocks", "num_used_blocks"):
-            assert st0[k] == st1[k], "cache(seq) only publishes held blocks"
+        # cache(seq) publishes held blocks; dedup on publish (R9 revised) also switches each
+        # computed duplicate to its cached copy and frees the duplicate: free +1, cached -1.
+        switches = self.pool.drain_block_switches()
+        assert all(seq_id == s.seq_id and old != new for seq_id, old, new in switches)
+        n = len(switches)
+        assert st1["num_free_blocks"] == st0["num_free_blocks"] + n, "R9: a switch frees one id"
+        assert st1["num_cached_blocks"] == st0["num_cached_blocks"] - n
+        assert st1["num_used_blocks"] == st0["num_used_blocks"], "cache(seq) holds as many"
+        for _, old, new in switches:
+            assert new in s.block_ids() and old not in s.block_ids()
 
     @rule(data=st.data(), finish=st.booleans())
     @precondition(lambda self: self.running)
