@@ -197,6 +197,7 @@ fn generate(trace: &[Vec<u32>], instances: usize) -> Workload {
 }
 
 /// Replays `w` on a fresh index; returns the time of the replay and each lookup's time.
+#[inline(never)]
 fn replay(w: &Workload, lookups: bool, timed: bool) -> (Duration, Vec<u32>) {
     let idx = index();
     let steps = w.steps.clone();
@@ -288,6 +289,7 @@ impl PlainIndex {
 }
 
 /// The plain peer's replay: (apply-only time, mixed time, lookup times).
+#[inline(never)]
 fn replay_plain(w: &Workload) -> (Duration, Duration, Vec<u32>) {
     let mut plain = PlainIndex::default();
     let start = Instant::now();
@@ -326,8 +328,40 @@ fn workloads() -> Vec<Workload> {
     }
 }
 
+/// `KVPOOL_INDEX_PROFILE=apply|mixed|plain` (with `KVPOOL_INDEX_REPEAT`, default 1): only
+/// that replay of each workload, timed, for a profiler (`valgrind --tool=callgrind
+/// --toggle-collect='*replay*'`); no criterion run, no summary.
+fn profile(workloads: &[Workload]) -> bool {
+    let Ok(kind) = std::env::var("KVPOOL_INDEX_PROFILE") else {
+        return false;
+    };
+    let repeat: usize = std::env::var("KVPOOL_INDEX_REPEAT")
+        .ok()
+        .and_then(|r| r.parse().ok())
+        .unwrap_or(1);
+    for w in workloads {
+        for _ in 0..repeat {
+            let time = match kind.as_str() {
+                "apply" => replay(w, false, false).0,
+                "mixed" => replay(w, true, false).0,
+                _ => replay_plain(w).1,
+            };
+            println!(
+                "profile {kind} {} instances: {:.2} ms, {:.0} events+lookups/s",
+                w.instances,
+                time.as_secs_f64() * 1e3,
+                (w.events + w.chains.len()) as f64 / time.as_secs_f64()
+            );
+        }
+    }
+    true
+}
+
 fn bench(c: &mut Criterion) {
     let workloads = workloads();
+    if profile(&workloads) {
+        return;
+    }
     if workloads.is_empty() {
         eprintln!("index bench: skipped (set KVPOOL_MOONCAKE_TRACE)");
         return;
