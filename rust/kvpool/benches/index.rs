@@ -21,7 +21,7 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use kvpool::index::Row;
+use kvpool::index::Matches;
 use kvpool::{BlockHash, BlockHasher, IndexConfig, IndexEvent, KVIndex};
 
 const BLOCK_SIZE: u32 = 512;
@@ -115,18 +115,20 @@ struct Workload {
     removed_events: usize,
 }
 
-fn index() -> KVIndex {
-    KVIndex::new(IndexConfig {
+/// An index sized for the fleet: room for every instance's whole cache (`CAPACITY` blocks
+/// each), the capacity hint a router knows from the fleet it routes to.
+fn index(instances: usize) -> KVIndex {
+    let config = IndexConfig {
         max_entries: 1 << 26,
         ..IndexConfig::default()
-    })
-    .expect("config")
+    };
+    KVIndex::with_capacity(config, instances * CAPACITY).expect("config")
 }
 
 fn generate(trace: &[Vec<u32>], instances: usize) -> Workload {
     let hasher = BlockHasher::default();
     let rounds = (instances / 1000).max(1);
-    let idx = index();
+    let idx = index(instances);
     let mut caches: Vec<BlockLru> = (0..instances).map(|_| BlockLru::default()).collect();
     let mut sequence = vec![0u64; instances];
     let mut w = Workload {
@@ -187,8 +189,7 @@ fn generate(trace: &[Vec<u32>], instances: usize) -> Workload {
                 w.removed_events += 1;
             }
             w.events += batch.len();
-            idx.apply(instance as u64, batch.clone())
-                .expect("valid events");
+            idx.apply(instance as u64, &batch).expect("valid events");
             w.steps.push(Step::Apply(instance as u64, batch));
             w.chains.push(chain);
         }
@@ -196,31 +197,48 @@ fn generate(trace: &[Vec<u32>], instances: usize) -> Workload {
     w
 }
 
+/// How a replay looks up.
+#[derive(Clone, Copy, PartialEq)]
+enum Lookups {
+    /// None (apply only).
+    Skip,
+    /// `Snapshot::lookup_into`: the compact answer (rows and layers), reused.
+    Compact,
+    /// `KVIndex::lookup_chain`: a `Match` per location (what the Python binding returns).
+    Matches,
+}
+
 /// Replays `w` on a fresh index; returns the time of the replay and each lookup's time.
+fn replay(w: &Workload, lookups: Lookups, timed: bool) -> (Duration, Vec<u32>) {
+    let idx = index(w.instances);
+    let out = replay_on(&idx, w, lookups, timed);
+    drop(idx);
+    out
+}
+
+/// [`replay`] on `idx` (apart, for a profiler: `--toggle-collect=index::replay_on`).
 #[inline(never)]
-fn replay(w: &Workload, lookups: bool, timed: bool) -> (Duration, Vec<u32>) {
-    let idx = index();
-    let steps = w.steps.clone();
+fn replay_on(idx: &KVIndex, w: &Workload, lookups: Lookups, timed: bool) -> (Duration, Vec<u32>) {
     let mut latencies = Vec::with_capacity(if timed { w.chains.len() } else { 0 });
-    let mut out: Vec<Row> = Vec::with_capacity(w.instances);
+    let mut out = Matches::new();
     let start = Instant::now();
-    for step in steps {
-        match step {
-            Step::Lookup(c) if lookups => {
-                out.clear();
-                if timed {
-                    let t = Instant::now();
+    for step in &w.steps {
+        match *step {
+            Step::Lookup(c) if lookups != Lookups::Skip => {
+                let t = timed.then(Instant::now);
+                if lookups == Lookups::Compact {
                     idx.snapshot()
-                        .lookup_rows_into(&w.chains[c], BLOCK_SIZE, 0.0, &mut out);
-                    latencies.push(t.elapsed().as_nanos() as u32);
+                        .lookup_into(&w.chains[c], BLOCK_SIZE, 0.0, &mut out);
+                    std::hint::black_box(&out);
                 } else {
-                    idx.snapshot()
-                        .lookup_rows_into(&w.chains[c], BLOCK_SIZE, 0.0, &mut out);
+                    std::hint::black_box(idx.lookup_chain(&w.chains[c], BLOCK_SIZE, 0.0));
                 }
-                std::hint::black_box(&out);
+                if let Some(t) = t {
+                    latencies.push(t.elapsed().as_nanos() as u32);
+                }
             }
             Step::Lookup(_) => {}
-            Step::Apply(instance, batch) => {
+            Step::Apply(instance, ref batch) => {
                 idx.apply(instance, batch).expect("valid events");
             }
         }
@@ -328,9 +346,10 @@ fn workloads() -> Vec<Workload> {
     }
 }
 
-/// `KVPOOL_INDEX_PROFILE=apply|mixed|plain` (with `KVPOOL_INDEX_REPEAT`, default 1): only
+/// `KVPOOL_INDEX_PROFILE=apply|mixed|matches|plain` (with `KVPOOL_INDEX_REPEAT`, default 1): only
 /// that replay of each workload, timed, for a profiler (`valgrind --tool=callgrind
-/// --toggle-collect='*replay*'`); no criterion run, no summary.
+/// --toggle-collect=index::replay_on`,
+/// or `index::replay_plain`); no criterion run, no summary.
 fn profile(workloads: &[Workload]) -> bool {
     let Ok(kind) = std::env::var("KVPOOL_INDEX_PROFILE") else {
         return false;
@@ -342,8 +361,9 @@ fn profile(workloads: &[Workload]) -> bool {
     for w in workloads {
         for _ in 0..repeat {
             let time = match kind.as_str() {
-                "apply" => replay(w, false, false).0,
-                "mixed" => replay(w, true, false).0,
+                "apply" => replay(w, Lookups::Skip, false).0,
+                "mixed" => replay(w, Lookups::Compact, false).0,
+                "matches" => replay(w, Lookups::Matches, false).0,
                 _ => replay_plain(w).1,
             };
             println!(
@@ -374,11 +394,11 @@ fn bench(c: &mut Criterion) {
     for w in &workloads {
         group.throughput(Throughput::Elements(w.events as u64));
         group.bench_with_input(BenchmarkId::new("apply", w.instances), w, |b, w| {
-            b.iter_custom(|iters| (0..iters).map(|_| replay(w, false, false).0).sum())
+            b.iter_custom(|iters| (0..iters).map(|_| replay(w, Lookups::Skip, false).0).sum())
         });
         group.throughput(Throughput::Elements((w.events + w.chains.len()) as u64));
         group.bench_with_input(BenchmarkId::new("mixed", w.instances), w, |b, w| {
-            b.iter_custom(|iters| (0..iters).map(|_| replay(w, true, false).0).sum())
+            b.iter_custom(|iters| (0..iters).map(|_| replay(w, Lookups::Compact, false).0).sum())
         });
     }
     group.finish();
@@ -410,8 +430,8 @@ fn summary(workloads: &[Workload]) {
         "apply x"
     );
     for w in workloads {
-        let (apply, _) = replay(w, false, false);
-        let (mixed, mut latencies) = replay(w, true, true);
+        let (apply, _) = replay(w, Lookups::Skip, false);
+        let (mixed, mut latencies) = replay(w, Lookups::Compact, true);
         let (plain_apply, _, mut plain_latencies) = replay_plain(w);
         latencies.sort_unstable();
         plain_latencies.sort_unstable();

@@ -83,6 +83,19 @@ impl Sources {
         }
     }
 
+    /// The state of (`instance`, `dp_rank`), if known.
+    #[inline]
+    pub fn get(&self, instance: u64, dp_rank: u32) -> Option<SourceState> {
+        self.map
+            .get(&(instance, dp_rank))
+            .map(|&(last, stalled)| SourceState {
+                instance,
+                dp_rank,
+                last,
+                stalled,
+            })
+    }
+
     /// Forgets the number of (`instance`, `dp_rank`), or of every rank of `instance`.
     pub fn forget(&mut self, instance: u64, dp_rank: Option<u32>) {
         self.map
@@ -105,7 +118,7 @@ impl Sources {
         out
     }
 
-    /// Restores one source (from a dump).
+    /// Sets one source's state (from a dump, or replaying a write).
     pub fn restore(&mut self, state: SourceState) {
         self.map
             .insert((state.instance, state.dp_rank), (state.last, state.stalled));

@@ -1,9 +1,11 @@
 //! One copy of the index's state and the writer's operations on it.
 //!
-//! [`IndexState::run`] is deterministic: the same operation on equal states leaves equal
-//! states (same node slots, same LRU order), which lets [`crate::KVIndex`] keep two copies and
-//! replay each operation on the second one later. An operation validates everything first and
-//! returns `Err` having changed nothing.
+//! A write first decides, from its input and this copy, what to do (validating everything
+//! first: `Err` changes nothing), then does it as a sequence of [`Step`]s, each executed at
+//! once and kept in a [`Journal`] together with the answers of the node look-ups it made. The
+//! other copy replays the journal: the same steps on an equal copy with the recorded answers
+//! (no validation, no sequence checks, no look-ups, no table stores) leave an equal copy (same
+//! node slots, same LRU order), as [`crate::KVIndex::check`] verifies.
 //!
 //! Invariants (checked by [`IndexState::check`]): those of the tree, the locations and the
 //! expiry heap; every entry's group bits are groups of its location; after every operation
@@ -17,7 +19,7 @@ use crate::index::event::{EventKind, GroupKind, IndexEvent, Medium};
 use crate::index::expiry::{Due, Expiry};
 use crate::index::location::{FixedState, LocationKey, Locations};
 use crate::index::sequence::{Gap, SourceState, Sources, Verdict};
-use crate::index::tree::{Tree, SPECULATIVE};
+use crate::index::tree::{Direct, Parent, Record, Replay, Resolve, Tree, SPECULATIVE};
 
 /// Settings of an index.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -65,36 +67,86 @@ pub struct IndexCounters {
     pub speculative_inserted: u64,
 }
 
-/// A write, kept to be replayed on the second copy.
-#[derive(Clone, Debug)]
-pub(crate) enum WriteOp {
-    Apply {
-        instance: u64,
-        events: Vec<IndexEvent>,
+/// One step of a write, as the journal keeps it. Steps that carry blocks take their hashes,
+/// in order, from the journal's `hashes`.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Step {
+    /// A source's sequence state after an event.
+    Source(SourceState),
+    Register(LocationKey),
+    Group {
+        location: u32,
+        group: u32,
+        kind: GroupKind,
     },
-    Speculate {
+    /// `len` blocks stored at `location` under group bit `bit`, the first one's parent
+    /// `parent` (`None`: a chain's first block).
+    Store {
+        location: u32,
+        bit: u32,
+        parent: Option<u128>,
+        len: u32,
+    },
+    Remove {
+        location: u32,
+        bit: u32,
+        len: u32,
+    },
+    /// Drop the entries of `instance`'s locations (of `dp_rank` and `medium` when given), and
+    /// with `forget` the sources' numbers too.
+    Drop {
         instance: u64,
-        dp_rank: u32,
-        block_size: u32,
-        chain: Vec<BlockHash>,
-        now: f64,
-        ttl: f64,
+        dp_rank: Option<u32>,
+        medium: Option<Medium>,
+        forget: bool,
+    },
+    /// `len` blocks marked speculative at `location` until `expires`.
+    Speculate {
+        location: u32,
+        expires: f64,
+        len: u32,
     },
     Expire {
         now: f64,
     },
-    /// Drop the entries and sequence state of (instance, dp rank), or of the whole instance.
-    Forget {
-        instance: u64,
-        dp_rank: Option<u32>,
-    },
+    /// Evict down to the bound.
+    Bound,
+    Counters(IndexCounters),
 }
 
-/// What a write returned.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub(crate) enum Outcome {
-    Applied(ApplyReport),
-    Count(usize),
+impl Step {
+    fn blocks(&self) -> usize {
+        match *self {
+            Self::Store { len, .. } | Self::Remove { len, .. } | Self::Speculate { len, .. } => {
+                len as usize
+            }
+            _ => 0,
+        }
+    }
+}
+
+/// A write's steps, the hashes they carry, and what the first copy found and deleted.
+#[derive(Debug, Default)]
+pub(crate) struct Journal {
+    pub steps: Vec<Step>,
+    pub hashes: Vec<u128>,
+    /// The answer of every node look-up, in order ([`crate::index::tree::NIL`]: absent).
+    pub found: Vec<u32>,
+    /// Nodes deleted: their table entries go once the other copy has replayed the write.
+    pub deleted: Vec<(u128, u32)>,
+}
+
+impl Journal {
+    pub fn clear(&mut self) {
+        self.steps.clear();
+        self.hashes.clear();
+        self.found.clear();
+        self.deleted.clear();
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.steps.is_empty()
+    }
 }
 
 /// One copy of the index.
@@ -109,8 +161,11 @@ pub(crate) struct IndexState {
     pub counters: IndexCounters,
 }
 
+/// The location and group bit of the last stored event, reused by the next one of the batch.
+type Resolved = Option<(LocationKey, u32, GroupKind, u32, u32)>;
+
 impl IndexState {
-    pub fn new(config: IndexConfig) -> Result<Self> {
+    pub fn new(config: IndexConfig, capacity: usize) -> Result<Self> {
         ensure_arg!(
             config.max_entries >= 1,
             "max_entries",
@@ -119,7 +174,7 @@ impl IndexState {
         Ok(Self {
             config,
             hasher: BlockHasher::new(config.hash_seed),
-            tree: Tree::new(),
+            tree: Tree::with_capacity(capacity),
             locations: Locations::default(),
             sources: Sources::default(),
             expiry: Expiry::default(),
@@ -127,33 +182,138 @@ impl IndexState {
         })
     }
 
-    /// Runs `op`; `Err` (bad input) changes nothing.
-    pub fn run(&mut self, op: &WriteOp) -> Result<Outcome> {
-        match op {
-            WriteOp::Apply { instance, events } => {
-                self.apply(*instance, events).map(Outcome::Applied)
+    /// Executes `step` (its blocks are `hashes`) with `r` finding the nodes; returns what it
+    /// counts (entries dropped, evicted, expired or marked).
+    fn execute<R: Resolve>(&mut self, step: &Step, hashes: &[u128], r: &mut R) -> Result<usize> {
+        match *step {
+            Step::Source(state) => {
+                self.sources.restore(state);
+                Ok(0)
             }
-            WriteOp::Speculate {
+            Step::Register(key) => {
+                self.locations.register(key);
+                self.tree.width = self.locations.width();
+                Ok(0)
+            }
+            Step::Group {
+                location,
+                group,
+                kind,
+            } => {
+                self.locations.add_group(location, group, kind)?;
+                Ok(0)
+            }
+            Step::Store {
+                location,
+                bit,
+                parent,
+                ..
+            } => {
+                let mut ids = smallvec::SmallVec::<[u32; 32]>::new();
+                let mut up = parent.map_or(Parent::Root, Parent::Hash);
+                for &hash in hashes {
+                    let id = self.tree.get_or_create(hash, up, r);
+                    self.tree.add_groups(id, location, bit);
+                    ids.push(id);
+                    up = Parent::Node(id);
+                }
+                // Deepest first, so that parents end up newer than their children.
+                for &id in ids.iter().rev() {
+                    self.tree.touch(id);
+                }
+                Ok(0)
+            }
+            Step::Remove { location, bit, .. } => {
+                for &hash in hashes {
+                    if let Some(id) = r.find(&self.tree, hash) {
+                        self.tree.clear_bits(id, location, bit, None, r);
+                    }
+                }
+                Ok(0)
+            }
+            Step::Drop {
                 instance,
                 dp_rank,
-                block_size,
-                chain,
-                now,
-                ttl,
-            } => self
-                .speculate(*instance, *dp_rank, *block_size, chain, *now, *ttl)
-                .map(Outcome::Count),
-            WriteOp::Expire { now } => self.expire(*now).map(Outcome::Count),
-            WriteOp::Forget { instance, dp_rank } => {
-                Ok(Outcome::Count(self.forget(*instance, *dp_rank)))
+                medium,
+                forget,
+            } => {
+                if forget {
+                    self.sources.forget(instance, dp_rank);
+                }
+                let ids = self.locations.matching(instance, dp_rank, medium);
+                Ok(self.drop_locations(&ids, r))
+            }
+            Step::Speculate {
+                location, expires, ..
+            } => {
+                let mut ids = Vec::with_capacity(hashes.len());
+                let mut up = Parent::Root;
+                let mut marked = 0;
+                for &hash in hashes {
+                    let id = self.tree.get_or_create(hash, up, r);
+                    if self.tree.add_speculative(id, location, expires) {
+                        self.expiry.push(Due {
+                            expires,
+                            hash,
+                            location,
+                        });
+                        marked += 1;
+                    }
+                    ids.push(id);
+                    up = Parent::Node(id);
+                }
+                for &id in ids.iter().rev() {
+                    self.tree.touch(id);
+                }
+                Ok(marked)
+            }
+            Step::Expire { now } => Ok(self.expire_due(now, r)),
+            Step::Bound => Ok(self.evict_to_bound(r)),
+            Step::Counters(counters) => {
+                self.counters = counters;
+                Ok(0)
             }
         }
+    }
+
+    /// Executes `step` and keeps it in `journal` (the first copy of a write).
+    fn run(&mut self, journal: &mut Journal, step: Step, hashes: &[BlockHash]) -> Result<usize> {
+        let start = journal.hashes.len();
+        journal.hashes.extend(hashes.iter().map(|h| h.0));
+        journal.steps.push(step);
+        let mut r = Record {
+            found: &mut journal.found,
+            deleted: &mut journal.deleted,
+        };
+        self.execute(&step, &journal.hashes[start..], &mut r)
+    }
+
+    /// Replays `journal` (written on an equal copy).
+    pub fn replay(&mut self, journal: &Journal) -> Result<()> {
+        let mut r = Replay {
+            found: &journal.found,
+            at: 0,
+        };
+        let mut at = 0;
+        for step in &journal.steps {
+            let n = step.blocks();
+            self.execute(step, &journal.hashes[at..at + n], &mut r)?;
+            at += n;
+        }
+        ensure_invariant!(
+            r.at == journal.found.len(),
+            "the replay asked {} look-ups, the write {}",
+            r.at,
+            journal.found.len()
+        );
+        Ok(())
     }
 
     fn validate_batch(&self, instance: u64, events: &[IndexEvent]) -> Result<()> {
         // New groups per location, so that a batch that would overflow one fails whole.
         let mut new_groups: HashMap<LocationKey, Vec<(u32, GroupKind)>, FixedState> =
             HashMap::default();
+        let mut known: Option<(LocationKey, u32, GroupKind)> = None;
         for event in events {
             event.validate()?;
             if event.kind != EventKind::Stored {
@@ -161,11 +321,15 @@ impl IndexState {
             }
             let key = location_key(instance, event);
             let group = (event.group, event.group_kind);
-            let known = self
+            if known == Some((key, group.0, group.1)) {
+                continue;
+            }
+            let exists = self
                 .locations
                 .find(&key)
                 .is_some_and(|id| self.locations.group_bit(id, group.0, group.1).is_some());
-            if known {
+            if exists {
+                known = Some((key, group.0, group.1));
                 continue;
             }
             let pending = new_groups.entry(key).or_default();
@@ -184,12 +348,27 @@ impl IndexState {
         Ok(())
     }
 
-    fn apply(&mut self, instance: u64, events: &[IndexEvent]) -> Result<ApplyReport> {
+    /// Applies `instance`'s events in order (see `sequence.rs` for gaps and duplicates).
+    pub fn apply(
+        &mut self,
+        instance: u64,
+        events: &[IndexEvent],
+        journal: &mut Journal,
+    ) -> Result<ApplyReport> {
         self.validate_batch(instance, events)?;
         let mut report = ApplyReport::default();
+        let mut last: Resolved = None;
         for event in events {
             if let Some(sequence) = event.sequence {
-                match self.sources.admit(instance, event.dp_rank, sequence) {
+                let before = self.sources.get(instance, event.dp_rank);
+                let verdict = self.sources.admit(instance, event.dp_rank, sequence);
+                let after = self.sources.get(instance, event.dp_rank);
+                if after != before {
+                    if let Some(state) = after {
+                        journal.steps.push(Step::Source(state));
+                    }
+                }
+                match verdict {
                     Verdict::Apply => {}
                     Verdict::Duplicate => {
                         report.duplicates += 1;
@@ -202,37 +381,78 @@ impl IndexState {
                     }
                 }
             }
-            self.apply_one(instance, event)?;
+            self.apply_one(instance, event, journal, &mut last)?;
             report.applied += 1;
         }
-        report.evicted = self.enforce_bound();
-        self.counters.events_applied += report.applied as u64;
-        self.counters.duplicates += report.duplicates as u64;
-        self.counters.dropped += report.dropped as u64;
-        self.counters.gaps += report.gaps.len() as u64;
+        report.evicted = self.run(journal, Step::Bound, &[])?;
+        let c = &mut self.counters;
+        c.events_applied += report.applied as u64;
+        c.duplicates += report.duplicates as u64;
+        c.dropped += report.dropped as u64;
+        c.gaps += report.gaps.len() as u64;
+        c.evicted_entries += report.evicted as u64;
+        journal.steps.push(Step::Counters(self.counters));
         Ok(report)
     }
 
-    fn apply_one(&mut self, instance: u64, event: &IndexEvent) -> Result<()> {
+    fn apply_one(
+        &mut self,
+        instance: u64,
+        event: &IndexEvent,
+        journal: &mut Journal,
+        last: &mut Resolved,
+    ) -> Result<()> {
         let key = location_key(instance, event);
+        let len = event.block_hashes.len() as u32;
         match event.kind {
             EventKind::Stored => {
-                let location = self.locations.register(key);
-                let bit = self
-                    .locations
-                    .add_group(location, event.group, event.group_kind)?;
-                let mut ids = smallvec::SmallVec::<[u32; 32]>::new();
-                let mut parent = event.parent_hash.map(|h| h.0);
-                for hash in &event.block_hashes {
-                    let id = self.tree.get_or_create(hash.0, parent);
-                    self.tree.add_groups(id, location, bit);
-                    ids.push(id);
-                    parent = Some(hash.0);
-                }
-                // Deepest first, so that parents end up newer than their children.
-                for &id in ids.iter().rev() {
-                    self.tree.touch(id);
-                }
+                let (location, bit) = match *last {
+                    Some((k, g, kind, location, bit))
+                        if k == key && g == event.group && kind == event.group_kind =>
+                    {
+                        (location, bit)
+                    }
+                    _ => {
+                        let location = match self.locations.find(&key) {
+                            Some(id) => id,
+                            None => {
+                                self.run(journal, Step::Register(key), &[])?;
+                                self.locations.find(&key).ok_or_else(|| {
+                                    crate::KvPoolError::Invariant("a location went".into())
+                                })?
+                            }
+                        };
+                        let bit = match self.locations.group_bit(
+                            location,
+                            event.group,
+                            event.group_kind,
+                        ) {
+                            Some(bit) => bit,
+                            None => {
+                                let step = Step::Group {
+                                    location,
+                                    group: event.group,
+                                    kind: event.group_kind,
+                                };
+                                self.run(journal, step, &[])?;
+                                self.locations
+                                    .group_bit(location, event.group, event.group_kind)
+                                    .ok_or_else(|| {
+                                        crate::KvPoolError::Invariant("a group went".into())
+                                    })?
+                            }
+                        };
+                        *last = Some((key, event.group, event.group_kind, location, bit));
+                        (location, bit)
+                    }
+                };
+                let step = Step::Store {
+                    location,
+                    bit,
+                    parent: event.parent_hash.map(|h| h.0),
+                    len,
+                };
+                self.run(journal, step, &event.block_hashes)?;
             }
             EventKind::Removed => {
                 let Some(location) = self.locations.find(&key) else {
@@ -244,23 +464,23 @@ impl IndexState {
                 else {
                     return Ok(());
                 };
-                for hash in &event.block_hashes {
-                    if let Some(id) = self.tree.find(hash.0) {
-                        self.tree.clear_bits(id, location, bit, None);
-                    }
-                }
+                let step = Step::Remove { location, bit, len };
+                self.run(journal, step, &event.block_hashes)?;
             }
             EventKind::Cleared => {
-                let ids =
-                    self.locations
-                        .matching(instance, Some(event.dp_rank), Some(event.medium));
-                self.drop_locations(&ids);
+                let step = Step::Drop {
+                    instance,
+                    dp_rank: Some(event.dp_rank),
+                    medium: Some(event.medium),
+                    forget: false,
+                };
+                self.run(journal, step, &[])?;
             }
         }
         Ok(())
     }
 
-    fn drop_locations(&mut self, ids: &[u32]) -> usize {
+    fn drop_locations<R: Resolve>(&mut self, ids: &[u32], r: &mut R) -> usize {
         if ids.is_empty() {
             return 0;
         }
@@ -268,24 +488,32 @@ impl IndexState {
         for &id in ids {
             hit[id as usize] = true;
         }
-        self.tree.drop_locations(|l| hit[l as usize])
+        self.tree.drop_locations(|l| hit[l as usize], r)
     }
 
-    /// Evicts until the entries fit `max_entries`; returns how many went.
-    pub fn enforce_bound(&mut self) -> usize {
+    fn evict_to_bound<R: Resolve>(&mut self, r: &mut R) -> usize {
         let mut evicted = 0;
         while self.tree.entries > self.config.max_entries {
-            let gone = self.tree.evict_one();
+            let gone = self.tree.evict_one(r);
             if gone == 0 {
                 break;
             }
             evicted += gone;
         }
+        evicted
+    }
+
+    /// Evicts until the entries fit `max_entries` (the only copy: a loaded index); returns
+    /// how many went.
+    pub fn enforce_bound(&mut self) -> usize {
+        let evicted = self.evict_to_bound(&mut Direct);
         self.counters.evicted_entries += evicted as u64;
         evicted
     }
 
-    fn speculate(
+    /// Marks `chain` speculative (see `KVIndex::insert_speculative`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn speculate(
         &mut self,
         instance: u64,
         dp_rank: u32,
@@ -293,6 +521,7 @@ impl IndexState {
         chain: &[BlockHash],
         now: f64,
         ttl: f64,
+        journal: &mut Journal,
     ) -> Result<usize> {
         ensure_arg!(now.is_finite(), "now", "must be finite, got {now}");
         ensure_arg!(
@@ -314,46 +543,53 @@ impl IndexState {
                 pair[0]
             );
         }
-        self.expire(now)?;
-        let location = self.locations.register(LocationKey {
+        let expired = self.run(journal, Step::Expire { now }, &[])?;
+        let key = LocationKey {
             instance,
             dp_rank,
             medium: Medium::Device,
             block_size,
-        });
-        let expires = now + ttl;
-        let mut ids = Vec::with_capacity(chain.len());
-        let mut parent = None;
-        let mut marked = 0;
-        for hash in chain {
-            let id = self.tree.get_or_create(hash.0, parent);
-            if self.tree.add_speculative(id, location, expires) {
-                self.expiry.push(Due {
-                    expires,
-                    hash: hash.0,
-                    location,
-                });
-                marked += 1;
+        };
+        let location = match self.locations.find(&key) {
+            Some(id) => id,
+            None => {
+                self.run(journal, Step::Register(key), &[])?;
+                self.locations
+                    .find(&key)
+                    .ok_or_else(|| crate::KvPoolError::Invariant("a location went".into()))?
             }
-            ids.push(id);
-            parent = Some(hash.0);
-        }
-        for &id in ids.iter().rev() {
-            self.tree.touch(id);
-        }
-        self.counters.speculative_inserted += marked as u64;
-        self.enforce_bound();
+        };
+        let step = Step::Speculate {
+            location,
+            expires: now + ttl,
+            len: chain.len() as u32,
+        };
+        let marked = self.run(journal, step, chain)?;
+        let evicted = self.run(journal, Step::Bound, &[])?;
+        let c = &mut self.counters;
+        c.expired_entries += expired as u64;
+        c.speculative_inserted += marked as u64;
+        c.evicted_entries += evicted as u64;
+        journal.steps.push(Step::Counters(self.counters));
         Ok(marked)
     }
 
-    fn expire(&mut self, now: f64) -> Result<usize> {
+    /// Drops the speculative entries lapsing at or before `now`; returns how many.
+    pub fn expire(&mut self, now: f64, journal: &mut Journal) -> Result<usize> {
         ensure_arg!(!now.is_nan(), "now", "must be a number, got NaN");
+        let expired = self.run(journal, Step::Expire { now }, &[])?;
+        self.counters.expired_entries += expired as u64;
+        journal.steps.push(Step::Counters(self.counters));
+        Ok(expired)
+    }
+
+    fn expire_due<R: Resolve>(&mut self, now: f64, r: &mut R) -> usize {
         let mut expired = 0;
         while let Some(due) = self.expiry.pop_due(now) {
-            if let Some(id) = self.tree.find(due.hash) {
+            if let Some(id) = r.find(&self.tree, due.hash) {
                 let cleared =
                     self.tree
-                        .clear_bits(id, due.location, SPECULATIVE, Some(due.expires));
+                        .clear_bits(id, due.location, SPECULATIVE, Some(due.expires), r);
                 expired += usize::from(cleared & SPECULATIVE != 0);
             }
         }
@@ -361,20 +597,19 @@ impl IndexState {
             let live = self.speculative_due();
             self.expiry.rebuild(live);
         }
-        self.counters.expired_entries += expired as u64;
-        Ok(expired)
+        expired
     }
 
     /// An expiry record per speculative entry.
     pub fn speculative_due(&self) -> Vec<Due> {
         let mut out = Vec::with_capacity(self.tree.speculative);
         for id in self.tree.ids_in_order() {
-            let node = self.tree.node(id);
-            for entry in &node.entries {
+            let hash = self.tree.node(id).hash;
+            for entry in self.tree.extras(id) {
                 if entry.mask & SPECULATIVE != 0 {
                     out.push(Due {
                         expires: entry.expires,
-                        hash: node.hash,
+                        hash,
                         location: entry.location,
                     });
                 }
@@ -383,10 +618,21 @@ impl IndexState {
         out
     }
 
-    fn forget(&mut self, instance: u64, dp_rank: Option<u32>) -> usize {
-        self.sources.forget(instance, dp_rank);
-        let ids = self.locations.matching(instance, dp_rank, None);
-        self.drop_locations(&ids)
+    /// Drops the entries and sequence state of (`instance`, `dp_rank`), or of the whole
+    /// instance; returns the entries dropped.
+    pub fn forget(
+        &mut self,
+        instance: u64,
+        dp_rank: Option<u32>,
+        journal: &mut Journal,
+    ) -> Result<usize> {
+        let step = Step::Drop {
+            instance,
+            dp_rank,
+            medium: None,
+            forget: true,
+        };
+        self.run(journal, step, &[])
     }
 
     /// Every source's sequence state.
@@ -397,6 +643,12 @@ impl IndexState {
     /// Checks every invariant of the module doc.
     pub fn check(&self) -> Result<()> {
         self.locations.check()?;
+        ensure_invariant!(
+            self.tree.width == self.locations.width(),
+            "the tree's bitset width {} is not the locations' {}",
+            self.tree.width,
+            self.locations.width()
+        );
         self.tree.check(self.locations.len())?;
         ensure_invariant!(
             self.tree.entries <= self.config.max_entries,
@@ -406,8 +658,8 @@ impl IndexState {
         );
         let records = self.expiry.records();
         for id in self.tree.ids_in_order() {
-            let node = self.tree.node(id);
-            for entry in &node.entries {
+            let hash = self.tree.node(id).hash;
+            for entry in self.tree.entries_of(id) {
                 let location = self.locations.get(entry.location);
                 let groups = (1u64 << location.groups.len()) - 1;
                 ensure_invariant!(
@@ -424,7 +676,7 @@ impl IndexState {
                     );
                     let due = Due {
                         expires: entry.expires,
-                        hash: node.hash,
+                        hash,
                         location: entry.location,
                     };
                     ensure_invariant!(

@@ -1,0 +1,246 @@
+//! The hash table (block hash -> node id) that both copies of an index share.
+//!
+//! Both copies of [`crate::KVIndex`] give a block the same node id (their writes are
+//! deterministic and replayed in order), so one table serves them: the writer inserts a
+//! node's id once, in the copy it writes first, and the replay on the other copy inserts
+//! nothing. The table is a hint, never the truth: a probe returns only an id that the caller's
+//! own copy confirms (the node there is live and has that hash), so an entry of a node that
+//! only the newer copy holds, or one that no copy holds any more, is harmless.
+//!
+//! Open addressing with linear probing over one `AtomicU64` per slot: `0` is empty, `1` a
+//! tombstone, anything else `tag << 32 | id` (the tag: 32 bits mixed from the hash, its low bit
+//! set so that no entry is 0 or 1). Readers probe while the writer stores; no slot ever
+//! goes back to empty, so a probe ends at an empty slot (the writer keeps at least half the
+//! slots empty, rebuilding into a new table before) or after one lap.
+//!
+//! What makes the relaxed orderings enough (the invariant the writer keeps, see `mod.rs`): a
+//! node's entry is stored before the copy holding the node is published (the `ArcSwap`
+//! publication is a release, a reader's load an acquire), so a reader of that copy sees the
+//! entry or a later value of its slot; the only later value is a tombstone, which the writer
+//! stores only once no copy a reader can reach holds the node (deletions are deferred until
+//! the other copy has replayed them). A table that has been replaced (grown, or rebuilt when
+//! the writer abandoned a copy still held by a slow reader) is never written again: copies
+//! keep the table they were published with until the writer brings them level.
+//!
+//! Invariants (checked by `check` of the tree): every live node of a copy is found here under
+//! its hash; `used` counts the slots that are not empty, `entries` those holding an entry.
+
+use crate::sync::{AtomicU64, AtomicUsize, Ordering};
+
+const EMPTY: u64 = 0;
+const TOMBSTONE: u64 = 1;
+/// The fewest slots of a table.
+const MIN_SLOTS: usize = 16;
+
+/// The slot a hash probes first, and its tag (shifted into place). Block hashes are uniform
+/// already; the multiplications spread hand-made ones (small integers in tests) too.
+#[inline]
+fn home_and_tag(hash: u128) -> (usize, u64) {
+    let (low, high) = (hash as u64, (hash >> 64) as u64);
+    let home = (low ^ high.rotate_left(32)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    let tag = (high ^ low.rotate_left(17)).wrapping_mul(0xC2B2_AE3D_27D4_EB4F) >> 32;
+    ((home ^ (home >> 29)) as usize, (tag | 1) << 32)
+}
+
+/// The table (see the module doc).
+pub(crate) struct Table {
+    slots: Box<[AtomicU64]>,
+    mask: usize,
+    /// Slots not empty (entries and tombstones), and slots holding an entry: the writer's own
+    /// counts (atomics only so that the table can be shared; only the writer, under the
+    /// writer's lock, touches them).
+    used: AtomicUsize,
+    entries: AtomicUsize,
+}
+
+impl Table {
+    /// An empty table with room for `capacity` entries before it needs to grow. Every slot is
+    /// written here, so that the pages are touched up front and not during the first writes.
+    pub fn with_capacity(capacity: usize) -> Self {
+        let slots = (capacity.saturating_mul(2))
+            .max(MIN_SLOTS)
+            .checked_next_power_of_two()
+            .unwrap_or(1 << (usize::BITS - 1));
+        let slots: Box<[AtomicU64]> = (0..slots).map(|_| AtomicU64::new(EMPTY)).collect();
+        Self {
+            mask: slots.len() - 1,
+            slots,
+            used: AtomicUsize::new(0),
+            entries: AtomicUsize::new(0),
+        }
+    }
+
+    /// Entries held (live or not yet tombstoned).
+    pub fn entries(&self) -> usize {
+        // Relaxed: the writer's own count (see the field).
+        self.entries.load(Ordering::Relaxed)
+    }
+
+    /// Whether one more insert would leave fewer than half the slots empty.
+    pub fn needs_room(&self) -> bool {
+        // Relaxed: the writer's own count.
+        (self.used.load(Ordering::Relaxed) + 1) * 2 > self.slots.len()
+    }
+
+    /// The id stored for `hash` that `valid` confirms, if any. `valid` is the caller's copy
+    /// saying whether node `id` is live there with this hash.
+    #[inline]
+    pub fn find(&self, hash: u128, valid: impl Fn(u32) -> bool) -> Option<u32> {
+        let (home, tag) = home_and_tag(hash);
+        let mut at = home & self.mask;
+        for _ in 0..self.slots.len() {
+            // Relaxed: see the module doc (entries a reader needs were stored before its copy
+            // was published; a torn slot cannot exist, each is one atomic word).
+            let value = self.slots[at].load(Ordering::Relaxed);
+            if value == EMPTY {
+                return None;
+            }
+            if value & !0xFFFF_FFFF == tag && valid(value as u32) {
+                return Some(value as u32);
+            }
+            at = (at + 1) & self.mask;
+        }
+        None
+    }
+
+    /// Stores `hash -> id` (the writer only; the caller made room with `needs_room` first and
+    /// knows no confirmed entry of `hash` exists). Reuses the first tombstone on the way.
+    pub fn insert(&self, hash: u128, id: u32) {
+        let (home, tag) = home_and_tag(hash);
+        let mut at = home & self.mask;
+        loop {
+            // Relaxed: only the writer stores, so it reads its own latest values.
+            let value = self.slots[at].load(Ordering::Relaxed);
+            if value == EMPTY || value == TOMBSTONE {
+                // Relaxed: readers of the copy holding this node load that copy after its
+                // publication (a release), which comes after this store.
+                self.slots[at].store(tag | u64::from(id), Ordering::Relaxed);
+                if value == EMPTY {
+                    // Relaxed: the writer's own counts.
+                    self.used.fetch_add(1, Ordering::Relaxed);
+                }
+                self.entries.fetch_add(1, Ordering::Relaxed);
+                return;
+            }
+            at = (at + 1) & self.mask;
+        }
+    }
+
+    /// Tombstones the entry `hash -> id`, if present (the writer only, once no copy a reader
+    /// can reach holds the node). Returns whether it was there.
+    pub fn remove(&self, hash: u128, id: u32) -> bool {
+        let (home, tag) = home_and_tag(hash);
+        let want = tag | u64::from(id);
+        let mut at = home & self.mask;
+        for _ in 0..self.slots.len() {
+            // Relaxed: the writer reads its own stores.
+            let value = self.slots[at].load(Ordering::Relaxed);
+            if value == EMPTY {
+                return false;
+            }
+            if value == want {
+                // Relaxed: no reader can reach a copy that holds this node any more, so a
+                // reader that sees the tombstone (or not) answers the same.
+                self.slots[at].store(TOMBSTONE, Ordering::Relaxed);
+                // Relaxed: the writer's own count.
+                self.entries.fetch_sub(1, Ordering::Relaxed);
+                return true;
+            }
+            at = (at + 1) & self.mask;
+        }
+        false
+    }
+
+    /// A new table holding `live` (hash, id) pairs, with room for `capacity` entries.
+    pub fn rebuilt(live: impl Iterator<Item = (u128, u32)>, capacity: usize) -> Self {
+        let table = Self::with_capacity(capacity);
+        for (hash, id) in live {
+            table.insert(hash, id);
+        }
+        table
+    }
+}
+
+impl std::fmt::Debug for Table {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "Table(slots={}, entries={})",
+            self.slots.len(),
+            self.entries()
+        )
+    }
+}
+
+#[cfg(all(test, not(kvpool_loom)))]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn insert_find_remove_and_tombstones_are_reused() {
+        let t = Table::with_capacity(4);
+        let (a, b) = (5u128, 5u128 | (1 << 64));
+        t.insert(a, 1);
+        t.insert(b, 2);
+        assert_eq!(t.find(a, |id| id == 1), Some(1));
+        assert_eq!(t.find(b, |id| id == 2), Some(2));
+        assert_eq!(t.find(a, |_| false), None, "an unconfirmed id is no answer");
+        assert_eq!(t.find(a, |id| id == 2), None, "nor another hash's id");
+        assert!(t.remove(a, 1));
+        assert!(!t.remove(a, 1));
+        assert_eq!(t.find(b, |id| id == 2), Some(2), "probes pass tombstones");
+        t.insert(7, 3); // reuses the tombstone or an empty slot; either way found
+        assert_eq!(t.find(7, |id| id == 3), Some(3));
+        assert_eq!(t.entries(), 2);
+        let r = Table::rebuilt([(a, 9), (b, 2)].into_iter(), 2);
+        assert_eq!(r.find(a, |id| id == 9), Some(9));
+        assert_eq!(r.entries(), 2);
+        assert!(!Table::with_capacity(0).needs_room());
+    }
+}
+
+/// loom model: `RUSTFLAGS="--cfg kvpool_loom" CARGO_TARGET_DIR=target/loom cargo test -p
+/// kvpool --release --lib index::table`.
+#[cfg(all(test, kvpool_loom))]
+mod loom_tests {
+    use super::*;
+    use loom::sync::atomic::AtomicUsize as Version;
+    use loom::sync::Arc;
+
+    /// A writer inserts two nodes, publishes (a release store standing for the `ArcSwap`
+    /// swap), tombstones an older node no published copy holds and inserts a third into
+    /// slots on the same probe path; a reader that loaded a version finds every node live at
+    /// that version, whatever it sees of the later stores.
+    #[test]
+    fn a_published_node_is_always_found() {
+        // Four hashes with the same home slot of a 16-slot table, so that every store lies
+        // on every probe path.
+        let home = |x: u128| home_and_tag(x).0 & (MIN_SLOTS - 1);
+        let same: Vec<u128> = (0u128..).filter(|&x| home(x) == home(0)).take(4).collect();
+        loom::model(move || {
+            let h = [same[0], same[1], same[2], same[3]];
+            let table = Arc::new(Table::with_capacity(4));
+            table.insert(h[0], 0); // node 0: held by no copy any more (deleted, deferred)
+            let version = Arc::new(Version::new(0));
+            let (t, v) = (table.clone(), version.clone());
+            let writer = loom::thread::spawn(move || {
+                t.insert(h[1], 1);
+                t.insert(h[2], 2);
+                // Release: the publication of the copy holding nodes 1 and 2.
+                v.store(1, Ordering::Release);
+                t.remove(h[0], 0);
+                t.insert(h[3], 3);
+            });
+            // Acquire: loading the published copy.
+            let seen = version.load(Ordering::Acquire);
+            // Nodes live in the copy of version `seen` (node 3 is in no published copy).
+            let live = |id: u32| seen == 1 && (id == 1 || id == 2);
+            if seen == 1 {
+                assert_eq!(table.find(h[1], |id| id == 1 && live(id)), Some(1));
+                assert_eq!(table.find(h[2], |id| id == 2 && live(id)), Some(2));
+            }
+            assert_eq!(table.find(h[3], |id| id == 3 && live(id)), None);
+            writer.join().unwrap();
+        });
+    }
+}
