@@ -14,7 +14,7 @@
 /// Ids kept inline before the array is boxed.
 pub(crate) const INLINE: usize = 3;
 
-#[derive(Clone, Debug)]
+#[derive(Debug)]
 pub(crate) enum Holders {
     Inline { len: u32, ids: [u32; INLINE] },
     /// `ids[..len]` sorted; `ids.len()` is the capacity.
@@ -26,6 +26,47 @@ pub(crate) enum Holders {
 pub(crate) enum View<'a> {
     Sorted(&'a [u32]),
     Bits(&'a [u64]),
+}
+
+impl Clone for Holders {
+    #[inline]
+    fn clone(&self) -> Self {
+        match self {
+            Self::Inline { len, ids } => Self::Inline {
+                len: *len,
+                ids: *ids,
+            },
+            Self::List { len, ids } => Self::List {
+                len: *len,
+                ids: ids.clone(),
+            },
+            Self::Bits { len, words } => Self::Bits {
+                len: *len,
+                words: words.clone(),
+            },
+        }
+    }
+
+    /// Reuses this set's box when the source's is the same size (the replay copies the
+    /// nodes a write changed; a large set changes in place).
+    #[inline]
+    fn clone_from(&mut self, source: &Self) {
+        match (self, source) {
+            (Self::List { len, ids }, Self::List { len: l, ids: from })
+                if ids.len() == from.len() =>
+            {
+                *len = *l;
+                ids.copy_from_slice(from);
+            }
+            (Self::Bits { len, words }, Self::Bits { len: l, words: from })
+                if words.len() == from.len() =>
+            {
+                *len = *l;
+                words.copy_from_slice(from);
+            }
+            (this, source) => *this = source.clone(),
+        }
+    }
 }
 
 impl Default for Holders {
@@ -77,7 +118,18 @@ impl Holders {
     }
 
     /// Adds `id`; `width` is the bitset size of every known location. Returns whether new.
+    #[inline]
     pub fn insert(&mut self, id: u32, width: usize) -> bool {
+        if let Self::Inline { len: len @ 0, ids } = self {
+            // The common case: the first holder of a new node.
+            ids[0] = id;
+            *len = 1;
+            return true;
+        }
+        self.insert_slow(id, width)
+    }
+
+    fn insert_slow(&mut self, id: u32, width: usize) -> bool {
         match self {
             Self::Inline { len, ids } => {
                 let n = *len as usize;

@@ -35,7 +35,7 @@ pub struct LocationKey {
 pub(crate) struct Location {
     pub key: LocationKey,
     /// (group index, kind); bit `i` of an entry's mask is `groups[i]`.
-    pub groups: Vec<(u32, GroupKind)>,
+    pub groups: smallvec::SmallVec<[(u32, GroupKind); 2]>,
     /// Bits of the full-attention groups.
     pub full_mask: u32,
     /// Whether a group is a sliding window or a linear state.
@@ -155,7 +155,7 @@ impl Locations {
         let id = self.list.len() as u32;
         self.list.push(Location {
             key,
-            groups: Vec::new(),
+            groups: smallvec::SmallVec::new(),
             full_mask: 0,
             gapped: false,
         });

@@ -28,6 +28,9 @@ use crate::index::location::Kind;
 use crate::index::state::IndexState;
 use crate::index::tree::{Entry, Node, PLAIN, SPECULATIVE};
 
+/// Blocks whose table slots a walk asks for before it starts.
+const PREFETCH: usize = 32;
+
 /// One location's matched prefix.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Match {
@@ -247,6 +250,14 @@ impl IndexState {
 
     /// The fast path (see the module doc) for the plain locations `eligible` (a bitset).
     fn walk_plain(&self, chain: &[BlockHash], now: f64, eligible: &[u64], m: &mut Matches) {
+        // The table slots of the blocks the walk may reach first, then, one block ahead, the
+        // node the table names: the walk's cache misses overlap instead of coming in turn.
+        for hash in &chain[..chain.len().min(PREFETCH)] {
+            self.tree.prefetch_slot(hash.0);
+        }
+        if let Some(next) = chain.get(1) {
+            self.tree.prefetch_candidate(next.0);
+        }
         let Some((id, first)) = self.tree.get(chain[0].0) else {
             return;
         };
@@ -283,6 +294,12 @@ impl IndexState {
         }
         let mut depth = 1;
         while depth < chain.len() {
+            if let Some(next) = chain.get(depth + 1) {
+                if depth + 1 >= PREFETCH {
+                    self.tree.prefetch_slot(next.0);
+                }
+                self.tree.prefetch_candidate(next.0);
+            }
             if dense {
                 let Some((id, node)) = self.tree.get(chain[depth].0) else {
                     break;

@@ -15,18 +15,18 @@
 //! The state lives in two copies behind an [`arc_swap::ArcSwap`] (an RCU of immutable
 //! snapshots with a recycled second copy, as `left-right` does): readers load the published
 //! copy (lock-free) and walk it; the one writer (a mutex orders writers among themselves)
-//! brings the other copy level by replaying the previous write's journal on it, applies the
-//! new write there, and publishes it with one atomic swap. A reader thus sees the state after
-//! some whole write, never a torn one. The replay is cheap: a journal is the write's steps
-//! with the answers of its node look-ups (`state.rs`), so the second copy does none of the
-//! validation, sequence checks or hash probes again, and the hash -> node table is one for
-//! both copies (`table.rs`): the writer stores a new node there once, and tombstones a deleted
-//! one only once the other copy has replayed its deletion, so that each copy finds exactly its
-//! own nodes in it. The writer needs the unpublished copy to itself: readers that loaded it
+//! brings the other copy level with the published one, applies the new write there, and
+//! publishes it with one atomic swap. A reader thus sees the state after some whole write,
+//! never a torn one. Bringing a copy level is cheap: it copies the nodes the previous write
+//! changed from the published copy (which the writer may read: it is immutable) and replays
+//! that write's few steps outside the tree (`state.rs`), so no validation, sequence check or
+//! hash probe is done twice; and the hash -> node table is one for both copies (`table.rs`):
+//! the writer stores a new node there once, and tombstones a deleted one only once the other
+//! copy is level too, so that each copy finds exactly its own nodes in it. The writer needs the unpublished copy to itself: readers that loaded it
 //! before the last swap usually left long ago (a lookup takes microseconds); if one still
 //! holds it after a short spin the writer deep-copies the published state (with a table of its
 //! own, leaving the old one to the copies readers hold) rather than wait. Costs: two copies of
-//! the nodes in memory, every write's steps done twice. The table's atomics are explained in
+//! the nodes in memory, every node a write changes copied once more. The table's atomics are explained in
 //! `table.rs` (with a loom model there); `arc-swap` and `Arc` provide the publication's
 //! orderings; the stress test in `tests/index.rs` checks coherence (every answer equals the
 //! answer of some published state).
@@ -221,6 +221,8 @@ impl KVIndex {
         writer.journal.clear();
         let state = Arc::get_mut(&mut writer.spare)
             .ok_or_else(|| KvPoolError::Invariant("the spare copy is shared".into()))?;
+        state.tree.begin_write();
+        let before = state.tree.changed();
         match write(state, &mut writer.journal) {
             Ok(value) => {
                 let next = Arc::clone(&writer.spare);
@@ -230,7 +232,8 @@ impl KVIndex {
             }
             Err(e) => {
                 // Validation comes first, so a failed write normally changed nothing.
-                writer.dirty |= !writer.journal.is_empty();
+                let state = &writer.spare;
+                writer.dirty |= !writer.journal.steps.is_empty() || state.tree.changed() != before;
                 Err(e)
             }
         }
@@ -261,17 +264,10 @@ impl KVIndex {
         writer.pending = false;
         let state = Arc::get_mut(&mut writer.spare)
             .ok_or_else(|| KvPoolError::Invariant("the spare copy is shared".into()))?;
-        // It succeeded on the other copy, which was equal: it succeeds here.
-        state.replay(&writer.journal)?;
-        state
-            .tree
-            .adopt_table(Arc::clone(self.published.load().tree.table()));
+        let published = self.published.load();
+        state.level_with(&published, &writer.journal)?;
         // Neither copy holds the nodes the write deleted now (unless it made them again).
-        for &(hash, id) in &writer.journal.deleted {
-            if state.tree.find(hash) != Some(id) {
-                state.tree.table().remove(hash, id);
-            }
-        }
+        state.tree.drop_deleted(published.tree.deleted());
         Ok(())
     }
 

@@ -60,13 +60,27 @@ impl Sources {
     }
 
     /// The verdict on an event numbered `sequence` of (`instance`, `dp_rank`); records it.
+    #[cfg(test)]
     pub fn admit(&mut self, instance: u64, dp_rank: u32, sequence: u64) -> Verdict {
-        let state = self
-            .map
-            .entry((instance, dp_rank))
-            .or_insert((sequence, None));
-        let (last, stalled) = *state;
-        if sequence < last {
+        self.admit_tracked(instance, dp_rank, sequence).0
+    }
+
+    /// [`Sources::admit`], with the source's new state if it changed.
+    #[inline]
+    pub fn admit_tracked(
+        &mut self,
+        instance: u64,
+        dp_rank: u32,
+        sequence: u64,
+    ) -> (Verdict, Option<SourceState>) {
+        let mut new = false;
+        let state = self.map.entry((instance, dp_rank)).or_insert_with(|| {
+            new = true;
+            (sequence, None)
+        });
+        let before = *state;
+        let (last, stalled) = before;
+        let verdict = if sequence < last {
             Verdict::Duplicate
         } else if sequence <= last.saturating_add(1) {
             *state = (sequence, None);
@@ -80,20 +94,14 @@ impl Sources {
             });
             state.1 = Some(stalled.unwrap_or(sequence));
             Verdict::Dropped(gap)
-        }
-    }
-
-    /// The state of (`instance`, `dp_rank`), if known.
-    #[inline]
-    pub fn get(&self, instance: u64, dp_rank: u32) -> Option<SourceState> {
-        self.map
-            .get(&(instance, dp_rank))
-            .map(|&(last, stalled)| SourceState {
-                instance,
-                dp_rank,
-                last,
-                stalled,
-            })
+        };
+        let changed = (new || *state != before).then_some(SourceState {
+            instance,
+            dp_rank,
+            last: state.0,
+            stalled: state.1,
+        });
+        (verdict, changed)
     }
 
     /// Forgets the number of (`instance`, `dp_rank`), or of every rank of `instance`.

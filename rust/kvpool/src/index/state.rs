@@ -1,11 +1,12 @@
 //! One copy of the index's state and the writer's operations on it.
 //!
-//! A write first decides, from its input and this copy, what to do (validating everything
-//! first: `Err` changes nothing), then does it as a sequence of [`Step`]s, each executed at
-//! once and kept in a [`Journal`] together with the answers of the node look-ups it made. The
-//! other copy replays the journal: the same steps on an equal copy with the recorded answers
-//! (no validation, no sequence checks, no look-ups, no table stores) leave an equal copy (same
-//! node slots, same LRU order), as [`crate::KVIndex::check`] verifies.
+//! A write validates everything first (`Err` changes nothing), then changes this copy. The
+//! other copy, equal before the write, is brought level afterwards by
+//! [`IndexState::level_with`]: it copies the nodes the write changed (the tree tracks them,
+//! `tree.rs`) and replays the write's [`Journal`] of the small steps elsewhere (sequence
+//! states, locations and groups, expiry records). No validation, sequence check, hash probe
+//! or table store is done twice; the copies end equal (same node slots, same LRU order), as
+//! [`crate::KVIndex::check`] verifies.
 //!
 //! Invariants (checked by [`IndexState::check`]): those of the tree, the locations and the
 //! expiry heap; every entry's group bits are groups of its location; after every operation
@@ -19,7 +20,7 @@ use crate::index::event::{EventKind, GroupKind, IndexEvent, Medium};
 use crate::index::expiry::{Due, Expiry};
 use crate::index::location::{FixedState, LocationKey, Locations};
 use crate::index::sequence::{Gap, SourceState, Sources, Verdict};
-use crate::index::tree::{Direct, Parent, Record, Replay, Resolve, Tree, SPECULATIVE};
+use crate::index::tree::{Parent, Tree, SPECULATIVE};
 
 /// Settings of an index.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -67,85 +68,43 @@ pub struct IndexCounters {
     pub speculative_inserted: u64,
 }
 
-/// One step of a write, as the journal keeps it. Steps that carry blocks take their hashes,
-/// in order, from the journal's `hashes`.
+/// A step of a write outside the tree, as the journal keeps it for the other copy.
 #[derive(Clone, Copy, Debug)]
 pub(crate) enum Step {
     /// A source's sequence state after an event.
     Source(SourceState),
+    /// The sequence state of (instance, dp rank), or of every rank, was dropped.
+    Forget {
+        instance: u64,
+        dp_rank: Option<u32>,
+    },
     Register(LocationKey),
     Group {
         location: u32,
         group: u32,
         kind: GroupKind,
     },
-    /// `len` blocks stored at `location` under group bit `bit`, the first one's parent
-    /// `parent` (`None`: a chain's first block).
-    Store {
-        location: u32,
-        bit: u32,
-        parent: Option<u128>,
-        len: u32,
-    },
-    Remove {
-        location: u32,
-        bit: u32,
-        len: u32,
-    },
-    /// Drop the entries of `instance`'s locations (of `dp_rank` and `medium` when given), and
-    /// with `forget` the sources' numbers too.
-    Drop {
-        instance: u64,
-        dp_rank: Option<u32>,
-        medium: Option<Medium>,
-        forget: bool,
-    },
-    /// `len` blocks marked speculative at `location` until `expires`.
-    Speculate {
-        location: u32,
-        expires: f64,
-        len: u32,
-    },
-    Expire {
+    ExpiryPush(Due),
+    /// Every expiry record due at `now` was popped.
+    ExpiryPop {
         now: f64,
     },
-    /// Evict down to the bound.
-    Bound,
-    Counters(IndexCounters),
 }
 
-impl Step {
-    fn blocks(&self) -> usize {
-        match *self {
-            Self::Store { len, .. } | Self::Remove { len, .. } | Self::Speculate { len, .. } => {
-                len as usize
-            }
-            _ => 0,
-        }
-    }
-}
-
-/// A write's steps, the hashes they carry, and what the first copy found and deleted.
+/// A write's steps outside the tree, and the writer's scratch space.
 #[derive(Debug, Default)]
 pub(crate) struct Journal {
     pub steps: Vec<Step>,
-    pub hashes: Vec<u128>,
-    /// The answer of every node look-up, in order ([`crate::index::tree::NIL`]: absent).
-    pub found: Vec<u32>,
-    /// Nodes deleted: their table entries go once the other copy has replayed the write.
-    pub deleted: Vec<(u128, u32)>,
+    /// The expiry heap was rebuilt: the other copy copies it (and skips the expiry steps).
+    pub expiry_rebuilt: bool,
+    /// The node ids of the blocks of one event (reused).
+    ids: Vec<u32>,
 }
 
 impl Journal {
     pub fn clear(&mut self) {
         self.steps.clear();
-        self.hashes.clear();
-        self.found.clear();
-        self.deleted.clear();
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.steps.is_empty()
+        self.expiry_rebuilt = false;
     }
 }
 
@@ -182,131 +141,66 @@ impl IndexState {
         })
     }
 
-    /// Executes `step` (its blocks are `hashes`) with `r` finding the nodes; returns what it
-    /// counts (entries dropped, evicted, expired or marked).
-    fn execute<R: Resolve>(&mut self, step: &Step, hashes: &[u128], r: &mut R) -> Result<usize> {
-        match *step {
-            Step::Source(state) => {
-                self.sources.restore(state);
-                Ok(0)
-            }
-            Step::Register(key) => {
-                self.locations.register(key);
-                self.tree.width = self.locations.width();
-                Ok(0)
-            }
-            Step::Group {
-                location,
-                group,
-                kind,
-            } => {
-                self.locations.add_group(location, group, kind)?;
-                Ok(0)
-            }
-            Step::Store {
-                location,
-                bit,
-                parent,
-                ..
-            } => {
-                let mut ids = smallvec::SmallVec::<[u32; 32]>::new();
-                let mut up = parent.map_or(Parent::Root, Parent::Hash);
-                for &hash in hashes {
-                    let id = self.tree.get_or_create(hash, up, r);
-                    self.tree.add_groups(id, location, bit);
-                    ids.push(id);
-                    up = Parent::Node(id);
-                }
-                // Deepest first, so that parents end up newer than their children.
-                for &id in ids.iter().rev() {
-                    self.tree.touch(id);
-                }
-                Ok(0)
-            }
-            Step::Remove { location, bit, .. } => {
-                for &hash in hashes {
-                    if let Some(id) = r.find(&self.tree, hash) {
-                        self.tree.clear_bits(id, location, bit, None, r);
-                    }
-                }
-                Ok(0)
-            }
-            Step::Drop {
-                instance,
-                dp_rank,
-                medium,
-                forget,
-            } => {
-                if forget {
-                    self.sources.forget(instance, dp_rank);
-                }
-                let ids = self.locations.matching(instance, dp_rank, medium);
-                Ok(self.drop_locations(&ids, r))
-            }
-            Step::Speculate {
-                location, expires, ..
-            } => {
-                let mut ids = Vec::with_capacity(hashes.len());
-                let mut up = Parent::Root;
-                let mut marked = 0;
-                for &hash in hashes {
-                    let id = self.tree.get_or_create(hash, up, r);
-                    if self.tree.add_speculative(id, location, expires) {
-                        self.expiry.push(Due {
-                            expires,
-                            hash,
-                            location,
-                        });
-                        marked += 1;
-                    }
-                    ids.push(id);
-                    up = Parent::Node(id);
-                }
-                for &id in ids.iter().rev() {
-                    self.tree.touch(id);
-                }
-                Ok(marked)
-            }
-            Step::Expire { now } => Ok(self.expire_due(now, r)),
-            Step::Bound => Ok(self.evict_to_bound(r)),
-            Step::Counters(counters) => {
-                self.counters = counters;
-                Ok(0)
-            }
-        }
-    }
-
-    /// Executes `step` and keeps it in `journal` (the first copy of a write).
-    fn run(&mut self, journal: &mut Journal, step: Step, hashes: &[BlockHash]) -> Result<usize> {
-        let start = journal.hashes.len();
-        journal.hashes.extend(hashes.iter().map(|h| h.0));
-        journal.steps.push(step);
-        let mut r = Record {
-            found: &mut journal.found,
-            deleted: &mut journal.deleted,
-        };
-        self.execute(&step, &journal.hashes[start..], &mut r)
-    }
-
-    /// Replays `journal` (written on an equal copy).
-    pub fn replay(&mut self, journal: &Journal) -> Result<()> {
-        let mut r = Replay {
-            found: &journal.found,
-            at: 0,
-        };
-        let mut at = 0;
+    /// Brings this copy level with `source`, which was equal to it before its last write,
+    /// that write's `journal`.
+    pub fn level_with(&mut self, source: &IndexState, journal: &Journal) -> Result<()> {
         for step in &journal.steps {
-            let n = step.blocks();
-            self.execute(step, &journal.hashes[at..at + n], &mut r)?;
-            at += n;
+            match *step {
+                Step::Source(state) => self.sources.restore(state),
+                Step::Forget { instance, dp_rank } => self.sources.forget(instance, dp_rank),
+                Step::Register(key) => {
+                    self.locations.register(key);
+                }
+                Step::Group {
+                    location,
+                    group,
+                    kind,
+                } => {
+                    self.locations.add_group(location, group, kind)?;
+                }
+                Step::ExpiryPush(due) if !journal.expiry_rebuilt => self.expiry.push(due),
+                Step::ExpiryPop { now } if !journal.expiry_rebuilt => {
+                    while self.expiry.pop_due(now).is_some() {}
+                }
+                Step::ExpiryPush(_) | Step::ExpiryPop { .. } => {}
+            }
         }
-        ensure_invariant!(
-            r.at == journal.found.len(),
-            "the replay asked {} look-ups, the write {}",
-            r.at,
-            journal.found.len()
-        );
+        if journal.expiry_rebuilt {
+            self.expiry.clone_from(&source.expiry);
+        }
+        self.tree.level_with(&source.tree);
+        self.counters = source.counters;
         Ok(())
+    }
+
+    /// The id of location `key`, registered if new.
+    fn location_id(&mut self, key: LocationKey, journal: &mut Journal) -> u32 {
+        if let Some(id) = self.locations.find(&key) {
+            return id;
+        }
+        journal.steps.push(Step::Register(key));
+        let id = self.locations.register(key);
+        self.tree.width = self.locations.width();
+        id
+    }
+
+    /// The mask bit of group (`group`, `kind`) at `location`, registered if new.
+    fn group_bit(
+        &mut self,
+        location: u32,
+        group: u32,
+        kind: GroupKind,
+        journal: &mut Journal,
+    ) -> Result<u32> {
+        if let Some(bit) = self.locations.group_bit(location, group, kind) {
+            return Ok(bit);
+        }
+        journal.steps.push(Step::Group {
+            location,
+            group,
+            kind,
+        });
+        self.locations.add_group(location, group, kind)
     }
 
     fn validate_batch(&self, instance: u64, events: &[IndexEvent]) -> Result<()> {
@@ -356,17 +250,38 @@ impl IndexState {
         journal: &mut Journal,
     ) -> Result<ApplyReport> {
         self.validate_batch(instance, events)?;
+        // The table slots of every block first, then the nodes that exist (removals, a run's
+        // parent): their cache misses overlap instead of coming one by one.
+        for event in events {
+            self.tree.prefetch(&event.block_hashes);
+            if let Some(parent) = event.parent_hash {
+                self.tree.prefetch_slot(parent.0);
+            }
+        }
+        for event in events {
+            match event.kind {
+                EventKind::Removed => {
+                    for hash in &event.block_hashes {
+                        self.tree.prefetch_node(hash.0);
+                    }
+                }
+                EventKind::Stored => {
+                    if let Some(parent) = event.parent_hash {
+                        self.tree.prefetch_node(parent.0);
+                    }
+                }
+                EventKind::Cleared => {}
+            }
+        }
         let mut report = ApplyReport::default();
         let mut last: Resolved = None;
         for event in events {
             if let Some(sequence) = event.sequence {
-                let before = self.sources.get(instance, event.dp_rank);
-                let verdict = self.sources.admit(instance, event.dp_rank, sequence);
-                let after = self.sources.get(instance, event.dp_rank);
-                if after != before {
-                    if let Some(state) = after {
-                        journal.steps.push(Step::Source(state));
-                    }
+                let (verdict, changed) =
+                    self.sources
+                        .admit_tracked(instance, event.dp_rank, sequence);
+                if let Some(state) = changed {
+                    journal.steps.push(Step::Source(state));
                 }
                 match verdict {
                     Verdict::Apply => {}
@@ -384,14 +299,13 @@ impl IndexState {
             self.apply_one(instance, event, journal, &mut last)?;
             report.applied += 1;
         }
-        report.evicted = self.run(journal, Step::Bound, &[])?;
+        report.evicted = self.evict_to_bound();
         let c = &mut self.counters;
         c.events_applied += report.applied as u64;
         c.duplicates += report.duplicates as u64;
         c.dropped += report.dropped as u64;
         c.gaps += report.gaps.len() as u64;
         c.evicted_entries += report.evicted as u64;
-        journal.steps.push(Step::Counters(self.counters));
         Ok(report)
     }
 
@@ -403,7 +317,6 @@ impl IndexState {
         last: &mut Resolved,
     ) -> Result<()> {
         let key = location_key(instance, event);
-        let len = event.block_hashes.len() as u32;
         match event.kind {
             EventKind::Stored => {
                 let (location, bit) = match *last {
@@ -413,46 +326,25 @@ impl IndexState {
                         (location, bit)
                     }
                     _ => {
-                        let location = match self.locations.find(&key) {
-                            Some(id) => id,
-                            None => {
-                                self.run(journal, Step::Register(key), &[])?;
-                                self.locations.find(&key).ok_or_else(|| {
-                                    crate::KvPoolError::Invariant("a location went".into())
-                                })?
-                            }
-                        };
-                        let bit = match self.locations.group_bit(
-                            location,
-                            event.group,
-                            event.group_kind,
-                        ) {
-                            Some(bit) => bit,
-                            None => {
-                                let step = Step::Group {
-                                    location,
-                                    group: event.group,
-                                    kind: event.group_kind,
-                                };
-                                self.run(journal, step, &[])?;
-                                self.locations
-                                    .group_bit(location, event.group, event.group_kind)
-                                    .ok_or_else(|| {
-                                        crate::KvPoolError::Invariant("a group went".into())
-                                    })?
-                            }
-                        };
+                        let location = self.location_id(key, journal);
+                        let bit =
+                            self.group_bit(location, event.group, event.group_kind, journal)?;
                         *last = Some((key, event.group, event.group_kind, location, bit));
                         (location, bit)
                     }
                 };
-                let step = Step::Store {
-                    location,
-                    bit,
-                    parent: event.parent_hash.map(|h| h.0),
-                    len,
-                };
-                self.run(journal, step, &event.block_hashes)?;
+                let ids = &mut journal.ids;
+                ids.clear();
+                let mut up = event.parent_hash.map_or(Parent::Root, |h| Parent::Hash(h.0));
+                for hash in &event.block_hashes {
+                    let id = self.tree.store(hash.0, up, location, bit);
+                    ids.push(id);
+                    up = Parent::Node(id);
+                }
+                // Deepest first, so that parents end up newer than their children.
+                for &id in ids.iter().rev() {
+                    self.tree.touch(id);
+                }
             }
             EventKind::Removed => {
                 let Some(location) = self.locations.find(&key) else {
@@ -464,23 +356,23 @@ impl IndexState {
                 else {
                     return Ok(());
                 };
-                let step = Step::Remove { location, bit, len };
-                self.run(journal, step, &event.block_hashes)?;
+                for hash in &event.block_hashes {
+                    if let Some(id) = self.tree.find(hash.0) {
+                        self.tree.clear_bits(id, location, bit, None);
+                    }
+                }
             }
             EventKind::Cleared => {
-                let step = Step::Drop {
-                    instance,
-                    dp_rank: Some(event.dp_rank),
-                    medium: Some(event.medium),
-                    forget: false,
-                };
-                self.run(journal, step, &[])?;
+                let ids =
+                    self.locations
+                        .matching(instance, Some(event.dp_rank), Some(event.medium));
+                self.drop_locations(&ids);
             }
         }
         Ok(())
     }
 
-    fn drop_locations<R: Resolve>(&mut self, ids: &[u32], r: &mut R) -> usize {
+    fn drop_locations(&mut self, ids: &[u32]) -> usize {
         if ids.is_empty() {
             return 0;
         }
@@ -488,13 +380,13 @@ impl IndexState {
         for &id in ids {
             hit[id as usize] = true;
         }
-        self.tree.drop_locations(|l| hit[l as usize], r)
+        self.tree.drop_locations(|l| hit[l as usize])
     }
 
-    fn evict_to_bound<R: Resolve>(&mut self, r: &mut R) -> usize {
+    fn evict_to_bound(&mut self) -> usize {
         let mut evicted = 0;
         while self.tree.entries > self.config.max_entries {
-            let gone = self.tree.evict_one(r);
+            let gone = self.tree.evict_one();
             if gone == 0 {
                 break;
             }
@@ -506,7 +398,9 @@ impl IndexState {
     /// Evicts until the entries fit `max_entries` (the only copy: a loaded index); returns
     /// how many went.
     pub fn enforce_bound(&mut self) -> usize {
-        let evicted = self.evict_to_bound(&mut Direct);
+        self.tree.begin_write();
+        let evicted = self.evict_to_bound();
+        self.tree.drop_deleted(self.tree.deleted());
         self.counters.evicted_entries += evicted as u64;
         evicted
     }
@@ -543,59 +437,75 @@ impl IndexState {
                 pair[0]
             );
         }
-        let expired = self.run(journal, Step::Expire { now }, &[])?;
-        let key = LocationKey {
-            instance,
-            dp_rank,
-            medium: Medium::Device,
-            block_size,
-        };
-        let location = match self.locations.find(&key) {
-            Some(id) => id,
-            None => {
-                self.run(journal, Step::Register(key), &[])?;
-                self.locations
-                    .find(&key)
-                    .ok_or_else(|| crate::KvPoolError::Invariant("a location went".into()))?
+        let expired = self.expire_due(now, journal);
+        let location = self.location_id(
+            LocationKey {
+                instance,
+                dp_rank,
+                medium: Medium::Device,
+                block_size,
+            },
+            journal,
+        );
+        let expires = now + ttl;
+        let mut ids = std::mem::take(&mut journal.ids);
+        ids.clear();
+        let mut up = Parent::Root;
+        let mut marked = 0;
+        for hash in chain {
+            let id = self.tree.get_or_create(hash.0, up);
+            if self.tree.add_speculative(id, location, expires) {
+                let due = Due {
+                    expires,
+                    hash: hash.0,
+                    location,
+                };
+                self.expiry.push(due);
+                journal.steps.push(Step::ExpiryPush(due));
+                marked += 1;
             }
-        };
-        let step = Step::Speculate {
-            location,
-            expires: now + ttl,
-            len: chain.len() as u32,
-        };
-        let marked = self.run(journal, step, chain)?;
-        let evicted = self.run(journal, Step::Bound, &[])?;
+            ids.push(id);
+            up = Parent::Node(id);
+        }
+        for &id in ids.iter().rev() {
+            self.tree.touch(id);
+        }
+        journal.ids = ids;
+        let evicted = self.evict_to_bound();
         let c = &mut self.counters;
         c.expired_entries += expired as u64;
         c.speculative_inserted += marked as u64;
         c.evicted_entries += evicted as u64;
-        journal.steps.push(Step::Counters(self.counters));
         Ok(marked)
     }
 
     /// Drops the speculative entries lapsing at or before `now`; returns how many.
     pub fn expire(&mut self, now: f64, journal: &mut Journal) -> Result<usize> {
         ensure_arg!(!now.is_nan(), "now", "must be a number, got NaN");
-        let expired = self.run(journal, Step::Expire { now }, &[])?;
+        let expired = self.expire_due(now, journal);
         self.counters.expired_entries += expired as u64;
-        journal.steps.push(Step::Counters(self.counters));
         Ok(expired)
     }
 
-    fn expire_due<R: Resolve>(&mut self, now: f64, r: &mut R) -> usize {
+    fn expire_due(&mut self, now: f64, journal: &mut Journal) -> usize {
         let mut expired = 0;
+        let mut popped = false;
         while let Some(due) = self.expiry.pop_due(now) {
-            if let Some(id) = r.find(&self.tree, due.hash) {
-                let cleared =
-                    self.tree
-                        .clear_bits(id, due.location, SPECULATIVE, Some(due.expires), r);
+            popped = true;
+            if let Some(id) = self.tree.find(due.hash) {
+                let cleared = self
+                    .tree
+                    .clear_bits(id, due.location, SPECULATIVE, Some(due.expires));
                 expired += usize::from(cleared & SPECULATIVE != 0);
             }
+        }
+        if popped {
+            journal.steps.push(Step::ExpiryPop { now });
         }
         if self.expiry.needs_rebuild(self.tree.speculative) {
             let live = self.speculative_due();
             self.expiry.rebuild(live);
+            journal.expiry_rebuilt = true;
         }
         expired
     }
@@ -626,13 +536,10 @@ impl IndexState {
         dp_rank: Option<u32>,
         journal: &mut Journal,
     ) -> Result<usize> {
-        let step = Step::Drop {
-            instance,
-            dp_rank,
-            medium: None,
-            forget: true,
-        };
-        self.run(journal, step, &[])
+        self.sources.forget(instance, dp_rank);
+        journal.steps.push(Step::Forget { instance, dp_rank });
+        let ids = self.locations.matching(instance, dp_rank, None);
+        Ok(self.drop_locations(&ids))
     }
 
     /// Every source's sequence state.

@@ -42,6 +42,36 @@ fn home_and_tag(hash: u128) -> (usize, u64) {
     ((home ^ (home >> 29)) as usize, (tag | 1) << 32)
 }
 
+/// Adds `delta` to one of the writer's own counts: a load and a store, not a locked
+/// read-modify-write (no other thread writes it).
+#[inline]
+fn bump(count: &AtomicUsize, delta: isize) {
+    // Relaxed: the writer's own count (see `Table::used`).
+    let value = count.load(Ordering::Relaxed);
+    count.store(value.wrapping_add_signed(delta), Ordering::Relaxed);
+}
+
+/// Asks the cache for the line holding `value` (a hint: the caller reads it soon, and the
+/// misses of several such reads overlap).
+#[inline]
+pub(crate) fn prefetch<T>(value: &T) {
+    let at: *const T = value;
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: a prefetch is a hint that never faults and reads nothing the program sees; the
+    // pointer comes from a reference anyway.
+    unsafe {
+        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(at.cast())
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = at;
+}
+
+/// What [`Table::probe`] found.
+pub(crate) enum Probe {
+    Found(u32),
+    Vacant(usize),
+}
+
 /// The table (see the module doc).
 pub(crate) struct Table {
     slots: Box<[AtomicU64]>,
@@ -103,26 +133,77 @@ impl Table {
         None
     }
 
-    /// Stores `hash -> id` (the writer only; the caller made room with `needs_room` first and
-    /// knows no confirmed entry of `hash` exists). Reuses the first tombstone on the way.
-    pub fn insert(&self, hash: u128, id: u32) {
+    /// Asks the cache for the first slot `hash` probes, so that the slots of a batch's blocks
+    /// arrive together (their misses overlap) before the probes that depend on them.
+    #[inline]
+    pub fn prefetch(&self, hash: u128) {
+        let (home, _) = home_and_tag(hash);
+        prefetch(&self.slots[home & self.mask]);
+    }
+
+    /// The id of the first entry whose tag matches `hash`'s, unconfirmed: a hint (to ask the
+    /// cache for that node ahead of the look-up that confirms it).
+    #[inline]
+    pub fn candidate(&self, hash: u128) -> Option<u32> {
         let (home, tag) = home_and_tag(hash);
         let mut at = home & self.mask;
+        for _ in 0..4 {
+            // Relaxed: a hint; nothing is concluded from it.
+            let value = self.slots[at].load(Ordering::Relaxed);
+            if value == EMPTY {
+                return None;
+            }
+            if value & !0xFFFF_FFFF == tag {
+                return Some(value as u32);
+            }
+            at = (at + 1) & self.mask;
+        }
+        None
+    }
+
+    /// Where `hash` is: its confirmed id, or else the slot an insert would take (the first
+    /// tombstone or empty slot of its probe path). The writer only.
+    #[inline]
+    pub fn probe(&self, hash: u128, valid: impl Fn(u32) -> bool) -> Probe {
+        let (home, tag) = home_and_tag(hash);
+        let mut at = home & self.mask;
+        let mut vacant = None;
         loop {
             // Relaxed: only the writer stores, so it reads its own latest values.
             let value = self.slots[at].load(Ordering::Relaxed);
-            if value == EMPTY || value == TOMBSTONE {
-                // Relaxed: readers of the copy holding this node load that copy after its
-                // publication (a release), which comes after this store.
-                self.slots[at].store(tag | u64::from(id), Ordering::Relaxed);
-                if value == EMPTY {
-                    // Relaxed: the writer's own counts.
-                    self.used.fetch_add(1, Ordering::Relaxed);
-                }
-                self.entries.fetch_add(1, Ordering::Relaxed);
-                return;
+            if value == EMPTY {
+                return Probe::Vacant(vacant.unwrap_or(at));
+            }
+            if value == TOMBSTONE {
+                vacant.get_or_insert(at);
+            } else if value & !0xFFFF_FFFF == tag && valid(value as u32) {
+                return Probe::Found(value as u32);
             }
             at = (at + 1) & self.mask;
+        }
+    }
+
+    /// Stores `hash -> id` in `slot`, which [`Table::probe`] gave for `hash` (the writer only,
+    /// with no store in between; room was made with `needs_room` before the probe).
+    #[inline]
+    pub fn insert_at(&self, slot: usize, hash: u128, id: u32) {
+        let (_, tag) = home_and_tag(hash);
+        // Relaxed: the writer reads its own stores.
+        let was = self.slots[slot].load(Ordering::Relaxed);
+        // Relaxed: readers of the copy holding this node load that copy after its
+        // publication (a release), which comes after this store.
+        self.slots[slot].store(tag | u64::from(id), Ordering::Relaxed);
+        if was == EMPTY {
+            bump(&self.used, 1);
+        }
+        bump(&self.entries, 1);
+    }
+
+    /// Stores `hash -> id` (the writer only; the caller made room with `needs_room` first and
+    /// knows no confirmed entry of `hash` exists).
+    pub fn insert(&self, hash: u128, id: u32) {
+        if let Probe::Vacant(slot) = self.probe(hash, |_| false) {
+            self.insert_at(slot, hash, id);
         }
     }
 
@@ -142,8 +223,7 @@ impl Table {
                 // Relaxed: no reader can reach a copy that holds this node any more, so a
                 // reader that sees the tombstone (or not) answers the same.
                 self.slots[at].store(TOMBSTONE, Ordering::Relaxed);
-                // Relaxed: the writer's own count.
-                self.entries.fetch_sub(1, Ordering::Relaxed);
+                bump(&self.entries, -1);
                 return true;
             }
             at = (at + 1) & self.mask;

@@ -7,10 +7,10 @@
 //! kept sorted by location in a side map for the few nodes that have any. A node also has its
 //! parent (from the chain the hash came in), a count of its children and its LRU stamp.
 //!
-//! The hash -> id table is shared with the index's other copy (`table.rs`); a write goes
-//! through a [`Resolve`], which finds nodes by probing the table (and records what it found)
-//! in the copy written first, or replays those answers in the other copy, so that the replay
-//! neither probes nor stores (see `mod.rs`).
+//! The hash -> id table is shared with the index's other copy (`table.rs`). A write keeps
+//! track of what it changes (the nodes, marked once each, the free list's and the LRU
+//! queue's ends, the nodes it deleted), so that the other copy is brought level by copying
+//! just that from this one ([`Tree::level_with`]) rather than doing the write again.
 //!
 //! Invariants (checked by [`Tree::check`]):
 //! - a node is live iff it has an entry or a child (an emptied leaf is deleted at once, and its
@@ -33,7 +33,7 @@ use std::sync::Arc;
 use crate::error::{ensure_invariant, Result};
 use crate::index::holders::Holders;
 use crate::index::location::FixedState;
-use crate::index::table::Table;
+use crate::index::table::{Probe, Table};
 
 pub(crate) const NIL: u32 = u32::MAX;
 
@@ -69,7 +69,7 @@ impl Entry {
 }
 
 /// A node (64 bytes).
-#[derive(Clone, Debug)]
+#[derive(Debug)]
 pub(crate) struct Node {
     pub hash: u128,
     /// LRU stamp; 0 when the node has no entries.
@@ -77,8 +77,44 @@ pub(crate) struct Node {
     pub parent: u32,
     pub children: u32,
     pub holders: Holders,
+    /// The write that last changed it (see [`Tree::node_mut`]).
+    written: u32,
     flags: u8,
 }
+
+impl Clone for Node {
+    #[inline]
+    fn clone(&self) -> Self {
+        Self {
+            holders: self.holders.clone(),
+            ..*self
+        }
+    }
+
+    #[inline]
+    fn clone_from(&mut self, source: &Self) {
+        self.hash = source.hash;
+        self.stamp = source.stamp;
+        self.parent = source.parent;
+        self.children = source.children;
+        self.written = source.written;
+        self.flags = source.flags;
+        self.holders.clone_from(&source.holders);
+    }
+}
+
+const BLANK: Node = Node {
+    hash: 0,
+    stamp: 0,
+    parent: NIL,
+    children: 0,
+    holders: Holders::Inline {
+        len: 0,
+        ids: [0; crate::index::holders::INLINE],
+    },
+    written: 0,
+    flags: 0,
+};
 
 impl Node {
     /// Whether `parent` is known (a chain's first block has none); a node made for a parent
@@ -113,80 +149,22 @@ pub(crate) enum Parent {
     Node(u32),
 }
 
-/// How a write finds nodes and keeps the shared table (see the module doc).
-pub(crate) trait Resolve {
-    /// Whether this write stores into the table (not a replay).
-    const STORES: bool;
-    /// The live node of `hash`.
-    fn find(&mut self, tree: &Tree, hash: u128) -> Option<u32>;
-    /// Node `id` was created for `hash`.
-    fn created(&mut self, tree: &Tree, hash: u128, id: u32);
-    /// Node `id` of `hash` was deleted.
-    fn deleted(&mut self, tree: &Tree, hash: u128, id: u32);
-}
-
-/// The only copy (a load, a restore): probes, stores, and deletes from the table at once.
-pub(crate) struct Direct;
-
-impl Resolve for Direct {
-    const STORES: bool = true;
-    fn find(&mut self, tree: &Tree, hash: u128) -> Option<u32> {
-        tree.find(hash)
-    }
-    fn created(&mut self, tree: &Tree, hash: u128, id: u32) {
-        tree.table.insert(hash, id);
-    }
-    fn deleted(&mut self, tree: &Tree, hash: u128, id: u32) {
-        tree.table.remove(hash, id);
-    }
-}
-
-/// The copy written first: probes and records the answers, stores new nodes, and defers
-/// deletions until the other copy has replayed them.
-pub(crate) struct Record<'a> {
-    pub found: &'a mut Vec<u32>,
-    pub deleted: &'a mut Vec<(u128, u32)>,
-}
-
-impl Resolve for Record<'_> {
-    const STORES: bool = true;
-    #[inline]
-    fn find(&mut self, tree: &Tree, hash: u128) -> Option<u32> {
-        let id = tree.find(hash);
-        self.found.push(id.unwrap_or(NIL));
-        id
-    }
-    #[inline]
-    fn created(&mut self, tree: &Tree, hash: u128, id: u32) {
-        tree.table.insert(hash, id);
-    }
-    #[inline]
-    fn deleted(&mut self, _: &Tree, hash: u128, id: u32) {
-        self.deleted.push((hash, id));
-    }
-}
-
-/// The other copy: the answers the first one recorded, in order; nothing stored.
-pub(crate) struct Replay<'a> {
-    pub found: &'a [u32],
-    pub at: usize,
-}
-
-impl Resolve for Replay<'_> {
-    const STORES: bool = false;
-    #[inline]
-    fn find(&mut self, _: &Tree, _: u128) -> Option<u32> {
-        // The same operations on an equal copy ask the same questions: `at` stays in range
-        // (an out-of-range read would be a bug; it answers "absent", and `check` would see
-        // the copies differ).
-        let id = self.found.get(self.at).copied().unwrap_or(NIL);
-        self.at += 1;
-        (id != NIL).then_some(id)
-    }
-    #[inline]
-    fn created(&mut self, _: &Tree, _: u128, _: u32) {}
-    #[inline]
-    fn deleted(&mut self, _: &Tree, _: u128, _: u32) {}
+/// What the last write changed, for [`Tree::level_with`].
+#[derive(Clone, Debug, Default)]
+struct Changes {
+    /// Nodes changed (each once: see [`Tree::node_mut`]).
+    nodes: Vec<u32>,
+    /// The free list's length at the write's start, and the least it had since.
+    free_low: usize,
+    /// The LRU queue's length at the write's start, records popped from its front since,
+    /// and whether it was compacted (then it is copied whole).
+    lru_start: usize,
+    lru_popped: usize,
+    lru_compacted: bool,
+    /// The write counter wrapped: every node's `written` was reset.
+    wrapped: bool,
+    /// Nodes deleted, with their hashes: their table entries go once no copy holds them.
+    deleted: Vec<(u128, u32)>,
 }
 
 /// Nodes, the shared table, the extras and the LRU queue.
@@ -205,6 +183,9 @@ pub(crate) struct Tree {
     pub speculative: usize,
     /// Words of a bitset over every known location (kept by the state as locations come).
     pub width: usize,
+    /// The current write's number (a node changed by it has `written == write`).
+    write: u32,
+    changes: Changes,
 }
 
 impl Tree {
@@ -222,6 +203,8 @@ impl Tree {
             entries: 0,
             speculative: 0,
             width: 0,
+            write: 1,
+            changes: Changes::default(),
         };
         tree.reserve(capacity);
         tree
@@ -234,23 +217,113 @@ impl Tree {
         if more == 0 {
             return;
         }
-        self.nodes.reserve(more);
         let at = self.nodes.len();
-        let blank = Node {
-            hash: 0,
-            stamp: 0,
-            parent: NIL,
-            children: 0,
-            holders: Holders::default(),
-            flags: 0,
-        };
-        self.nodes.resize(at + more, blank);
+        self.nodes.resize(at + more, BLANK);
         self.nodes.truncate(at);
         // The queue holds up to about two records per node before it is compacted.
         let records = capacity.saturating_mul(2);
         let at = self.lru.len();
         self.lru.extend(std::iter::repeat_n((NIL, 0), records));
         self.lru.truncate(at);
+        self.changes.nodes.reserve(1024);
+    }
+
+    /// Starts tracking a write's changes (on the copy it writes).
+    pub fn begin_write(&mut self) {
+        self.write = self.write.wrapping_add(1);
+        self.changes.wrapped = self.write == 0;
+        if self.changes.wrapped {
+            // Once in 2^32 writes: no node may look changed by a write that has not run.
+            for node in &mut self.nodes {
+                node.written = 0;
+            }
+            self.write = 1;
+        }
+        let c = &mut self.changes;
+        c.nodes.clear();
+        c.deleted.clear();
+        c.free_low = self.free.len();
+        c.lru_start = self.lru.len();
+        c.lru_popped = 0;
+        c.lru_compacted = false;
+    }
+
+    /// Brings this copy level with `source`, which was equal to it before its last write: copies
+    /// what that write changed (see `Changes`). The caller then adopts `source`'s table and
+    /// drops the entries of the nodes deleted.
+    pub fn level_with(&mut self, source: &Tree) {
+        let c = &source.changes;
+        if c.wrapped {
+            for node in &mut self.nodes {
+                node.written = 0;
+            }
+        }
+        let old = self.nodes.len();
+        self.nodes.extend(source.nodes[old..].iter().cloned());
+        for &id in &c.nodes {
+            let i = id as usize;
+            let had_extras = i < old && self.nodes[i].has_extras();
+            if i < old {
+                self.nodes[i].clone_from(&source.nodes[i]);
+            }
+            if source.nodes[i].has_extras() {
+                let extras = &source.extras[&id];
+                self.extras.entry(id).or_default().clone_from(extras);
+            } else if had_extras {
+                self.extras.remove(&id);
+            }
+        }
+        self.free.truncate(c.free_low);
+        self.free.extend_from_slice(&source.free[c.free_low..]);
+        if c.lru_compacted || c.lru_popped > c.lru_start {
+            self.lru.clone_from(&source.lru);
+        } else {
+            self.lru.drain(..c.lru_popped);
+            let kept = c.lru_start - c.lru_popped;
+            self.lru.extend(source.lru.range(kept..));
+        }
+        self.tick = source.tick;
+        self.on_lru = source.on_lru;
+        self.live = source.live;
+        self.entries = source.entries;
+        self.speculative = source.speculative;
+        self.width = source.width;
+        self.write = source.write;
+        if !Arc::ptr_eq(&self.table, &source.table) {
+            self.table = Arc::clone(&source.table);
+        }
+    }
+
+    /// Nodes the current (or last) write changed.
+    pub fn changed(&self) -> usize {
+        self.changes.nodes.len()
+    }
+
+    /// The nodes the last write deleted, with their hashes.
+    pub fn deleted(&self) -> &[(u128, u32)] {
+        &self.changes.deleted
+    }
+
+    /// Tombstones the table entries of `deleted` nodes (a write's, see [`Tree::deleted`]) that
+    /// this copy does not hold (again): once no copy a reader can reach holds them (this copy
+    /// is the only one, or the other copy is level with it).
+    pub fn drop_deleted(&self, deleted: &[(u128, u32)]) {
+        for &(hash, id) in deleted {
+            if self.find(hash) != Some(id) {
+                self.table.remove(hash, id);
+            }
+        }
+    }
+
+    /// Node `id`, to change: marks it changed by this write (once).
+    #[inline]
+    fn node_mut(&mut self, id: u32) -> &mut Node {
+        let node = &mut self.nodes[id as usize];
+        if node.written != self.write {
+            node.written = self.write;
+            self.changes.nodes.push(id);
+        }
+        node
     }
 
     /// Live nodes.
@@ -261,11 +334,14 @@ impl Tree {
     /// The live node of `hash`.
     #[inline]
     pub fn find(&self, hash: u128) -> Option<u32> {
-        self.table.find(hash, |id| {
-            self.nodes
-                .get(id as usize)
-                .is_some_and(|n| n.live() && n.hash == hash)
-        })
+        self.table.find(hash, |id| self.valid(id, hash))
+    }
+
+    #[inline]
+    fn valid(&self, id: u32, hash: u128) -> bool {
+        self.nodes
+            .get(id as usize)
+            .is_some_and(|n| n.live() && n.hash == hash)
     }
 
     #[inline]
@@ -328,39 +404,131 @@ impl Tree {
     /// The node of `hash`, created (without entries) if new. A new node, or a live one whose
     /// parent is unknown, is linked under `parent` (a parent hash's node is created if
     /// absent); a link that would close a cycle is not made.
-    pub fn get_or_create<R: Resolve>(&mut self, hash: u128, parent: Parent, r: &mut R) -> u32 {
-        if let Some(id) = r.find(self, hash) {
-            if !self.nodes[id as usize].parent_known() {
-                self.link_late(id, parent, r);
+    #[inline]
+    pub fn get_or_create(&mut self, hash: u128, parent: Parent) -> u32 {
+        let slot = match self.probe(hash) {
+            Probe::Found(id) => {
+                if !self.nodes[id as usize].parent_known() {
+                    self.link_late(id, parent);
+                }
+                return id;
             }
-            return id;
-        }
-        let id = self.alloc(hash, r);
-        self.nodes[id as usize].flags |= PARENT_KNOWN;
+            Probe::Vacant(slot) => slot,
+        };
+        let id = self.alloc_at(slot, hash);
         // `id` is new, so no node descends from it: the link closes no cycle.
         let parent_id = match parent {
-            Parent::Root => return id,
+            Parent::Root => {
+                self.nodes[id as usize].flags |= PARENT_KNOWN;
+                return id;
+            }
             Parent::Node(p) => p,
-            Parent::Hash(p) => match r.find(self, p) {
-                Some(p) => p,
-                None => self.alloc(p, r),
+            Parent::Hash(p) => match self.probe(p) {
+                Probe::Found(p) => p,
+                Probe::Vacant(slot) => self.alloc_at(slot, p),
             },
         };
-        self.nodes[id as usize].parent = parent_id;
-        self.nodes[parent_id as usize].children += 1;
+        let node = &mut self.nodes[id as usize];
+        node.flags |= PARENT_KNOWN;
+        node.parent = parent_id;
+        self.node_mut(parent_id).children += 1;
         id
     }
 
-    fn link_late<R: Resolve>(&mut self, id: u32, parent: Parent, r: &mut R) {
-        let found = match parent {
+    /// Asks for the table slots of `hashes` (see [`Table::prefetch`]).
+    #[inline]
+    pub fn prefetch(&self, hashes: &[crate::hash::BlockHash]) {
+        for hash in hashes {
+            self.table.prefetch(hash.0);
+        }
+    }
+
+    /// Asks for the table slot of `hash`.
+    #[inline]
+    pub fn prefetch_slot(&self, hash: u128) {
+        self.table.prefetch(hash);
+    }
+
+    /// Asks for the node the table names for `hash` without confirming it (see
+    /// [`Table::candidate`]).
+    #[inline]
+    pub fn prefetch_candidate(&self, hash: u128) {
+        if let Some(node) = self
+            .table
+            .candidate(hash)
+            .and_then(|id| self.nodes.get(id as usize))
+        {
+            crate::index::table::prefetch(node);
+        }
+    }
+
+    /// Asks for the node of `hash`, if live (its slot should be on its way already).
+    #[inline]
+    pub fn prefetch_node(&self, hash: u128) {
+        if let Some(id) = self.find(hash) {
+            crate::index::table::prefetch(&self.nodes[id as usize]);
+        }
+    }
+
+    /// The node of `hash`, created if new, with group bit `bits` of `location` added (see
+    /// [`Tree::get_or_create`] and [`Tree::add_groups`]): a stored block.
+    #[inline]
+    pub fn store(&mut self, hash: u128, parent: Parent, location: u32, bits: u32) -> u32 {
+        let slot = match self.probe(hash) {
+            Probe::Found(id) => {
+                if !self.nodes[id as usize].parent_known() {
+                    self.link_late(id, parent);
+                }
+                self.add_groups(id, location, bits);
+                return id;
+            }
+            Probe::Vacant(slot) => slot,
+        };
+        let id = self.alloc_at(slot, hash);
+        if bits == PLAIN {
+            // A new node's first holder.
+            self.nodes[id as usize].holders.insert(location, self.width);
+            self.entries += 1;
+        } else {
+            self.add_groups(id, location, bits);
+        }
+        let parent_id = match parent {
             Parent::Root => {
                 self.nodes[id as usize].flags |= PARENT_KNOWN;
+                return id;
+            }
+            Parent::Node(p) => p,
+            Parent::Hash(p) => match self.probe(p) {
+                Probe::Found(p) => p,
+                Probe::Vacant(slot) => self.alloc_at(slot, p),
+            },
+        };
+        let node = &mut self.nodes[id as usize];
+        node.flags |= PARENT_KNOWN;
+        node.parent = parent_id;
+        self.node_mut(parent_id).children += 1;
+        id
+    }
+
+    /// Where `hash` is in the table, making room first.
+    #[inline]
+    fn probe(&mut self, hash: u128) -> Probe {
+        if self.table.needs_room() {
+            self.rebuild_table(2 * (self.live + 1));
+        }
+        self.table.probe(hash, |id| self.valid(id, hash))
+    }
+
+    fn link_late(&mut self, id: u32, parent: Parent) {
+        let found = match parent {
+            Parent::Root => {
+                self.node_mut(id).flags |= PARENT_KNOWN;
                 return;
             }
-            Parent::Node(p) => Some(p),
-            Parent::Hash(p) => r.find(self, p),
+            Parent::Node(p) => Probe::Found(p),
+            Parent::Hash(p) => self.probe(p),
         };
-        if let Some(parent_id) = found {
+        if let Probe::Found(parent_id) = found {
             // Refuse a link under one of `id`'s own descendants (corrupt input only).
             let mut up = parent_id;
             while up != NIL {
@@ -371,30 +539,28 @@ impl Tree {
             }
         }
         let parent_id = match (found, parent) {
-            (Some(p), _) => p,
-            (None, Parent::Hash(p)) => self.alloc(p, r),
-            (None, _) => return,
+            (Probe::Found(p), _) => p,
+            (Probe::Vacant(slot), Parent::Hash(p)) => self.alloc_at(slot, p),
+            (Probe::Vacant(_), _) => return,
         };
-        let node = &mut self.nodes[id as usize];
+        let node = self.node_mut(id);
         node.flags |= PARENT_KNOWN;
         node.parent = parent_id;
-        self.nodes[parent_id as usize].children += 1;
+        self.node_mut(parent_id).children += 1;
     }
 
-    fn alloc<R: Resolve>(&mut self, hash: u128, r: &mut R) -> u32 {
-        if R::STORES && self.table.needs_room() {
-            self.rebuild_table(2 * (self.live + 1));
-        }
+    /// A new node for `hash`, entered in the table at `slot` (from a probe just made).
+    #[inline]
+    fn alloc_at(&mut self, slot: usize, hash: u128) -> u32 {
         let node = Node {
             hash,
-            stamp: 0,
-            parent: NIL,
-            children: 0,
-            holders: Holders::default(),
+            written: self.write,
             flags: LIVE,
+            ..BLANK
         };
         let id = match self.free.pop() {
             Some(id) => {
+                self.changes.free_low = self.changes.free_low.min(self.free.len());
                 self.nodes[id as usize] = node;
                 id
             }
@@ -403,8 +569,9 @@ impl Tree {
                 (self.nodes.len() - 1) as u32
             }
         };
+        self.changes.nodes.push(id);
         self.live += 1;
-        r.created(self, hash, id);
+        self.table.insert_at(slot, hash, id);
         id
     }
 
@@ -420,18 +587,8 @@ impl Tree {
         self.table = Arc::new(Table::rebuilt(live, capacity.max(self.live)));
     }
 
-    /// This copy's table (shared with the other copy).
-    pub fn table(&self) -> &Arc<Table> {
-        &self.table
-    }
-
-    /// Takes `table` (the other copy's, once this one is level with it).
-    pub fn adopt_table(&mut self, table: Arc<Table>) {
-        self.table = table;
-    }
-
     fn extras_mut(&mut self, id: u32) -> &mut Vec<Entry> {
-        self.nodes[id as usize].flags |= HAS_EXTRAS;
+        self.node_mut(id).flags |= HAS_EXTRAS;
         self.extras.entry(id).or_default()
     }
 
@@ -439,21 +596,41 @@ impl Tree {
     fn tidy_extras(&mut self, id: u32) {
         if self.extras.get(&id).is_some_and(|e| e.is_empty()) {
             self.extras.remove(&id);
-            self.nodes[id as usize].flags &= !HAS_EXTRAS;
+            self.node_mut(id).flags &= !HAS_EXTRAS;
         }
+    }
+
+    fn insert_extra(&mut self, id: u32, location: u32, mask: u32, expires: f64) {
+        let extras = self.extras_mut(id);
+        let at = extras.partition_point(|e| e.location < location);
+        extras.insert(
+            at,
+            Entry {
+                location,
+                mask,
+                expires,
+            },
+        );
     }
 
     /// Adds group bits `bits` of `location` to node `id`; a speculative bit there is
     /// confirmed (cleared). Returns whether the entry is new.
+    #[inline]
     pub fn add_groups(&mut self, id: u32, location: u32, bits: u32) -> bool {
         let width = self.width;
-        let node = &mut self.nodes[id as usize];
+        let node = self.node_mut(id);
         if bits == PLAIN && !node.has_extras() {
             // The common case: a holder more (or again).
             let new = node.holders.insert(location, width);
             self.entries += usize::from(new);
             return new;
         }
+        self.add_groups_slow(id, location, bits)
+    }
+
+    fn add_groups_slow(&mut self, id: u32, location: u32, bits: u32) -> bool {
+        let width = self.width;
+        let node = self.node_mut(id);
         if node.holders.contains(location) {
             if bits != PLAIN {
                 // A holder gains another group: it becomes an extra.
@@ -474,30 +651,17 @@ impl Tree {
             if plain {
                 self.extras_mut(id).remove(i);
                 self.tidy_extras(id);
-                self.nodes[id as usize].holders.insert(location, width);
+                self.node_mut(id).holders.insert(location, width);
             }
             return false;
         }
         if bits == PLAIN {
-            self.nodes[id as usize].holders.insert(location, width);
+            self.node_mut(id).holders.insert(location, width);
         } else {
             self.insert_extra(id, location, bits, 0.0);
         }
         self.entries += 1;
         true
-    }
-
-    fn insert_extra(&mut self, id: u32, location: u32, mask: u32, expires: f64) {
-        let extras = self.extras_mut(id);
-        let at = extras.partition_point(|e| e.location < location);
-        extras.insert(
-            at,
-            Entry {
-                location,
-                mask,
-                expires,
-            },
-        );
     }
 
     /// Marks `location`'s entry at node `id` speculative until `expires`, unless a group
@@ -510,11 +674,11 @@ impl Tree {
             .extras(id)
             .binary_search_by_key(&location, |e| e.location)
         {
-            let entry = &mut self.extras_mut(id)[i];
-            if entry.mask & !SPECULATIVE != 0 || expires <= entry.expires {
+            let held = self.extras(id)[i];
+            if held.mask & !SPECULATIVE != 0 || expires <= held.expires {
                 return false;
             }
-            entry.expires = expires;
+            self.extras_mut(id)[i].expires = expires;
             return true;
         }
         self.insert_extra(id, location, SPECULATIVE, expires);
@@ -527,20 +691,21 @@ impl Tree {
     /// an entry left with no bit is dropped, and the node collected if emptied. With
     /// `only_expiring == Some(t)` the speculative bit is cleared only if it lapses at `t`.
     /// Returns the bits cleared.
-    pub fn clear_bits<R: Resolve>(
+    pub fn clear_bits(
         &mut self,
         id: u32,
         location: u32,
         bits: u32,
         only_expiring: Option<f64>,
-        r: &mut R,
     ) -> u32 {
         let width = self.width;
-        let node = &mut self.nodes[id as usize];
-        if bits & PLAIN != 0 && node.holders.remove(location, width) {
+        if bits & PLAIN != 0 && self.nodes[id as usize].holders.contains(location) {
+            let node = self.node_mut(id);
+            node.holders.remove(location, width);
+            let emptied = !node.has_entries();
             self.entries -= 1;
-            if !node.has_entries() {
-                self.collect(id, r);
+            if emptied {
+                self.collect(id);
             }
             return PLAIN;
         }
@@ -550,48 +715,53 @@ impl Tree {
         else {
             return 0;
         };
-        let entry = &mut self.extras_mut(id)[i];
-        let mut clear = bits & entry.mask;
-        if clear & SPECULATIVE != 0 && only_expiring.is_some_and(|t| t != entry.expires) {
+        let held = self.extras(id)[i];
+        let mut clear = bits & held.mask;
+        if clear & SPECULATIVE != 0 && only_expiring.is_some_and(|t| t != held.expires) {
             clear &= !SPECULATIVE;
         }
         if clear == 0 {
             return 0;
         }
-        entry.mask &= !clear;
-        let left = entry.mask;
+        let left = held.mask & !clear;
+        self.extras_mut(id)[i].mask = left;
         if clear & SPECULATIVE != 0 {
             self.speculative -= 1;
         }
         if left == 0 || left == PLAIN {
             self.extras_mut(id).remove(i);
             if left == PLAIN {
-                self.nodes[id as usize].holders.insert(location, width);
+                self.node_mut(id).holders.insert(location, width);
             } else {
                 self.entries -= 1;
             }
             self.tidy_extras(id);
             if !self.nodes[id as usize].has_entries() {
-                self.collect(id, r);
+                self.collect(id);
             }
         }
         clear
     }
 
     /// Drops every entry of the locations `drop` says, in every node. Returns how many.
-    pub fn drop_locations<R: Resolve>(&mut self, drop: impl Fn(u32) -> bool, r: &mut R) -> usize {
+    pub fn drop_locations(&mut self, drop: impl Fn(u32) -> bool) -> usize {
         let width = self.width;
         let mut emptied = Vec::new();
         let mut dropped = 0;
         let mut speculative = 0;
         for i in 0..self.nodes.len() {
             let id = i as u32;
-            let node = &mut self.nodes[i];
+            let node = &self.nodes[i];
             if !node.live() || !node.has_entries() {
                 continue;
             }
-            dropped += node.holders.retain(|l| !drop(l), width);
-            if node.has_extras() {
+            let hit = node.holders.iter().any(&drop)
+                || self.extras(id).iter().any(|e| drop(e.location));
+            if !hit {
+                continue;
+            }
+            dropped += self.node_mut(id).holders.retain(|l| !drop(l), width);
+            if self.nodes[i].has_extras() {
                 let extras = self.extras_mut(id);
                 let before = extras.len();
                 extras.retain(|e| {
@@ -609,7 +779,7 @@ impl Tree {
         self.entries -= dropped;
         self.speculative -= speculative;
         for id in emptied {
-            self.collect(id, r);
+            self.collect(id);
         }
         dropped
     }
@@ -618,37 +788,42 @@ impl Tree {
     #[inline]
     pub fn touch(&mut self, id: u32) {
         self.tick += 1;
-        let node = &mut self.nodes[id as usize];
-        if node.stamp == 0 {
-            self.on_lru += 1;
-        }
-        node.stamp = self.tick;
-        self.lru.push_back((id, self.tick));
+        let tick = self.tick;
+        let node = self.node_mut(id);
+        let entered = node.stamp == 0;
+        node.stamp = tick;
+        self.on_lru += usize::from(entered);
+        self.lru.push_back((id, tick));
         if self.lru.len() > 2 * self.on_lru + LRU_SLACK {
             let nodes = &self.nodes;
             self.lru
                 .retain(|&(id, stamp)| nodes[id as usize].stamp == stamp);
+            self.changes.lru_compacted = true;
         }
     }
 
     fn leave_lru(&mut self, id: u32) {
-        let node = &mut self.nodes[id as usize];
-        if node.stamp != 0 {
-            node.stamp = 0;
+        if self.nodes[id as usize].stamp != 0 {
+            self.node_mut(id).stamp = 0;
             self.on_lru -= 1;
         }
     }
 
+    fn pop_lru(&mut self) {
+        self.lru.pop_front();
+        self.changes.lru_popped += 1;
+    }
+
     /// Evicts the oldest node with no children (a node with children met on the way is moved
     /// to the newest end, so each pass is amortized O(1)). Returns how many entries went.
-    pub fn evict_one<R: Resolve>(&mut self, r: &mut R) -> usize {
+    pub fn evict_one(&mut self) -> usize {
         let mut budget = self.live;
         while budget > 0 {
             let Some(&(id, stamp)) = self.lru.front() else {
                 break;
             };
             if self.nodes[id as usize].stamp != stamp {
-                self.lru.pop_front(); // stale
+                self.pop_lru(); // stale
                 continue;
             }
             budget -= 1;
@@ -656,13 +831,13 @@ impl Tree {
                 self.touch(id);
                 continue;
             }
-            self.lru.pop_front();
-            let node = &mut self.nodes[id as usize];
+            self.pop_lru();
+            let node = self.node_mut(id);
             let mut gone = node.holders.len();
             node.holders = Holders::default();
             if node.has_extras() {
+                node.flags &= !HAS_EXTRAS;
                 let extras = self.extras.remove(&id).unwrap_or_default();
-                self.nodes[id as usize].flags &= !HAS_EXTRAS;
                 gone += extras.len();
                 self.speculative -= extras
                     .iter()
@@ -670,7 +845,7 @@ impl Tree {
                     .count();
             }
             self.entries -= gone;
-            self.collect(id, r);
+            self.collect(id);
             return gone;
         }
         0
@@ -678,28 +853,28 @@ impl Tree {
 
     /// Node `id` has no entries: leave the LRU; delete it if it has no children either, then
     /// reconsider its parent.
-    fn collect<R: Resolve>(&mut self, mut id: u32, r: &mut R) {
+    fn collect(&mut self, mut id: u32) {
         loop {
             let node = &self.nodes[id as usize];
             if !node.live() || node.has_entries() {
                 return; // it has entries, or went already (collected through a child)
             }
             self.leave_lru(id);
-            let node = &mut self.nodes[id as usize];
-            if node.children > 0 {
+            if self.nodes[id as usize].children > 0 {
                 return;
             }
+            let node = self.node_mut(id);
             let (hash, parent) = (node.hash, node.parent);
             node.flags = 0;
             node.holders = Holders::default();
             node.parent = NIL;
             self.free.push(id);
             self.live -= 1;
-            r.deleted(self, hash, id);
+            self.changes.deleted.push((hash, id));
             if parent == NIL {
                 return;
             }
-            self.nodes[parent as usize].children -= 1;
+            self.node_mut(parent).children -= 1;
             id = parent;
         }
     }
@@ -717,8 +892,12 @@ impl Tree {
         tree.width = width;
         let mut parents = Vec::with_capacity(nodes.len());
         for (hash, parent, entries) in nodes {
-            ensure_invariant!(tree.find(hash).is_none(), "hash {hash:032x} twice");
-            let id = tree.alloc(hash, &mut Direct);
+            let Probe::Vacant(slot) = tree.probe(hash) else {
+                return Err(crate::KvPoolError::Invariant(format!(
+                    "hash {hash:032x} twice"
+                )));
+            };
+            let id = tree.alloc_at(slot, hash);
             ensure_invariant!(
                 entries.windows(2).all(|p| p[0].location < p[1].location),
                 "node {id}: entries not sorted by location"
@@ -747,6 +926,7 @@ impl Tree {
                 tree.nodes[parent as usize].children += 1;
             }
         }
+        tree.begin_write();
         Ok(tree)
     }
 
