@@ -246,6 +246,29 @@ fn replay_on(idx: &KVIndex, w: &Workload, lookups: Lookups, timed: bool) -> (Dur
     (start.elapsed(), latencies)
 }
 
+/// Reads every event's hashes once, in replay order, after a fresh index is built (as a
+/// replay does): what reading the recorded input alone costs.
+#[inline(never)]
+fn read_input(w: &Workload) -> Duration {
+    let idx = index(w.instances);
+    let start = Instant::now();
+    let mut sum = 0u128;
+    for step in &w.steps {
+        if let Step::Apply(instance, batch) = step {
+            for e in batch {
+                sum = sum.wrapping_add(u128::from(*instance));
+                for h in &e.block_hashes {
+                    sum = sum.wrapping_add(h.0);
+                }
+            }
+        }
+    }
+    std::hint::black_box(sum);
+    let time = start.elapsed();
+    drop(idx);
+    time
+}
+
 /// The instance counts to run: `KVPOOL_INDEX_INSTANCES` (comma-separated) or [`INSTANCES`].
 fn instance_counts() -> Vec<usize> {
     std::env::var("KVPOOL_INDEX_INSTANCES")
@@ -364,6 +387,7 @@ fn profile(workloads: &[Workload]) -> bool {
                 "apply" => replay(w, Lookups::Skip, false).0,
                 "mixed" => replay(w, Lookups::Compact, false).0,
                 "matches" => replay(w, Lookups::Matches, false).0,
+                "read" => read_input(w),
                 _ => replay_plain(w).1,
             };
             println!(

@@ -268,7 +268,7 @@ impl IndexState {
             m.width = width;
         }
         let mut dense = false;
-        match first.holders.view() {
+        match self.tree.holders(first) {
             View::Bits(words) => {
                 m.dense.clear();
                 m.dense.extend((0..width).map(|i| {
@@ -317,7 +317,7 @@ impl IndexState {
                 m.words.extend_from_slice(&m.dense);
                 let layer = &mut m.words[at..];
                 let mut left = 0u64;
-                match node.holders.view() {
+                match self.tree.holders(node) {
                     View::Bits(words) => {
                         for (i, (a, d)) in m.dense.iter_mut().zip(layer.iter_mut()).enumerate() {
                             let n = *a & words.get(i).copied().unwrap_or(0);
@@ -388,7 +388,7 @@ impl IndexState {
                         .binary_search_by_key(&l, |e| e.location)
                         .is_ok_and(|i| extras[i].speculative_at(now))
                 };
-                let view = node.holders.view();
+                let view = self.tree.holders(node);
                 let mut j = 0;
                 for &l in &m.sparse {
                     if holds(l, &view, &mut j) {
@@ -497,7 +497,7 @@ impl IndexState {
             let Some((id, node)) = self.tree.get(hash.0) else {
                 continue;
             };
-            match node.holders.view() {
+            match self.tree.holders(node) {
                 View::Sorted(ids) => {
                     for &l in ids {
                         if bit(gapped, l) {

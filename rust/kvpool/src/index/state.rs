@@ -262,12 +262,12 @@ impl IndexState {
             match event.kind {
                 EventKind::Removed => {
                     for hash in &event.block_hashes {
-                        self.tree.prefetch_node(hash.0);
+                        self.tree.prefetch_candidate(hash.0);
                     }
                 }
                 EventKind::Stored => {
                     if let Some(parent) = event.parent_hash {
-                        self.tree.prefetch_node(parent.0);
+                        self.tree.prefetch_candidate(parent.0);
                     }
                 }
                 EventKind::Cleared => {}
@@ -333,18 +333,13 @@ impl IndexState {
                         (location, bit)
                     }
                 };
-                let ids = &mut journal.ids;
-                ids.clear();
-                let mut up = event.parent_hash.map_or(Parent::Root, |h| Parent::Hash(h.0));
-                for hash in &event.block_hashes {
-                    let id = self.tree.store(hash.0, up, location, bit);
-                    ids.push(id);
-                    up = Parent::Node(id);
-                }
-                // Deepest first, so that parents end up newer than their children.
-                for &id in ids.iter().rev() {
-                    self.tree.touch(id);
-                }
+                self.tree.store_run(
+                    &event.block_hashes,
+                    event.parent_hash.map(|h| h.0),
+                    location,
+                    bit,
+                    &mut journal.ids,
+                );
             }
             EventKind::Removed => {
                 let Some(location) = self.locations.find(&key) else {

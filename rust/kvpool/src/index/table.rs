@@ -55,10 +55,16 @@ fn bump(count: &AtomicUsize, delta: isize) {
 /// misses of several such reads overlap).
 #[inline]
 pub(crate) fn prefetch<T>(value: &T) {
-    let at: *const T = value;
+    prefetch_at(value as *const T);
+}
+
+/// [`prefetch`] of an address that may hold nothing yet (a vector's spare capacity, about
+/// to be written).
+#[inline]
+pub(crate) fn prefetch_at<T>(at: *const T) {
     #[cfg(target_arch = "x86_64")]
-    // SAFETY: a prefetch is a hint that never faults and reads nothing the program sees; the
-    // pointer comes from a reference anyway.
+    // SAFETY: a prefetch is a hint that never faults and reads nothing the program sees, at
+    // any address.
     unsafe {
         std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(at.cast())
     };
@@ -106,10 +112,11 @@ impl Table {
         self.entries.load(Ordering::Relaxed)
     }
 
-    /// Whether one more insert would leave fewer than half the slots empty.
-    pub fn needs_room(&self) -> bool {
+    /// Whether `inserts` more would leave fewer than half the slots empty.
+    #[inline]
+    pub fn needs_room_for(&self, inserts: usize) -> bool {
         // Relaxed: the writer's own count.
-        (self.used.load(Ordering::Relaxed) + 1) * 2 > self.slots.len()
+        (self.used.load(Ordering::Relaxed) + inserts) * 2 > self.slots.len()
     }
 
     /// The id stored for `hash` that `valid` confirms, if any. `valid` is the caller's copy
@@ -184,7 +191,7 @@ impl Table {
     }
 
     /// Stores `hash -> id` in `slot`, which [`Table::probe`] gave for `hash` (the writer only,
-    /// with no store in between; room was made with `needs_room` before the probe).
+    /// with no store in between; room was made with `needs_room_for` before the probe).
     #[inline]
     pub fn insert_at(&self, slot: usize, hash: u128, id: u32) {
         let (_, tag) = home_and_tag(hash);
@@ -199,7 +206,7 @@ impl Table {
         bump(&self.entries, 1);
     }
 
-    /// Stores `hash -> id` (the writer only; the caller made room with `needs_room` first and
+    /// Stores `hash -> id` (the writer only; the caller made room with `needs_room_for` first and
     /// knows no confirmed entry of `hash` exists).
     pub fn insert(&self, hash: u128, id: u32) {
         if let Probe::Vacant(slot) = self.probe(hash, |_| false) {
@@ -275,7 +282,7 @@ mod tests {
         let r = Table::rebuilt([(a, 9), (b, 2)].into_iter(), 2);
         assert_eq!(r.find(a, |id| id == 9), Some(9));
         assert_eq!(r.entries(), 2);
-        assert!(!Table::with_capacity(0).needs_room());
+        assert!(!Table::with_capacity(0).needs_room_for(1));
     }
 }
 

@@ -4,7 +4,8 @@
 //! a speculative bit with its expiry. Most entries are exactly group bit 0 (a location with
 //! one full-attention group): those are kept as the node's [`Holders`], a set of location ids
 //! (an array or a bitset); every other entry (more groups, a speculative bit) is an "extra",
-//! kept sorted by location in a side map for the few nodes that have any. A node also has its
+//! kept sorted by location in a side map for the few nodes that have any. Nodes are plain
+//! data; a large holder set lives in the tree's [`Sets`]. A node also has its
 //! parent (from the chain the hash came in), a count of its children and its LRU stamp.
 //!
 //! The hash -> id table is shared with the index's other copy (`table.rs`). A write keeps
@@ -19,19 +20,18 @@
 //!   and group bit 0 alone, sorted by location; `entries` and `speculative` count all entries
 //!   and those with the speculative bit;
 //! - `children` counts the live nodes whose parent it is; parent links have no cycle;
-//! - LRU: a node has a non-zero stamp iff it has entries; the queue holds one record
-//!   `(id, stamp)` per such node with its current stamp, in stamp order (oldest first), plus
-//!   stale records (a node touched again, or gone), dropped when they outnumber the live ones
-//!   (amortized O(1) per touch). Writers touch a chain deepest block first, so a parent is
+//! - LRU: a node has a non-zero stamp iff it has entries; the queue (from `lru_head` on) holds
+//!   one record `(id, stamp)` per such node with its current stamp, in stamp order (oldest
+//!   first), plus stale records (a node touched again, or gone), dropped when they outnumber
+//!   the live ones (amortized O(1) per touch). Writers touch a chain deepest block first, so a parent is
 //!   newer than the children stored with it and eviction, which takes the oldest node with no
 //!   children, works from the chains' tails: a location that held a prefix-closed set still
 //!   does after an eviction.
 
-use std::collections::VecDeque;
 use std::sync::Arc;
 
 use crate::error::{ensure_invariant, Result};
-use crate::index::holders::Holders;
+use crate::index::holders::{Holders, Sets, View};
 use crate::index::location::FixedState;
 use crate::index::table::{Probe, Table};
 
@@ -68,8 +68,8 @@ impl Entry {
     }
 }
 
-/// A node (64 bytes).
-#[derive(Debug)]
+/// A node (64 bytes, plain data: copies are `memcpy`s).
+#[derive(Clone, Copy, Debug)]
 pub(crate) struct Node {
     pub hash: u128,
     /// LRU stamp; 0 when the node has no entries.
@@ -82,36 +82,12 @@ pub(crate) struct Node {
     flags: u8,
 }
 
-impl Clone for Node {
-    #[inline]
-    fn clone(&self) -> Self {
-        Self {
-            holders: self.holders.clone(),
-            ..*self
-        }
-    }
-
-    #[inline]
-    fn clone_from(&mut self, source: &Self) {
-        self.hash = source.hash;
-        self.stamp = source.stamp;
-        self.parent = source.parent;
-        self.children = source.children;
-        self.written = source.written;
-        self.flags = source.flags;
-        self.holders.clone_from(&source.holders);
-    }
-}
-
 const BLANK: Node = Node {
     hash: 0,
     stamp: 0,
     parent: NIL,
     children: 0,
-    holders: Holders::Inline {
-        len: 0,
-        ids: [0; crate::index::holders::INLINE],
-    },
+    holders: Holders::EMPTY,
     written: 0,
     flags: 0,
 };
@@ -133,6 +109,7 @@ impl Node {
         self.flags & LIVE != 0
     }
 
+    #[inline]
     fn has_entries(&self) -> bool {
         !self.holders.is_empty() || self.has_extras()
     }
@@ -152,14 +129,15 @@ pub(crate) enum Parent {
 /// What the last write changed, for [`Tree::level_with`].
 #[derive(Clone, Debug, Default)]
 struct Changes {
-    /// Nodes changed (each once: see [`Tree::node_mut`]).
+    /// Nodes changed below `nodes_start` (each once: see [`Tree::node_mut`]); the nodes from
+    /// there on are new and copied whole.
     nodes: Vec<u32>,
+    nodes_start: usize,
     /// The free list's length at the write's start, and the least it had since.
     free_low: usize,
-    /// The LRU queue's length at the write's start, records popped from its front since,
-    /// and whether it was compacted (then it is copied whole).
+    /// The LRU queue's length at the write's start, and whether it was compacted since (then
+    /// it is copied whole).
     lru_start: usize,
-    lru_popped: usize,
     lru_compacted: bool,
     /// The write counter wrapped: every node's `written` was reset.
     wrapped: bool,
@@ -172,9 +150,12 @@ struct Changes {
 pub(crate) struct Tree {
     nodes: Vec<Node>,
     free: Vec<u32>,
+    sets: Sets,
     table: Arc<Table>,
     extras: std::collections::HashMap<u32, Vec<Entry>, FixedState>,
-    lru: VecDeque<(u32, u64)>,
+    /// LRU records; those before `lru_head` are popped.
+    lru: Vec<(u32, u64)>,
+    lru_head: usize,
     tick: u64,
     /// Nodes with entries (a current LRU record each).
     on_lru: usize,
@@ -194,9 +175,11 @@ impl Tree {
         let mut tree = Self {
             nodes: Vec::new(),
             free: Vec::new(),
+            sets: Sets::default(),
             table: Arc::new(Table::with_capacity(capacity)),
             extras: Default::default(),
-            lru: VecDeque::new(),
+            lru: Vec::new(),
+            lru_head: 0,
             tick: 0,
             on_lru: 0,
             live: 0,
@@ -221,9 +204,8 @@ impl Tree {
         self.nodes.resize(at + more, BLANK);
         self.nodes.truncate(at);
         // The queue holds up to about two records per node before it is compacted.
-        let records = capacity.saturating_mul(2);
         let at = self.lru.len();
-        self.lru.extend(std::iter::repeat_n((NIL, 0), records));
+        self.lru.resize(at + capacity.saturating_mul(2), (NIL, 0));
         self.lru.truncate(at);
         self.changes.nodes.reserve(1024);
     }
@@ -242,15 +224,15 @@ impl Tree {
         let c = &mut self.changes;
         c.nodes.clear();
         c.deleted.clear();
+        c.nodes_start = self.nodes.len();
         c.free_low = self.free.len();
         c.lru_start = self.lru.len();
-        c.lru_popped = 0;
         c.lru_compacted = false;
     }
 
-    /// Brings this copy level with `source`, which was equal to it before its last write: copies
-    /// what that write changed (see `Changes`). The caller then adopts `source`'s table and
-    /// drops the entries of the nodes deleted.
+    /// Brings this copy level with `source`, which was equal to it before its last write:
+    /// copies what that write changed (see `Changes`). The caller then drops the table
+    /// entries of the nodes deleted.
     pub fn level_with(&mut self, source: &Tree) {
         let c = &source.changes;
         if c.wrapped {
@@ -258,30 +240,32 @@ impl Tree {
                 node.written = 0;
             }
         }
-        let old = self.nodes.len();
-        self.nodes.extend(source.nodes[old..].iter().cloned());
+        let old = c.nodes_start;
+        self.nodes.extend_from_slice(&source.nodes[old..]);
         for &id in &c.nodes {
             let i = id as usize;
-            let had_extras = i < old && self.nodes[i].has_extras();
-            if i < old {
-                self.nodes[i].clone_from(&source.nodes[i]);
-            }
-            if source.nodes[i].has_extras() {
-                let extras = &source.extras[&id];
-                self.extras.entry(id).or_default().clone_from(extras);
-            } else if had_extras {
-                self.extras.remove(&id);
+            let had_extras = self.nodes[i].has_extras();
+            self.nodes[i] = source.nodes[i];
+            self.level_node(source, i, had_extras);
+        }
+        for i in old..self.nodes.len() {
+            if source.nodes[i].holders.slot().is_some() || source.nodes[i].has_extras() {
+                self.level_node(source, i, false);
             }
         }
+        // Slots made and freed within the write exist (empty) here too.
+        self.sets.lists.resize_with(source.sets.lists.len(), Vec::new);
+        self.sets.bits.resize_with(source.sets.bits.len(), Vec::new);
+        self.sets.free_lists.clone_from(&source.sets.free_lists);
+        self.sets.free_bits.clone_from(&source.sets.free_bits);
         self.free.truncate(c.free_low);
         self.free.extend_from_slice(&source.free[c.free_low..]);
-        if c.lru_compacted || c.lru_popped > c.lru_start {
+        if c.lru_compacted {
             self.lru.clone_from(&source.lru);
         } else {
-            self.lru.drain(..c.lru_popped);
-            let kept = c.lru_start - c.lru_popped;
-            self.lru.extend(source.lru.range(kept..));
+            self.lru.extend_from_slice(&source.lru[c.lru_start..]);
         }
+        self.lru_head = source.lru_head;
         self.tick = source.tick;
         self.on_lru = source.on_lru;
         self.live = source.live;
@@ -294,9 +278,29 @@ impl Tree {
         }
     }
 
+    /// Copies what node `i` names outside the node (its set's slot, its extras) from `source`.
+    #[inline]
+    fn level_node(&mut self, source: &Tree, i: usize, had_extras: bool) {
+        let node = &source.nodes[i];
+        match node.holders.slot() {
+            Some((false, at)) => self.sets.copy_list(&source.sets, at),
+            Some((true, at)) => self.sets.copy_bits(&source.sets, at),
+            None => {}
+        }
+        let id = i as u32;
+        if node.has_extras() {
+            self.extras
+                .entry(id)
+                .or_default()
+                .clone_from(&source.extras[&id]);
+        } else if had_extras {
+            self.extras.remove(&id);
+        }
+    }
+
     /// Nodes the current (or last) write changed.
     pub fn changed(&self) -> usize {
-        self.changes.nodes.len()
+        self.changes.nodes.len() + self.nodes.len() - self.changes.nodes_start
     }
 
     /// The nodes the last write deleted, with their hashes.
@@ -315,15 +319,23 @@ impl Tree {
         }
     }
 
-    /// Node `id`, to change: marks it changed by this write (once).
+    /// Marks node `id` changed by this write (once).
     #[inline]
-    fn node_mut(&mut self, id: u32) -> &mut Node {
+    fn mark(&mut self, id: u32) {
         let node = &mut self.nodes[id as usize];
         if node.written != self.write {
             node.written = self.write;
-            self.changes.nodes.push(id);
+            if (id as usize) < self.changes.nodes_start {
+                self.changes.nodes.push(id);
+            }
         }
-        node
+    }
+
+    /// Node `id`, to change: marks it changed by this write (once).
+    #[inline]
+    fn node_mut(&mut self, id: u32) -> &mut Node {
+        self.mark(id);
+        &mut self.nodes[id as usize]
     }
 
     /// Live nodes.
@@ -355,6 +367,20 @@ impl Tree {
         self.find(hash).map(|id| (id, &self.nodes[id as usize]))
     }
 
+    /// A node's holders, to read.
+    #[inline]
+    pub fn holders<'a>(&'a self, node: &'a Node) -> View<'a> {
+        node.holders.view(&self.sets)
+    }
+
+    /// Whether `location` is a holder of node `id`.
+    #[inline]
+    fn holds(&self, id: u32, location: u32) -> bool {
+        self.nodes[id as usize]
+            .holders
+            .contains(location, &self.sets)
+    }
+
     /// Node `id`'s entries other than its holders, sorted by location.
     #[inline]
     pub fn extras(&self, id: u32) -> &[Entry] {
@@ -370,7 +396,7 @@ impl Tree {
         let node = &self.nodes[id as usize];
         let mut out: Vec<Entry> = node
             .holders
-            .iter()
+            .iter(&self.sets)
             .map(|location| Entry {
                 location,
                 mask: PLAIN,
@@ -388,7 +414,7 @@ impl Tree {
     /// Live node ids in LRU order (oldest first), then the nodes without entries.
     pub fn ids_in_order(&self) -> Vec<u32> {
         let mut out = Vec::with_capacity(self.live);
-        for &(id, stamp) in &self.lru {
+        for &(id, stamp) in &self.lru[self.lru_head..] {
             if self.nodes[id as usize].stamp == stamp && stamp != 0 {
                 out.push(id);
             }
@@ -399,40 +425,6 @@ impl Tree {
             }
         }
         out
-    }
-
-    /// The node of `hash`, created (without entries) if new. A new node, or a live one whose
-    /// parent is unknown, is linked under `parent` (a parent hash's node is created if
-    /// absent); a link that would close a cycle is not made.
-    #[inline]
-    pub fn get_or_create(&mut self, hash: u128, parent: Parent) -> u32 {
-        let slot = match self.probe(hash) {
-            Probe::Found(id) => {
-                if !self.nodes[id as usize].parent_known() {
-                    self.link_late(id, parent);
-                }
-                return id;
-            }
-            Probe::Vacant(slot) => slot,
-        };
-        let id = self.alloc_at(slot, hash);
-        // `id` is new, so no node descends from it: the link closes no cycle.
-        let parent_id = match parent {
-            Parent::Root => {
-                self.nodes[id as usize].flags |= PARENT_KNOWN;
-                return id;
-            }
-            Parent::Node(p) => p,
-            Parent::Hash(p) => match self.probe(p) {
-                Probe::Found(p) => p,
-                Probe::Vacant(slot) => self.alloc_at(slot, p),
-            },
-        };
-        let node = &mut self.nodes[id as usize];
-        node.flags |= PARENT_KNOWN;
-        node.parent = parent_id;
-        self.node_mut(parent_id).children += 1;
-        id
     }
 
     /// Asks for the table slots of `hashes` (see [`Table::prefetch`]).
@@ -462,40 +454,84 @@ impl Tree {
         }
     }
 
-    /// Asks for the node of `hash`, if live (its slot should be on its way already).
-    #[inline]
-    pub fn prefetch_node(&self, hash: u128) {
-        if let Some(id) = self.find(hash) {
-            crate::index::table::prefetch(&self.nodes[id as usize]);
+    /// Stores a run of consecutive blocks `hashes` at `location` under group bit `bits`, the
+    /// first one's parent `parent` (`None`: a chain's first block): each block's node is
+    /// created if new and linked (see [`Tree::get_or_create`]) and gets the bit (see
+    /// [`Tree::add_groups`]); then the run is touched deepest block first, so that parents end
+    /// up newer than their children. `ids` (scratch) ends holding the run's nodes.
+    pub fn store_run(
+        &mut self,
+        hashes: &[crate::hash::BlockHash],
+        parent: Option<u128>,
+        location: u32,
+        bits: u32,
+        ids: &mut Vec<u32>,
+    ) {
+        ids.clear();
+        // Room for the whole run (and a parent) first: no table rebuild inside the loop.
+        if self.table.needs_room_for(hashes.len() + 1) {
+            self.rebuild_table(2 * (self.live + hashes.len() + 1));
         }
+        let mut up = parent.map_or(Parent::Root, Parent::Hash);
+        for hash in hashes {
+            let hash = hash.0;
+            let id = match self.table.probe(hash, |id| self.valid(id, hash)) {
+                Probe::Found(id) => {
+                    if !self.nodes[id as usize].parent_known() {
+                        self.link_late(id, up);
+                    }
+                    self.add_groups(id, location, bits);
+                    id
+                }
+                Probe::Vacant(slot) => {
+                    let id = self.alloc_at(slot, hash);
+                    if bits == PLAIN {
+                        // A new node's first holder.
+                        self.nodes[id as usize].holders = Holders::one(location);
+                        self.entries += 1;
+                    } else {
+                        self.add_groups(id, location, bits);
+                    }
+                    self.link_new(id, up);
+                    id
+                }
+            };
+            ids.push(id);
+            up = Parent::Node(id);
+        }
+        for &id in ids.iter().rev() {
+            self.stamp(id);
+        }
+        self.compact_lru();
     }
 
-    /// The node of `hash`, created if new, with group bit `bits` of `location` added (see
-    /// [`Tree::get_or_create`] and [`Tree::add_groups`]): a stored block.
-    #[inline]
-    pub fn store(&mut self, hash: u128, parent: Parent, location: u32, bits: u32) -> u32 {
-        let slot = match self.probe(hash) {
+    /// The node of `hash`, created (without entries) if new. A new node, or a live one whose
+    /// parent is unknown, is linked under `parent` (a parent hash's node is created if
+    /// absent); a link that would close a cycle is not made.
+    pub fn get_or_create(&mut self, hash: u128, parent: Parent) -> u32 {
+        match self.probe(hash) {
             Probe::Found(id) => {
                 if !self.nodes[id as usize].parent_known() {
                     self.link_late(id, parent);
                 }
-                self.add_groups(id, location, bits);
-                return id;
+                id
             }
-            Probe::Vacant(slot) => slot,
-        };
-        let id = self.alloc_at(slot, hash);
-        if bits == PLAIN {
-            // A new node's first holder.
-            self.nodes[id as usize].holders.insert(location, self.width);
-            self.entries += 1;
-        } else {
-            self.add_groups(id, location, bits);
+            Probe::Vacant(slot) => {
+                let id = self.alloc_at(slot, hash);
+                self.link_new(id, parent);
+                id
+            }
         }
+    }
+
+    /// Links new node `id` under `parent` (a parent hash's node is created if absent).
+    #[inline]
+    fn link_new(&mut self, id: u32, parent: Parent) {
+        // `id` is new, so no node descends from it: the link closes no cycle.
         let parent_id = match parent {
             Parent::Root => {
                 self.nodes[id as usize].flags |= PARENT_KNOWN;
-                return id;
+                return;
             }
             Parent::Node(p) => p,
             Parent::Hash(p) => match self.probe(p) {
@@ -507,13 +543,12 @@ impl Tree {
         node.flags |= PARENT_KNOWN;
         node.parent = parent_id;
         self.node_mut(parent_id).children += 1;
-        id
     }
 
     /// Where `hash` is in the table, making room first.
     #[inline]
     fn probe(&mut self, hash: u128) -> Probe {
-        if self.table.needs_room() {
+        if self.table.needs_room_for(1) {
             self.rebuild_table(2 * (self.live + 1));
         }
         self.table.probe(hash, |id| self.valid(id, hash))
@@ -562,6 +597,9 @@ impl Tree {
             Some(id) => {
                 self.changes.free_low = self.changes.free_low.min(self.free.len());
                 self.nodes[id as usize] = node;
+                if (id as usize) < self.changes.nodes_start {
+                    self.changes.nodes.push(id);
+                }
                 id
             }
             None => {
@@ -569,7 +607,6 @@ impl Tree {
                 (self.nodes.len() - 1) as u32
             }
         };
-        self.changes.nodes.push(id);
         self.live += 1;
         self.table.insert_at(slot, hash, id);
         id
@@ -613,15 +650,25 @@ impl Tree {
         );
     }
 
+    fn insert_holder(&mut self, id: u32, location: u32) -> bool {
+        self.mark(id);
+        let node = &mut self.nodes[id as usize];
+        node.holders.insert(location, self.width, &mut self.sets)
+    }
+
+    fn remove_holder(&mut self, id: u32, location: u32) -> bool {
+        self.mark(id);
+        let node = &mut self.nodes[id as usize];
+        node.holders.remove(location, self.width, &mut self.sets)
+    }
+
     /// Adds group bits `bits` of `location` to node `id`; a speculative bit there is
     /// confirmed (cleared). Returns whether the entry is new.
     #[inline]
     pub fn add_groups(&mut self, id: u32, location: u32, bits: u32) -> bool {
-        let width = self.width;
-        let node = self.node_mut(id);
-        if bits == PLAIN && !node.has_extras() {
+        if bits == PLAIN && !self.nodes[id as usize].has_extras() {
             // The common case: a holder more (or again).
-            let new = node.holders.insert(location, width);
+            let new = self.insert_holder(id, location);
             self.entries += usize::from(new);
             return new;
         }
@@ -629,12 +676,10 @@ impl Tree {
     }
 
     fn add_groups_slow(&mut self, id: u32, location: u32, bits: u32) -> bool {
-        let width = self.width;
-        let node = self.node_mut(id);
-        if node.holders.contains(location) {
+        if self.holds(id, location) {
             if bits != PLAIN {
                 // A holder gains another group: it becomes an extra.
-                node.holders.remove(location, width);
+                self.remove_holder(id, location);
                 self.insert_extra(id, location, PLAIN | bits, 0.0);
             }
             return false;
@@ -651,12 +696,12 @@ impl Tree {
             if plain {
                 self.extras_mut(id).remove(i);
                 self.tidy_extras(id);
-                self.node_mut(id).holders.insert(location, width);
+                self.insert_holder(id, location);
             }
             return false;
         }
         if bits == PLAIN {
-            self.node_mut(id).holders.insert(location, width);
+            self.insert_holder(id, location);
         } else {
             self.insert_extra(id, location, bits, 0.0);
         }
@@ -667,7 +712,7 @@ impl Tree {
     /// Marks `location`'s entry at node `id` speculative until `expires`, unless a group
     /// already holds it there. Returns whether the speculative bit was set or extended.
     pub fn add_speculative(&mut self, id: u32, location: u32, expires: f64) -> bool {
-        if self.nodes[id as usize].holders.contains(location) {
+        if self.holds(id, location) {
             return false; // held for real: nothing to predict
         }
         if let Ok(i) = self
@@ -698,13 +743,9 @@ impl Tree {
         bits: u32,
         only_expiring: Option<f64>,
     ) -> u32 {
-        let width = self.width;
-        if bits & PLAIN != 0 && self.nodes[id as usize].holders.contains(location) {
-            let node = self.node_mut(id);
-            node.holders.remove(location, width);
-            let emptied = !node.has_entries();
+        if bits & PLAIN != 0 && self.remove_holder(id, location) {
             self.entries -= 1;
-            if emptied {
+            if !self.nodes[id as usize].has_entries() {
                 self.collect(id);
             }
             return PLAIN;
@@ -731,7 +772,7 @@ impl Tree {
         if left == 0 || left == PLAIN {
             self.extras_mut(id).remove(i);
             if left == PLAIN {
-                self.node_mut(id).holders.insert(location, width);
+                self.insert_holder(id, location);
             } else {
                 self.entries -= 1;
             }
@@ -745,7 +786,6 @@ impl Tree {
 
     /// Drops every entry of the locations `drop` says, in every node. Returns how many.
     pub fn drop_locations(&mut self, drop: impl Fn(u32) -> bool) -> usize {
-        let width = self.width;
         let mut emptied = Vec::new();
         let mut dropped = 0;
         let mut speculative = 0;
@@ -755,12 +795,14 @@ impl Tree {
             if !node.live() || !node.has_entries() {
                 continue;
             }
-            let hit = node.holders.iter().any(&drop)
+            let hit = node.holders.iter(&self.sets).any(&drop)
                 || self.extras(id).iter().any(|e| drop(e.location));
             if !hit {
                 continue;
             }
-            dropped += self.node_mut(id).holders.retain(|l| !drop(l), width);
+            self.mark(id);
+            let node = &mut self.nodes[i];
+            dropped += node.holders.retain(|l| !drop(l), self.width, &mut self.sets);
             if self.nodes[i].has_extras() {
                 let extras = self.extras_mut(id);
                 let before = extras.len();
@@ -787,17 +829,31 @@ impl Tree {
     /// Moves node `id` (which has entries) to the newest end of the LRU.
     #[inline]
     pub fn touch(&mut self, id: u32) {
+        self.stamp(id);
+        self.compact_lru();
+    }
+
+    /// [`Tree::touch`] without the compaction check (the caller makes it).
+    #[inline]
+    fn stamp(&mut self, id: u32) {
         self.tick += 1;
         let tick = self.tick;
         let node = self.node_mut(id);
         let entered = node.stamp == 0;
         node.stamp = tick;
         self.on_lru += usize::from(entered);
-        self.lru.push_back((id, tick));
-        if self.lru.len() > 2 * self.on_lru + LRU_SLACK {
+        self.lru.push((id, tick));
+    }
+
+    /// Drops the stale records when they outnumber the live ones.
+    #[inline]
+    fn compact_lru(&mut self) {
+        if self.lru.len() - self.lru_head > 2 * self.on_lru + LRU_SLACK {
             let nodes = &self.nodes;
+            self.lru.drain(..self.lru_head);
             self.lru
                 .retain(|&(id, stamp)| nodes[id as usize].stamp == stamp);
+            self.lru_head = 0;
             self.changes.lru_compacted = true;
         }
     }
@@ -809,32 +865,27 @@ impl Tree {
         }
     }
 
-    fn pop_lru(&mut self) {
-        self.lru.pop_front();
-        self.changes.lru_popped += 1;
-    }
-
     /// Evicts the oldest node with no children (a node with children met on the way is moved
     /// to the newest end, so each pass is amortized O(1)). Returns how many entries went.
     pub fn evict_one(&mut self) -> usize {
         let mut budget = self.live;
-        while budget > 0 {
-            let Some(&(id, stamp)) = self.lru.front() else {
-                break;
-            };
+        while budget > 0 && self.lru_head < self.lru.len() {
+            let (id, stamp) = self.lru[self.lru_head];
             if self.nodes[id as usize].stamp != stamp {
-                self.pop_lru(); // stale
+                self.lru_head += 1; // stale
                 continue;
             }
             budget -= 1;
             if self.nodes[id as usize].children > 0 {
+                self.lru_head += 1;
                 self.touch(id);
                 continue;
             }
-            self.pop_lru();
-            let node = self.node_mut(id);
+            self.lru_head += 1;
+            self.mark(id);
+            let node = &mut self.nodes[id as usize];
             let mut gone = node.holders.len();
-            node.holders = Holders::default();
+            node.holders.release(&mut self.sets);
             if node.has_extras() {
                 node.flags &= !HAS_EXTRAS;
                 let extras = self.extras.remove(&id).unwrap_or_default();
@@ -866,7 +917,6 @@ impl Tree {
             let node = self.node_mut(id);
             let (hash, parent) = (node.hash, node.parent);
             node.flags = 0;
-            node.holders = Holders::default();
             node.parent = NIL;
             self.free.push(id);
             self.live -= 1;
@@ -907,7 +957,7 @@ impl Tree {
                 tree.entries += 1;
                 tree.speculative += usize::from(entry.mask & SPECULATIVE != 0);
                 if entry.mask == PLAIN {
-                    tree.nodes[id as usize].holders.insert(entry.location, width);
+                    tree.insert_holder(id, entry.location);
                 } else {
                     tree.extras_mut(id).push(entry);
                 }
@@ -958,10 +1008,10 @@ impl Tree {
             );
             with_entries += usize::from(node.has_entries());
             node.holders
-                .check()
+                .check(&self.sets)
                 .map_err(|e| crate::KvPoolError::Invariant(format!("node {id}: {e}")))?;
             ensure_invariant!(
-                node.holders.iter().all(|l| (l as usize) < locations),
+                node.holders.iter(&self.sets).all(|l| (l as usize) < locations),
                 "node {id}: a holder of no location"
             );
             ensure_invariant!(
@@ -991,7 +1041,7 @@ impl Tree {
                     entry.location
                 );
                 ensure_invariant!(
-                    !node.holders.contains(entry.location),
+                    !node.holders.contains(entry.location, &self.sets),
                     "node {id}: location {} both holder and extra",
                     entry.location
                 );
@@ -1038,7 +1088,7 @@ impl Tree {
             self.speculative
         );
         let (mut on_lru, mut last) = (0, 0u64);
-        for &(id, stamp) in &self.lru {
+        for &(id, stamp) in &self.lru[self.lru_head..] {
             ensure_invariant!(stamp > last, "LRU records out of stamp order");
             last = stamp;
             on_lru += usize::from(self.nodes.get(id as usize).is_some_and(|n| n.stamp == stamp));
@@ -1047,6 +1097,26 @@ impl Tree {
             on_lru == with_entries && on_lru == self.on_lru,
             "{on_lru} current LRU records, {with_entries} nodes with entries, {} counted",
             self.on_lru
+        );
+        // Every slot of the sets is named by one live node's holders, or free, once.
+        let mut lists = vec![0u32; self.sets.lists.len()];
+        let mut bits = vec![0u32; self.sets.bits.len()];
+        for node in self.nodes.iter().filter(|n| n.live()) {
+            match node.holders.slot() {
+                Some((false, at)) => lists[at as usize] += 1,
+                Some((true, at)) => bits[at as usize] += 1,
+                None => {}
+            }
+        }
+        for &at in &self.sets.free_lists {
+            lists[at as usize] += 1;
+        }
+        for &at in &self.sets.free_bits {
+            bits[at as usize] += 1;
+        }
+        ensure_invariant!(
+            lists.iter().chain(&bits).all(|&n| n == 1),
+            "a holder set slot is named twice or lost"
         );
         ensure_invariant!(
             self.free.len() + self.live == self.nodes.len(),
