@@ -269,6 +269,75 @@ fn read_input(w: &Workload) -> Duration {
     time
 }
 
+/// A floor for applying the stream on this machine: only what any hash-addressed index must
+/// do per block, once (one copy): an open-addressing table (hash -> node, pre-sized, linear
+/// probing) and a 64-byte node per new block holding one location; a removal clears it
+/// (no LRU, parents, sequence numbers, second copy, concurrent readers or memory reuse).
+#[inline(never)]
+fn replay_floor(w: &Workload) -> Duration {
+    #[derive(Clone, Copy, Default)]
+    #[repr(align(64))]
+    struct Node {
+        hash: u128,
+        location: u32,
+    }
+    // Room for every hash of the stream (a removed block keeps its node: less work still).
+    let distinct: std::collections::HashSet<u128> = w
+        .steps
+        .iter()
+        .filter_map(|s| match s {
+            Step::Apply(_, batch) => Some(batch),
+            Step::Lookup(_) => None,
+        })
+        .flat_map(|batch| batch.iter().flat_map(|e| e.block_hashes.iter().map(|h| h.0)))
+        .collect();
+    let slots = (distinct.len() * 2).next_power_of_two();
+    let mut table = vec![0u64; slots];
+    for s in table.iter_mut() {
+        *s = u64::MAX; // touched up front, as the index's table is
+    }
+    let mut nodes: Vec<Node> = Vec::with_capacity(distinct.len());
+    nodes.resize(distinct.len(), Node::default());
+    nodes.clear();
+    let mask = slots - 1;
+    let start = Instant::now();
+    for step in &w.steps {
+        let Step::Apply(instance, batch) = step else {
+            continue;
+        };
+        for e in batch {
+            for h in &e.block_hashes {
+                let mut at = (h.0 as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) as usize & mask;
+                loop {
+                    let id = table[at];
+                    if id == u64::MAX {
+                        if e.kind == kvpool::EventKind::Stored {
+                            table[at] = nodes.len() as u64;
+                            nodes.push(Node {
+                                hash: h.0,
+                                location: *instance as u32,
+                            });
+                        }
+                        break;
+                    }
+                    if nodes[id as usize].hash == h.0 {
+                        nodes[id as usize].location = if e.kind == kvpool::EventKind::Stored {
+                            *instance as u32
+                        } else {
+                            u32::MAX
+                        };
+                        break;
+                    }
+                    at = (at + 1) & mask;
+                }
+            }
+        }
+    }
+    let time = start.elapsed();
+    std::hint::black_box(&nodes);
+    time
+}
+
 /// The instance counts to run: `KVPOOL_INDEX_INSTANCES` (comma-separated) or [`INSTANCES`].
 fn instance_counts() -> Vec<usize> {
     std::env::var("KVPOOL_INDEX_INSTANCES")
@@ -388,6 +457,7 @@ fn profile(workloads: &[Workload]) -> bool {
                 "mixed" => replay(w, Lookups::Compact, false).0,
                 "matches" => replay(w, Lookups::Matches, false).0,
                 "read" => read_input(w),
+                "floor" => replay_floor(w),
                 _ => replay_plain(w).1,
             };
             println!(

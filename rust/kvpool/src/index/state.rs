@@ -275,13 +275,22 @@ impl IndexState {
         }
         let mut report = ApplyReport::default();
         let mut last: Resolved = None;
+        // The last state of the source that changed last: only a source's final state goes to
+        // the journal (a batch is mostly one source's).
+        let mut source: Option<SourceState> = None;
         for event in events {
             if let Some(sequence) = event.sequence {
                 let (verdict, changed) =
                     self.sources
                         .admit_tracked(instance, event.dp_rank, sequence);
                 if let Some(state) = changed {
-                    journal.steps.push(Step::Source(state));
+                    match source {
+                        Some(s) if s.dp_rank != state.dp_rank => {
+                            journal.steps.push(Step::Source(s));
+                        }
+                        _ => {}
+                    }
+                    source = Some(state);
                 }
                 match verdict {
                     Verdict::Apply => {}
@@ -298,6 +307,9 @@ impl IndexState {
             }
             self.apply_one(instance, event, journal, &mut last)?;
             report.applied += 1;
+        }
+        if let Some(state) = source {
+            journal.steps.push(Step::Source(state));
         }
         report.evicted = self.evict_to_bound();
         let c = &mut self.counters;
@@ -342,14 +354,25 @@ impl IndexState {
                 );
             }
             EventKind::Removed => {
-                let Some(location) = self.locations.find(&key) else {
-                    return Ok(());
-                };
-                let Some(bit) = self
-                    .locations
-                    .group_bit(location, event.group, event.group_kind)
-                else {
-                    return Ok(());
+                let (location, bit) = match *last {
+                    Some((k, g, kind, location, bit))
+                        if k == key && g == event.group && kind == event.group_kind =>
+                    {
+                        (location, bit)
+                    }
+                    _ => {
+                        let Some(location) = self.locations.find(&key) else {
+                            return Ok(());
+                        };
+                        let Some(bit) =
+                            self.locations
+                                .group_bit(location, event.group, event.group_kind)
+                        else {
+                            return Ok(());
+                        };
+                        *last = Some((key, event.group, event.group_kind, location, bit));
+                        (location, bit)
+                    }
                 };
                 for hash in &event.block_hashes {
                     if let Some(id) = self.tree.find(hash.0) {

@@ -9,16 +9,18 @@
 //!
 //! Open addressing with linear probing over one `AtomicU64` per slot: `0` is empty, `1` a
 //! tombstone, anything else `tag << 32 | id` (the tag: 32 bits mixed from the hash, its low bit
-//! set so that no entry is 0 or 1). Readers probe while the writer stores; no slot ever
-//! goes back to empty, so a probe ends at an empty slot (the writer keeps at least half the
-//! slots empty, rebuilding into a new table before) or after one lap.
+//! set so that no entry is 0 or 1). Readers probe while the writer stores; no slot on an
+//! entry's probe path (from its home slot to it) is ever empty: a slot goes back to empty
+//! only as a tombstone followed by an empty slot, which no path crosses. A probe ends at an
+//! empty slot (the writer keeps at least half the slots empty, rebuilding into a new table
+//! before) or after one lap.
 //!
 //! What makes the relaxed orderings enough (the invariant the writer keeps, see `mod.rs`): a
 //! node's entry is stored before the copy holding the node is published (the `ArcSwap`
 //! publication is a release, a reader's load an acquire), so a reader of that copy sees the
-//! entry or a later value of its slot; the only later value is a tombstone, which the writer
-//! stores only once no copy a reader can reach holds the node (deletions are deferred until
-//! the other copy has replayed them). A table that has been replaced (grown, or rebuilt when
+//! entry or a later value of its slot; the only later value is a tombstone (or empty), which
+//! the writer stores only once no copy a reader can reach holds the node (deletions are
+//! deferred until the other copy is level), and no slot on the path before it becomes empty. A table that has been replaced (grown, or rebuilt when
 //! the writer abandoned a copy still held by a slow reader) is never written again: copies
 //! keep the table they were published with until the writer brings them level.
 //!
@@ -214,9 +216,12 @@ impl Table {
         }
     }
 
-    /// Tombstones the entry `hash -> id`, if present (the writer only, once no copy a reader
-    /// can reach holds the node). Returns whether it was there.
-    pub fn remove(&self, hash: u128, id: u32) -> bool {
+    /// Drops the entry `hash -> id`, if present, unless `keep(id)` (the node there is live with
+    /// this hash again): the writer only, once no copy a reader can reach holds the node. The
+    /// slot becomes a tombstone, or empty when the next slot is empty (then so do the
+    /// tombstones right before it): no entry's probe path crosses an empty slot, as none can
+    /// cross the next one. Returns whether it was dropped.
+    pub fn remove(&self, hash: u128, id: u32, keep: impl Fn(u32) -> bool) -> bool {
         let (home, tag) = home_and_tag(hash);
         let want = tag | u64::from(id);
         let mut at = home & self.mask;
@@ -227,10 +232,23 @@ impl Table {
                 return false;
             }
             if value == want {
+                if keep(id) {
+                    return false;
+                }
                 // Relaxed: no reader can reach a copy that holds this node any more, so a
                 // reader that sees the tombstone (or not) answers the same.
                 self.slots[at].store(TOMBSTONE, Ordering::Relaxed);
                 bump(&self.entries, -1);
+                // Relaxed (every load and store below): the writer's own slots; a slot made
+                // empty lies on no entry's probe path (see above), so readers of every copy
+                // find what they found.
+                if self.slots[(at + 1) & self.mask].load(Ordering::Relaxed) == EMPTY {
+                    while self.slots[at].load(Ordering::Relaxed) == TOMBSTONE {
+                        self.slots[at].store(EMPTY, Ordering::Relaxed);
+                        bump(&self.used, -1);
+                        at = at.wrapping_sub(1) & self.mask;
+                    }
+                }
                 return true;
             }
             at = (at + 1) & self.mask;
@@ -273,8 +291,9 @@ mod tests {
         assert_eq!(t.find(b, |id| id == 2), Some(2));
         assert_eq!(t.find(a, |_| false), None, "an unconfirmed id is no answer");
         assert_eq!(t.find(a, |id| id == 2), None, "nor another hash's id");
-        assert!(t.remove(a, 1));
-        assert!(!t.remove(a, 1));
+        assert!(!t.remove(a, 1, |_| true), "a live node keeps its entry");
+        assert!(t.remove(a, 1, |_| false));
+        assert!(!t.remove(a, 1, |_| false));
         assert_eq!(t.find(b, |id| id == 2), Some(2), "probes pass tombstones");
         t.insert(7, 3); // reuses the tombstone or an empty slot; either way found
         assert_eq!(t.find(7, |id| id == 3), Some(3));
@@ -295,9 +314,10 @@ mod loom_tests {
     use loom::sync::Arc;
 
     /// A writer inserts two nodes, publishes (a release store standing for the `ArcSwap`
-    /// swap), tombstones an older node no published copy holds and inserts a third into
-    /// slots on the same probe path; a reader that loaded a version finds every node live at
-    /// that version, whatever it sees of the later stores.
+    /// swap), tombstones an older node no published copy holds, inserts a third into slots on
+    /// the same probe path and drops it again (its slot, the cluster's last, goes back to
+    /// empty); a reader that loaded a version finds every node live at that version, whatever
+    /// it sees of the later stores.
     #[test]
     fn a_published_node_is_always_found() {
         // Four hashes with the same home slot of a 16-slot table, so that every store lies
@@ -315,8 +335,10 @@ mod loom_tests {
                 t.insert(h[2], 2);
                 // Release: the publication of the copy holding nodes 1 and 2.
                 v.store(1, Ordering::Release);
-                t.remove(h[0], 0);
+                t.remove(h[0], 0, |_| false);
                 t.insert(h[3], 3);
+                // Node 3 goes before any copy held it: its slot (last of the cluster) empties.
+                t.remove(h[3], 3, |_| false);
             });
             // Acquire: loading the published copy.
             let seen = version.load(Ordering::Acquire);

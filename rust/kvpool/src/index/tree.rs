@@ -47,6 +47,10 @@ const LIVE: u8 = 1;
 const PARENT_KNOWN: u8 = 2;
 const HAS_EXTRAS: u8 = 4;
 
+/// A table rebuilt for growth or tombstones has room for this many times the live nodes (the
+/// rebuild, O(table), then comes after about that many inserts again).
+const REBUILD_ROOM: usize = 2;
+
 /// Stale LRU records tolerated beyond the live ones before the queue is compacted.
 const LRU_SLACK: usize = 1024;
 
@@ -313,9 +317,7 @@ impl Tree {
     /// is the only one, or the other copy is level with it).
     pub fn drop_deleted(&self, deleted: &[(u128, u32)]) {
         for &(hash, id) in deleted {
-            if self.find(hash) != Some(id) {
-                self.table.remove(hash, id);
-            }
+            self.table.remove(hash, id, |id| self.valid(id, hash));
         }
     }
 
@@ -470,7 +472,7 @@ impl Tree {
         ids.clear();
         // Room for the whole run (and a parent) first: no table rebuild inside the loop.
         if self.table.needs_room_for(hashes.len() + 1) {
-            self.rebuild_table(2 * (self.live + hashes.len() + 1));
+            self.rebuild_table(REBUILD_ROOM * (self.live + hashes.len() + 1));
         }
         let mut up = parent.map_or(Parent::Root, Parent::Hash);
         for hash in hashes {
@@ -549,7 +551,7 @@ impl Tree {
     #[inline]
     fn probe(&mut self, hash: u128) -> Probe {
         if self.table.needs_room_for(1) {
-            self.rebuild_table(2 * (self.live + 1));
+            self.rebuild_table(REBUILD_ROOM * (self.live + 1));
         }
         self.table.probe(hash, |id| self.valid(id, hash))
     }
