@@ -83,6 +83,8 @@ pub struct IndexStats {
 struct Writer {
     /// The unpublished copy: equal to the published one once `journal` is replayed on it.
     spare: Arc<IndexState>,
+    /// The published copy (the writer's own reference: it reads it to level the spare one).
+    current: Arc<IndexState>,
     /// The last write's journal (replayed on `spare` when `pending`).
     journal: Journal,
     pending: bool,
@@ -186,9 +188,11 @@ impl KVIndex {
     fn from_state(state: IndexState, capacity: usize) -> Self {
         let mut spare = state.clone(); // the same table: both copies are equal
         spare.tree.reserve(capacity);
+        let current = Arc::new(state);
         Self {
-            published: ArcSwap::from_pointee(state),
+            published: ArcSwap::new(Arc::clone(&current)),
             writer: Mutex::new(Writer {
+                current,
                 spare: Arc::new(spare),
                 journal: Journal::default(),
                 pending: false,
@@ -226,6 +230,9 @@ impl KVIndex {
         match write(state, &mut writer.journal) {
             Ok(value) => {
                 let next = Arc::clone(&writer.spare);
+                // The old published copy comes back as the spare one; the writer's own
+                // reference moves to the new one.
+                writer.current = Arc::clone(&next);
                 writer.spare = self.published.swap(next);
                 writer.pending = true;
                 Ok(value)
@@ -249,7 +256,7 @@ impl KVIndex {
         if writer.dirty || Arc::get_mut(&mut writer.spare).is_none() {
             // A reader still holds it: start from a copy of the published state, with a
             // table of its own (the old one stays as it is for the copies readers hold).
-            let mut copy = IndexState::clone(&self.published.load());
+            let mut copy = IndexState::clone(&writer.current);
             copy.tree.reserve(writer.capacity);
             copy.tree.rebuild_table(2 * (copy.tree.len() + 1));
             writer.spare = Arc::new(copy);
@@ -264,8 +271,8 @@ impl KVIndex {
         writer.pending = false;
         let state = Arc::get_mut(&mut writer.spare)
             .ok_or_else(|| KvPoolError::Invariant("the spare copy is shared".into()))?;
-        let published = self.published.load();
-        state.level_with(&published, &writer.journal)?;
+        let published = &writer.current;
+        state.level_with(published, &writer.journal)?;
         // Neither copy holds the nodes the write deleted now (unless it made them again).
         state.tree.drop_deleted(published.tree.deleted());
         Ok(())

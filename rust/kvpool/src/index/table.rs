@@ -35,13 +35,13 @@ const TOMBSTONE: u64 = 1;
 const MIN_SLOTS: usize = 16;
 
 /// The slot a hash probes first, and its tag (shifted into place). Block hashes are uniform
-/// already; the multiplications spread hand-made ones (small integers in tests) too.
+/// already (XXH3-128), so a fold of their halves spreads them; hand-made ones (small integers
+/// in tests) get distinct homes and share a tag, which the validation tells apart.
 #[inline]
 fn home_and_tag(hash: u128) -> (usize, u64) {
     let (low, high) = (hash as u64, (hash >> 64) as u64);
-    let home = (low ^ high.rotate_left(32)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-    let tag = (high ^ low.rotate_left(17)).wrapping_mul(0xC2B2_AE3D_27D4_EB4F) >> 32;
-    ((home ^ (home >> 29)) as usize, (tag | 1) << 32)
+    let tag = (high ^ low) >> 32;
+    ((low ^ high) as usize, (tag | 1) << 32)
 }
 
 /// Adds `delta` to one of the writer's own counts: a load and a store, not a locked

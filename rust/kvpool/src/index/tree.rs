@@ -587,7 +587,7 @@ impl Tree {
     }
 
     /// A new node for `hash`, entered in the table at `slot` (from a probe just made).
-    #[inline]
+    #[inline(always)]
     fn alloc_at(&mut self, slot: usize, hash: u128) -> u32 {
         let node = Node {
             hash,
