@@ -9,7 +9,7 @@ PIP := $(PY) -m pip install -q --disable-pip-version-check
 export VIRTUAL_ENV := $(abspath $(VENV))
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: run test build wheel test-deps redis-server test-rust test-loom test-python lint bench clean
+.PHONY: run test build wheel wheel-from-sdist test-deps redis-server test-rust test-loom test-python test-vllm lint bench clean
 
 $(PY):
 	@$(PYTHON) -m venv $(VENV)
@@ -24,9 +24,9 @@ $(DEPS): requirements-dev.txt $(RUN_DEPS)
 	@$(PIP) -r requirements-dev.txt >>$(VENV)/pip.log 2>&1 || (cat $(VENV)/pip.log >&2; exit 1)
 	@touch $@
 
-# the remote-tier tests (tests/test_remote.py) start a real redis-server on loopback
+# the remote-tier tests (tests/tiers/test_remote.py) start a real redis-server on loopback
 redis-server:
-	@command -v redis-server >/dev/null || (echo "== installing redis-server (Debian package) for tests/test_remote.py" \
+	@command -v redis-server >/dev/null || (echo "== installing redis-server (Debian package) for tests/tiers/test_remote.py" \
 		&& apt-get update -qq && apt-get install -y -qq redis-server >/dev/null)
 
 test-deps: $(DEPS) redis-server
@@ -38,12 +38,28 @@ build: $(RUN_DEPS)
 run: build
 	@$(VENV)/bin/kvpool simulate
 
-# an abi3 manylinux wheel and an sdist, into dist/ (the wheel from target/, the sdist needs no build)
+# an abi3 manylinux wheel and an sdist, into dist/ (the wheel from target/, the sdist needs no
+# build). --compatibility pypi: the lowest manylinux tag the extension complies with, checked by
+# maturin's auditwheel (check: fail, never bundle or fall back to a plain linux tag); then
+# .ci/check_dist.py checks the tag and that the wheel holds only the library.
 wheel: $(RUN_DEPS)
-	@echo "== building the wheel (release) and the sdist into dist/"
-	@$(VENV)/bin/maturin build --release --out dist >$(VENV)/wheel.log 2>&1 || (cat $(VENV)/wheel.log >&2; exit 1)
+	@echo "== building the wheel (release, manylinux, abi3) and the sdist into dist/"
+	@rm -f dist/kvpool-*.whl dist/kvpool-*.tar.gz
+	@$(VENV)/bin/maturin build --release --compatibility pypi --auditwheel check --out dist \
+		>$(VENV)/wheel.log 2>&1 || (cat $(VENV)/wheel.log >&2; exit 1)
 	@$(VENV)/bin/maturin sdist --out dist >>$(VENV)/wheel.log 2>&1 || (cat $(VENV)/wheel.log >&2; exit 1)
-	@ls dist
+	@$(PY) .ci/check_dist.py dist
+
+# the sdist builds on its own: pip builds a wheel from dist/'s sdist in a temporary folder
+# (maturin of this venv, a clean cargo target: a few minutes), then the same checks. pip alone
+# would tag it linux_x86_64 (maturin's PEP 517 default: a local build); the build-args ask for
+# the manylinux check that `make wheel` runs.
+wheel-from-sdist: wheel
+	@echo "== building a wheel from the sdist (clean build, a few minutes)"
+	@out="$$(mktemp -d)" && $(PY) -m pip wheel -q --disable-pip-version-check --no-deps \
+		--no-build-isolation -C build-args="--compatibility pypi --auditwheel check" \
+		-w "$$out" dist/kvpool-*.tar.gz >$(VENV)/sdist.log 2>&1 \
+		|| (cat $(VENV)/sdist.log >&2; exit 1); $(PY) .ci/check_dist.py "$$out" --wheel; rc=$$?; rm -rf "$$out"; exit $$rc
 
 test: test-deps build test-rust test-loom test-python
 
@@ -61,14 +77,36 @@ test-loom:
 test-python: test-deps build
 	$(PY) -m pytest -q
 
+# kvpool under vLLM 0.33.0's real Scheduler, on CPU (issue 19, tests/vllm). Its own venv: vllm
+# pins torch 2.14.0, whose CUDA build (with its nvidia-* wheels, about 9 GB) imports without a
+# GPU; uv installs it from PyPI in about a minute, once per machine (the stamp). kvpool goes in
+# with maturin develop (the warm cargo target of `make build`).
+VLLM_VENV ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.vllm-stamp
+
+$(VLLM_STAMP): $(RUN_DEPS)
+	@echo "== installing vllm==0.33.0 (torch 2.14.0) into $(VLLM_VENV) with uv (about a minute, 9 GB)"
+	@$(PYTHON) -m venv $(VLLM_VENV)
+	@$(VLLM_VENV)/bin/python -m pip install -q --disable-pip-version-check uv >$(VLLM_VENV)/install.log 2>&1 \
+		|| (cat $(VLLM_VENV)/install.log >&2; exit 1)
+	@$(VLLM_VENV)/bin/uv pip install -q --python $(VLLM_VENV)/bin/python "vllm==0.33.0" "pytest>=8" xxhash \
+		"hypothesis>=6.100" "numpy>=1.24" >>$(VLLM_VENV)/install.log 2>&1 || (cat $(VLLM_VENV)/install.log >&2; exit 1)
+	@touch $@
+
+test-vllm: $(VLLM_STAMP)
+	@echo "== installing kvpool into $(VLLM_VENV)"
+	@VIRTUAL_ENV=$(abspath $(VLLM_VENV)) PATH=$(abspath $(VLLM_VENV))/bin:$$PATH $(VENV)/bin/maturin develop --release \
+		>$(VLLM_VENV)/build.log 2>&1 || (cat $(VLLM_VENV)/build.log >&2; exit 1)
+	VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 $(VLLM_VENV)/bin/python -m pytest -q tests/vllm
+
 lint: $(DEPS) build
 	cargo fmt --all --check
 	cargo clippy --workspace --all-targets -- -D warnings
-	$(VENV)/bin/ruff check python tests benches examples
+	$(VENV)/bin/ruff check python tests benches examples .ci
 	$(PY) -m mypy.stubtest kvpool._core --allowlist stubtest-allowlist.txt
 
 bench:
 	cargo bench -p kvpool
 
 clean:
-	rm -rf $(VENV) target dist
+	rm -rf $(VENV) $(VLLM_VENV) target dist

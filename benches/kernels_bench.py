@@ -1,4 +1,4 @@
-"""GPU benchmark of kvpool.kernels (DESIGN section 4): achieved bandwidth against a copy ceiling
+"""GPU benchmark of kvpool.kernels (the GPU targets of benches/RESULTS.md): achieved bandwidth against a copy ceiling
 measured in the same run.
 
     python benches/kernels_bench.py            # on a machine with a CUDA GPU and cupy

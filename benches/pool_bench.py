@@ -13,7 +13,7 @@ Reports microseconds per call (best of ``--repeat`` rounds, each the mean of ``-
   state (one slot per sequence) and in prefill state (every token of the prompt);
 * ``Sequence(...)``: building kvpool's sequence from a list and from an int32 array.
 
-The pure-Python references of ``kvpool.bench`` (nano-vllm-style, vLLM-v1-style) run the same
+The pure-Python references of ``benches/compare/`` (nano-vllm-style, vLLM-v1-style) run the same
 cycles through their own APIs, and the batch export as the Python loops those engines use, for
 scale. Nothing here is a pass/fail test; see benches/RESULTS.md for recorded numbers.
 """
@@ -26,13 +26,17 @@ import json
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import kvpool
 import numpy as np
-from kvpool.bench import nanovllm_reference as nano
-from kvpool.bench import vllm_reference as vref
-from kvpool.bench.adapters import _export_lists
-from kvpool.bench.compare import machine_description
+
+# the references and the machine line live with the side-by-side comparison (benches/compare/)
+sys.path.insert(0, str(Path(__file__).resolve().parent / "compare"))
+import nanovllm_reference as nano  # noqa: E402
+import vllm_reference as vref  # noqa: E402
+from adapters import export_lists  # noqa: E402
+from compare import machine_description  # noqa: E402
 
 BLOCK_SIZE = 16
 PROMPT_LEN = 2048
@@ -188,10 +192,10 @@ def python_batch(decode: bool):
         start.append(n - 1 if decode else 0)
 
     def bt():
-        return _export_lists(tables, lens, lens, BLOCK_SIZE)[0]
+        return export_lists(tables, lens, lens, BLOCK_SIZE)[0]
 
     def sm():
-        return _export_lists(tables, start, lens, BLOCK_SIZE)[1]
+        return export_lists(tables, start, lens, BLOCK_SIZE)[1]
 
     return bt, sm, sum(lens)
 

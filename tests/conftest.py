@@ -1,6 +1,18 @@
 """Shared fixtures and helpers for the kvpool test-suite (issues 2 and 3).
 
-Rules are cited as in DESIGN.md section 2 ("R7"). Hypothesis profiles live here:
+The suite is grouped by area, in plain folders (no packages): ``core/`` (the physical block
+managers, the prefix cache, bad input, reliability), ``pool/`` (the sequence-level pool, its
+batch calls, events, threads), ``hybrid/`` (linear state, sliding window, composite groups),
+``tiers/`` (host and remote tiers), ``index/`` (the KV index over events, routing), ``kernels/`` (the data plane), ``sim/`` (``kvpool simulate``,
+workloads, traces, the tour), ``benches/`` (the benchmark references of benches/compare/) and
+``docs/`` (the contract). ``python -m pytest -q`` from the root runs them all.
+
+Helper modules live beside the area that owns them and import by name from any area: this
+file's helpers (``from conftest import toks``), ``tiers/redis_helpers.py`` and
+``kernels/kernels_helpers.py`` (their folders are put on ``sys.path`` below). Test module names
+are unique across folders.
+
+Rules are cited as in docs/contract.md ("R7"). Hypothesis profiles live here:
 
 * ``ci``  (default): bounded example counts, no deadline; the whole suite stays well under a
   minute on two cores.
@@ -12,10 +24,17 @@ from __future__ import annotations
 import gc
 import os
 import re
+import sys
+from pathlib import Path
 
 import kvpool
 import pytest
 from hypothesis import HealthCheck, settings
+
+TESTS = Path(__file__).resolve().parent
+for _folder in (TESTS, TESTS / "tiers", TESTS / "kernels"):
+    if str(_folder) not in sys.path:
+        sys.path.insert(0, str(_folder))
 
 settings.register_profile(
     "ci",

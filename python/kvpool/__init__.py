@@ -2,12 +2,14 @@
 
 The Rust core (``kvpool._core``) provides block handles, free lists, the prefix cache and the
 sequence-level pool; ``kvpool.kernels`` holds the GPU data plane; ``kvpool simulate`` is a
-serving-workload simulator built on the pool. The rules cited as "R<n>" are those of DESIGN.md.
+serving-workload simulator built on the pool. The rules cited as "R<n>" are those of the
+contract (docs/contract.md).
 """
 
 from kvpool import router  # noqa: E402  (policies on KVIndex; imports _core)
 from kvpool._core import (
     DEFAULT_HASH_SEED,
+    AllocationPlan,
     Block,
     BlockManager,
     BlockManagerPool,
@@ -27,6 +29,7 @@ from kvpool._core import (
     SingleBlockManager,
     SlidingWindowBlockManager,
     TransferPlan,
+    XTensorBlockManager,
     __version__,
     decode_events,
     encode_events,
@@ -35,6 +38,7 @@ from kvpool._core import (
 
 __all__ = [
     "DEFAULT_HASH_SEED",
+    "AllocationPlan",
     "Block",
     "BlockManager",
     "BlockManagerPool",
@@ -54,6 +58,7 @@ __all__ = [
     "SingleBlockManager",
     "SlidingWindowBlockManager",
     "TransferPlan",
+    "XTensorBlockManager",
     "__version__",
     "decode_events",
     "encode_events",

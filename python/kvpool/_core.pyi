@@ -1,17 +1,29 @@
 """Type stubs of ``kvpool._core``, the Rust extension behind :mod:`kvpool`.
 
 Hand-written; checked against the built module with ``python -m mypy.stubtest kvpool._core
---allowlist stubtest-allowlist.txt``. Rule numbers ("R7") refer to DESIGN.md section 2.
+--allowlist stubtest-allowlist.txt``. Rule numbers ("R7") refer to docs/contract.md.
 Every class is frozen with a lock inside, safe to share between threads (R28), and cannot be
-subclassed.
+subclassed, but ``BlockManagerPool``, whose subclass is ``HierarchyBlockManagerPool``. The
+Python docs live here; a binding's own ``__doc__`` is one line.
 """
 
 from collections.abc import Iterable, Iterator
 from collections.abc import Sequence as _Sequence
-from typing import Any, Final, Literal, SupportsIndex, TypeAlias, TypedDict, final
+from typing import (
+    Any,
+    Final,
+    Literal,
+    Required,
+    Self,
+    SupportsIndex,
+    TypeAlias,
+    TypedDict,
+    final,
+)
 
 import numpy as np
 from numpy.typing import NDArray
+from typing_extensions import disjoint_base
 
 __all__ = [
     "__version__",
@@ -27,6 +39,7 @@ __all__ = [
     "Sequence",
     "SequenceBatch",
     "BlockManagerPool",
+    "AllocationPlan",
     "ConcurrentBlockManager",
     "KVEvent",
     "LinearStatePrefixCache",
@@ -98,7 +111,38 @@ class _RankStats(_BlockCounts):
     num_checkpoint_evictions: int
     num_checkpoint_commits: int
     window: _WindowCounts | None
-    host: _BlockCounts | None
+    xtensor: _MappedMemoryStats | None
+    """Mapped memory on elastic pages (the ``xtensor`` option); None without it."""
+    host: _HostStats | None
+
+class _MappedMemoryStats(TypedDict):
+    """Mapped memory of one rank of a pool on elastic pages, or the sum over the ranks (issue 17)."""
+
+    num_pages: int
+    mapped_pages: int
+    """Pages mapped now, page 0 included."""
+    mapped_bytes: int
+    spare_pages: int
+    """Mapped pages with no used or cached block (the preallocated spares)."""
+    limit_pages: int
+    limit_bytes: int
+    peak_mapped_pages: int
+    """Most pages mapped at once (for the total: the sum of the ranks' peaks)."""
+    num_page_maps: int
+    num_page_unmaps: int
+    num_map_failures: int
+
+class _XTensorOption(TypedDict, total=False):
+    """The ``xtensor=`` option of :class:`BlockManagerPool` (docs/xtensor.md); only
+    ``blocks_per_page`` is required."""
+
+    blocks_per_page: Required[int]
+    page_bytes: int
+    spare_pages: int
+    memory_limit: int | None
+    backend: Literal["accounting", "host"] | Any
+    """A name, or page backend objects (``map_page(page)`` / ``unmap_page(page)``, e.g.
+    ``kvpool.xtensor.CudaPageBackend``): a list of one per dp rank, or one object for one rank."""
 
 class _PoolStats(_RankStats):
     """``BlockManagerPool.stats()``: totals over all ranks plus ``ranks``, one dict per rank."""
@@ -131,7 +175,14 @@ class _HierarchyRankStats(_BlockCounts):
     num_checkpoint_evictions: int
     num_checkpoint_commits: int
     window: _WindowCounts | None
+    xtensor: None
     host: _HostStats
+
+class _DebugCounters(TypedDict):
+    """``BlockManagerPool.debug_counters()``: chain walks so far (for tests, not statistics)."""
+
+    device_chain_walks: int
+    host_chain_walks: int
 
 class _HierarchyPoolStats(_HierarchyRankStats, total=False):
     """``HierarchyBlockManagerPool.stats()``: totals plus ``ranks``, one dict per rank; with a
@@ -626,9 +677,13 @@ def hash_blocks(
 
 # --- sequence level (R13-R21) -----------------------------------------------------------------
 
-@final
+@disjoint_base
 class Sequence:
     """A request's tokens and KV-cache state (block table, computed tokens, dp rank).
+
+    Subclass it for an engine's own sequence class (no twin object): instances take their own
+    attributes, and a subclass's constructor arguments past ``token_ids`` (and the keywords
+    ``seq_id`` / ``extra_key``) go to its ``__init__``, which need not call the base's.
 
     Parameters
     ----------
@@ -641,8 +696,13 @@ class Sequence:
     """
 
     def __new__(
-        cls, token_ids: _TokenIds, *, seq_id: int | None = None, extra_key: _ExtraKey = None
-    ) -> Sequence: ...
+        cls,
+        token_ids: _TokenIds,
+        *args: Any,
+        seq_id: int | None = None,
+        extra_key: _ExtraKey = None,
+        **kwargs: Any,
+    ) -> Self: ...
     def __len__(self) -> int:
         """Number of tokens (prompt plus appended)."""
 
@@ -689,8 +749,28 @@ class Sequence:
         """Number of entries of the block table."""
 
     @property
+    def last_block_id(self) -> int | None:
+        """The table's last entry (the one ``may_append`` just added), or None; no copy."""
+
+    def block_id(self, i: int) -> int:
+        """Entry ``i`` of the block table (negative ``i`` counts from the end); no copy.
+
+        Raises
+        ------
+        IndexError
+            ``i`` is out of range.
+        """
+
+    def block_ids(self) -> list[int]:
+        """The block table as a Python list of int (engines that keep tables as lists)."""
+
+    @property
     def num_cached_tokens(self) -> int:
-        """Tokens whose KV came from the prefix cache at allocation."""
+        """Tokens whose KV came from the prefix cache at allocation.
+
+        vLLM's ``num_cached_tokens`` (the admission hit). nano-vllm's ``num_cached_tokens``
+        ("KV exists") is ``num_computed_tokens`` here.
+        """
 
     @property
     def num_computed_tokens(self) -> int:
@@ -824,7 +904,30 @@ class SequenceBatch:
 
 @final
 class KVEvent:
-    """A KV event for external KV-aware routers (R21), from ``BlockManagerPool.drain_events``."""
+    """A KV event for external KV-aware routers (R21), from ``BlockManagerPool.drain_events``.
+
+    Self-describing (docs/events.md): ``KVIndex.apply(instance, pool.drain_events())`` takes
+    the list as it is."""
+
+    @property
+    def sequence(self) -> int:
+        """Position in the (pool, dp rank) stream: 1, 2, 3, ... over every medium."""
+
+    @property
+    def medium(self) -> _Medium:
+        """``"device"``, ``"host"`` (the host tier, R26) or ``"remote"`` (the remote tier)."""
+
+    @property
+    def group(self) -> int:
+        """The KV-cache group: 0 full attention, 1 the linear-state checkpoints (R22)."""
+
+    @property
+    def group_kind(self) -> _GroupKind:
+        """The group's kind."""
+
+    @property
+    def sliding_window(self) -> int | None:
+        """The group's window in tokens for ``"sliding_window"``, else None."""
 
     @property
     def kind(self) -> _EventKind:
@@ -854,7 +957,7 @@ class KVEvent:
     def extra_key(self) -> bytes | None:
         """Extra key (cache salt) of the chain, or None."""
 
-@final
+@disjoint_base
 class BlockManagerPool:
     """Sequence-level KV-cache manager: per dp rank a BlockManager and a SingleBlockManager.
 
@@ -883,6 +986,8 @@ class BlockManagerPool:
         thread-safe either way, and batch exports always release it.
     enable_events : bool
         Record KV events for ``drain_events`` (R21).
+    event_replay : int
+        Events per rank the replay buffer keeps for ``events_since`` (default 4096; 0: none).
     hash_seed : int or None
         Seed of the block hash in ``[0, 2**64)``; None is ``DEFAULT_HASH_SEED``.
     sliding_window : int or None
@@ -894,11 +999,31 @@ class BlockManagerPool:
         live slot (zero-copy; the sequence continues in a fresh slot) (R22).
     debug_hash_bits : int or None
         Truncate hashes to this many bits (1..128) to force collisions in tests.
+    xtensor : dict or None
+        Every rank's full-attention blocks on elastic virtual-memory pages (an
+        ``XTensorBlockManager`` per rank, the seed's ``enable_xtensor``; docs/xtensor.md):
+        ``{"blocks_per_page": int, "page_bytes": int = 2 MiB, "spare_pages": int = 1,
+        "memory_limit": int | None = None, "backend": "accounting" | "host" | [object per rank]
+        = "accounting"}``, ``memory_limit`` in bytes per rank. Backend objects have
+        ``map_page(page)`` / ``unmap_page(page)`` (``kvpool.xtensor.CudaPageBackend``); the pool
+        then releases the GIL in every call, and an exception a backend raises propagates from
+        the call it was raised in. Errors name ``xtensor.<key>``.
+    dedup : bool
+        Dedup on publish (R9 revised): a computed full block whose chain position is already
+        cached with another block switches the sequence's table entry to the cached block and
+        frees the duplicate (read the switches with ``drain_block_switches``). False keeps first
+        writer wins (engines whose workers only append to block tables, as vLLM's do).
+
+    Every option composes with every other, and with a host tier (the subclass
+    ``HierarchyBlockManagerPool``; docs/host_tier.md), except ``xtensor``, which takes no
+    host tier.
 
     Raises
     ------
     ValueError
-        An argument is out of range or names a feature this build lacks.
+        An argument is out of range (the message names it).
+    TypeError
+        An option of the wrong type, or an unknown option.
     """
 
     def __new__(
@@ -914,11 +1039,14 @@ class BlockManagerPool:
         linear_state_match: _LinearStateMatch = "deepest",
         concurrent: bool = False,
         enable_events: bool = False,
+        event_replay: int = 4096,
         hash_seed: int | None = None,
         sliding_window: int | None = None,
         swa_num_blocks: int | None = None,
         linear_state_save: _LinearStateSave = "copy",
         debug_hash_bits: int | None = None,
+        xtensor: _XTensorOption | None = None,
+        dedup: bool = True,
     ) -> BlockManagerPool: ...
     @property
     def num_blocks(self) -> int:
@@ -947,7 +1075,47 @@ class BlockManagerPool:
     def can_allocate(self, seq: Sequence, num_tokens: int | None = None) -> bool:
         """What ``allocate(seq, num_tokens)`` would return, with no side effect (R15)."""
 
-    def allocate(self, seq: Sequence, num_tokens: int | None = None) -> bool:
+    def plan(self, seq: Sequence, num_tokens: int | None = None) -> AllocationPlan | None:
+        """The allocation ``allocate(seq, num_tokens)`` would make, with no side effect of any kind.
+
+        One walk of the prefix chain per tier (device, then host); the plan carries what the
+        walks found, so ``allocate(seq, num_tokens, plan=plan)`` only retains it. The hit is
+        the deepest boundary every group of the rank can serve (R23, R25, docs/host_tier.md).
+
+        Returns
+        -------
+        AllocationPlan or None
+            None exactly when ``allocate`` would return False (R15). A sequence that holds
+            blocks gets a growth plan (``is_growth``).
+
+        Raises
+        ------
+        ValueError
+            ``num_tokens`` out of range, or ``seq`` holds blocks of another pool.
+        TypeError
+            ``plan`` is not an ``AllocationPlan``.
+        """
+
+    def allocate_shared(self, seq: Sequence) -> bool:
+        """The prefix hit only, into a sequence that holds nothing (the seed's ``allocate_shared``).
+
+        Takes the hit's blocks (trimmed as ``allocate`` trims it), the single block and the
+        live slot, but no new blocks; ``num_computed_tokens`` is the hit. ``allocate`` then grows
+        the table. With a host tier only the device hit is taken (loads need new blocks).
+
+        Returns
+        -------
+        bool
+            False if the rank has no single block or live slot; nothing changed then.
+
+        Raises
+        ------
+        ValueError
+            ``seq`` already holds blocks, has no tokens, or holds blocks of another pool.
+        """
+
+    def allocate(self, seq: Sequence, num_tokens: int | None = None, *,
+                 plan: AllocationPlan | None = None) -> bool:
         """Give ``seq`` blocks for ``num_tokens`` tokens after a prefix-cache match (R8, R13, R14).
 
         On a sequence that holds blocks, grows its table (chunked prefill).
@@ -958,6 +1126,10 @@ class BlockManagerPool:
             The sequence; gets ``num_cached_tokens``, ``num_computed_tokens`` and ``dp_rank``.
         num_tokens : int or None
             Tokens the table must hold, in ``1..len(seq)``; None is ``len(seq)``.
+        plan : AllocationPlan or None
+            A plan from ``plan(seq, num_tokens)``: carried out when nothing changed since
+            (this pool, this sequence at its length, no pool call in between), else the pool
+            plans again.
 
         Returns
         -------
@@ -992,19 +1164,33 @@ class BlockManagerPool:
             ``seq`` holds blocks of another pool.
         """
 
-    def block_tables(self, seqs: _Seqs, group: int = 0) -> NDArray[np.int32]:
+    def block_tables(self, seqs: _Seqs, group: int = 0, *, pad: int = 0) -> NDArray[np.int32]:
         """Block tables of ``seqs`` in one array (R19).
+
+        Parameters
+        ----------
+        pad : int
+            The value past each table's end (0, id 0 being the padding block; nano-vllm pads
+            with -1). Released sliding-window entries stay 0.
 
         Returns
         -------
         numpy.ndarray
-            int32 of shape ``[len(seqs), max_blocks]``, padded with 0.
+            int32 of shape ``[len(seqs), max_blocks]``, padded with ``pad``.
         """
 
-    def slot_mapping(self, seqs: _Seqs, group: int = 0) -> NDArray[np.int64]:
+    def slot_mapping(
+        self, seqs: _Seqs, group: int = 0, *, num_tokens: _TokenIds | None = None
+    ) -> NDArray[np.int64]:
         """Cache slots of tokens ``[num_computed_tokens, len)`` of every sequence (R19).
 
         ``slot = block_id * block_size + position % block_size``.
+
+        Parameters
+        ----------
+        num_tokens : sequence of int or None
+            One count per sequence: the slots of its next ``num_tokens[i]`` tokens from
+            ``num_computed_tokens`` (a chunked prefill's chunk) instead of all of them.
 
         Returns
         -------
@@ -1014,7 +1200,8 @@ class BlockManagerPool:
         Raises
         ------
         ValueError
-            A token is not held by its table yet (call ``may_append`` first).
+            A token is not held by its table yet (call ``may_append`` first), or a count goes
+            past ``len(seq)`` or the table (the message names ``num_tokens``).
         """
 
     def advance(
@@ -1068,6 +1255,10 @@ class BlockManagerPool:
     def stats(self) -> _PoolStats:
         """Counts, prefix-cache and slot statistics, totals and per rank (R20)."""
 
+    def debug_counters(self) -> _DebugCounters:
+        """Chain walks of the device and host prefix caches so far (for tests of one walk per
+        admission; not part of ``stats``)."""
+
     def check(self) -> None:
         """Walk every structure (R20).
 
@@ -1080,9 +1271,61 @@ class BlockManagerPool:
     def drain_events(self) -> list[KVEvent]:
         """Return and clear the recorded KV events (R21); ``[]`` unless ``enable_events``."""
 
+    def drain_block_switches(self) -> list[tuple[int, int, int]]:
+        """Return and clear the table entries dedup on publish switched (R9 revised).
+
+        Returns
+        -------
+        list of (seq_id, old_id, new_id)
+            In the order they happened; ``old_id`` went back to the free list, ``new_id`` is
+            the cached block the sequence now holds at that position. ``[]`` with
+            ``dedup=False``. The list grows until drained.
+        """
+
+    @property
+    def dedup(self) -> bool:
+        """Whether the pool dedups on publish (R9 revised)."""
+
+    def last_event_sequence(self, dp_rank: int) -> int:
+        """The last event sequence number of rank ``dp_rank`` (0 before its first event)."""
+
+    def events_since(self, dp_rank: int, sequence: int) -> list[KVEvent] | None:
+        """Replay: rank ``dp_rank``'s events numbered ``sequence`` and later, drained or not,
+        from the bounded buffer (``event_replay``); None when it no longer reaches back that
+        far (the consumer then calls ``KVIndex.resync``). ``sequence`` past the next number is
+        a ValueError."""
+
+    def record_remote_events(self, dp_rank: int, kind: Literal["stored", "removed"],
+                             block_hashes: _Sequence[bytes]) -> int:
+        """Record the remote tier's stores or removals of rank ``dp_rank``'s blocks as
+        ``"remote"`` events in its stream (``kvpool.remote.RemoteTransfer`` calls it: the pool
+        does no I/O); returns the events recorded (0 without ``enable_events``)."""
+
     def reset_prefix_cache(self) -> None:
         """Drop every cached entry of every rank, every committed checkpoint nothing pins and
         every sliding-window publication; blocks sequences hold stay with them (R12, R24)."""
+
+    @property
+    def xtensor(self) -> _XTensorOption | None:
+        """The ``xtensor`` option with its defaults filled in (``backend`` ``"custom"`` for
+        objects), or None (fixed memory)."""
+
+    def set_memory_limit(self, limit: int | None, *, dp_rank: int | None = None) -> list[_MemoryLimitReport]:
+        """Set the memory limit in bytes (None: the whole range) of rank ``dp_rank``, or of every
+        rank; one report per rank set. Lowering it unmaps spares, evicts cached blocks page by page
+        and unmaps what empties; what sequences hold stays mapped (``excess_bytes``) and returns
+        as they release it (docs/xtensor.md).
+
+        Raises
+        ------
+        ValueError
+            The pool has no ``xtensor`` option (names ``limit``), ``limit`` negative, or
+            ``dp_rank`` out of range.
+        """
+
+    def mapped_page_ids(self, dp_rank: int = 0) -> list[int]:
+        """The mapped pages of rank ``dp_rank``, ascending (page ``p`` holds blocks
+        ``p * blocks_per_page ..``); ``[]`` without the ``xtensor`` option."""
 
     def linear_state_cache(self, dp_rank: int) -> LinearStatePrefixCache:
         """The linear-state cache of rank ``dp_rank``, a live view (R22).
@@ -1109,6 +1352,59 @@ class BlockManagerPool:
         ValueError
             The plan was already committed or comes from another pool.
         """
+
+@final
+class AllocationPlan:
+    """An allocation decided by ``BlockManagerPool.plan``, with no side effect (issue "One pool").
+
+    Hand it to ``allocate(seq, num_tokens, plan=plan)``. Read-only; tokens are multiples of the
+    block size. ``num_cached_tokens`` is what ``seq.num_cached_tokens`` becomes once every load
+    is confirmed (nano-vllm's ``can_allocate``, vLLM's ``get_computed_blocks``).
+    """
+
+    @property
+    def dp_rank(self) -> int:
+        """The dp rank the sequence goes (or is) to (R13)."""
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens the table will hold."""
+
+    @property
+    def is_growth(self) -> bool:
+        """Whether the sequence already holds blocks (the plan grows its table)."""
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks of the prefix hit, every tier together (0 for a growth)."""
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """Tokens of the prefix hit, every tier together."""
+
+    @property
+    def device_hit_tokens(self) -> int:
+        """Hit tokens already on the device (cached at allocation)."""
+
+    @property
+    def host_hit_tokens(self) -> int:
+        """Hit tokens loaded from the host tier (cached once the load is confirmed, R26)."""
+
+    @property
+    def remote_hit_tokens(self) -> int:
+        """Hit tokens fetched from the remote tier, then loaded from host."""
+
+    @property
+    def num_new_blocks(self) -> int:
+        """Fresh device blocks the allocation takes (load destinations included)."""
+
+    @property
+    def num_blocks(self) -> int:
+        """Entries of the block table after the allocation."""
+
+    @property
+    def restore_checkpoint(self) -> bytes | None:
+        """Prefix hash (16 bytes) of the checkpoint the linear state is restored from (R23)."""
 
 # --- hybrid models (R22-R25) ------------------------------------------------------------------
 
@@ -1378,15 +1674,19 @@ class TransferPlan:
     def __len__(self) -> int: ...
 
 @final
-class HierarchyBlockManagerPool:
+class HierarchyBlockManagerPool(BlockManagerPool):
     """A ``BlockManagerPool`` with a host-memory KV tier per dp rank (R26).
 
-    Each rank has a device manager and a host manager (ids ``1..host_num_blocks-1``), each with
-    its own prefix cache. ``allocate`` continues the device prefix match in the host cache and
+    Each rank has a host manager (ids ``1..host_num_blocks-1``) with its own prefix cache beside
+    the device groups. ``allocate`` continues the device prefix match in the host cache and
     plans loads (host id -> device id) for the host hits; ``deallocate`` plans offloads (device
     id -> host id) of the full computed blocks not yet on host. Blocks in a pending transfer are
     held on both tiers until the engine confirms it; loaded tokens count in
-    ``num_cached_tokens`` / ``num_computed_tokens`` only after ``complete_loads``.
+    ``num_cached_tokens`` / ``num_computed_tokens`` only after ``complete_loads``. Every pool
+    method is this pool's (it is a subclass): dp ranks, linear state, sliding windows, events,
+    ``concurrent``, ``plan``, ``advance`` / ``may_append_all`` / ``SequenceBatch``. A hit across
+    tiers counts only up to the boundary every group can serve: linear-state checkpoints and
+    window blocks stay on the device (docs/host_tier.md).
 
     Parameters
     ----------
@@ -1401,13 +1701,12 @@ class HierarchyBlockManagerPool:
         offloaded. ``"on_evict"``: only the blocks that the release makes evictable (held by
         nothing but the device cache); a block another sequence holds goes when its last
         holder releases it.
-    dp_size, enable_prefix_cache, num_single_blocks, concurrent, enable_events, hash_seed, debug_hash_bits
+    dp_size, enable_prefix_cache, num_single_blocks, linear_state_slots, checkpoint_interval, linear_state_match, linear_state_save, concurrent, enable_events, event_replay, hash_seed, sliding_window, swa_num_blocks, debug_hash_bits
         As for ``BlockManagerPool``. Without the device prefix cache the host tier stays idle.
-    linear_state_slots, checkpoint_interval, linear_state_match, sliding_window, swa_num_blocks
-        Not available with a host tier in this build (ValueError if set).
     remote : kvpool.remote.RemoteTier or None
         A shared remote tier (issue 10): ``allocate`` makes one ``exists_many`` call past the
-        device+host reach; remote hits get host staging blocks and fetch plans.
+        device+host reach (``kvpool.tiers.remote.RemoteLookup``); remote hits get host staging
+        blocks and fetch plans. Only ranks of full attention alone take remote hits.
     remote_policy : {"write_through", "on_host_evict"}
         When the executor sends offloaded host blocks to the remote tier.
     remote_budget_ms : float
@@ -1417,6 +1716,8 @@ class HierarchyBlockManagerPool:
     ------
     ValueError
         An argument is out of range (the message names it).
+    TypeError
+        An option of the wrong type, or an unknown option.
     """
 
     def __new__(
@@ -1432,12 +1733,15 @@ class HierarchyBlockManagerPool:
         linear_state_slots: int = 0,
         checkpoint_interval: int | None = None,
         linear_state_match: _LinearStateMatch = "deepest",
+        linear_state_save: _LinearStateSave = "copy",
         concurrent: bool = False,
         enable_events: bool = False,
+        event_replay: int = 4096,
         hash_seed: int | None = None,
         sliding_window: int | None = None,
         swa_num_blocks: int | None = None,
         debug_hash_bits: int | None = None,
+        dedup: bool = True,
         remote: Any = None,
         remote_policy: Literal["write_through", "on_host_evict"] = "write_through",
         remote_budget_ms: float = 50.0,
@@ -1455,38 +1759,22 @@ class HierarchyBlockManagerPool:
         """Scheduler budget of the one remote lookup per allocate, in milliseconds."""
 
     @property
-    def num_blocks(self) -> int:
-        """Device block ids per rank, padding block included."""
-
-    @property
     def host_num_blocks(self) -> int:
         """Host block ids per rank, padding block included."""
-
-    @property
-    def block_size(self) -> int:
-        """Tokens per block."""
-
-    @property
-    def dp_size(self) -> int:
-        """Number of data-parallel ranks."""
-
-    @property
-    def enable_prefix_cache(self) -> bool:
-        """Whether each rank keeps a device prefix cache."""
 
     @property
     def offload_policy(self) -> _OffloadPolicy:
         """``"on_deallocate"`` or ``"on_evict"``."""
 
-    def can_allocate(self, seq: Sequence, num_tokens: int | None = None) -> bool:
-        """What ``allocate(seq, num_tokens)`` would return, with no side effect on either tier (R15)."""
-
-    def allocate(self, seq: Sequence, num_tokens: int | None = None) -> bool:
+    def allocate(self, seq: Sequence, num_tokens: int | None = None, *,
+                 plan: AllocationPlan | None = None) -> bool:
         """Device match, host match past it, then new blocks (R8, R13, R14, R26).
 
         Host hits get fresh device blocks (their table entries) and a load plan; they are
-        trimmed to what the device can hold, so success is decided exactly as for
-        ``BlockManagerPool``. On a sequence that holds blocks, grows its table.
+        trimmed to what the device can hold and to the boundary every group can serve, so
+        success is decided exactly as for ``BlockManagerPool``. With a remote tier, one lookup
+        of the chain past the local reach extends the hit. On a sequence that holds blocks,
+        grows its table.
 
         Returns
         -------
@@ -1494,20 +1782,18 @@ class HierarchyBlockManagerPool:
             False if the blocks cannot be had; both tiers and ``seq`` are then unchanged.
         """
 
-    def can_append(self, seq: Sequence, lookahead: int = 0) -> bool:
-        """Whether the blocks for ``len(seq) + lookahead`` tokens can be had (R16)."""
+    def remote_query(self, seq: Sequence, num_tokens: int | None = None, *,
+                     plan: AllocationPlan | None = None) -> tuple[int, list[bytes]] | None:
+        """What to ask the remote tier before allocating ``seq``: ``(from, keys)``, the chain
+        hashes of blocks ``from..`` past the device and host reach (R8), or None when there is
+        nothing to ask. With ``plan`` (from ``plan(seq)``), no walk of its own. No side effect."""
 
-    def may_append(self, seq: Sequence, lookahead: int = 0) -> bool:
-        """Take the blocks ``can_append`` asks about (all or nothing)."""
-
-    def cache(self, seq: Sequence) -> None:
-        """Publish the full computed blocks in the device prefix cache (R17)."""
-
-    def deallocate(self, seq: Sequence) -> None:
-        """``cache(seq)``, plan the offload of its blocks not yet on host, release it (R18, R26).
-
-        Offloaded device blocks stay held until ``complete_offloads``.
-        """
+    def allocate_with_remote(self, seq: Sequence, num_tokens: int | None = None, *,
+                             remote_hits: tuple[int, int] | None = None,
+                             plan: AllocationPlan | None = None) -> bool:
+        """``allocate`` where chain blocks ``remote_hits = (from, to)`` exist on the remote tier
+        (the answer to ``remote_query``): the same answer as ``allocate`` (R14, R15); remote hits
+        get host staging blocks and a fetch plan (``take_fetch_plans``)."""
 
     def take_load_plans(self) -> list[TransferPlan]:
         """Load plans (host -> device) made since the last call, one per rank that has any.
@@ -1557,29 +1843,9 @@ class HierarchyBlockManagerPool:
             nothing is changed then.
         """
 
-    def block_tables(self, seqs: _Seqs, group: int = 0) -> NDArray[np.int32]:
-        """Block tables of ``seqs``: int32 ``[len(seqs), max_blocks]``, padded with 0 (R19)."""
-
-    def slot_mapping(self, seqs: _Seqs, group: int = 0) -> NDArray[np.int64]:
-        """Cache slots (int64) of tokens ``[num_computed_tokens, len)`` of every sequence (R19)."""
-
-    def stats(self) -> _HierarchyPoolStats:
-        """Device statistics (R20) with ``host`` (host counts and transfers), totals and per rank."""
-
-    def check(self) -> None:
-        """Walk both tiers of every rank and every pending plan.
-
-        Raises
-        ------
-        InvariantError
-            A rule is broken.
-        """
-
-    def drain_events(self) -> list[KVEvent]:
-        """Return and clear the device tier's KV events (R21)."""
-
-    def reset_prefix_cache(self) -> None:
-        """Drop every cached entry of both tiers; held and pending blocks stay held (R12, R26)."""
+    def stats(self) -> _HierarchyPoolStats:  # type: ignore[override]
+        """Device statistics (R20) with ``host`` (host counts and transfers), totals and per rank;
+        with a remote tier, ``remote`` (lookups, hit/miss/fetched/failed blocks, the tier's own)."""
 
 # --- prefix index over KV events (issue "Beyond one instance") --------------------------------
 
@@ -1753,3 +2019,272 @@ def encode_events(events: Iterable[_IndexEvent | Any]) -> bytes:
 
 def decode_events(data: bytes) -> list[_IndexEvent]:
     """The events of a msgpack batch, as dicts with every field."""
+
+# --- elastic pages: XTensorBlockManager (issue 17) -------------------------------------------
+
+__all__ += ["XTensorBlockManager"]
+
+class _XTensorStats(_ManagerStats):
+    """Counts, prefix-cache statistics and page counters of an :class:`XTensorBlockManager`."""
+
+    num_available_blocks: int
+    mapped_pages: int
+    mapped_bytes: int
+    peak_mapped_pages: int
+    num_page_maps: int
+    num_page_unmaps: int
+    num_map_failures: int
+    memory_limit: int | None
+    reserved_blocks: int
+
+class _MemoryLimitReport(TypedDict):
+    """What :meth:`XTensorBlockManager.set_memory_limit` did."""
+
+    limit_bytes: int | None
+    limit_pages: int
+    mapped_pages: int
+    mapped_bytes: int
+    evicted_blocks: int
+    unmapped_pages: int
+    mapped_new_pages: int
+    released_reserved_blocks: int
+    excess_bytes: int
+    """Bytes mapped above the limit that sequences hold; returned as they release them."""
+    held_pages: int
+    """Mapped pages on which sequences hold blocks (page 0 included when it holds one)."""
+
+@final
+class XTensorBlockManager:
+    """Elastic block allocator on virtual-memory pages (the seed's XTensorBlockManagerImpl),
+    with the prefix cache on top (docs/xtensor.md).
+
+    Ids are grouped into pages of ``blocks_per_page``; a page's memory is mapped (by the
+    backend) only while it holds a used or cached block, plus a few spare pages, so the KV
+    footprint follows the load. Allocation packs into the fullest mapped page with room and
+    maps a page only when none has room; a page whose blocks are all free is unmapped (beyond
+    the spares). The memory limit can change at run time; lowering it evicts cached blocks page
+    by page. R1-R5, R10 and R29 hold as for :class:`BlockManager`; block 0 lives on page 0,
+    which stays mapped.
+
+    Parameters
+    ----------
+    num_blocks : int
+        Ids in the pool, padding block 0 included (as :class:`BlockManager`).
+    block_size : int
+        Tokens per block, at least 1.
+    blocks_per_page : int
+        Blocks per page, 1..65536 (the last page may hold fewer).
+    page_bytes : int or None
+        Memory one mapped page costs (all layers, K and V): counts ``mapped_bytes`` and the
+        memory limit. Default the backend's ``page_bytes`` attribute, else 2 MiB.
+    spare_pages : int
+        Empty pages kept mapped for the next allocations: a page is mapped ahead when fewer are
+        left, and empty pages unmap above ``2 * spare_pages`` (at most the number of pages).
+    memory_limit : int or None
+        Bytes that may be mapped at once (page 0 counts); None: the whole range.
+    backend : None, "accounting", "host" or an object
+        What maps the pages. None / "accounting": bookkeeping only. "host": one reserved
+        anonymous mapping of the process (resident memory follows the mapped pages).
+        An object with ``map_page(page)`` and ``unmap_page(page)`` (e.g.
+        :class:`kvpool.xtensor.CudaPageBackend`), called with the GIL; ``MemoryError`` from
+        ``map_page`` means the device has no memory for it now; other exceptions propagate.
+        Optional attributes ``page_bytes``, ``blocks_per_page``, ``num_pages`` are checked.
+    enable_prefix_cache, hash_seed, debug_hash_bits
+        As for :class:`BlockManager`.
+
+    Raises
+    ------
+    ValueError
+        An argument out of range (named), or one that disagrees with the backend.
+    TypeError
+        A backend without callable ``map_page`` / ``unmap_page``.
+    """
+
+    def __new__(
+        cls,
+        num_blocks: int,
+        block_size: int,
+        *,
+        blocks_per_page: int,
+        page_bytes: int | None = None,
+        spare_pages: int = 1,
+        memory_limit: int | None = None,
+        backend: Any = None,
+        enable_prefix_cache: bool = True,
+        hash_seed: int | None = None,
+        debug_hash_bits: int | None = None,
+    ) -> XTensorBlockManager: ...
+    @property
+    def num_blocks(self) -> int:
+        """Ids in the pool, padding block 0 included."""
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per block."""
+
+    @property
+    def enable_prefix_cache(self) -> bool:
+        """Whether a prefix cache is kept."""
+
+    @property
+    def backend(self) -> Any:
+        """The page backend: ``"accounting"``, ``"host"`` or the object given."""
+
+    @property
+    def blocks_per_page(self) -> int:
+        """Blocks per page (the last page may hold fewer)."""
+
+    @property
+    def num_pages(self) -> int:
+        """Pages of the range: ``ceil(num_blocks / blocks_per_page)``."""
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes one mapped page costs."""
+
+    @property
+    def spare_pages(self) -> int:
+        """Empty pages kept mapped (mapped ahead below it, unmapped above twice it)."""
+
+    @property
+    def num_total_blocks(self) -> int:
+        """Allocatable ids: ``num_blocks - 1`` (R1)."""
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Ids not handed out, those on unmapped pages included (R2)."""
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Ids held only by the prefix cache: evictable (R2)."""
+
+    @property
+    def num_used_blocks(self) -> int:
+        """Ids held by a handle outside the cache (R2)."""
+
+    @property
+    def num_available_blocks(self) -> int:
+        """Exactly what ``allocate`` can hand out: free ids on mapped pages, cached blocks, and
+        the ids of the unmapped pages the memory limit allows."""
+
+    @property
+    def mapped_pages(self) -> int:
+        """Pages mapped now, page 0 included."""
+
+    @property
+    def mapped_bytes(self) -> int:
+        """Bytes mapped now: ``mapped_pages * page_bytes``."""
+
+    @property
+    def memory_limit(self) -> int | None:
+        """The memory limit in bytes, or None (the whole range)."""
+
+    @property
+    def limit_pages(self) -> int:
+        """Pages the memory limit allows: ``memory_limit // page_bytes``, at most ``num_pages``."""
+
+    @property
+    def reserved_blocks(self) -> int:
+        """Blocks promised by :meth:`try_reserve` and not yet allocated."""
+
+    @property
+    def resident_bytes(self) -> int | None:
+        """Physical bytes the backend holds, where it can measure them (the host backend asks
+        the kernel, ``mincore``); None otherwise."""
+
+    def allocate(self, n: int) -> list[Block]:
+        """Allocate ``n`` fresh blocks (R3): free ids on mapped pages (fullest page first), then
+        newly mapped pages within the limit, then evicted cached blocks (LRU).
+
+        Raises
+        ------
+        OutOfBlocksError
+            Fewer than ``n`` available (or the device refused a page); nothing was changed.
+        ValueError
+            ``n < 0``.
+        """
+
+    def deallocate(self, blocks: Iterable[Block]) -> None:
+        """Release these handles (R5); pages left with no used or cached block unmap (beyond
+        the spares).
+
+        Raises
+        ------
+        ValueError
+            A handle was already released, is listed twice, or belongs to another manager.
+        TypeError
+            An item is not a :class:`Block`.
+        """
+
+    def allocate_shared(self, token_ids: _TokenIds, *, extra_key: _ExtraKey = None) -> list[Block]:
+        """Handles of the longest cached prefix of ``token_ids`` (R7)."""
+
+    def cache(
+        self, token_ids: _TokenIds, blocks: Iterable[Block], *, extra_key: _ExtraKey = None
+    ) -> int:
+        """Publish the full blocks of ``token_ids`` held in ``blocks`` (R9); returns how many are
+        new. Cached blocks keep their pages mapped."""
+
+    def evict(self, n: int) -> int:
+        """Evict up to ``n`` cached blocks: whole reclaimable pages first (their memory comes
+        back), then least recently used leaves (R10). Returns how many."""
+
+    def reset_prefix_cache(self) -> None:
+        """Drop every cached entry; held blocks stay with their holders (R12)."""
+
+    def check(self) -> None:
+        """Walk every structure: R1-R5, R10 and the page rules (mapped pages = page 0, pages
+        holding a used or cached block, and the spares; the reservation is mapped; the limit is
+        met unless sequences hold the excess).
+
+        Raises
+        ------
+        InvariantError
+            A rule is broken.
+        """
+
+    def try_reserve(self, n: int) -> bool:
+        """Promise ``n`` more blocks to the coming allocations, mapping the pages they need now
+        (within the limit; never evicts). False, changing nothing, if it cannot."""
+
+    def free_reserved(self) -> int:
+        """Drop what is left of the reservation; returns how many blocks were still promised."""
+
+    def set_memory_limit(self, limit: int | None) -> _MemoryLimitReport:
+        """Set the memory limit in bytes (None: the whole range; page 0 counts).
+
+        Lowering it unmaps spare pages, evicts cached blocks page by page and unmaps the pages
+        that empty; what sequences hold stays mapped and is reported (``excess_bytes``,
+        ``held_pages``); the manager keeps reclaiming toward the limit as they release it.
+        Raising it maps spares again.
+
+        Raises
+        ------
+        ValueError
+            ``limit < 0``.
+        """
+
+    def trim(self) -> int:
+        """Take in handles dropped outside :meth:`deallocate` and unmap the pages they emptied;
+        returns how many pages were unmapped."""
+
+    def page_of(self, block_id: int) -> int:
+        """The page holding block ``block_id`` (``block_id // blocks_per_page``).
+
+        Raises
+        ------
+        ValueError
+            ``block_id`` is not below ``num_blocks``.
+        """
+
+    def is_page_mapped(self, page: int) -> bool:
+        """Whether ``page`` is mapped (ValueError past ``num_pages``)."""
+
+    def mapped_page_ids(self) -> list[int]:
+        """The mapped pages, ascending."""
+
+    def stats(self) -> _XTensorStats:
+        """Block counts, prefix-cache statistics and page counters."""
+
+    def eviction_order(self) -> list[int]:
+        """Block ids in LRU eviction order, oldest first (for tests and debugging)."""

@@ -1,17 +1,20 @@
-"""The ``kvpool`` command: ``kvpool simulate ...``, ``kvpool tour`` and ``kvpool bench ...``."""
+"""The ``kvpool`` command: ``kvpool simulate ...`` and ``kvpool tour``.
+
+The side-by-side benchmark against nano-vllm / vLLM-style block managers is not a library command:
+it runs from a checkout, ``python benches/compare.py`` (benches/compare/).
+"""
 
 from __future__ import annotations
 
 import sys
 
-USAGE = """usage: kvpool {simulate,tour,bench} [options]
+USAGE = """usage: kvpool {simulate,tour} [options]
 
 commands:
   simulate   replay a serving workload (synthetic, or a Mooncake / Qwen-Bailian trace) through
              a scheduler built on BlockManagerPool and report KV-cache usage, prefix hits,
              preemptions, time in seconds (`kvpool simulate --help`; docs/simulate.md)
   tour       the seeds' scenarios replayed on the library, step by step (a minute's read)
-  bench      side-by-side benchmark against pure-Python peers (`kvpool bench --help`)
 """
 
 
@@ -29,16 +32,11 @@ def main(argv: list[str] | None = None) -> int:
         from kvpool.tour import main as tour_main
 
         return tour_main(rest)
-    if cmd == "bench":
-        try:
-            from kvpool.bench.compare import main as bench_main
-        except ImportError as e:
-            print(f"kvpool bench: error: the benchmark is not available ({e})", file=sys.stderr)
-            return 1
-        rc = bench_main(rest)
-        return int(rc or 0)
     print(USAGE, end="", file=sys.stderr)
-    print(f"kvpool: error: unknown command {cmd!r} (choose from simulate, tour, bench)", file=sys.stderr)
+    if cmd == "bench":
+        print("kvpool: the comparison with nano-vllm / vLLM runs from a checkout of the repository:"
+              " python benches/compare.py --help", file=sys.stderr)
+    print(f"kvpool: error: unknown command {cmd!r} (choose from simulate, tour)", file=sys.stderr)
     return 2
 
 

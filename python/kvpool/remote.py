@@ -57,6 +57,7 @@ __all__ = [
     "block_spec",
     "check_mac_key",
     "decode_payload",
+    "event_from_dict",
     "encode_payload",
     "event_to_dict",
     "make_namespace",
@@ -505,6 +506,7 @@ class RemoteTransfer:
             mac_key = getattr(self.tier, "mac_key", None)
             self.tier.put_many(keys, [encode_payload(k, spec, b, mac_key=mac_key)
                                       for k, b in zip(keys, bodies, strict=True)])
+            self.pool.record_remote_events(rank, "stored", list(keys))  # issue 21: medium "remote"
             return len(ids)
         except Exception:  # noqa: BLE001 - a failed write is a lost cache entry, never an error
             return 0
@@ -580,13 +582,18 @@ class RemoteTransfer:
             return ok
         mac_key = getattr(self.tier, "mac_key", None)
         good: list[tuple[int, memoryview]] = []
+        gone: list[bytes] = []
         for j, (k, payload) in enumerate(zip(keys, payloads, strict=True)):
             body = decode_payload(k, spec, payload, nbytes, mac_key=mac_key)
             if body is None:
                 if payload is not None:
                     self.tier.note("corrupt")
+                else:
+                    gone.append(k)
                 continue  # this block fails; the pool cuts its sequence's chain here
             good.append((j, body))
+        if gone:  # issue 21: the tier no longer holds them (evicted, expired): "removed" events
+            self.pool.record_remote_events(rank, "removed", gone)
         if not good:
             return ok
         try:
@@ -605,11 +612,17 @@ class RemoteTransfer:
 
 # ---------------------------------------------------------------------------------- KV events
 def event_to_dict(event: Any) -> dict[str, Any]:
-    """A JSON-able dict of a ``kvpool.KVEvent`` (R21): hashes as hex."""
+    """A JSON-able dict of a ``kvpool.KVEvent`` (R21, every field of docs/events.md): hashes as
+    hex (``event_from_dict`` turns it back into the index's form)."""
     parent = event.parent_hash
     extra = event.extra_key
     return {
+        "sequence": getattr(event, "sequence", None),
         "kind": str(event.kind),
+        "medium": getattr(event, "medium", "device"),
+        "group": getattr(event, "group", 0),
+        "group_kind": getattr(event, "group_kind", "full_attention"),
+        "sliding_window": getattr(event, "sliding_window", None),
         "block_hashes": [bytes(h).hex() for h in event.block_hashes],
         "parent_hash": None if parent is None else bytes(parent).hex(),
         "token_ids": list(event.token_ids),
@@ -619,11 +632,21 @@ def event_to_dict(event: Any) -> dict[str, Any]:
     }
 
 
+def event_from_dict(d: dict[str, Any]) -> dict[str, Any]:
+    """The ``KVIndex.apply`` form (docs/events.md) of an ``event_to_dict`` dict: hex back to bytes."""
+    out = dict(d)
+    out["block_hashes"] = [bytes.fromhex(h) for h in d.get("block_hashes", ())]
+    for key in ("parent_hash", "extra_key"):
+        out[key] = None if d.get(key) is None else bytes.fromhex(d[key])
+    return out
+
+
 class PrefixIndex:
-    """Which (instance, dp rank) holds which block hash: the router's view, rebuilt from events.
+    """Which (instance, dp rank) holds which block hash on its device: a small router view,
+    rebuilt from events (``kvpool.KVIndex`` is the full one: every medium, group and rank).
 
     ``stored`` adds the hashes, ``removed`` drops them, ``cleared`` drops everything of that
-    instance and rank.
+    instance and rank; events of the host and remote media are not the device's and are skipped.
     """
 
     def __init__(self) -> None:
@@ -632,6 +655,8 @@ class PrefixIndex:
 
     def apply(self, instance: str, event: dict[str, Any]) -> None:
         """Applies one event (``event_to_dict`` form) of ``instance``."""
+        if event.get("medium", "device") != "device":
+            return
         holder = (instance, int(event["dp_rank"]))
         kind = event["kind"]
         held = self.by_holder.setdefault(holder, set())
@@ -736,12 +761,16 @@ class RedisEventPublisher:
 
 def read_events(url: str, *, stream: str = "kvpool:events", index: PrefixIndex | None = None,
                 last_id: bytes | str = "0", count: int = 1000, max_entries: int = 1_000_000,
-                timeout_ms: float = 1000.0) -> tuple[PrefixIndex, bytes | str]:
+                timeout_ms: float = 1000.0, kv_index: Any = None,
+                instance_ids: dict[str, int] | None = None) -> tuple[PrefixIndex, bytes | str]:
     """Replays a stream into a ``PrefixIndex`` (new or ``index``) from after ``last_id``.
 
     Reads in pages of ``count`` entries (XRANGE) until the end or ``max_entries``; returns the
-    index and the last id read (pass it back to continue later).
+    index and the last id read (pass it back to continue later). With ``kv_index`` (a
+    ``kvpool.KVIndex``) every entry's events are applied to it as well, the instance named by
+    ``instance_ids`` (instance name -> int id; new names get the next free id, added to it).
     """
+    ids = instance_ids if instance_ids is not None else {}
     import redis
 
     t = timeout_ms / 1000.0
@@ -756,8 +785,12 @@ def read_events(url: str, *, stream: str = "kvpool:events", index: PrefixIndex |
                 break
             for entry_id, fields in page:
                 instance = fields[b"instance"].decode()
-                for ev in json.loads(fields[b"events"]):
+                batch = json.loads(fields[b"events"])
+                for ev in batch:
                     index.apply(instance, ev)
+                if kv_index is not None:
+                    number = ids.setdefault(instance, max(ids.values(), default=-1) + 1)
+                    kv_index.apply(number, [event_from_dict(ev) for ev in batch])
                 last_id = entry_id
             seen += len(page)
     finally:

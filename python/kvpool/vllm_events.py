@@ -68,6 +68,12 @@ def _hash_bytes(h: int | bytes) -> bytes:
     raise TypeError(f"block hash: must be an int or bytes, got {type(h).__name__}")
 
 
+# the fields an event leaves out, with their defaults (docs/events.md)
+_DEFAULTS = (("medium", "device"), ("dp_rank", 0), ("group", 0), ("group_kind", "full_attention"),
+             ("sliding_window", None), ("extra_key", None), ("parent_hash", None), ("block_hashes", []),
+             ("token_ids", None))
+
+
 def _event_fields(event: Any) -> tuple[str, dict[str, Any]]:
     """(type, fields) of a decoded event, map or array form."""
     if isinstance(event, dict):
@@ -136,8 +142,10 @@ class VllmEventReader:
                 raise ValueError(f"event: unknown vLLM KV event type {tag!r}")
         if not out:
             out.append({"kind": "removed", "dp_rank": dp_rank, "block_size": 1, "block_hashes": []})
-        for event in out:
+        for event in out:  # every field on every event, as the pool's (docs/events.md)
             event["sequence"] = sequence
+            for key, default in _DEFAULTS:
+                event.setdefault(key, default)
         return out
 
     def apply(self, instance: int, payload: bytes, *, sequence: int | None = None) -> dict[str, Any]:

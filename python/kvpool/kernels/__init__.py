@@ -1,4 +1,4 @@
-"""kvpool.kernels: the GPU data plane (DESIGN section 3, K1-K8).
+"""kvpool.kernels: the GPU data plane (docs/contract.md, K1-K8).
 
 CUDA C kernels (the ``.cu`` files beside this module) that write K/V into the paged cache, copy and
 swap blocks, copy recurrent-state slots and run paged decode / prefill attention over the block

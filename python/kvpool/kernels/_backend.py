@@ -1,4 +1,4 @@
-"""The three backends of kvpool.kernels (DESIGN K8) and how one is chosen."""
+"""The three backends of kvpool.kernels (K8) and how one is chosen."""
 
 from __future__ import annotations
 

@@ -108,7 +108,7 @@ def _threads_for(nvec: int, cap: int = 256) -> int:
 
 # ---------------------------------------------------------------------------- K2
 def write_kv(k, v, k_cache, v_cache, slot_mapping, *, backend=None, validate=True):
-    """Write the K/V rows of new tokens into the paged cache (DESIGN K2), in place.
+    """Write the K/V rows of new tokens into the paged cache (K2), in place.
 
     Parameters
     ----------
@@ -194,7 +194,7 @@ def _copy_rows(be, what, arrays, src, dst, validate):
 
 
 def copy_blocks(caches, src, dst, *, backend=None, validate=True):
-    """Copy block ``src[i]`` to block ``dst[i]`` in every cache, in one launch (DESIGN K3).
+    """Copy block ``src[i]`` to block ``dst[i]`` in every cache, in one launch (K3).
 
     Parameters
     ----------
@@ -209,7 +209,7 @@ def copy_blocks(caches, src, dst, *, backend=None, validate=True):
 
 
 def copy_linear_state(state, src_slots, dst_slots, *, backend=None, validate=True):
-    """Copy recurrent-state slot ``src_slots[i]`` to ``dst_slots[i]`` (DESIGN K7), in place.
+    """Copy recurrent-state slot ``src_slots[i]`` to ``dst_slots[i]`` (K7), in place.
 
     Executes the checkpoint save / restore plans of ``BlockManagerPool.take_linear_state_plan``.
 
@@ -225,7 +225,7 @@ def copy_linear_state(state, src_slots, dst_slots, *, backend=None, validate=Tru
 
 # ---------------------------------------------------------------------------- K4
 def swap_blocks(src_cache, dst_cache, src, dst, stream=None, *, backend=None, validate=True):
-    """Copy block ``src[i]`` of ``src_cache`` to block ``dst[i]`` of ``dst_cache`` (DESIGN K4).
+    """Copy block ``src[i]`` of ``src_cache`` to block ``dst[i]`` of ``dst_cache`` (K4).
 
     Executes the load / offload plans of ``HierarchyBlockManagerPool`` (R26) in one launch. On the
     cupy backend one side is typically a NumPy array in pinned host memory
@@ -340,7 +340,7 @@ def decode_splits(num_ctas: int, max_len: int, num_sms: int, num_splits=None) ->
 
 def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, out=None,
                            window=None, *, backend=None, num_splits=None, validate=True):
-    """Decode attention of one query token per sequence over the paged cache (DESIGN K5).
+    """Decode attention of one query token per sequence over the paged cache (K5).
 
     Parameters
     ----------
@@ -405,7 +405,7 @@ def prefill_kv_tile(head_dim: int, itemsize: int) -> int:
 
 def paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale,
                             causal=True, window=None, *, backend=None, out=None, validate=True):
-    """Prefill / extend attention of query chunks over cached prefixes (DESIGN K6).
+    """Prefill / extend attention of query chunks over cached prefixes (K6).
 
     Sequence i's queries are its LAST ``cu_seqlens_q[i+1] - cu_seqlens_q[i]`` positions; their
     K/V, and those of every earlier position, are already in the cache (write_kv first).

@@ -1,4 +1,4 @@
-// cache_ops.cu -- data movement on the paged KV cache (DESIGN K2, K3, K4, K7).
+// cache_ops.cu -- data movement on the paged KV cache (K2, K3, K4, K7).
 // All kernels are byte movers: V is the vector type (uint4 = 16-byte copies;
 // unsigned char is the fallback for rows whose size or alignment is not a
 // multiple of 16).  Launch geometry is chosen in kvpool/kernels/_ops.py.

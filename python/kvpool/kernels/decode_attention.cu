@@ -1,4 +1,4 @@
-// decode_attention.cu -- paged decode attention (DESIGN K5).
+// decode_attention.cu -- paged decode attention (K5).
 //
 // One CTA per (kv head, group tile, sequence, KV split).  The CTA holds up to
 // GT query heads of one kv head's GQA group in registers, so every K/V row is

@@ -1,4 +1,4 @@
-// prefill_attention.cu -- paged prefill / extend attention (DESIGN K6).
+// prefill_attention.cu -- paged prefill / extend attention (K6).
 //
 // Sequence s has q_len = cu_seqlens_q[s+1] - cu_seqlens_q[s] queries: its LAST
 // q_len positions, so query i sits at position p = seq_lens[s] - q_len + i.

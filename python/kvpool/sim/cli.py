@@ -48,6 +48,9 @@ SWEEP_KEYS: dict[str, tuple[str, Any]] = {
     "mfu": ("mfu", float),
     "order": ("order", str),
     "gpu": ("gpu", str),
+    "xtensor": ("xtensor", None),
+    "page_mib": ("page_mib", float),
+    "memory_limit_gib": ("memory_limit_gib", float),
 }
 # sweep keys whose values are capacities: --plot draws the hit rate against them
 CAPACITY_KEYS = ("cache_tokens", "num_blocks", "gib")
@@ -183,8 +186,23 @@ def build_parser(prog: str = "kvpool simulate") -> argparse.ArgumentParser:
     c.add_argument("--host-cache-tokens", type=_tokens_arg, default=None, metavar="N",
                    help="host tier per rank in tokens (sets --host-blocks to ceil(N / block size) + 1)")
     c.add_argument("--remote", default=None, metavar="URL",
-                   help="shared remote KV tier, e.g. redis://127.0.0.1:6379/0 (needs --host-blocks); "
-                        "simulators sharing one Redis reuse each other's prefixes")
+                   help="shared remote KV tier, e.g. redis://127.0.0.1:6379/0, or memory (in this process) "
+                        "(needs --host-blocks); simulators sharing one Redis reuse each other's prefixes; "
+                        "with --instances a comma list of none, memory and URLs, one table row each")
+
+    x = p.add_argument_group("elastic memory (XTensor pages, docs/xtensor.md)")
+    x.add_argument("--xtensor", action="store_true",
+                   help="every rank's KV blocks on virtual-memory pages mapped on use: the cache size is the "
+                   "virtual range, the memory is what the pages mapped hold (reported over time); needs a model "
+                   "shape (--model, or --layers/--kv-heads/--head-dim) to size pages in bytes")
+    x.add_argument("--page-mib", type=_pos_float, default=None, metavar="M",
+                   help="bytes of one page, all layers' K and V, in MiB (default: 2 MiB per K and V tensor of "
+                   "every layer, 4 x layers MiB, CUDA's granularity)")
+    x.add_argument("--memory-limit-gib", type=_pos_float, default=None, metavar="G",
+                   help="memory each rank may map, in GiB (default: the whole range)")
+    x.add_argument("--memory-limit-schedule", default=None, metavar="T:GIB,...",
+                   help="change the limit per rank at simulated second T to GIB GiB (none: no limit), e.g. "
+                   "600:20,1800:8,3000:none; as a co-located second model would squeeze the instance")
 
     h = p.add_argument_group("hybrid models")
     h.add_argument("--linear-state-slots", type=_nonneg_int, default=0,
@@ -219,6 +237,9 @@ def build_parser(prog: str = "kvpool simulate") -> argparse.ArgumentParser:
     o.add_argument("--check", action="store_true",
                    help="test mode: pool.check() and accounting asserts after every step (slow)")
 
+    from kvpool.sim import fleet_cli
+
+    fleet_cli.add_arguments(p)
     e = p.add_argument_group("data plane")
     e.add_argument("--execute", action="store_true",
                    help="also run a small random-weight attention stack through kvpool.kernels "
@@ -317,6 +338,7 @@ def make_config(args: argparse.Namespace, reqs: list[Any] | None = None) -> tupl
         raise UsageError("--tp, --mfu and --mbu shape the roofline: they need --gpu")
     if args.gpu is not None and args.step_ms is not None:
         raise UsageError("give --gpu (the roofline) or --step-ms (a fixed step time), not both")
+    xtensor, schedule = _xtensor_config(args, shape, extra)
     cfg = SimConfig(
         num_blocks=num_blocks, block_size=args.block_size, dp_size=args.dp,
         enable_prefix_cache=args.prefix_cache, max_num_batched_tokens=args.max_batched_tokens,
@@ -325,12 +347,44 @@ def make_config(args: argparse.Namespace, reqs: list[Any] | None = None) -> tupl
         sliding_window=args.sliding_window, swa_num_blocks=args.swa_num_blocks,
         host_num_blocks=host_blocks, remote=args.remote, check=args.check, max_steps=args.max_steps,
         seed=args.seed, order=args.order, step_ms=args.step_ms or DEFAULT_STEP_MS, gpu=args.gpu, tp=args.tp,
-        mfu=args.mfu, mbu=args.mbu, model_shape=shape)
+        mfu=args.mfu, mbu=args.mbu, model_shape=shape, xtensor=xtensor, memory_limit_schedule=schedule)
     try:
         cfg.step_timer()
     except SimError as e:
         raise UsageError(str(e)) from None
     return cfg, extra
+
+
+def _xtensor_config(args: argparse.Namespace, shape: ModelShape | None,
+                    extra: dict[str, Any]) -> tuple[dict[str, Any] | None, tuple[tuple[float, float | None], ...]]:
+    """The pool's ``xtensor=`` dict and the limit schedule of ``--xtensor`` and its options."""
+    from kvpool.sim.elastic import MIB, default_page_bytes, parse_limit_schedule, xtensor_option
+
+    if not args.xtensor:
+        given = [n for n, v in (("--page-mib", args.page_mib), ("--memory-limit-gib", args.memory_limit_gib),
+                                ("--memory-limit-schedule", args.memory_limit_schedule)) if v is not None]
+        if given:
+            raise UsageError(f"{', '.join(given)} go(es) with --xtensor")
+        return None, ()
+    if shape is None:
+        raise UsageError("--xtensor sizes pages in bytes: it needs a model shape (--model, or "
+                         "--layers/--kv-heads/--head-dim)")
+    if args.host_blocks or args.host_cache_tokens is not None:
+        raise UsageError("--xtensor does not combine with a host tier (--host-blocks / --host-cache-tokens)")
+    bpb = bytes_per_block(shape, args.block_size)
+    page_bytes = int(args.page_mib * MIB) if args.page_mib is not None else default_page_bytes(shape.layers)
+    try:
+        option = xtensor_option(bpb, page_bytes, args.memory_limit_gib)
+    except ValueError as e:
+        raise UsageError(f"--page-mib: {e}") from None
+    schedule: tuple[tuple[float, float | None], ...] = ()
+    if args.memory_limit_schedule is not None:
+        try:
+            schedule = parse_limit_schedule(args.memory_limit_schedule)
+        except ValueError as e:
+            raise UsageError(f"--memory-limit-schedule: {e}") from None
+    extra["xtensor_page_mib"] = page_bytes / MIB
+    return option, schedule
 
 
 def make_workload(args: argparse.Namespace) -> tuple[list[Any], dict[str, Any]]:
@@ -440,8 +494,11 @@ def _main(args: argparse.Namespace) -> int:
 
     if args.timeline and not args.json:
         raise UsageError("--timeline goes with --json")
+    from kvpool.sim import fleet_cli
+
+    fleet = fleet_cli.fleet_requested(args)
     sweep = _parse_sweep(args.sweep)
-    if not sweep:
+    if not sweep and not fleet:
         make_config(args)  # configuration errors before reading the workload
     if args.plot:
         report.require_matplotlib()
@@ -458,6 +515,8 @@ def _main(args: argparse.Namespace) -> int:
     show = args.progress or (not args.no_progress and not os.environ.get("KVPOOL_NO_PROGRESS")
                              and sys.stderr.isatty())
     console = Console()
+    if fleet:  # --instances / --router: N pools behind a router (kvpool.sim.fleet)
+        return fleet_cli.run(args, reqs, wl, console, show)
     if args.plot and sweep and not any(k in CAPACITY_KEYS for k, _, _ in sweep):
         raise UsageError(f"--plot with --sweep draws the hit rate against a capacity: sweep one of "
                          f"{', '.join(CAPACITY_KEYS)}")

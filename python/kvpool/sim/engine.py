@@ -14,7 +14,8 @@ One call of :meth:`Simulator.step` is one engine step (one forward pass per dp r
 3. prefill chunks of running sequences, oldest first, take what is left of the budget
    (``allocate`` with a larger ``num_tokens``; preempting as above);
 4. if nothing was preempted, waiting requests are admitted in order while a rank has budget
-   and ``can_allocate`` agrees (the first chunk; prefix hits are free);
+   and ``plan`` finds room (the first chunk; prefix hits are free), then ``allocate`` carries
+   the plan out (one walk of the prefix chain per tier);
 5. the (simulated or executed) forward pass, timed by the step-time model
    (:mod:`kvpool.sim.timing`); then prefill chunks advance ``num_computed_tokens`` and
    ``cache`` the blocks that became full, finished sequences are released (``deallocate``),
@@ -48,6 +49,7 @@ from typing import Any
 import numpy as np
 
 from kvpool.sim.capacity import ModelShape
+from kvpool.sim.elastic import GIB, MappedMemory
 from kvpool.sim.timing import GPUS, FixedStepTime, Roofline, StepWork, chunk_work
 from kvpool.sim.traces import output_base, output_span, output_token, output_tokens
 from kvpool.sim.workloads import Request
@@ -79,7 +81,8 @@ class SimConfig:
     sliding_window: int | None = None
     swa_num_blocks: int | None = None
     host_num_blocks: int = 0
-    remote: str | None = None  # redis:// URL of a shared remote tier (needs the host tier)
+    remote: str | None = None  # redis:// URL of a shared remote tier, or "memory" (needs the host tier)
+    enable_events: bool = False  # the pool records KV events (the fleet simulation feeds a KVIndex)
     hash_seed: int | None = None
     check: bool = False  # test mode: pool.check() and accounting asserts every step
     max_steps: int | None = None
@@ -91,6 +94,9 @@ class SimConfig:
     mfu: float = 0.5
     mbu: float = 0.8
     model_shape: ModelShape | None = None
+    # elastic pages (--xtensor): the pool's xtensor= dict, and (seconds, GiB per rank or None) limit changes
+    xtensor: dict[str, Any] | None = None
+    memory_limit_schedule: tuple[tuple[float, float | None], ...] = ()
 
     def pool_kwargs(self) -> dict[str, Any]:
         kw: dict[str, Any] = {"dp_size": self.dp_size, "enable_prefix_cache": self.enable_prefix_cache}
@@ -105,6 +111,10 @@ class SimConfig:
                 kw["swa_num_blocks"] = self.swa_num_blocks
         if self.hash_seed is not None:
             kw["hash_seed"] = self.hash_seed
+        if self.xtensor is not None:
+            kw["xtensor"] = dict(self.xtensor)
+        if self.enable_events:
+            kw["enable_events"] = True
         return kw
 
     def step_timer(self) -> FixedStepTime | Roofline:
@@ -156,6 +166,10 @@ class SimConfig:
                            "state or sliding window")
         if not self.step_ms > 0:
             raise SimError(f"step_ms must be > 0, got {self.step_ms}")
+        if self.memory_limit_schedule and self.xtensor is None:
+            raise SimError("a memory-limit schedule needs elastic pages (--xtensor)")
+        if self.xtensor is not None and self.host_num_blocks:
+            raise SimError("--xtensor does not combine with a host tier (--host-blocks)")
         if self.gpu is not None and self.gpu not in GPUS:
             raise SimError(f"unknown gpu {self.gpu!r}; expected one of {', '.join(GPUS)}")
         self.step_timer()
@@ -228,6 +242,8 @@ class StepRecord:
     sched_us: float
     time_s: float = 0.0  # the simulated clock at the end of the step
     step_s: float = 0.0  # the step's duration (step-time model)
+    mapped_gib: float = 0.0  # --xtensor: memory mapped at the end of the step, all ranks
+    limit_gib: float = 0.0  # --xtensor: what the limits allow, all ranks
 
 
 @dataclass
@@ -247,49 +263,32 @@ class SimResult:
 def _import_kvpool() -> Any:
     import kvpool
 
-    if not hasattr(kvpool, "BlockManagerPool") or not hasattr(kvpool, "Sequence"):
-        raise UnavailableError(
-            "kvpool.BlockManagerPool is not available in this kvpool build (the compiled core "
-            "has no pool yet); rebuild with `make build`")
     return kvpool
 
 
-def _feature_error(cfg: SimConfig, err: Exception) -> UnavailableError | None:
-    msg = str(err)
-    for opt, name in (("linear_state", "linear state (--linear-state-slots)"),
-                      ("checkpoint_interval", "linear-state checkpoints (--checkpoint-interval)"),
-                      ("sliding_window", "sliding window (--sliding-window)"),
-                      ("swa_num_blocks", "sliding window (--swa-num-blocks)"),
-                      ("hash_seed", "hash_seed"), ("dp_size", "dp ranks (--dp)")):
-        if opt in msg:
-            return UnavailableError(f"{name} is not available in this kvpool build ({msg})")
-    return None
-
-
-def make_pool(cfg: SimConfig) -> Any:
+def make_pool(cfg: SimConfig, remote_tier: Any = None) -> Any:
+    """The pool of ``cfg``: a ``HierarchyBlockManagerPool`` with a host tier (which composes with
+    dp ranks, linear state and sliding windows: docs/host_tier.md), else a ``BlockManagerPool``.
+    ``remote_tier`` (a ``kvpool.remote.RemoteTier``) replaces the one ``cfg.remote`` names (the
+    fleet simulation shares one among its instances)."""
     kvpool = _import_kvpool()
     kw = cfg.pool_kwargs()
     try:
         if cfg.host_num_blocks:
-            cls = getattr(kvpool, "HierarchyBlockManagerPool", None)
-            if cls is None:
-                raise UnavailableError(
-                    "the host tier (--host-blocks, HierarchyBlockManagerPool) is not available in this kvpool build")
-            if cfg.remote is not None:
+            if remote_tier is not None:
+                kw["remote"] = remote_tier
+            elif cfg.remote == "memory":
+                from kvpool.tiers.memory import MemoryRemoteTier
+
+                kw["remote"] = MemoryRemoteTier()
+            elif cfg.remote is not None:
                 from kvpool.remote import RedisRemoteTier
 
                 ns = f"kvpool-sim|bs{cfg.block_size}|seed{cfg.hash_seed}"
                 kw["remote"] = RedisRemoteTier(cfg.remote, ns, timeout_ms=1000)
-            return cls(cfg.num_blocks, cfg.host_num_blocks, cfg.block_size, **kw)
+            return kvpool.HierarchyBlockManagerPool(cfg.num_blocks, cfg.host_num_blocks, cfg.block_size, **kw)
         return kvpool.BlockManagerPool(cfg.num_blocks, cfg.block_size, **kw)
-    except TypeError as e:
-        fe = _feature_error(cfg, e)
-        if fe is not None:
-            raise fe from None
-        raise SimError(f"the pool rejected the configuration: {e}") from None
-    except ValueError as e:
-        if "not available" in str(e):
-            raise UnavailableError(f"{e} (requested by the simulator options)") from None
+    except (TypeError, ValueError) as e:
         raise SimError(f"the pool rejected the configuration: {e}") from None
 
 
@@ -330,12 +329,15 @@ class Simulator:
     """
 
     def __init__(self, cfg: SimConfig, requests: Sequence[Request], *, executor: Any = None,
-                 on_step: Callable[[Simulator], None] | None = None) -> None:
+                 on_step: Callable[[Simulator], None] | None = None, remote_tier: Any = None) -> None:
         cfg.validate()
         self.cfg = cfg
         self.kvpool = _import_kvpool()
         self.timer = cfg.step_timer()
-        self.pool = make_pool(cfg)
+        self.pool = make_pool(cfg, remote_tier)
+        self.mapped: MappedMemory | None = None
+        if cfg.xtensor is not None:
+            self.mapped = MappedMemory(self.pool, cfg.memory_limit_schedule)
         self.hier = bool(cfg.host_num_blocks)
         self.remote: Any = None
         if cfg.remote is not None:
@@ -343,8 +345,6 @@ class Simulator:
 
             self.remote = RemoteTransfer(self.pool, _SimBlocks())
         self.linear = bool(cfg.linear_state_slots)
-        if self.linear and not hasattr(self.pool, "take_linear_state_plan"):
-            raise UnavailableError("linear state (take_linear_state_plan) is not available in this kvpool build")
         self.requests = sorted(requests, key=lambda r: (r.arrival, r.request_id))
         # the trace's clock when every request has one, else the step count
         self.seconds_clock = bool(self.requests) and all(r.arrival_s is not None for r in self.requests)
@@ -579,6 +579,8 @@ class Simulator:
         preempted = False
         # whether a pool call other than the decode batch's advance ran (the counts may have changed)
         touched = self.hier or self.linear
+        if self.mapped is not None and self.mapped.due(self.now_s):
+            touched = self.mapped.apply_due(self.now_s) or touched  # a co-located tenant squeezes (or frees) memory
         # 2. decodes: room for those that advanced without it, then one token of budget each
         if self.need_room:
             touched = True
@@ -668,18 +670,25 @@ class Simulator:
         if used > self.peak_used_blocks:
             self.peak_used_blocks = used
         q = st.get("prefix_query_tokens", 0)
+        mapped_gib = limit_gib = 0.0
+        if self.mapped is not None:
+            self.mapped.record(st, end_s)
+            mapped_gib, limit_gib = self.mapped.now_bytes / GIB, self.mapped.limit_bytes / GIB
         self.timeline.append(StepRecord(
             step, usage, used, int(st["num_cached_blocks"]), len(self.running), len(self.waiting), batched,
-            (st.get("prefix_hit_tokens", 0) / q) if q else 0.0, sched / 1e3, end_s, dt))
+            (st.get("prefix_hit_tokens", 0) / q) if q else 0.0, sched / 1e3, end_s, dt, mapped_gib, limit_gib))
         if cfg.check:
             self._check(st)
         if not batched and not self.running and self.waiting and not self._arrival_ahead(step):
             self.stall_steps += 1
             if self.stall_steps > 3:
                 lv = self.waiting[0]
+                limit = ""
+                if self.mapped is not None:
+                    limit = f", a memory limit of {self.mapped.limit_bytes / GIB:g} GiB over all ranks"
                 raise SimError(
                     f"request {lv.req.request_id} ({lv.prompt_len + lv.generated} tokens) cannot be admitted "
-                    f"into an idle pool (stats: {_brief(st)}): the configuration cannot serve it")
+                    f"into an idle pool (stats: {_brief(st)}{limit}): the configuration cannot serve it")
         else:
             self.stall_steps = 0
         self.step_no += 1
@@ -708,11 +717,13 @@ class Simulator:
             seq = lv.seq if lv.seq is not None else self._make_seq(lv)
             L = len(seq)
             first = min(L, top)
-            if not pool.can_allocate(seq, first):
+            # Plan once (one walk of the chain per tier), then allocate with the plan.
+            plan = pool.plan(seq, first)
+            if plan is None:
                 break
-            if not pool.allocate(seq, first):
+            if not pool.allocate(seq, first, plan=plan):
                 if cfg.check:
-                    raise AssertionError("can_allocate said yes but allocate failed (R15)")
+                    raise AssertionError("plan said yes but allocate failed (R15)")
                 break
             waiting.popleft()
             if self.hier:
@@ -722,7 +733,7 @@ class Simulator:
             self.admissions += 1
             self.admit_tokens += L
             self.admit_cached += cached
-            if self.linear and getattr(seq, "linear_state_restore_slot", None) is not None:
+            if self.linear and seq.linear_state_restore_slot is not None:
                 self.ckpt_restores += 1
             if lv.first_admit_step < 0:
                 lv.first_admit_step = step
@@ -926,9 +937,12 @@ class Simulator:
             self.pending.popleft()
             lv = _Live(req, float(req.arrival_s) if req.arrival_s is not None else 0.0, i)
             self.now_s = max(self.now_s, lv.arrival_s)
+            if self.mapped is not None:
+                self.mapped.apply_due(self.now_s)
             seq = self._make_seq(lv)
             if not pool.allocate(seq):
-                raise SimError(f"request {req.request_id} ({len(seq)} tokens) does not fit the cache")
+                limit = " under the memory limit" if self.mapped is not None else ""
+                raise SimError(f"request {req.request_id} ({len(seq)} tokens) does not fit the cache{limit}")
             if self.hier:
                 self._sync_loads()
             L = len(seq)
@@ -949,6 +963,8 @@ class Simulator:
             self.peak_usage = max(self.peak_usage, usage)
             self.usage_sum += usage
             self._release(lv)
+            if self.mapped is not None:
+                self.mapped.record(pool.stats(), lv.arrival_s + dt)
             lv.seq = None
             lv.state = DONE
             lv.first_token_step = lv.finish_step = i
@@ -1063,6 +1079,8 @@ class Simulator:
         }
         if self.trace_read_s is not None:
             out["trace_read_s"] = self.trace_read_s
+        if self.mapped is not None:
+            out.update(self.mapped.summary(st, self.now_s))
         sessions = [lv for lv in fin if lv.req.session is not None]
         if sessions:
             first = [lv for lv in sessions if lv.req.session.parent_chat_id < 0]

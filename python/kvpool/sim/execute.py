@@ -9,9 +9,8 @@ position 0) and the paged outputs, and the cached K/V, are compared with that re
 a wrong block id, a bad slot, a prefix hit on the wrong KV or an early-freed block shows up
 as a large error.
 
-The kernels come from ``kvpool.kernels`` (cupy on a GPU, the emulated CUDA or the NumPy
-reference on a CPU); if that package is not importable, a small NumPy implementation here
-stands in (backend "sim-numpy").
+The kernels are ``kvpool.kernels``'s (``--backend``: cupy on a GPU, the emulated CUDA or the
+NumPy reference on a CPU; auto takes cupy when CuPy sees a GPU, else numpy).
 """
 
 from __future__ import annotations
@@ -22,108 +21,54 @@ from typing import Any
 
 import numpy as np
 
+import kvpool.kernels as K
+from kvpool.kernels._backend import ENV, gpu_available
+
 __all__ = ["Executor"]
 
 _EMB_ROWS = 4096
 
 
-# --------------------------------------------------------------- stand-in kernels (NumPy)
-def _np_write_kv(k, v, k_cache, v_cache, slot_mapping, backend=None):  # noqa: ANN001
-    bs = k_cache.shape[1]
-    slots = np.asarray(slot_mapping, dtype=np.int64)
-    keep = slots >= 0
-    s = slots[keep]
-    k_cache[s // bs, s % bs] = k[keep]
-    v_cache[s // bs, s % bs] = v[keep]
+class _Kernels:
+    """The three kernels of ``kvpool.kernels`` the stack calls, on one backend, and the array
+    module (NumPy or CuPy) its caches live in."""
+
+    def __init__(self, backend: str) -> None:
+        from kvpool.sim.engine import UnavailableError
+
+        if backend == "auto":
+            # a replay on a CPU takes the NumPy reference: the emulated CUDA is for checking the
+            # kernels themselves and is much slower (--backend emulated still picks it)
+            backend = os.environ.get(ENV) or ("cupy" if gpu_available() else "numpy")
+        self.xp: Any = np
+        if backend == "cupy":
+            if not gpu_available():
+                raise UnavailableError("--backend cupy needs cupy and a CUDA GPU")
+            import cupy
+
+            self.xp = cupy
+        self.name = backend
+        self.write_kv = K.write_kv
+        self.decode = K.paged_decode_attention
+        self.prefill = K.paged_prefill_attention
+        self.kw: dict[str, Any] = {"backend": backend}
 
 
-def _np_gather(cache, table, n):  # noqa: ANN001
-    bs = cache.shape[1]
-    pos = np.arange(n)
-    return cache[table[pos // bs], pos % bs].astype(np.float64)  # [n, kvh, hd]
-
-
-def _np_attend(q, keys, vals, qpos, scale, window):  # noqa: ANN001
-    # q [m, qh, hd], keys/vals [n, kvh, hd], qpos [m]; float64, BLAS matmuls
+def _dense_attention(q, keys, vals, qpos, scale):  # noqa: ANN001
+    """Causal attention of the dense reference (no cache): q [m, qh, hd], keys/vals [n, kvh, hd],
+    qpos [m] the query positions; float64, BLAS matmuls (faster here than the kernels' einsum
+    reference, kvpool.kernels.reference.attention, on the long prompts the check recomputes)."""
     qh, kvh = q.shape[1], keys.shape[1]
     g = qh // kvh
     qq = np.asarray(q, dtype=np.float64).transpose(1, 0, 2)  # [qh, m, hd]
     kk = np.repeat(np.asarray(keys, dtype=np.float64).transpose(1, 0, 2), g, axis=0)  # [qh, n, hd]
     vv = np.repeat(np.asarray(vals, dtype=np.float64).transpose(1, 0, 2), g, axis=0)
     s = np.matmul(qq, kk.transpose(0, 2, 1)) * scale  # [qh, m, n]
-    kpos = np.arange(keys.shape[0])
-    mask = kpos[None, :] > qpos[:, None]
-    if window is not None:
-        mask |= kpos[None, :] <= qpos[:, None] - window
-    s[:, mask] = -np.inf
+    s[:, np.arange(keys.shape[0])[None, :] > qpos[:, None]] = -np.inf
     s -= s.max(axis=-1, keepdims=True)
     np.exp(s, out=s)
     s /= s.sum(axis=-1, keepdims=True)
     return np.matmul(s, vv).transpose(1, 0, 2)  # [m, qh, hd]
-
-
-def _np_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, out=None, window=None, backend=None):  # noqa: ANN001
-    res = np.empty(q.shape, dtype=q.dtype) if out is None else out
-    for i, n in enumerate(np.asarray(seq_lens)):
-        n = int(n)
-        res[i] = _np_attend(q[i : i + 1], _np_gather(k_cache, block_tables[i], n),
-                            _np_gather(v_cache, block_tables[i], n), np.array([n - 1]), scale, window)[0]
-    return res
-
-
-def _np_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, causal=True, window=None,
-                backend=None):  # noqa: ANN001
-    res = np.empty(q.shape, dtype=q.dtype)
-    cu = np.asarray(cu_seqlens_q)
-    for i, n in enumerate(np.asarray(seq_lens)):
-        n = int(n)
-        a, b = int(cu[i]), int(cu[i + 1])
-        qpos = np.arange(n - (b - a), n) if causal else np.full(b - a, n - 1)
-        res[a:b] = _np_attend(q[a:b], _np_gather(k_cache, block_tables[i], n),
-                              _np_gather(v_cache, block_tables[i], n), qpos, scale, window)
-    return res
-
-
-class _Kernels:
-    def __init__(self, backend: str) -> None:
-        self.xp: Any = np
-        try:
-            import kvpool.kernels as K
-
-            fns = (K.write_kv, K.paged_decode_attention, K.paged_prefill_attention)
-        except (ImportError, AttributeError):
-            K = None
-        if K is None:
-            if backend not in ("auto", "numpy"):
-                from kvpool.sim.engine import UnavailableError
-
-                raise UnavailableError(f"--backend {backend}: kvpool.kernels is not available in this kvpool build")
-            self.name = "sim-numpy"
-            self.write_kv, self.decode, self.prefill = _np_write_kv, _np_decode, _np_prefill
-            self.kw: dict[str, Any] = {}
-            return
-        if backend == "auto":
-            backend = os.environ.get("KVPOOL_KERNEL_BACKEND") or ("cupy" if _has_gpu() else "numpy")
-        if backend == "cupy":
-            if not _has_gpu():
-                from kvpool.sim.engine import UnavailableError
-
-                raise UnavailableError("--backend cupy needs cupy and a CUDA GPU")
-            import cupy
-
-            self.xp = cupy
-        self.name = backend
-        self.write_kv, self.decode, self.prefill = fns
-        self.kw = {"backend": backend}
-
-
-def _has_gpu() -> bool:
-    try:
-        import cupy
-
-        return cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:
-        return False
 
 
 def _rms(x: np.ndarray) -> np.ndarray:
@@ -299,7 +244,7 @@ class Executor:
             k = (h @ wk).reshape(n, self.kvh, self.hd)
             v = (h @ wv).reshape(n, self.kvh, self.hd)
             ks.append(k)
-            o = _np_attend(q, k, v, np.arange(n), self.scale, None)
+            o = _dense_attention(q, k, v, np.arange(n), self.scale)
             h = h + o.reshape(n, -1) @ wo.astype(np.float64)
             h = _rms(h)
         return h, ks

@@ -52,6 +52,28 @@ def _time_rows(s: dict[str, Any], c: dict[str, Any]) -> list[tuple[str, str, str
     ]
 
 
+def _xtensor_rows(s: dict[str, Any], c: dict[str, Any]) -> list[tuple[str, str, str] | None]:
+    """Mapped memory of elastic pages (--xtensor)."""
+    if not c.get("xtensor"):
+        return []
+    x = c["xtensor"]
+    limit = x.get("memory_limit")
+    changes = s.get("limit_changes", [])
+    rows: list[tuple[str, str, str] | None] = [
+        None,
+        ("mapped memory", f"{s['mapped_gib_mean']:.2f} GiB",
+         f"mean over simulated time, all ranks; peak {s['mapped_gib_peak']:.2f}, at the end "
+         f"{s['mapped_gib_final']:.2f} GiB, of {s['reserved_gib']:.2f} GiB of virtual range"),
+        ("pages", f"{x['page_bytes'] / (1 << 20):g} MiB",
+         f"{x['blocks_per_page']} blocks each; {s['page_maps']:,} maps, {s['page_unmaps']:,} unmaps"
+         + (f", {s['map_failures']:,} refused" if s.get("map_failures") else "")),
+        ("memory limit", "none" if limit is None else f"{limit / (1 << 30):g} GiB",
+         "per rank at the start" + (f"; {len(changes)} change(s), held above the limit at most "
+                                    f"{s['limit_excess_gib_peak']:.2f} GiB" if changes else "")),
+    ]
+    return rows
+
+
 def _session_rows(s: dict[str, Any]) -> list[tuple[str, str, str] | None]:
     if "sessions" not in s:
         return []
@@ -82,6 +104,7 @@ def _request_order_rows(res: Any) -> list[tuple[str, str, str] | None]:
         rows += [("host loads", _int(s["host_loads"]), "blocks copied host -> device (host prefix hits)"),
                  ("host offloads", _int(s["host_offloads"]), "blocks copied device -> host on release")]
     rows += _session_rows(s)
+    rows += _xtensor_rows(s, c)
     rows += [None,
              ("step time", c.get("step_time", "-"), "how a prefill's seconds are counted"),
              ("prefill time", _secs(s["prefill_s_mean"]), f"mean per request; {_secs(s['busy_s'])} in all"),
@@ -134,6 +157,7 @@ def summary_rows(res: Any) -> list[tuple[str, str, str] | None]:
         rows += [("checkpoint hits", _int(s["checkpoint_hits"]), "admissions that restored a linear-state checkpoint"),
                  ("checkpoint saves", _int(s["checkpoint_saves"]), "linear-state checkpoints written")]
     rows += _session_rows(s)
+    rows += _xtensor_rows(s, c)
     rows += _time_rows(s, c)
     rows += [
         None,
@@ -190,11 +214,20 @@ REQUEST_ORDER_COLUMNS = [
 ]
 
 
+# --xtensor (any point of the sweep): mapped memory, all ranks
+XTENSOR_COLUMNS = [
+    ("mapped GiB mean", lambda s: f"{s['mapped_gib_mean']:.2f}" if "mapped_gib_mean" in s else "-"),
+    ("peak", lambda s: f"{s['mapped_gib_peak']:.2f}" if "mapped_gib_peak" in s else "-"),
+]
+
+
 def comparison_table(labels: Sequence[str], results: Sequence[Any]) -> Any:
     from rich.table import Table
 
     request_order = all(r.config.get("order") == "request" for r in results)
     columns = REQUEST_ORDER_COLUMNS if request_order else COMPARE_COLUMNS
+    if any(r.config.get("xtensor") for r in results):
+        columns = columns[:-1] + XTENSOR_COLUMNS + columns[-1:]
     t = Table(title="kvpool simulate --sweep" + (" (request order)" if request_order else ""), title_justify="left")
     t.add_column("config", style="bold", no_wrap=True)
     t.add_column("tokens/rank", justify="right", no_wrap=True)
@@ -271,7 +304,8 @@ def plot(res: Any, path: str) -> None:
 
     tl = res.timeline
     x = [r.step for r in tl]
-    fig, axes = plt.subplots(3, 1, figsize=(9, 7.5), sharex=True)
+    elastic = bool(res.config.get("xtensor"))
+    fig, axes = plt.subplots(4 if elastic else 3, 1, figsize=(9, 10 if elastic else 7.5), sharex=True)
     ax = axes[0]
     total = max(res.summary["num_total_blocks"], 1)
     ax.plot(x, [100 * r.usage for r in tl], lw=1, label="used (held by sequences)")
@@ -290,8 +324,17 @@ def plot(res: Any, path: str) -> None:
     ax.plot(x, [r.running for r in tl], lw=1, label="running")
     ax.plot(x, [r.waiting for r in tl], lw=1, label="waiting")
     ax.set_ylabel("requests")
-    ax.set_xlabel("engine step")
     ax.legend(loc="upper right", fontsize=8)
+    if elastic:
+        ax = axes[3]
+        s = res.summary
+        ax.plot(x, [r.mapped_gib for r in tl], lw=1, color="tab:purple",
+                label=f"mapped (mean {s['mapped_gib_mean']:.1f}, peak {s['mapped_gib_peak']:.1f} GiB)")
+        ax.plot(x, [r.limit_gib for r in tl], lw=1, ls="--", color="tab:red", label="memory limit")
+        ax.set_ylabel("KV memory GiB\n(all ranks)")
+        ax.set_ylim(0, max([r.limit_gib for r in tl] + [s["mapped_gib_peak"], 1e-3]) * 1.05)
+        ax.legend(loc="upper right", fontsize=8)
+    axes[-1].set_xlabel("engine step")
     for a in axes:
         a.grid(alpha=0.3)
     fig.tight_layout()

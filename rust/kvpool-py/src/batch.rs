@@ -18,7 +18,7 @@ use pyo3::types::{PyList, PyTuple};
 
 use crate::convert;
 use crate::errors::{type_error, value_error};
-use crate::pool::PySequence;
+use crate::sequence::PySequence;
 
 /// An ordered set of sequences kept from step to step: the running batch of an engine.
 ///

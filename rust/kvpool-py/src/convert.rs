@@ -271,3 +271,33 @@ pub fn flag(obj: Option<&Bound<'_, PyAny>>, name: &str, default: bool) -> PyResu
         format!("must be a bool, got {}", obj.get_type().name()?),
     ))
 }
+
+/// The hasher of `hash_seed` (None: the default seed) truncated to `debug_hash_bits` (1..=128)
+/// when given.
+pub fn hasher(
+    hash_seed: Option<&Bound<'_, PyAny>>,
+    debug_hash_bits: Option<&Bound<'_, PyAny>>,
+) -> PyResult<kvpool::BlockHasher> {
+    let seed = self::hash_seed(hash_seed)?;
+    // Validated below, naming the value given (F10).
+    match optional_count(debug_hash_bits, "debug_hash_bits")? {
+        None => Ok(kvpool::BlockHasher::new(seed)),
+        Some(bits) if (1..=128).contains(&bits) => {
+            Ok(kvpool::BlockHasher::with_debug_bits(seed, bits as u32))
+        }
+        Some(bits) => Err(value_error(
+            "debug_hash_bits",
+            format!("must be in 1..=128, got {bits}"),
+        )),
+    }
+}
+
+/// A str option (`name` in errors), `default` when not given or None.
+pub fn choice(value: Option<&Bound<'_, PyAny>>, name: &str, default: &str) -> PyResult<String> {
+    match value {
+        Some(v) if !v.is_none() => v
+            .extract::<String>()
+            .map_err(|_| type_error(name, "must be a str")),
+        _ => Ok(default.to_owned()),
+    }
+}

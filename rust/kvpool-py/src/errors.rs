@@ -30,6 +30,7 @@ pub fn to_py(error: KvPoolError) -> PyErr {
         KvPoolError::OutOfBlocks { .. } => OutOfBlocksError::new_err(error.to_string()),
         KvPoolError::InvalidArgument { .. } => PyValueError::new_err(error.to_string()),
         KvPoolError::Invariant(_) => InvariantError::new_err(error.to_string()),
+        KvPoolError::PageBackend(_) => KVPoolError::new_err(error.to_string()),
     }
 }
 

@@ -5,7 +5,6 @@
 //! or objects with attributes of the same names (a `kvpool.KVEvent` works); the accepted shape
 //! is documented in docs/events.md and in the stub.
 
-use kvpool::index::wire;
 use kvpool::{ApplyReport, EventKind, GroupKind, IndexConfig, IndexEvent, KVIndex, Medium};
 use pyo3::intern;
 use pyo3::prelude::*;
@@ -226,7 +225,10 @@ fn report_to_py<'py>(py: Python<'py>, r: &ApplyReport) -> PyResult<Bound<'py, Py
 }
 
 /// Hashes given as a list of 16-byte bytes.
-fn hashes_from_py(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<kvpool::BlockHash>> {
+pub(crate) fn hashes_from_py(
+    obj: &Bound<'_, PyAny>,
+    name: &str,
+) -> PyResult<Vec<kvpool::BlockHash>> {
     if obj.is_instance_of::<PyBytes>() || obj.is_instance_of::<PyString>() {
         return Err(type_error(name, "must be a list of 16-byte bytes"));
     }
@@ -315,7 +317,7 @@ impl PyKVIndex {
         let instance = unsigned(instance, "instance", u64::MAX)?;
         let report = py
             .detach(|| {
-                let events = wire::decode_batch(data)?;
+                let events = kvpool::decode_index_events(data)?;
                 self.inner.apply(instance, events)
             })
             .py()?;
@@ -530,14 +532,14 @@ pub fn encode_events<'py>(
     events: &Bound<'py, PyAny>,
 ) -> PyResult<Bound<'py, PyBytes>> {
     let events = events_from_py(events)?;
-    let data = py.detach(|| wire::encode_batch(&events));
+    let data = py.detach(|| kvpool::encode_index_events(&events));
     Ok(PyBytes::new(py, &data))
 }
 
 /// The events of a msgpack batch, as dicts of the documented shape.
 #[pyfunction]
 pub fn decode_events<'py>(py: Python<'py>, data: &[u8]) -> PyResult<Bound<'py, PyList>> {
-    let events = py.detach(|| wire::decode_batch(data)).py()?;
+    let events = py.detach(|| kvpool::decode_index_events(data)).py()?;
     let out = PyList::empty(py);
     for e in &events {
         out.append(event_to_py(py, e)?)?;

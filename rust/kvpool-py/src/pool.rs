@@ -1,298 +1,46 @@
-//! `kvpool.Sequence`, `kvpool.BlockManagerPool`, `kvpool.KVEvent`.
-//! Each method validates, makes one core call and maps the error. Lock order: a
-//! `SequenceBatch` argument, the pool, then the sequences (see `batch.rs`); no lock is held
-//! while Python code runs.
+//! `kvpool.BlockManagerPool`: the sequence-level pool (R13-R25), the base class of
+//! `kvpool.HierarchyBlockManagerPool`. Each method validates, makes one core call and maps the
+//! error. Lock order: a `SequenceBatch` argument, the pool, then the sequences (see
+//! `batch.rs`); no lock is held while Python code runs, except a page backend object's
+//! `map_page` / `unmap_page` (the `xtensor` option), which runs under the pool's lock: such a pool
+//! releases the GIL in every call, and every lock of the pool is waited for without the GIL
+//! ([`lock_pool`]), so the backend's thread can always take it. A pool built with
+//! `concurrent=True` releases the GIL in every call (R28).
 
-use kvpool::{
-    BlockManagerPool, KvCacheManager, LinearStateMatch, LinearStateSave, PoolConfig, RankStats,
-    Sequence,
-};
+use std::sync::Arc;
+
+use kvpool::{BlockManagerPool, KvCacheManager, PoolConfig, Sequence};
 use numpy::ndarray::Array2;
 use numpy::{IntoPyArray, PyArray1, PyArray2};
-use parking_lot::Mutex;
+use parking_lot::{Mutex, MutexGuard};
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyList};
+use pyo3::types::{PyDict, PyList};
 
 use crate::batch::SeqsArg;
 use crate::convert;
-use crate::errors::{type_error, value_error, IntoPyResult};
-use crate::hybrid::{PyLinearStatePlan, PyLinearStatePrefixCache};
-use crate::manager::{counts_dict, hasher};
+use crate::errors::{to_py, type_error, value_error, IntoPyResult};
+use crate::events::events_list;
+use crate::linear_state::{PyLinearStatePlan, PyLinearStatePrefixCache};
+use crate::options::Options;
+use crate::plan::{plan_arg, PyAllocationPlan};
+use crate::pool_lock::lock_pool;
+use crate::sequence::seq_ref;
+use crate::stats::pool_dict;
+use crate::xtensor::{in_backend, ErrorSlot, PythonBackend};
 
-/// A request's tokens and KV-cache state (block table, computed tokens, dp rank).
-#[pyclass(frozen, module = "kvpool", name = "Sequence")]
-pub struct PySequence {
-    pub(crate) inner: Mutex<Sequence>,
-}
-
-#[pymethods]
-impl PySequence {
-    #[new]
-    #[pyo3(signature = (token_ids, *, seq_id = None, extra_key = None))]
-    fn new(
-        token_ids: &Bound<'_, PyAny>,
-        seq_id: Option<&Bound<'_, PyAny>>,
-        extra_key: Option<&Bound<'_, PyAny>>,
-    ) -> PyResult<Self> {
-        let seq_id = match seq_id.filter(|s| !s.is_none()) {
-            Some(id) => Some(convert::uint64(id, "seq_id")?),
-            None => None,
-        };
-        let tokens = convert::tokens(token_ids, "token_ids")?;
-        let key = convert::extra_key(extra_key, "extra_key")?;
-        Ok(Self {
-            inner: Mutex::new(Sequence::new(tokens, seq_id, key.as_deref())),
-        })
-    }
-
-    /// Caller-visible id (a process-unique counter unless given).
-    #[getter]
-    fn seq_id(&self) -> u64 {
-        self.inner.lock().seq_id()
-    }
-
-    /// The extra key (cache salt) as bytes, or None.
-    #[getter]
-    fn extra_key<'py>(&self, py: Python<'py>) -> Option<Bound<'py, PyBytes>> {
-        self.inner.lock().extra_key().map(|k| PyBytes::new(py, k))
-    }
-
-    fn __len__(&self) -> usize {
-        self.inner.lock().len()
-    }
-
-    /// Token ids (prompt plus appended), as a list of int.
-    #[getter]
-    fn token_ids(&self) -> Vec<u32> {
-        self.inner.lock().tokens().to_vec()
-    }
-
-    /// Appends one token (append the sampled token, then call may_append: R16).
-    fn append_token(&self, token: &Bound<'_, PyAny>) -> PyResult<()> {
-        let token = convert::int(token, "token")?;
-        let token = u32::try_from(token)
-            .map_err(|_| value_error("token", format!("must be in [0, 2**32), got {token}")))?;
-        self.inner.lock().append_token(token);
-        Ok(())
-    }
-
-    /// Appends several tokens (a list of int or a 1-D integer numpy array).
-    fn append_tokens(&self, token_ids: &Bound<'_, PyAny>) -> PyResult<()> {
-        let tokens = convert::tokens(token_ids, "token_ids")?;
-        self.inner.lock().append_tokens(&tokens);
-        Ok(())
-    }
-
-    /// The block table: int32 array of physical block ids, one per logical block.
-    #[getter]
-    fn block_table<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i32>> {
-        let ids: Vec<i32> = self.inner.lock().block_ids().map(|id| id as i32).collect();
-        ids.into_pyarray(py)
-    }
-
-    /// The block table of group g (int32): 0 is the full-attention table, 1 the sliding-window
-    /// table of a pool built with sliding_window (released entries are 0).
-    fn group_block_table<'py>(
-        &self,
-        py: Python<'py>,
-        group: &Bound<'py, PyAny>,
-    ) -> PyResult<Bound<'py, PyArray1<i32>>> {
-        let g = convert::count(group, "group")?;
-        let seq = self.inner.lock();
-        let ids = seq.group_block_ids(g).ok_or_else(|| {
-            value_error(
-                "group",
-                format!("this sequence has {} group(s), got {g}", seq.num_groups()),
-            )
-        })?;
-        drop(seq);
-        let ids: Vec<i32> = ids.into_iter().map(|id| id as i32).collect();
-        Ok(ids.into_pyarray(py))
-    }
-
-    /// Number of entries of the block table.
-    #[getter]
-    fn num_blocks(&self) -> usize {
-        self.inner.lock().blocks().len()
-    }
-
-    /// Tokens whose KV came from the prefix cache at allocation.
-    #[getter]
-    fn num_cached_tokens(&self) -> usize {
-        self.inner.lock().num_cached_tokens()
-    }
-
-    /// Tokens whose KV exists; the engine advances it after each step (R17). Lowering it, or
-    /// setting it past len(seq) or past what the block table holds, is a ValueError.
-    #[getter]
-    fn num_computed_tokens(&self) -> usize {
-        self.inner.lock().num_computed_tokens()
-    }
-
-    #[setter]
-    fn set_num_computed_tokens(&self, value: &Bound<'_, PyAny>) -> PyResult<()> {
-        let n = convert::count(value, "num_computed_tokens")?;
-        self.inner.lock().set_num_computed_tokens(n).py()
-    }
-
-    /// Data-parallel rank once allocated (kept across deallocate: R13), else None.
-    #[getter]
-    fn dp_rank(&self) -> Option<usize> {
-        self.inner.lock().dp_rank()
-    }
-
-    /// The sequence's single block id while allocated, else None.
-    #[getter]
-    fn single_block_id(&self) -> Option<u32> {
-        self.inner.lock().single_block_id()
-    }
-
-    /// Live linear-state slot (hybrid models), else None.
-    #[getter]
-    fn linear_state_slot(&self) -> Option<u32> {
-        self.inner.lock().linear_state_slot()
-    }
-
-    /// Checkpoint slot the live state is restored from at allocation (R23), else None (the
-    /// sequence starts from an empty state).
-    #[getter]
-    fn linear_state_restore_slot(&self) -> Option<u32> {
-        self.inner.lock().linear_state_restore_slot()
-    }
-
-    /// Prompt tokens (those given at construction).
-    #[getter]
-    fn num_prompt_tokens(&self) -> usize {
-        self.inner.lock().num_prompt_tokens()
-    }
-
-    /// Whether the sequence holds blocks of a pool.
-    #[getter]
-    fn is_allocated(&self) -> bool {
-        self.inner.lock().is_allocated()
-    }
-
-    fn __repr__(&self) -> String {
-        format!("{:?}", self.inner.lock())
-    }
-}
-
-/// Python-visible KV event (R21).
-#[pyclass(frozen, module = "kvpool", name = "KVEvent", get_all)]
-pub struct PyKvEvent {
-    /// "stored", "removed" or "cleared".
-    kind: String,
-    /// 16-byte hashes of the blocks.
-    block_hashes: Vec<Py<PyBytes>>,
-    /// Hash of the parent of the first block, None for a chain's first block.
-    parent_hash: Option<Py<PyBytes>>,
-    /// Token ids of the stored blocks (empty otherwise).
-    token_ids: Vec<u32>,
-    block_size: usize,
-    dp_rank: usize,
-    extra_key: Option<Py<PyBytes>>,
-}
-
-#[pymethods]
-impl PyKvEvent {
-    fn __repr__(&self) -> String {
-        format!(
-            "KVEvent(kind={:?}, blocks={}, dp_rank={}, block_size={})",
-            self.kind,
-            self.block_hashes.len(),
-            self.dp_rank,
-            self.block_size
-        )
-    }
-}
-
-pub(crate) fn rank_dict<'py>(py: Python<'py>, r: &RankStats) -> PyResult<Bound<'py, PyDict>> {
-    let d = counts_dict(py, &r.counts)?;
-    d.set_item("prefix_query_tokens", r.prefix_query_tokens)?;
-    d.set_item("prefix_hit_tokens", r.prefix_hit_tokens)?;
-    d.set_item("num_evictions", r.num_evictions)?;
-    d.set_item("num_free_single_blocks", r.num_free_single_blocks)?;
-    d.set_item("num_live_slots", r.num_live_slots)?;
-    d.set_item("num_pending_checkpoints", r.num_pending_checkpoints)?;
-    d.set_item("num_committed_checkpoints", r.num_committed_checkpoints)?;
-    d.set_item("num_free_linear_state_slots", r.num_free_linear_state_slots)?;
-    d.set_item("linear_state_hits", r.linear_state_hits)?;
-    d.set_item("num_checkpoint_evictions", r.num_checkpoint_evictions)?;
-    d.set_item("num_checkpoint_commits", r.num_checkpoint_commits)?;
-    match &r.window {
-        Some(w) => {
-            let window = counts_dict(py, w)?;
-            window.set_item("num_releases", r.num_window_releases)?;
-            d.set_item("window", window)?;
-        }
-        None => d.set_item("window", py.None())?,
-    }
-    d.set_item("host", py.None())?;
-    Ok(d)
-}
-
-/// Sequence-level KV-cache manager: per dp rank one BlockManager and one SingleBlockManager.
-#[pyclass(frozen, module = "kvpool", name = "BlockManagerPool")]
+/// Sequence-level KV-cache manager: per dp rank a BlockManager and a SingleBlockManager.
+#[pyclass(subclass, frozen, module = "kvpool", name = "BlockManagerPool")]
 pub struct PyBlockManagerPool {
-    inner: Mutex<BlockManagerPool>,
+    pub(crate) inner: Arc<Mutex<BlockManagerPool>>,
     num_blocks: usize,
     block_size: usize,
     dp_size: usize,
     enable_prefix_cache: bool,
     concurrent: bool,
-}
-
-pub(crate) fn seq_ref<'a, 'py>(obj: &'a Bound<'py, PyAny>) -> PyResult<&'a Bound<'py, PySequence>> {
-    obj.cast::<PySequence>().map_err(|_| {
-        type_error(
-            "seq",
-            format!("must be a kvpool.Sequence, got {}", obj.get_type()),
-        )
-    })
-}
-
-impl PyBlockManagerPool {
-    /// Locks the pool, then `seq` (the lock order everywhere), and makes one core call. A
-    /// concurrent pool releases the GIL first (R28): no lock is ever awaited while holding it.
-    fn with_seq<T: Send>(
-        &self,
-        py: Python<'_>,
-        seq: &Bound<'_, PyAny>,
-        call: impl FnOnce(&mut BlockManagerPool, &mut Sequence) -> kvpool::Result<T> + Send,
-    ) -> PyResult<T> {
-        let seq = seq_ref(seq)?.get();
-        let run = || {
-            let mut pool = self.inner.lock();
-            let mut seq = seq.inner.lock();
-            call(&mut pool, &mut seq)
-        };
-        if self.concurrent {
-            py.detach(run).py()
-        } else {
-            run().py()
-        }
-    }
-
-    /// Locks the pool and makes one core call.
-    pub(crate) fn with_pool<T>(
-        &self,
-        call: impl FnOnce(&mut BlockManagerPool) -> kvpool::Result<T>,
-    ) -> PyResult<T> {
-        call(&mut self.inner.lock()).py()
-    }
-
-    /// Locks the pool and `seqs` (GIL released) for a batch export, each distinct sequence
-    /// once (a list may name one twice), and makes one core call on them in argument order.
-    fn with_seqs<T: Send>(
-        &self,
-        py: Python<'_>,
-        seqs: &SeqsArg<'_>,
-        call: impl FnOnce(&BlockManagerPool, &[&Sequence]) -> kvpool::Result<T> + Send,
-    ) -> PyResult<T> {
-        let view = seqs.view();
-        py.detach(|| view.with_locked(&self.inner, |pool, locked| call(pool, &locked.refs())))
-            .py()
-    }
+    /// Release the GIL in every call: `concurrent`, or page backend objects (which need it).
+    detach: bool,
+    /// Where each rank's page backend object leaves the exception it raised (empty without).
+    backend_errors: Vec<ErrorSlot>,
 }
 
 pub(crate) fn group_arg(group: Option<&Bound<'_, PyAny>>) -> PyResult<usize> {
@@ -302,124 +50,196 @@ pub(crate) fn group_arg(group: Option<&Bound<'_, PyAny>>) -> PyResult<usize> {
     }
 }
 
-/// The `PoolConfig` of the keyword options shared by `BlockManagerPool` and
-/// `HierarchyBlockManagerPool`, each argument validated under its own name.
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn pool_config(
-    num_blocks: &Bound<'_, PyAny>,
-    block_size: &Bound<'_, PyAny>,
-    dp_size: Option<&Bound<'_, PyAny>>,
-    enable_prefix_cache: bool,
-    num_single_blocks: Option<&Bound<'_, PyAny>>,
-    linear_state_slots: Option<&Bound<'_, PyAny>>,
-    checkpoint_interval: Option<&Bound<'_, PyAny>>,
-    linear_state_match: Option<&Bound<'_, PyAny>>,
-    enable_events: bool,
-    hash_seed: Option<&Bound<'_, PyAny>>,
-    sliding_window: Option<&Bound<'_, PyAny>>,
-    swa_num_blocks: Option<&Bound<'_, PyAny>>,
-    linear_state_save: Option<&Bound<'_, PyAny>>,
-    debug_hash_bits: Option<&Bound<'_, PyAny>>,
-) -> PyResult<PoolConfig> {
-    let num_blocks = convert::count(num_blocks, "num_blocks")?;
-    let block_size = convert::count(block_size, "block_size")?;
-    let dp_size = optional_count(dp_size, "dp_size")?.unwrap_or(1);
-    let num_single_blocks = optional_count(num_single_blocks, "num_single_blocks")?;
-    let linear_state_match = LinearStateMatch::parse(&choice(
-        linear_state_match,
-        "linear_state_match",
-        "deepest",
-    )?)
-    .py()?;
-    let linear_state_save =
-        LinearStateSave::parse(&choice(linear_state_save, "linear_state_save", "copy")?).py()?;
-    Ok(PoolConfig {
-        num_blocks,
-        block_size,
-        dp_size,
-        enable_prefix_cache,
-        num_single_blocks,
-        hasher: hasher(hash_seed, crate::manager::debug_bits(debug_hash_bits)?)?,
-        enable_events,
-        linear_state_slots: optional_count(linear_state_slots, "linear_state_slots")?.unwrap_or(0),
-        checkpoint_interval: optional_count(checkpoint_interval, "checkpoint_interval")?,
-        linear_state_match,
-        linear_state_save,
-        sliding_window: optional_count(sliding_window, "sliding_window")?,
-        swa_num_blocks: optional_count(swa_num_blocks, "swa_num_blocks")?,
-    })
-}
-
-fn choice(value: Option<&Bound<'_, PyAny>>, name: &str, default: &str) -> PyResult<String> {
-    match value {
-        Some(v) if !v.is_none() => v
-            .extract::<String>()
-            .map_err(|_| type_error(name, "must be a str")),
-        _ => Ok(default.to_owned()),
-    }
-}
-
-fn optional_count(value: Option<&Bound<'_, PyAny>>, name: &str) -> PyResult<Option<usize>> {
-    convert::optional_count(value, name)
-}
-
-#[pymethods]
 impl PyBlockManagerPool {
-    #[new]
-    #[pyo3(signature = (
-        num_blocks, block_size, *, dp_size = None, enable_prefix_cache = None, num_single_blocks = None,
-        linear_state_slots = None, checkpoint_interval = None, linear_state_match = None,
-        concurrent = None, enable_events = None, hash_seed = None, sliding_window = None,
-        swa_num_blocks = None, linear_state_save = None, debug_hash_bits = None
-    ), text_signature = "(num_blocks, block_size, *, dp_size=1, enable_prefix_cache=True, num_single_blocks=None, linear_state_slots=0, checkpoint_interval=None, linear_state_match='deepest', concurrent=False, enable_events=False, hash_seed=None, sliding_window=None, swa_num_blocks=None, linear_state_save='copy', debug_hash_bits=None)")]
-    #[allow(clippy::too_many_arguments)]
-    fn new(
-        num_blocks: &Bound<'_, PyAny>,
-        block_size: &Bound<'_, PyAny>,
-        dp_size: Option<&Bound<'_, PyAny>>,
-        enable_prefix_cache: Option<&Bound<'_, PyAny>>,
-        num_single_blocks: Option<&Bound<'_, PyAny>>,
-        linear_state_slots: Option<&Bound<'_, PyAny>>,
-        checkpoint_interval: Option<&Bound<'_, PyAny>>,
-        linear_state_match: Option<&Bound<'_, PyAny>>,
-        concurrent: Option<&Bound<'_, PyAny>>,
-        enable_events: Option<&Bound<'_, PyAny>>,
-        hash_seed: Option<&Bound<'_, PyAny>>,
-        sliding_window: Option<&Bound<'_, PyAny>>,
-        swa_num_blocks: Option<&Bound<'_, PyAny>>,
-        linear_state_save: Option<&Bound<'_, PyAny>>,
-        debug_hash_bits: Option<&Bound<'_, PyAny>>,
+    /// A pool per `config` (the constructor of both pool classes).
+    pub(crate) fn build(config: PoolConfig, concurrent: bool) -> PyResult<Self> {
+        Self::build_with(config, concurrent, Vec::new())
+    }
+
+    /// A pool whose rank `r` maps its pages through `backends[r]` (a Python object), if any.
+    fn build_with(
+        config: PoolConfig,
+        concurrent: bool,
+        backends: Vec<Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
-        let enable_prefix_cache = convert::flag(enable_prefix_cache, "enable_prefix_cache", true)?;
-        let concurrent = convert::flag(concurrent, "concurrent", false)?;
-        let enable_events = convert::flag(enable_events, "enable_events", false)?;
-        let config = pool_config(
-            num_blocks,
-            block_size,
-            dp_size,
-            enable_prefix_cache,
-            num_single_blocks,
-            linear_state_slots,
-            checkpoint_interval,
-            linear_state_match,
-            enable_events,
-            hash_seed,
-            sliding_window,
-            swa_num_blocks,
-            linear_state_save,
-            debug_hash_bits,
-        )?;
         let (num_blocks, block_size, dp_size) =
             (config.num_blocks, config.block_size, config.dp_size);
-        let pool = BlockManagerPool::new(config).py()?;
+        let enable_prefix_cache = config.enable_prefix_cache;
+        let backend_errors: Vec<ErrorSlot> =
+            backends.iter().map(|_| ErrorSlot::default()).collect();
+        let pool = match backends.is_empty() {
+            true => BlockManagerPool::new(config).py()?,
+            false => {
+                let boxes: Vec<Box<dyn kvpool::PageBackend>> = backends
+                    .iter()
+                    .zip(&backend_errors)
+                    .map(|(b, slot)| {
+                        Box::new(PythonBackend::new(b.clone().unbind(), Arc::clone(slot)))
+                            as Box<dyn kvpool::PageBackend>
+                    })
+                    .collect();
+                BlockManagerPool::with_page_backends(config, boxes)
+                    .map_err(|e| Self::raised(&backend_errors, e))?
+            }
+        };
         Ok(Self {
-            inner: Mutex::new(pool),
+            inner: Arc::new(Mutex::new(pool)),
             num_blocks,
             block_size,
             dp_size,
             enable_prefix_cache,
             concurrent,
+            detach: concurrent || !backend_errors.is_empty(),
+            backend_errors,
         })
+    }
+
+    /// Maps a core error, re-raising a page backend object's own exception.
+    fn raised(slots: &[ErrorSlot], error: kvpool::KvPoolError) -> PyErr {
+        slots
+            .iter()
+            .find_map(|slot| slot.lock().take())
+            .unwrap_or_else(|| to_py(error))
+    }
+
+    /// `.py()` of a core result; a page backend object's exception raised during the call is
+    /// raised as itself, also where the core turned it into "no room" (a failed growth changes
+    /// nothing) or deferred it (an unmap after a release: the page stays mapped and is retried).
+    fn result<T>(&self, result: kvpool::Result<T>) -> PyResult<T> {
+        let mut raised = None;
+        for slot in &self.backend_errors {
+            if let Some(error) = slot.lock().take() {
+                raised.get_or_insert(error);
+            }
+        }
+        match (result, raised) {
+            (_, Some(error)) => Err(error),
+            (Ok(value), None) => Ok(value),
+            (Err(error), None) => Err(to_py(error)),
+        }
+    }
+
+    /// Locks the pool (the GIL held; see [`lock_pool`]).
+    fn lock(&self, py: Python<'_>) -> PyResult<MutexGuard<'_, BlockManagerPool>> {
+        lock_pool(py, &self.inner)
+    }
+
+    /// A `RuntimeError` if a page backend calls its pool (it runs under the pool's lock).
+    fn not_in_backend() -> PyResult<()> {
+        match in_backend() {
+            true => Err(pyo3::exceptions::PyRuntimeError::new_err(
+                "BlockManagerPool: a page backend must not call its pool",
+            )),
+            false => Ok(()),
+        }
+    }
+
+    /// Runs `call` with the GIL released if the pool is concurrent (R28) or has page backend
+    /// objects.
+    fn run<T: Send>(&self, py: Python<'_>, call: impl FnOnce() -> T + Send) -> T {
+        if self.detach {
+            py.detach(call)
+        } else {
+            call()
+        }
+    }
+
+    /// Locks the pool, then `seq` (the lock order everywhere), and makes one core call.
+    pub(crate) fn with_seq<T: Send>(
+        &self,
+        py: Python<'_>,
+        seq: &Bound<'_, PyAny>,
+        call: impl FnOnce(&mut BlockManagerPool, &mut Sequence) -> kvpool::Result<T> + Send,
+    ) -> PyResult<T> {
+        Self::not_in_backend()?;
+        let seq = seq_ref(seq)?.get();
+        let inner = &self.inner;
+        let result = self.run(py, || {
+            let mut pool = inner.lock();
+            let mut seq = seq.inner.lock();
+            call(&mut pool, &mut seq)
+        });
+        self.result(result)
+    }
+
+    /// Locks the pool and makes one core call.
+    pub(crate) fn with_pool<T: Send>(
+        &self,
+        py: Python<'_>,
+        call: impl FnOnce(&mut BlockManagerPool) -> kvpool::Result<T> + Send,
+    ) -> PyResult<T> {
+        Self::not_in_backend()?;
+        let inner = &self.inner;
+        let result = self.run(py, || call(&mut inner.lock()));
+        self.result(result)
+    }
+
+    /// Locks the pool and `seqs` (GIL released) for a batch call, each distinct sequence once
+    /// (a list may name one twice), and makes one core call on them in argument order.
+    fn with_seqs<T: Send>(
+        &self,
+        py: Python<'_>,
+        seqs: &SeqsArg<'_>,
+        call: impl FnOnce(&mut BlockManagerPool, &mut crate::batch::Locked<'_>) -> kvpool::Result<T>
+            + Send,
+    ) -> PyResult<T> {
+        Self::not_in_backend()?;
+        let view = seqs.view();
+        let result = py.detach(|| view.with_locked(&self.inner, call));
+        self.result(result)
+    }
+
+    /// `allocate(seq, num_tokens, plan=plan)` (R14), shared with the subclass.
+    pub(crate) fn allocate_with(
+        &self,
+        py: Python<'_>,
+        seq: &Bound<'_, PyAny>,
+        num_tokens: Option<&Bound<'_, PyAny>>,
+        plan: Option<&Bound<'_, PyAny>>,
+        remote: Option<kvpool::RemoteHits>,
+    ) -> PyResult<bool> {
+        let n = convert::optional_count(num_tokens, "num_tokens")?;
+        let plan = plan_arg(plan)?;
+        let plan = plan.map(|p| &p.get().plan);
+        self.with_seq(py, seq, |pool, seq| {
+            pool.allocate_planned(seq, n, plan, remote)
+        })
+    }
+
+    /// The stats dict and the host totals (the subclass adds its remote dict).
+    pub(crate) fn stats_dict<'py>(
+        &self,
+        py: Python<'py>,
+    ) -> PyResult<(Bound<'py, PyDict>, Option<kvpool::HostStats>)> {
+        let (stats, hosts) = {
+            let pool = self.lock(py)?;
+            (pool.stats(), pool.host_stats())
+        };
+        pool_dict(py, &stats, hosts.as_deref())
+    }
+}
+
+#[pymethods]
+impl PyBlockManagerPool {
+    #[new]
+    #[pyo3(signature = (num_blocks, block_size, **options))]
+    fn new(
+        num_blocks: &Bound<'_, PyAny>,
+        block_size: &Bound<'_, PyAny>,
+        options: Option<&Bound<'_, PyDict>>,
+    ) -> PyResult<Self> {
+        let options = Options::new("BlockManagerPool", options, &["xtensor"])?;
+        let (mut config, concurrent) = options.pool_config(num_blocks, block_size)?;
+        let backends = match config.xtensor.as_mut() {
+            Some(x) => crate::elastic::python_backends(
+                options.get("xtensor")?.as_ref(),
+                x,
+                config.dp_size,
+                config.num_blocks,
+            )?,
+            None => Vec::new(),
+        };
+        Self::build_with(config, concurrent, backends)
     }
 
     /// Block ids per rank, padding block included.
@@ -442,6 +262,16 @@ impl PyBlockManagerPool {
     fn enable_prefix_cache(&self) -> bool {
         self.enable_prefix_cache
     }
+    /// Whether the pool releases the GIL in every call (built with concurrent=True, R28).
+    #[getter]
+    fn concurrent(&self) -> bool {
+        self.concurrent
+    }
+    /// Block groups of every sequence: 1, or 2 with sliding_window (R25).
+    #[getter]
+    fn num_groups(&self, py: Python<'_>) -> PyResult<usize> {
+        Ok(self.lock(py)?.num_groups())
+    }
 
     /// What allocate(seq, num_tokens) would return, with no side effect (R15).
     #[pyo3(signature = (seq, num_tokens = None))]
@@ -451,30 +281,41 @@ impl PyBlockManagerPool {
         seq: &Bound<'_, PyAny>,
         num_tokens: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<bool> {
-        let n = optional_count(num_tokens, "num_tokens")?;
+        let n = convert::optional_count(num_tokens, "num_tokens")?;
         self.with_seq(py, seq, |pool, seq| pool.can_allocate(seq, n))
     }
 
-    /// Gives seq blocks for num_tokens tokens (default len(seq)) after a prefix-cache match
-    /// (R8, R13, R14); on a sequence that holds blocks, grows its table (chunked prefill).
-    /// All-or-nothing: False leaves the pool and the sequence exactly as they were.
+    /// The allocation allocate(seq, num_tokens) would make, with no side effect, or None.
     #[pyo3(signature = (seq, num_tokens = None))]
+    fn plan(
+        &self,
+        py: Python<'_>,
+        seq: &Bound<'_, PyAny>,
+        num_tokens: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Option<PyAllocationPlan>> {
+        let n = convert::optional_count(num_tokens, "num_tokens")?;
+        let plan = self.with_seq(py, seq, |pool, seq| pool.plan(seq, n))?;
+        Ok(plan.map(|p| PyAllocationPlan::new(p, self.block_size)))
+    }
+
+    /// Blocks for num_tokens tokens after a prefix-cache match (R8, R13, R14); consumes plan.
+    #[pyo3(signature = (seq, num_tokens = None, *, plan = None))]
     fn allocate(
         &self,
         py: Python<'_>,
         seq: &Bound<'_, PyAny>,
         num_tokens: Option<&Bound<'_, PyAny>>,
+        plan: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<bool> {
-        let n = optional_count(num_tokens, "num_tokens")?;
-        self.with_seq(py, seq, |pool, seq| pool.allocate(seq, n))
+        self.allocate_with(py, seq, num_tokens, plan, None)
+    }
+
+    /// The prefix hit only (its blocks, the single block, the live slot), into a free seq.
+    fn allocate_shared(&self, py: Python<'_>, seq: &Bound<'_, PyAny>) -> PyResult<bool> {
+        self.with_seq(py, seq, |pool, seq| pool.allocate_shared(seq))
     }
 
     /// Whether the blocks for len(seq) + lookahead tokens can be had (R16).
-    ///
-    /// len(seq) already counts the token whose KV the next step writes: append the sampled
-    /// token first, then ask. With block_size 4: 4 tokens fill one block; after append_token
-    /// (5 tokens) one more block is needed; at 6 tokens nothing is. lookahead reserves room for
-    /// speculative tokens.
     #[pyo3(signature = (seq, lookahead = None), text_signature = "(self, seq, lookahead=0)")]
     fn can_append(
         &self,
@@ -482,7 +323,7 @@ impl PyBlockManagerPool {
         seq: &Bound<'_, PyAny>,
         lookahead: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<bool> {
-        let lookahead = optional_count(lookahead, "lookahead")?.unwrap_or(0);
+        let lookahead = convert::optional_count(lookahead, "lookahead")?.unwrap_or(0);
         self.with_seq(py, seq, |pool, seq| pool.can_append(seq, lookahead))
     }
 
@@ -494,7 +335,7 @@ impl PyBlockManagerPool {
         seq: &Bound<'_, PyAny>,
         lookahead: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<bool> {
-        let lookahead = optional_count(lookahead, "lookahead")?.unwrap_or(0);
+        let lookahead = convert::optional_count(lookahead, "lookahead")?.unwrap_or(0);
         self.with_seq(py, seq, |pool, seq| pool.may_append(seq, lookahead))
     }
 
@@ -503,84 +344,162 @@ impl PyBlockManagerPool {
         self.with_seq(py, seq, |pool, seq| pool.cache(seq))
     }
 
-    /// cache(seq), then releases its blocks and single block and resets it (R18).
+    /// cache(seq), then releases what it holds and resets it (R18; with a host tier, R26).
     fn deallocate(&self, py: Python<'_>, seq: &Bound<'_, PyAny>) -> PyResult<()> {
         self.with_seq(py, seq, |pool, seq| pool.deallocate(seq))
     }
 
-    /// Block tables of seqs (a SequenceBatch or an iterable of Sequence): int32 array
-    /// [len(seqs), max_blocks], padded with 0 (R19).
-    #[pyo3(signature = (seqs, group = None), text_signature = "(self, seqs, group=0)")]
+    /// Block tables of seqs: int32 [len(seqs), max_blocks], padded with pad (R19).
+    #[pyo3(
+        signature = (seqs, group = None, *, pad = None),
+        text_signature = "(self, seqs, group=0, *, pad=0)"
+    )]
     fn block_tables<'py>(
         &self,
         py: Python<'py>,
         seqs: &Bound<'py, PyAny>,
         group: Option<&Bound<'py, PyAny>>,
+        pad: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyArray2<i32>>> {
         let group = group_arg(group)?;
+        let pad = match pad.filter(|p| !p.is_none()) {
+            None => 0,
+            Some(p) => {
+                let value = convert::int(p, "pad")?;
+                i32::try_from(value)
+                    .map_err(|_| value_error("pad", format!("must fit in int32, got {value}")))?
+            }
+        };
         let seqs = SeqsArg::extract(seqs)?;
-        let (rows, table, width) = self.with_seqs(py, &seqs, |pool, refs| {
-            pool.block_tables(refs, group)
+        let (rows, table, width) = self.with_seqs(py, &seqs, |pool, locked| {
+            let refs = locked.refs();
+            pool.block_tables_padded(&refs, group, pad)
                 .map(|(t, w)| (refs.len(), t, w))
         })?;
-        let array = Array2::from_shape_vec((rows, width), table).expect("shape matches");
+        let array = Array2::from_shape_vec((rows, width), table)
+            .map_err(|e| value_error("seqs", e.to_string()))?;
         Ok(array.into_pyarray(py))
     }
 
-    /// Cache slots (int64) of tokens [num_computed_tokens, len) of every sequence, concatenated:
-    /// slot = block_id * block_size + position % block_size (R19).
-    #[pyo3(signature = (seqs, group = None), text_signature = "(self, seqs, group=0)")]
+    /// Cache slots (int64) of tokens [num_computed_tokens, len) of every sequence (R19), or of
+    /// the next num_tokens[i] tokens of seqs[i] (chunked prefill).
+    #[pyo3(
+        signature = (seqs, group = None, *, num_tokens = None),
+        text_signature = "(self, seqs, group=0, *, num_tokens=None)"
+    )]
     fn slot_mapping<'py>(
         &self,
         py: Python<'py>,
         seqs: &Bound<'py, PyAny>,
         group: Option<&Bound<'py, PyAny>>,
+        num_tokens: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyArray1<i64>>> {
         let group = group_arg(group)?;
+        let counts = match num_tokens.filter(|n| !n.is_none()) {
+            None => None,
+            Some(n) => Some(convert::tokens(n, "num_tokens")?),
+        };
         let seqs = SeqsArg::extract(seqs)?;
-        let slots = self.with_seqs(py, &seqs, |pool, refs| pool.slot_mapping(refs, group))?;
+        let slots = self.with_seqs(py, &seqs, |pool, locked| {
+            pool.slot_mapping_counts(&locked.refs(), group, counts.as_deref())
+        })?;
         Ok(slots.into_pyarray(py))
     }
 
-    /// Counts, prefix-cache and slot statistics, totals and per rank (R20).
+    /// Counts, prefix-cache, slot and host-tier statistics, totals and per rank (R20).
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let stats = self.inner.lock().stats();
-        let dict = rank_dict(py, &stats.total)?;
-        let ranks = PyList::empty(py);
-        for r in &stats.ranks {
-            ranks.append(rank_dict(py, r)?)?;
-        }
-        dict.set_item("ranks", ranks)?;
-        Ok(dict)
+        Ok(self.stats_dict(py)?.0)
+    }
+
+    /// Chain walks of the device and host caches so far (a debug counter, for tests).
+    fn debug_counters<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let c = self.lock(py)?.debug_counters();
+        let d = PyDict::new(py);
+        d.set_item("device_chain_walks", c.device_chain_walks)?;
+        d.set_item("host_chain_walks", c.host_chain_walks)?;
+        Ok(d)
     }
 
     /// Walks every structure; raises InvariantError if a rule is broken (R20).
     fn check(&self, py: Python<'_>) -> PyResult<()> {
+        Self::not_in_backend()?;
         let inner = &self.inner;
         py.detach(|| inner.lock().check()).py()
     }
 
     /// Returns and clears the recorded KV events (R21); [] unless enable_events.
     fn drain_events<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        let events = self.inner.lock().drain_events();
+        let events = self.lock(py)?.drain_events();
         events_list(py, events)
     }
 
-    /// Drops every cached entry of every rank, every committed checkpoint nothing pins and
-    /// every sliding-window publication; blocks sequences hold stay with them (R12, R24).
-    fn reset_prefix_cache(&self, py: Python<'_>) {
-        let inner = &self.inner;
-        py.detach(|| inner.lock().reset_prefix_cache());
+    /// Returns and clears the table entries dedup on publish switched (R9 revised): a list of
+    /// (seq_id, old block id, new block id); [] with dedup=False.
+    fn drain_block_switches(&self) -> Vec<(u64, u32, u32)> {
+        self.inner.lock().drain_block_switches()
     }
 
-    /// After a forward step, for every sequence in one call (GIL released): marks every token
-    /// computed (R17), publishes the full blocks (cache) and appends token_ids[i] to seqs[i].
-    /// The same as those three calls per sequence without the Python loop. seqs: a
-    /// SequenceBatch (no per-sequence Python work) or an iterable of Sequence.
-    ///
-    /// Take the new tokens' slots with may_append_all before the next step, or pass lookahead
-    /// (an int >= 0) to take them in this call: advance then returns the indices of the
-    /// sequences that got no room (as may_append_all does); without it, None.
+    /// Whether the pool dedups on publish (R9 revised; built with dedup=True, the default).
+    #[getter]
+    fn dedup(&self) -> bool {
+        self.inner.lock().config().dedup
+    }
+
+    /// The last event sequence number of dp_rank (0 before its first event).
+    fn last_event_sequence(&self, dp_rank: &Bound<'_, PyAny>) -> PyResult<u64> {
+        let rank = convert::count(dp_rank, "dp_rank")?;
+        self.inner.lock().last_event_sequence(rank).py()
+    }
+
+    /// Replay: dp_rank's events numbered sequence and later from the bounded buffer, or None
+    /// when the buffer no longer reaches back that far (the consumer resyncs).
+    fn events_since<'py>(
+        &self,
+        py: Python<'py>,
+        dp_rank: &Bound<'_, PyAny>,
+        sequence: &Bound<'_, PyAny>,
+    ) -> PyResult<Option<Bound<'py, PyList>>> {
+        let rank = convert::count(dp_rank, "dp_rank")?;
+        let from = convert::uint64(sequence, "sequence")?;
+        let events = self.inner.lock().events_since(rank, from).py()?;
+        events.map(|e| events_list(py, e)).transpose()
+    }
+
+    /// Records the remote tier's stores or removals of dp_rank's blocks as "remote" events;
+    /// returns the number of events recorded (0 without enable_events).
+    fn record_remote_events(
+        &self,
+        dp_rank: &Bound<'_, PyAny>,
+        kind: &Bound<'_, PyAny>,
+        block_hashes: &Bound<'_, PyAny>,
+    ) -> PyResult<usize> {
+        let rank = convert::count(dp_rank, "dp_rank")?;
+        let kind = match convert::choice(Some(kind), "kind", "")?.as_str() {
+            "stored" => kvpool::KvEventKind::Stored,
+            "removed" => kvpool::KvEventKind::Removed,
+            other => {
+                return Err(value_error(
+                    "kind",
+                    format!("must be 'stored' or 'removed', got {other:?}"),
+                ))
+            }
+        };
+        let hashes = crate::index::hashes_from_py(block_hashes, "block_hashes")?;
+        self.inner
+            .lock()
+            .record_remote_events(rank, kind, &hashes)
+            .py()
+    }
+
+    /// Drops every cached entry nothing holds, of every rank and tier (R12, R24, R26).
+    fn reset_prefix_cache(&self, py: Python<'_>) -> PyResult<()> {
+        Self::not_in_backend()?;
+        let inner = &self.inner;
+        py.detach(|| inner.lock().reset_prefix_cache());
+        self.result(Ok(()))
+    }
+
+    /// After a forward step, for every sequence: computed, cache, append token_ids[i] (R17).
     #[pyo3(signature = (seqs, token_ids, *, lookahead = None))]
     fn advance(
         &self,
@@ -589,27 +508,21 @@ impl PyBlockManagerPool {
         token_ids: &Bound<'_, PyAny>,
         lookahead: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Option<Vec<usize>>> {
-        let lookahead = optional_count(lookahead, "lookahead")?;
+        let lookahead = convert::optional_count(lookahead, "lookahead")?;
         let seqs = SeqsArg::extract(seqs)?;
         let tokens = convert::tokens(token_ids, "token_ids")?;
-        let view = seqs.view();
-        py.detach(|| {
-            view.with_locked(&self.inner, |pool, locked| {
-                let mut args = locked.args_mut()?;
-                match lookahead {
-                    None => pool.advance_all(&mut args, &tokens).map(|()| None),
-                    Some(n) => pool
-                        .advance_and_reserve_all(&mut args, &tokens, n)
-                        .map(Some),
-                }
-            })
+        self.with_seqs(py, &seqs, |pool, locked| {
+            let mut args = locked.args_mut()?;
+            match lookahead {
+                None => pool.advance_all(&mut args, &tokens).map(|()| None),
+                Some(n) => pool
+                    .advance_and_reserve_all(&mut args, &tokens, n)
+                    .map(Some),
+            }
         })
-        .py()
     }
 
-    /// may_append(seq, lookahead) for every sequence in one call (GIL released, R16). Returns
-    /// the indices (into seqs) of the sequences whose blocks could not be had, a list of int
-    /// that is empty when every sequence got room (those listed are unchanged: preempt them).
+    /// may_append(seq, lookahead) for every sequence; the indices of those that got no room.
     #[pyo3(signature = (seqs, lookahead = None), text_signature = "(self, seqs, lookahead=0)")]
     fn may_append_all(
         &self,
@@ -617,105 +530,120 @@ impl PyBlockManagerPool {
         seqs: &Bound<'_, PyAny>,
         lookahead: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Vec<usize>> {
-        let lookahead = optional_count(lookahead, "lookahead")?.unwrap_or(0);
+        let lookahead = convert::optional_count(lookahead, "lookahead")?.unwrap_or(0);
         let seqs = SeqsArg::extract(seqs)?;
-        let view = seqs.view();
-        py.detach(|| {
-            view.with_locked(&self.inner, |pool, locked| {
-                pool.may_append_all(&mut locked.args_mut()?, lookahead)
-            })
+        self.with_seqs(py, &seqs, |pool, locked| {
+            pool.may_append_all(&mut locked.args_mut()?, lookahead)
         })
-        .py()
     }
 
-    /// Whether the pool releases the GIL in every call (built with concurrent=True, R28).
+    /// The xtensor option (elastic pages per dp rank, defaults filled in), or None.
     #[getter]
-    fn concurrent(&self) -> bool {
-        self.concurrent
+    fn xtensor<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
+        let options = self.lock(py)?.config().xtensor;
+        options
+            .map(|o| crate::elastic::options_dict(py, &o))
+            .transpose()
     }
 
-    /// Block groups of every sequence: 1, or 2 with sliding_window (R25).
-    #[getter]
-    fn num_groups(&self) -> usize {
-        self.inner.lock().num_groups()
+    /// Sets the memory limit in bytes (None: the whole range) of dp rank dp_rank, or of every
+    /// rank; one report per rank set (docs/xtensor.md). Needs the xtensor option.
+    #[pyo3(signature = (limit, *, dp_rank = None))]
+    fn set_memory_limit<'py>(
+        &self,
+        py: Python<'py>,
+        limit: Option<&Bound<'py, PyAny>>,
+        dp_rank: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyList>> {
+        let limit = match limit {
+            Some(l) if !l.is_none() => Some(convert::uint64(l, "limit")?),
+            _ => None,
+        };
+        let rank = convert::optional_count(dp_rank, "dp_rank")?;
+        if let Some(rank) = rank.filter(|&r| r >= self.dp_size) {
+            return Err(value_error(
+                "dp_rank",
+                format!("must be < dp_size {}, got {rank}", self.dp_size),
+            ));
+        }
+        let reports = self.with_pool(py, |pool| pool.set_memory_limit(limit, rank))?;
+        let list = PyList::empty(py);
+        for report in &reports {
+            list.append(crate::xtensor::report_dict(py, report)?)?;
+        }
+        Ok(list)
+    }
+
+    /// The mapped pages of dp rank dp_rank, ascending (elastic pages; [] without xtensor).
+    #[pyo3(signature = (dp_rank = None), text_signature = "(self, dp_rank=0)")]
+    fn mapped_page_ids(
+        &self,
+        py: Python<'_>,
+        dp_rank: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Vec<usize>> {
+        let rank = convert::optional_count(dp_rank, "dp_rank")?.unwrap_or(0);
+        if rank >= self.dp_size {
+            return Err(value_error(
+                "dp_rank",
+                format!("must be < dp_size {}, got {rank}", self.dp_size),
+            ));
+        }
+        let pool = self.lock(py)?;
+        Ok(pool
+            .xtensor_manager(rank)
+            .map(|m| m.mapped_page_ids())
+            .unwrap_or_default())
     }
 
     /// The linear-state cache of dp rank dp_rank (a live view, R22).
     fn linear_state_cache(
-        slf: &Bound<'_, Self>,
+        &self,
+        py: Python<'_>,
         dp_rank: &Bound<'_, PyAny>,
     ) -> PyResult<PyLinearStatePrefixCache> {
         let rank = convert::count(dp_rank, "dp_rank")?;
-        let this = slf.get();
-        if rank >= this.dp_size {
+        if rank >= self.dp_size {
             return Err(value_error(
                 "dp_rank",
-                format!("must be < dp_size {}, got {rank}", this.dp_size),
+                format!("must be < dp_size {}, got {rank}", self.dp_size),
             ));
         }
-        if this.inner.lock().linear_state_cache(rank).is_none() {
+        if self.lock(py)?.linear_state_cache(rank).is_none() {
             return Err(value_error(
                 "dp_rank",
                 "this pool has no linear state (build it with linear_state_slots > 0)",
             ));
         }
-        Ok(PyLinearStatePrefixCache::view(slf.clone().unbind(), rank))
+        Ok(PyLinearStatePrefixCache::view(
+            Arc::clone(&self.inner),
+            rank,
+        ))
     }
 
-    /// The recurrent-state copies planned since the last call, for every rank (R24). Execute
-    /// them before the sequences' next forward step, then commit_linear_state_plan(plan).
-    fn take_linear_state_plan(&self) -> PyLinearStatePlan {
-        PyLinearStatePlan {
-            plan: self.inner.lock().take_linear_state_plan(),
-        }
+    /// The recurrent-state copies planned since the last call, for every rank (R24).
+    fn take_linear_state_plan(&self, py: Python<'_>) -> PyResult<PyLinearStatePlan> {
+        Ok(PyLinearStatePlan {
+            plan: self.lock(py)?.take_linear_state_plan(),
+        })
     }
 
-    /// Confirms that the worker made the copies of plan: saved checkpoints become matchable and
-    /// restored ones unpinned (R24). A plan twice, or of another pool, is a ValueError.
-    fn commit_linear_state_plan(&self, plan: &Bound<'_, PyAny>) -> PyResult<()> {
+    /// Confirms that the worker made the copies of plan (R24).
+    fn commit_linear_state_plan(&self, py: Python<'_>, plan: &Bound<'_, PyAny>) -> PyResult<()> {
         let plan = plan.cast::<PyLinearStatePlan>().map_err(|_| {
             type_error(
                 "plan",
                 format!("must be a kvpool.LinearStatePlan, got {}", plan.get_type()),
             )
         })?;
-        self.with_pool(|pool| pool.commit_linear_state_plan(&plan.get().plan))
+        let plan = &plan.get().plan;
+        self.with_pool(py, |pool| pool.commit_linear_state_plan(plan))
     }
 
-    fn __repr__(&self) -> String {
-        let stats = self.inner.lock().stats();
-        format!(
+    fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
+        let c = self.lock(py)?.stats().total.counts;
+        Ok(format!(
             "BlockManagerPool(num_blocks={}, block_size={}, dp_size={}, free={}, cached={}, used={})",
-            self.num_blocks, self.block_size, self.dp_size, stats.total.counts.free, stats.total.counts.cached, stats.total.counts.used
-        )
+            self.num_blocks, self.block_size, self.dp_size, c.free, c.cached, c.used
+        ))
     }
-}
-
-// host tier (R26): helpers shared with hierarchy.rs (additive; the pool above is unchanged).
-
-/// Core KV events as a list of `kvpool.KVEvent` (R21).
-pub(crate) fn events_list<'py>(
-    py: Python<'py>,
-    events: Vec<kvpool::KvEvent>,
-) -> PyResult<Bound<'py, PyList>> {
-    let out = PyList::empty(py);
-    for e in events {
-        let event = PyKvEvent {
-            kind: e.kind.as_str().to_owned(),
-            block_hashes: e
-                .block_hashes
-                .iter()
-                .map(|h| PyBytes::new(py, &h.to_bytes()).unbind())
-                .collect(),
-            parent_hash: e
-                .parent_hash
-                .map(|h| PyBytes::new(py, &h.to_bytes()).unbind()),
-            token_ids: e.token_ids,
-            block_size: e.block_size,
-            dp_rank: e.dp_rank,
-            extra_key: e.extra_key.map(|k| PyBytes::new(py, &k).unbind()),
-        };
-        out.append(Bound::new(py, event)?)?;
-    }
-    Ok(out)
 }

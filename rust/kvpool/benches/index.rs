@@ -21,7 +21,7 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use kvpool::index::Matches;
+use kvpool::Matches;
 use kvpool::{BlockHash, BlockHasher, IndexConfig, IndexEvent, KVIndex};
 
 const BLOCK_SIZE: u32 = 512;
@@ -289,7 +289,11 @@ fn replay_floor(w: &Workload) -> Duration {
             Step::Apply(_, batch) => Some(batch),
             Step::Lookup(_) => None,
         })
-        .flat_map(|batch| batch.iter().flat_map(|e| e.block_hashes.iter().map(|h| h.0)))
+        .flat_map(|batch| {
+            batch
+                .iter()
+                .flat_map(|e| e.block_hashes.iter().map(|h| h.0))
+        })
         .collect();
     let slots = (distinct.len() * 2).next_power_of_two();
     let mut table = vec![0u64; slots];
@@ -492,7 +496,11 @@ fn bench(c: &mut Criterion) {
         });
         group.throughput(Throughput::Elements((w.events + w.chains.len()) as u64));
         group.bench_with_input(BenchmarkId::new("mixed", w.instances), w, |b, w| {
-            b.iter_custom(|iters| (0..iters).map(|_| replay(w, Lookups::Compact, false).0).sum())
+            b.iter_custom(|iters| {
+                (0..iters)
+                    .map(|_| replay(w, Lookups::Compact, false).0)
+                    .sum()
+            })
         });
     }
     group.finish();

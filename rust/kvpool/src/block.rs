@@ -72,11 +72,33 @@ impl BlockStore {
     /// A store of `num_blocks` ids whose free list holds `1..num_blocks` (id 0 is the padding
     /// block and is never handed out, R1); an error naming `name` if it cannot be allocated.
     pub(crate) fn new(num_blocks: usize, block_size: u32, name: &'static str) -> Result<Self> {
+        let free = FreeList::try_with_ids(num_blocks, 1..num_blocks as u32, name)?;
+        Self::with_free_list(num_blocks, block_size, free, name)
+    }
+
+    /// A store of `num_blocks` ids whose free list starts empty: for a manager that keeps the
+    /// free ids in a structure of its own and uses the store's free list only as the inbox of
+    /// the ids released since its last call (`XTensorBlockManager`'s pages).
+    pub(crate) fn with_empty_free_list(
+        num_blocks: usize,
+        block_size: u32,
+        name: &'static str,
+    ) -> Result<Self> {
+        let free = FreeList::try_new(num_blocks, name)?;
+        Self::with_free_list(num_blocks, block_size, free, name)
+    }
+
+    fn with_free_list(
+        num_blocks: usize,
+        block_size: u32,
+        free: FreeList,
+        name: &'static str,
+    ) -> Result<Self> {
         Ok(Self {
             block_size,
             states: alloc::boxed(num_blocks, name, || AtomicU32::new(0))?,
             hashes: alloc::boxed(num_blocks, name, || [AtomicU64::new(0), AtomicU64::new(0)])?,
-            free: FreeList::try_with_ids(num_blocks, 1..num_blocks as u32, name)?,
+            free,
             released: FreeList::try_new(num_blocks, name)?,
             cache_only: CachePadded::new(AtomicUsize::new(0)),
         })

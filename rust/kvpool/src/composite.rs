@@ -1,10 +1,11 @@
 //! `CompositeBlockManager`: several block groups in one manager (R25), e.g. the full-attention
 //! layers and the sliding-window layers of a Gemma / gpt-oss style model.
 //!
-//! Each group has its own id space and block size; a sequence holds one table per group
-//! ([`GroupTables`]). Sliding-window groups release the blocks no future query can attend to
-//! whenever the manager touches the sequence. Like the seed's CompositeBlockManager this
-//! standalone manager keeps no prefix cache; `BlockManagerPool(sliding_window=w)` builds the
+//! A configuration of the pool's group abstraction (`groups/`): each group is a full-attention
+//! group or a sliding-window group with its own id space and block size, and a sequence holds
+//! one table per group ([`GroupTables`]). Sliding-window groups release the blocks no future query
+//! can attend to whenever the manager touches the sequence. Like the seed's CompositeBlockManager
+//! this standalone manager keeps no prefix cache; `BlockManagerPool(sliding_window=w)` builds the
 //! two-group case with prefix sharing (see `sliding_window.rs` for the rule).
 //!
 //! Invariants: every group obeys R1-R5 on its own; `allocate_for_sequence` is all-or-nothing
@@ -12,6 +13,7 @@
 
 use crate::block::Block;
 use crate::error::{ensure_arg, KvPoolError, Result};
+use crate::groups::{FullGroup, WindowGroup};
 use crate::manager::{BlockCounts, BlockManager, BlockManagerImpl, ManagerConfig};
 use crate::sliding_window::{SlidingWindowBlockManager, WindowTable};
 
@@ -26,43 +28,74 @@ pub struct GroupSpec {
     pub window: Option<usize>,
 }
 
-/// The allocator of one group.
-pub enum GroupManager {
+enum Kind {
     /// Full attention: blocks stay for the sequence's life.
-    Full(BlockManagerImpl),
+    Full(FullGroup),
     /// Sliding window: blocks behind the window are released.
-    Window(SlidingWindowBlockManager),
+    Window(WindowGroup),
+}
+
+/// The allocator of one group.
+pub struct GroupManager {
+    kind: Kind,
 }
 
 impl GroupManager {
     /// The group's manager as the common trait.
     pub fn as_manager(&self) -> &dyn BlockManager {
-        match self {
-            Self::Full(m) => m,
-            Self::Window(m) => m,
+        match &self.kind {
+            Kind::Full(g) => g.as_dyn(),
+            Kind::Window(g) => g.manager(),
         }
     }
 
     /// The group's manager as the common trait.
     pub fn as_manager_mut(&mut self) -> &mut dyn BlockManager {
-        match self {
-            Self::Full(m) => m,
-            Self::Window(m) => m,
+        match &mut self.kind {
+            Kind::Full(g) => g.as_dyn_mut(),
+            Kind::Window(g) => g.manager_mut(),
         }
     }
 
     /// The window, for sliding-window groups.
     pub fn window(&self) -> Option<usize> {
-        match self {
-            Self::Full(_) => None,
-            Self::Window(m) => Some(m.window()),
+        match &self.kind {
+            Kind::Full(_) => None,
+            Kind::Window(g) => Some(g.manager().window()),
         }
     }
 
-    fn num_free(&self) -> usize {
-        match self {
-            Self::Full(m) => m.num_available(),
-            Self::Window(m) => m.num_free(),
+    /// Whether `need` more entries can be had once `table` slid to `computed`.
+    fn room(&self, table: &WindowTable, computed: usize, need: usize) -> bool {
+        match &self.kind {
+            Kind::Full(g) => need <= g.num_available(),
+            Kind::Window(g) => g.room(table, computed, need),
+        }
+    }
+
+    fn slide(&mut self, table: &mut WindowTable, computed: usize) {
+        if let Kind::Window(g) = &mut self.kind {
+            g.slide(table, computed);
+        }
+    }
+
+    fn grow(&mut self, table: &mut WindowTable, entries: usize) -> Result<()> {
+        let ok = match &mut self.kind {
+            Kind::Full(g) => {
+                let need = entries.saturating_sub(table.len());
+                match g.num_available() >= need {
+                    true => g.grow(&mut table.blocks, need),
+                    false => false,
+                }
+            }
+            Kind::Window(g) => g.grow(table, entries),
+        };
+        match ok {
+            true => Ok(()),
+            false => Err(KvPoolError::OutOfBlocks {
+                requested: entries.saturating_sub(table.len()),
+                available: self.as_manager().counts().available(),
+            }),
         }
     }
 }
@@ -105,17 +138,20 @@ impl CompositeBlockManager {
                 }
                 other => other,
             };
-            groups.push(match spec.window {
+            let kind = match spec.window {
                 None => {
                     let mut config = ManagerConfig::new(spec.num_blocks, spec.block_size);
                     config.enable_prefix_cache = false;
-                    GroupManager::Full(BlockManagerImpl::new(config).map_err(in_group)?)
+                    Kind::Full(FullGroup::new(
+                        BlockManagerImpl::new(config).map_err(in_group)?,
+                    ))
                 }
-                Some(window) => GroupManager::Window(
+                Some(window) => Kind::Window(WindowGroup::new(
                     SlidingWindowBlockManager::new(spec.num_blocks, spec.block_size, window, false)
                         .map_err(in_group)?,
-                ),
-            });
+                )),
+            };
+            groups.push(GroupManager { kind });
         }
         Ok(Self { groups })
     }
@@ -125,20 +161,19 @@ impl CompositeBlockManager {
         self.groups.len()
     }
 
+    fn group_error(&self, g: usize) -> KvPoolError {
+        KvPoolError::invalid("group", format!("must be < {}, got {g}", self.groups.len()))
+    }
+
     /// Group `g`.
     pub fn group(&self, g: usize) -> Result<&GroupManager> {
-        let n = self.groups.len();
-        self.groups
-            .get(g)
-            .ok_or_else(|| crate::KvPoolError::invalid("group", format!("must be < {n}, got {g}")))
+        self.groups.get(g).ok_or_else(|| self.group_error(g))
     }
 
     /// Group `g`.
     pub fn group_mut(&mut self, g: usize) -> Result<&mut GroupManager> {
-        let n = self.groups.len();
-        self.groups
-            .get_mut(g)
-            .ok_or_else(|| crate::KvPoolError::invalid("group", format!("must be < {n}, got {g}")))
+        let error = self.group_error(g);
+        self.groups.get_mut(g).ok_or(error)
     }
 
     /// Block counts of group `g`.
@@ -146,8 +181,8 @@ impl CompositeBlockManager {
         Ok(self.group(g)?.as_manager().counts())
     }
 
-    fn entries(&self, g: usize, num_tokens: usize) -> usize {
-        num_tokens.div_ceil(self.groups[g].as_manager().block_size())
+    fn entries(group: &GroupManager, num_tokens: usize) -> usize {
+        num_tokens.div_ceil(group.as_manager().block_size())
     }
 
     /// Whether `allocate_for_sequence` would succeed, with no side effect.
@@ -157,15 +192,11 @@ impl CompositeBlockManager {
         num_tokens: usize,
         num_computed_tokens: usize,
     ) -> bool {
+        let empty = WindowTable::default();
         self.groups.iter().enumerate().all(|(g, group)| {
-            let empty = WindowTable::default();
             let table = tables.tables.get(g).unwrap_or(&empty);
-            let need = self.entries(g, num_tokens).saturating_sub(table.len());
-            let releasable = match group {
-                GroupManager::Window(m) => m.releasable(table, num_computed_tokens),
-                GroupManager::Full(_) => 0,
-            };
-            need <= group.num_free() + releasable
+            let need = Self::entries(group, num_tokens).saturating_sub(table.len());
+            group.room(table, num_computed_tokens, need)
         })
     }
 
@@ -185,23 +216,13 @@ impl CompositeBlockManager {
         tables
             .tables
             .resize_with(self.groups.len(), WindowTable::default);
-        for (group, table) in self.groups.iter().zip(tables.tables.iter_mut()) {
-            if let GroupManager::Window(m) = group {
-                m.slide(table, num_computed_tokens);
-            }
+        for (group, table) in self.groups.iter_mut().zip(tables.tables.iter_mut()) {
+            group.slide(table, num_computed_tokens);
         }
         let before: Vec<usize> = tables.tables.iter().map(|t| t.blocks.len()).collect();
         for g in 0..self.groups.len() {
-            let entries = self.entries(g, num_tokens);
-            let table = &mut tables.tables[g];
-            let result = match &mut self.groups[g] {
-                GroupManager::Full(m) => {
-                    let need = entries.saturating_sub(table.len());
-                    m.allocate_into(need, &mut table.blocks)
-                }
-                GroupManager::Window(m) => m.grow(table, entries),
-            };
-            if let Err(error) = result {
+            let entries = Self::entries(&self.groups[g], num_tokens);
+            if let Err(error) = self.groups[g].grow(&mut tables.tables[g], entries) {
                 for (table, &len) in tables.tables.iter_mut().zip(&before).take(g) {
                     table.blocks.truncate(len);
                 }
@@ -218,7 +239,7 @@ impl CompositeBlockManager {
         }
     }
 
-    /// Checks every group and that `blocks` all belong to one of them.
+    /// The group whose manager handed out `block`, if any.
     pub fn owner_of(&self, block: &Block) -> Option<usize> {
         self.groups.iter().position(|g| g.as_manager().owns(block))
     }
@@ -227,9 +248,7 @@ impl CompositeBlockManager {
     pub fn check(&self) -> Result<()> {
         for (g, group) in self.groups.iter().enumerate() {
             group.as_manager().check().map_err(|e| match e {
-                crate::KvPoolError::Invariant(m) => {
-                    crate::KvPoolError::Invariant(format!("group {g}: {m}"))
-                }
+                KvPoolError::Invariant(m) => KvPoolError::Invariant(format!("group {g}: {m}")),
                 other => other,
             })?;
         }

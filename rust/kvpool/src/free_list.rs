@@ -10,7 +10,11 @@
 //!
 //! The head word packs a 32-bit tag beside the top id; every successful CAS bumps the tag, so a
 //! pop that read `next[top]` before another thread popped and re-pushed `top` fails its CAS
-//! instead of installing a stale successor (the ABA problem). Nodes are slots of an array, never
+//! instead of installing a stale successor (the ABA problem). The tag wraps after 2^32 successful
+//! CASes: a pop whose load and CAS are more than 2^32 list operations apart (a thread descheduled
+//! that long while the others push and pop the same top back) could still see ABA; at tens of
+//! nanoseconds per operation that is minutes of uninterrupted work by the others, which the
+//! schedulers it runs under never do. Nodes are slots of an array, never
 //! freed, so there is no memory-reclamation problem to solve.
 
 use crossbeam_utils::CachePadded;
@@ -37,7 +41,7 @@ fn tag_of(head: u64) -> u32 {
 }
 
 /// Lock-free LIFO set of ids below a fixed capacity.
-pub struct FreeList {
+pub(crate) struct FreeList {
     head: CachePadded<AtomicU64>,
     len: CachePadded<AtomicUsize>,
     next: Box<[AtomicU32]>,
@@ -49,7 +53,8 @@ impl FreeList {
     /// # Panics
     /// If `capacity >= u32::MAX` or the list cannot be allocated (the managers use the fallible
     /// constructor instead).
-    pub fn new(capacity: usize) -> Self {
+    #[cfg(test)]
+    pub(crate) fn new(capacity: usize) -> Self {
         assert!(
             capacity < NIL as usize,
             "FreeList capacity must be below u32::MAX"
@@ -73,7 +78,8 @@ impl FreeList {
     }
 
     /// A list holding `ids`, the first of which is popped first.
-    pub fn with_ids(capacity: usize, ids: impl DoubleEndedIterator<Item = u32>) -> Self {
+    #[cfg(test)]
+    pub(crate) fn with_ids(capacity: usize, ids: impl DoubleEndedIterator<Item = u32>) -> Self {
         let list = Self::new(capacity);
         list.push_all(ids);
         list
@@ -97,26 +103,26 @@ impl FreeList {
     }
 
     /// The largest id plus one that the list can hold.
-    pub fn capacity(&self) -> usize {
+    pub(crate) fn capacity(&self) -> usize {
         self.next.len()
     }
 
     /// Number of ids in the list (exact when no operation is in flight).
     #[inline]
-    pub fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         // Relaxed: a snapshot; callers that need exactness hold exclusive access or tolerate a
         // value that is stale by the operations in flight.
         self.len.load(Ordering::Relaxed)
     }
 
     /// Whether the list is empty (exact when no operation is in flight).
-    pub fn is_empty(&self) -> bool {
+    pub(crate) fn is_empty(&self) -> bool {
         self.len() == 0
     }
 
     /// Puts `id` back. The caller guarantees `id` is not in the list.
     #[inline]
-    pub fn push(&self, id: u32) {
+    pub(crate) fn push(&self, id: u32) {
         debug_assert!((id as usize) < self.next.len());
         // Relaxed: raised before the id is published (see module doc); the publishing CAS below
         // (Release) orders it before any pop that acquires the head.
@@ -142,7 +148,7 @@ impl FreeList {
 
     /// Takes the most recently pushed id, or `None` when empty.
     #[inline]
-    pub fn pop(&self) -> Option<u32> {
+    pub(crate) fn pop(&self) -> Option<u32> {
         // Acquire: pairs with the Release CAS of the push that installed this top, so the read of
         // `next[top]` below sees the successor written by that push.
         let mut head = self.head.load(Ordering::Acquire);
@@ -173,7 +179,8 @@ impl FreeList {
 
     /// Pops exactly `n` ids into `out`, or none: if the list runs dry midway, the ids already
     /// taken are pushed back (in their original order) and `false` is returned.
-    pub fn pop_n(&self, n: usize, out: &mut Vec<u32>) -> bool {
+    #[cfg(test)]
+    pub(crate) fn pop_n(&self, n: usize, out: &mut Vec<u32>) -> bool {
         let start = out.len();
         out.reserve(n);
         for _ in 0..n {
@@ -193,7 +200,7 @@ impl FreeList {
 
     /// The ids in the list from top to bottom. Exact only without concurrent operations; used by
     /// `check()`. Stops after `capacity` steps so a corrupted list cannot loop forever.
-    pub fn snapshot(&self) -> Vec<u32> {
+    pub(crate) fn snapshot(&self) -> Vec<u32> {
         let mut ids = Vec::with_capacity(self.len());
         let mut id = top_of(self.head.load(Ordering::Acquire));
         while id != NIL && ids.len() <= self.next.len() {

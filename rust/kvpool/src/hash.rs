@@ -227,3 +227,26 @@ mod tests {
         assert_eq!(bytes[15], 2);
     }
 }
+
+/// The hasher of maps keyed by block hashes: the keys are already uniformly distributed 128-bit
+/// hashes, so it only folds them to 64 bits (no mixing).
+#[derive(Default)]
+pub(crate) struct IdentityHasher(u64);
+
+impl std::hash::Hasher for IdentityHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = self.0.rotate_left(8) ^ u64::from(b);
+        }
+    }
+    fn write_u128(&mut self, value: u128) {
+        self.0 = (value as u64) ^ ((value >> 64) as u64);
+    }
+}
+
+/// A map keyed by raw 128-bit block hashes.
+pub(crate) type ByHash<V> =
+    std::collections::HashMap<u128, V, std::hash::BuildHasherDefault<IdentityHasher>>;

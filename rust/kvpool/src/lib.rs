@@ -1,52 +1,71 @@
 //! kvpool core: the scheduler-side KV-cache block manager of an LLM serving engine.
 //!
-//! Pure Rust (no Python): free lists, `Block` handles whose last drop returns the id, a
-//! hash-keyed prefix cache with prefix-closed LRU eviction, and the sequence-level pool. The
-//! rules cited as "R<n>" are those of the project's DESIGN.md.
+//! Pure Rust (no Python). Bottom up: free lists and `Block` handles whose last drop returns the
+//! id (`free_list`, `block`); chained block hashes (`hash`); the hash-keyed prefix cache with
+//! prefix-closed LRU eviction (`prefix_cache`); the physical managers (`manager`,
+//! `concurrent_manager`, `sliding_window`, `linear_state`, `composite`); a request's tokens and
+//! allocation (`sequence`); the block groups of a rank behind one interface (`groups`); the tiers
+//! below the device (`tiers`); and the sequence-level pool that coordinates them (`pool`).
+//!
+//! Modules are private; the items below are the crate's API, each with one path. The rules cited
+//! as "R<n>" are those of the project's contract (docs/contract.md).
+#![warn(missing_docs, unreachable_pub)]
 
 mod alloc;
-pub mod block;
-pub mod composite;
-pub mod concurrent_manager;
-pub mod error;
-pub mod free_list;
-pub mod hash;
-pub mod hierarchy;
-pub mod index;
-pub mod linear_state;
-pub mod manager;
-pub mod pool;
-pub mod prefix_cache;
-pub mod sequence;
-pub mod sliding_window;
+mod block;
+mod composite;
+mod concurrent_manager;
+mod counters;
+mod error;
+mod free_list;
+mod groups;
+mod hash;
+mod index;
+mod linear_state;
+mod manager;
+mod pool;
+mod prefix_cache;
+mod sequence;
+mod sliding_window;
 mod sync;
+mod tiers;
+mod xtensor;
 
 pub use block::Block;
 pub use composite::{CompositeBlockManager, GroupManager, GroupSpec, GroupTables};
 pub use concurrent_manager::ConcurrentBlockManager;
 pub use error::{KvPoolError, Result};
-pub use free_list::FreeList;
 pub use hash::{BlockHash, BlockHasher, DEFAULT_HASH_SEED};
-pub use hierarchy::{
-    HierarchyBlockManagerPool, HierarchyConfig, HierarchyStats, HostStats, OffloadPolicy,
-    RemoteHits, RemoteQuery, TransferDirection, TransferPlan,
-};
+pub use index::wire::{decode_batch as decode_index_events, encode_batch as encode_index_events};
 pub use index::{
-    ApplyReport, EventKind, GroupKind, IndexConfig, IndexEvent, IndexStats, KVIndex, Match, Medium,
+    ApplyReport, EventKind, Gap, GroupKind, IndexConfig, IndexCounters, IndexEvent, IndexStats,
+    KVIndex, LocationKey, Match, Matches, Medium, Row, SourceState, MAX_GROUPS,
 };
 pub use linear_state::{LinearStatePrefixCache, LinearStateStats};
 pub use manager::{
     BlockCounts, BlockManager, BlockManagerImpl, ManagerConfig, SingleBlockManager, MAX_BLOCKS,
 };
+pub use pool::{
+    AllocationPlan, BlockManagerPool, DebugCounters, HierarchyBlockManagerPool, HierarchyConfig,
+    HierarchyStats, KvCacheManager, KvEvent, KvEventKind, LinearStateMatch, LinearStatePlan,
+    LinearStateSave, PageBackendKind, PoolConfig, PoolStats, RankStats, XTensorOptions,
+    XTensorRankStats, DEFAULT_EVENT_REPLAY,
+};
 pub use prefix_cache::{CacheEvent, CacheStats, ExtraKey, PrefixCache, Probe};
+pub use sequence::Sequence;
 pub use sliding_window::{SlidingWindowBlockManager, WindowTable};
+pub use tiers::{
+    HostStats, HostTierConfig, OffloadPolicy, RemoteHits, RemoteQuery, TransferDirection,
+    TransferPlan,
+};
+#[cfg(unix)]
+pub use xtensor::HostPageBackend;
+pub use xtensor::{
+    AccountingBackend, MemoryLimitReport, PageBackend, PageError, PageStats, XTensorBlockManager,
+    XTensorConfig, DEFAULT_PAGE_BYTES, MAX_BLOCKS_PER_PAGE,
+};
 
 /// The crate version.
 pub fn version() -> &'static str {
     env!("CARGO_PKG_VERSION")
 }
-pub use pool::{
-    BlockManagerPool, KvCacheManager, KvEvent, KvEventKind, LinearStateMatch, LinearStatePlan,
-    LinearStateSave, PoolConfig, PoolStats, RankStats,
-};
-pub use sequence::Sequence;

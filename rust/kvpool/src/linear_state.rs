@@ -81,6 +81,8 @@ pub struct LinearStatePrefixCache {
     num_committed: usize,
     num_pinned: usize,
     stats: LinearStateStats,
+    /// Checkpoints committed (`true`) or evicted, for KV events (R21; `pool/events.rs`).
+    pub(crate) events: Option<Vec<(bool, BlockHash)>>,
 }
 
 impl LinearStatePrefixCache {
@@ -105,7 +107,15 @@ impl LinearStatePrefixCache {
             num_committed: 0,
             num_pinned: 0,
             stats: LinearStateStats::default(),
+            events: None,
         })
+    }
+
+    /// Records a commit (`true`) or an eviction of `hash` for KV events, when on.
+    fn note(&mut self, committed: bool, hash: BlockHash) {
+        if let Some(events) = self.events.as_mut() {
+            events.push((committed, hash));
+        }
     }
 
     /// Bytes a cache of `num_slots` slots allocates (for [`crate::alloc::probe`]).
@@ -200,6 +210,7 @@ impl LinearStatePrefixCache {
         self.kind[slot as usize] = Held::No;
         self.num_committed -= 1;
         self.stats.evictions += 1;
+        self.note(false, hash);
         self.held[slot as usize] = None; // drops the handle: the slot is free again
         true
     }
@@ -342,6 +353,7 @@ impl LinearStatePrefixCache {
         self.num_committed += 1;
         self.stats.commits += 1;
         self.push_tail(slot);
+        self.note(true, self.hash_of[slot as usize]);
     }
 
     /// Drops the pending checkpoint of `prefix_hash` (its save was cancelled); the slot is free.
@@ -395,6 +407,7 @@ impl LinearStatePrefixCache {
         self.num_committed += 1;
         self.stats.commits += 1;
         self.push_tail(id);
+        self.note(true, prefix_hash);
     }
 
     /// [`Self::promote_slot`] for a live slot acquired through the API: returns the new live
@@ -415,9 +428,12 @@ impl LinearStatePrefixCache {
             requested: 1,
             available: 0,
         })?;
-        let old = self.held[live_slot as usize]
-            .take()
-            .expect("live slot held");
+        let Some(old) = self.held[live_slot as usize].take() else {
+            // A live slot is held by its kind's invariant (checked by `check`); `fresh` goes back.
+            return Err(KvPoolError::Invariant(format!(
+                "live slot {live_slot} is not held"
+            )));
+        };
         self.num_live_held -= 1;
         self.adopt_committed(old, prefix_hash);
         let id = fresh.id();

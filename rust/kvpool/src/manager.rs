@@ -33,6 +33,14 @@ pub struct BlockCounts {
 }
 
 impl BlockCounts {
+    /// Adds `other`'s counts (totals over ranks).
+    pub(crate) fn add(&mut self, other: &BlockCounts) {
+        self.total += other.total;
+        self.free += other.free;
+        self.cached += other.cached;
+        self.used += other.used;
+    }
+
     /// `free + cached`: what `allocate` can hand out.
     pub fn available(&self) -> usize {
         self.free + self.cached
@@ -56,6 +64,12 @@ pub trait BlockManager {
     fn owns(&self, block: &Block) -> bool;
     /// Block counts (R2).
     fn counts(&self) -> BlockCounts;
+    /// How many blocks `allocate` can hand out now: `free + cached` for a manager whose free ids
+    /// are all usable; less for one whose memory is bounded otherwise (an
+    /// `XTensorBlockManager` under a memory limit).
+    fn num_available_blocks(&self) -> usize {
+        self.counts().available()
+    }
     /// `n` fresh blocks, evicting cached ones if needed; all-or-nothing (R3).
     fn allocate(&mut self, n: usize) -> Result<Vec<Block>>;
     /// Logical release of handles (R5).
@@ -251,7 +265,10 @@ impl BlockManagerImpl {
         }
         let mut out = Vec::with_capacity(1);
         self.allocate_into(1, &mut out)?;
-        Ok(out.pop().expect("allocate_into gave one block"))
+        out.pop().ok_or(KvPoolError::OutOfBlocks {
+            requested: 1,
+            available: 0,
+        })
     }
 
     /// Chain hashes for `tokens` with this manager's hasher.
@@ -439,12 +456,7 @@ impl SingleBlockManager {
     pub fn new(num_slots: usize) -> Result<Self> {
         let mut config = ManagerConfig::new(num_slots, 1);
         config.enable_prefix_cache = false;
-        let rename = |e| match e {
-            KvPoolError::InvalidArgument { message, .. } => {
-                KvPoolError::invalid("num_slots", message)
-            }
-            other => other,
-        };
+        let rename = |e: KvPoolError| e.renamed_all("num_slots");
         config.validate().map_err(rename)?;
         Ok(Self {
             inner: BlockManagerImpl::new(config).map_err(rename)?,

@@ -6,7 +6,7 @@
 //! releases those blocks and their table entries become the padding id 0. A fresh prefill holds
 //! all its blocks (the step that computes them needs them).
 //!
-//! Prefix sharing (the rule kvpool chooses, DESIGN.md R25): a window block is shareable only
+//! Prefix sharing (the rule kvpool chooses, R25 in docs/contract.md): a window block is shareable only
 //! while it is still held. The manager keeps an index `chain hash -> block id` of the published
 //! window blocks, whose entries hold *no* reference, and it holds two kinds of blocks:
 //! - blocks of running sequences; those a slide releases are free at once (released window
@@ -243,18 +243,25 @@ impl SlidingWindowBlockManager {
     /// Index of the first block the query at position `num_computed_tokens` can attend to: the
     /// blocks before it hold only tokens before `num_computed_tokens - window + 1`. Exact for
     /// every `usize` (no `+ 1` that could wrap, F5; `window >= 1`).
+    #[inline]
     pub fn first_needed_block(&self, num_computed_tokens: usize) -> usize {
         num_computed_tokens.saturating_sub(self.window - 1) / self.block_size()
     }
 
     /// Releases the blocks of `table` no future query can attend to (R25); returns how many.
+    #[inline]
     pub fn slide(&self, table: &mut WindowTable, num_computed_tokens: usize) -> usize {
         let first = self
             .first_needed_block(num_computed_tokens)
             .min(table.len());
         if first <= table.released {
-            return 0;
+            return 0; // most steps: the window did not pass a block boundary
         }
+        Self::release_before(table, first)
+    }
+
+    /// Releases the entries of `table` before `first` (the slide's rare part).
+    fn release_before(table: &mut WindowTable, first: usize) -> usize {
         let count = first - table.released;
         // Oldest first: drop the handles; ids nobody else holds are free at once.
         table.blocks.drain(..count);

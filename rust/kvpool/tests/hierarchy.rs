@@ -102,10 +102,63 @@ fn host_hit_after_device_eviction_loads_and_counts_after_confirmation() {
     assert_eq!(c.num_cached_tokens(), 12);
     assert!(p.take_load_plans().is_empty());
     // slot_mapping counts the load as computed: only the last token is left to compute.
-    let slots = p.slot_mapping(&[&b]).unwrap();
+    let slots = p.slot_mapping(&[&b], 0).unwrap();
     assert_eq!(slots.len(), 1);
     p.deallocate(&mut b).unwrap();
     p.deallocate(&mut c).unwrap();
+    p.check().unwrap();
+}
+
+/// Issue 21: the host cache's events are "host" events of the rank's stream, and the remote
+/// tier's stores the caller reports are "remote" events, chained from the host cache.
+#[test]
+fn host_and_remote_events_share_the_rank_stream() {
+    let mut config = HierarchyConfig::new(16, 16, BS);
+    config.pool.enable_events = true;
+    let mut p = HierarchyBlockManagerPool::new(config).unwrap();
+    let mut a = seq(0..13);
+    let plans = run_and_release(&mut p, &mut a);
+    p.complete_offloads(&refs(&plans)).unwrap();
+    let hashes = plans[0].keys.clone();
+    assert_eq!(
+        p.record_remote_events(0, kvpool::KvEventKind::Stored, &hashes)
+            .unwrap(),
+        1,
+        "one chain"
+    );
+    let events = p.drain_events();
+    let media: Vec<(u64, kvpool::Medium)> = events.iter().map(|e| (e.sequence, e.medium)).collect();
+    assert_eq!(
+        media,
+        vec![
+            (1, kvpool::Medium::Device),
+            (2, kvpool::Medium::Host),
+            (3, kvpool::Medium::Remote)
+        ]
+    );
+    let remote = &events[2];
+    assert_eq!(remote.block_hashes, hashes);
+    assert_eq!(remote.parent_hash, None);
+    assert_eq!(remote.token_ids, (0..12).collect::<Vec<u32>>());
+    assert!(p
+        .record_remote_events(0, kvpool::KvEventKind::Cleared, &hashes)
+        .is_err());
+    assert!(p
+        .record_remote_events(1, kvpool::KvEventKind::Stored, &hashes)
+        .is_err());
+    p.reset_prefix_cache();
+    let kinds: Vec<_> = p
+        .drain_events()
+        .iter()
+        .map(|e| (e.kind, e.medium, e.sequence))
+        .collect();
+    assert_eq!(
+        kinds,
+        vec![
+            (kvpool::KvEventKind::Cleared, kvpool::Medium::Device, 4),
+            (kvpool::KvEventKind::Cleared, kvpool::Medium::Host, 5)
+        ]
+    );
     p.check().unwrap();
 }
 

@@ -44,7 +44,7 @@ fn seed_example_deepest_and_contiguous() {
         for i in [0, 1, 3] {
             checkpoint(&mut pool, hashes[i]);
         }
-        let cached_before = pool.counts(0).cached;
+        let cached_before = pool.counts(0).unwrap().cached;
         assert_eq!(cached_before, 4);
         let mut b = Sequence::new(tokens.clone(), None, None);
         assert!(pool.allocate(&mut b, None).unwrap());
@@ -55,7 +55,7 @@ fn seed_example_deepest_and_contiguous() {
             .peek(hashes[restore_hash]);
         assert_eq!(b.linear_state_restore_slot(), slot, "{rule:?}");
         // Blocks past the boundary stay cached, not held by the sequence.
-        assert_eq!(pool.counts(0).cached, 4 - kept, "{rule:?}");
+        assert_eq!(pool.counts(0).unwrap().cached, 4 - kept, "{rule:?}");
         pool.check().unwrap();
         pool.check_sequence(&b).unwrap();
         let plan = pool.take_linear_state_plan();

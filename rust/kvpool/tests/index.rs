@@ -7,11 +7,11 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use kvpool::index::{Gap, LocationKey};
 use kvpool::{
     BlockHash, BlockHasher, EventKind, GroupKind, IndexConfig, IndexEvent, KVIndex, KvPoolError,
     Match, Medium,
 };
+use kvpool::{Gap, LocationKey};
 use proptest::prelude::*;
 
 fn index(max_entries: usize) -> KVIndex {
@@ -523,7 +523,13 @@ fn a_fleet_with_shared_prefixes_matches_the_model() {
     let doc = |d: usize| -> Vec<u32> {
         let shared = 4 * (d % 4) + 4;
         (0..64u32)
-            .map(|i| if (i as usize) < shared { i } else { 1000 * (d as u32 + 1) + i })
+            .map(|i| {
+                if (i as usize) < shared {
+                    i
+                } else {
+                    1000 * (d as u32 + 1) + i
+                }
+            })
             .collect()
     };
     let docs: Vec<Vec<u32>> = (0..12).map(doc).collect();
@@ -551,7 +557,11 @@ fn a_fleet_with_shared_prefixes_matches_the_model() {
     for step in 0..1500 {
         let instance = next(INSTANCES);
         let d = next(docs.len() as u64) as usize;
-        let medium = if next(4) == 0 { Medium::Host } else { Medium::Device };
+        let medium = if next(4) == 0 {
+            Medium::Host
+        } else {
+            Medium::Device
+        };
         let kind = next(100);
         let events: Vec<IndexEvent> = if kind < 55 {
             // A run: the document's blocks start..end, under one or both groups.
@@ -578,8 +588,10 @@ fn a_fleet_with_shared_prefixes_matches_the_model() {
             }
             out
         } else if kind < 85 {
-            let blocks: Vec<BlockHash> =
-                (0..16).filter(|_| next(3) == 0).map(|i| chains[d][i]).collect();
+            let blocks: Vec<BlockHash> = (0..16)
+                .filter(|_| next(3) == 0)
+                .map(|i| chains[d][i])
+                .collect();
             let (g, group_kind) = group_of(instance, next(2) == 0);
             vec![IndexEvent::removed(4, blocks)
                 .with_medium(medium)
@@ -627,7 +639,7 @@ fn a_fleet_with_shared_prefixes_matches_the_model() {
     idx.check().unwrap();
     // The compact answer is the same answer.
     let snapshot = idx.snapshot();
-    let mut compact = kvpool::index::Matches::new();
+    let mut compact = kvpool::Matches::new();
     for c in &chains {
         snapshot.lookup_into(c, 4, now, &mut compact);
         let rows: Vec<Match> = compact

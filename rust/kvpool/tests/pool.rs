@@ -15,7 +15,7 @@ fn table(seq: &Sequence) -> Vec<u32> {
 #[test]
 fn seed_scenario_end_to_end() {
     let mut p = pool(16, 4);
-    let total = p.counts(0).free;
+    let total = p.counts(0).unwrap().free;
     let mut a = Sequence::new((0..11).collect(), None, None);
     assert!(p.allocate(&mut a, None).unwrap());
     assert_eq!(
@@ -31,16 +31,16 @@ fn seed_scenario_end_to_end() {
         p.can_append(&b, 0).unwrap(),
         "5th token crosses into a new block"
     );
-    let free = p.counts(0).free;
+    let free = p.counts(0).unwrap().free;
     assert!(p.may_append(&mut b, 0).unwrap());
     assert_eq!(table(&b).len(), 2);
-    assert_eq!(p.counts(0).free, free - 1);
+    assert_eq!(p.counts(0).unwrap().free, free - 1);
     b.append_token(105);
     assert!(p.may_append(&mut b, 0).unwrap());
     assert_eq!(table(&b).len(), 2, "6 tokens fit in 2 blocks");
     p.deallocate(&mut a).unwrap();
     p.deallocate(&mut b).unwrap();
-    let counts = p.counts(0);
+    let counts = p.counts(0).unwrap();
     assert_eq!(
         counts.free + counts.cached,
         total,
@@ -177,6 +177,61 @@ fn r19_exports_and_r21_events() {
     assert!(p.drain_events().is_empty());
 }
 
+/// Issue 21: events numbered 1, 2, 3, ... per rank, self-describing, replayable from the
+/// bounded buffer; the index applies them as they are.
+#[test]
+fn events_are_numbered_per_rank_and_replayable() {
+    let mut config = PoolConfig::new(6, 4);
+    config.enable_events = true;
+    config.dp_size = 2;
+    config.event_replay = 3;
+    let mut p = BlockManagerPool::new(config).unwrap();
+    let mut all = Vec::new();
+    let mut held: Option<Sequence> = None;
+    for i in 0..12u32 {
+        let mut a = Sequence::new((100 * i..100 * i + 8).collect(), None, None);
+        assert!(p.allocate(&mut a, None).unwrap());
+        a.set_num_computed_tokens(8).unwrap();
+        p.cache(&mut a).unwrap();
+        // Two sequences at a time: the second goes to the other rank.
+        if let Some(mut previous) = held.replace(a) {
+            p.deallocate(&mut previous).unwrap();
+        }
+        all.extend(p.drain_events());
+        p.check().unwrap();
+    }
+    for rank in 0..2 {
+        let numbers: Vec<u64> = all
+            .iter()
+            .filter(|e| e.dp_rank == rank)
+            .map(|e| e.sequence)
+            .collect();
+        let last = p.last_event_sequence(rank).unwrap();
+        assert_eq!(numbers, (1..=last).collect::<Vec<_>>(), "rank {rank}");
+        assert!(last > 3, "rank {rank}: {last} events");
+        let tail = p.events_since(rank, last - 2).unwrap().unwrap();
+        assert_eq!(
+            tail.iter().map(|e| e.sequence).collect::<Vec<_>>(),
+            vec![last - 2, last - 1, last]
+        );
+        assert!(
+            p.events_since(rank, last - 3).unwrap().is_none(),
+            "beyond the buffer"
+        );
+        assert!(p.events_since(rank, last + 1).unwrap().unwrap().is_empty());
+        assert!(p.events_since(rank, last + 2).is_err());
+    }
+    assert!(p.events_since(2, 1).is_err());
+    assert!(all.iter().all(|e| e.medium == kvpool::Medium::Device
+        && e.group == 0
+        && e.group_kind == kvpool::GroupKind::FullAttention
+        && e.block_size == 4));
+    let index = kvpool::KVIndex::new(kvpool::IndexConfig::default()).unwrap();
+    let batch: Vec<kvpool::IndexEvent> = all.iter().map(|e| e.to_index_event()).collect();
+    let report = index.apply(0, batch).unwrap();
+    assert!(report.gaps.is_empty());
+}
+
 /// The batch calls do what the per-sequence calls do, step by step, on twin pools (R16, R17);
 /// a decode step whose tokens fit publishes nothing and takes nothing (the fast path).
 #[test]
@@ -224,7 +279,7 @@ fn r16_r17_batch_calls_equal_per_sequence_calls() {
             assert_eq!(x.num_computed_tokens(), y.num_computed_tokens());
             assert_eq!(x.tokens(), y.tokens());
         }
-        assert_eq!(one.counts(0), all.counts(0));
+        assert_eq!(one.counts(0).unwrap(), all.counts(0).unwrap());
         all.check().unwrap();
         // the ones without room leave, in both
         for &i in expected.iter().rev() {
@@ -239,7 +294,7 @@ fn r16_r17_batch_calls_equal_per_sequence_calls() {
     }
     all.check().unwrap();
     assert_eq!(
-        all.counts(0).free + all.counts(0).cached,
+        all.counts(0).unwrap().free + all.counts(0).unwrap().cached,
         47,
         "every id came back"
     );
@@ -254,7 +309,11 @@ fn r29_batch_calls_check_every_member_first() {
     assert!(p.allocate(&mut x, None).unwrap());
     assert!(p.allocate(&mut y, None).unwrap());
     let mut stranger = Sequence::new(vec![9], None, None);
-    let before = (x.tokens().to_vec(), y.tokens().to_vec(), p.counts(0));
+    let before = (
+        x.tokens().to_vec(),
+        y.tokens().to_vec(),
+        p.counts(0).unwrap(),
+    );
     let err = p
         .advance_all(&mut [&mut x, &mut y, &mut stranger], &[1, 2, 3])
         .unwrap_err();
@@ -267,7 +326,7 @@ fn r29_batch_calls_check_every_member_first() {
     assert!(err.to_string().contains("seqs"), "{err}");
     assert_eq!(x.tokens(), &before.0[..]);
     assert_eq!(y.tokens(), &before.1[..]);
-    assert_eq!(p.counts(0), before.2);
+    assert_eq!(p.counts(0).unwrap(), before.2);
     // y's table is full (4 tokens in 1 block): after its token, advance needs may_append first
     p.advance_all(&mut [&mut x, &mut y], &[1, 2]).unwrap();
     let err = p.advance_all(&mut [&mut x, &mut y], &[1, 2]).unwrap_err();
@@ -357,7 +416,7 @@ fn run_pool_workload(ops: Vec<Op>, dp: usize) -> Result<(), TestCaseError> {
     p.reset_prefix_cache();
     p.check().unwrap();
     for rank in 0..dp {
-        prop_assert_eq!(p.counts(rank).free, 9);
+        prop_assert_eq!(p.counts(rank).unwrap().free, 9);
     }
     Ok(())
 }

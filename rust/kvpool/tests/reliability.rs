@@ -302,7 +302,7 @@ trait Harness: KvCacheManager {
 
 fn device_room(p: &BlockManagerPool, seq: &Sequence) -> (usize, Option<usize>) {
     let rank = seq.dp_rank().unwrap();
-    let full = p.counts(rank).available();
+    let full = p.counts(rank).unwrap().available();
     (full, p.window_manager(rank).map(|w| w.counts().available()))
 }
 
@@ -354,7 +354,7 @@ impl Harness for BlockManagerPool {
     }
     fn free_everywhere(&self) -> bool {
         (0..self.dp_size()).all(|r| {
-            let c = self.counts(r);
+            let c = self.counts(r).unwrap();
             c.free == c.total
         })
     }
@@ -503,11 +503,14 @@ fn tokens(group: u8, salt: u8, len: usize) -> Vec<u32> {
 /// prediction: let `cache` slide the window for real (R25), then the blocks missing must
 /// exceed what one of the groups has free or cached.
 fn no_room<P: Both>(p: &mut P, seq: &mut Sequence, tokens: usize) -> bool {
+    // The full group's room as the call saw it: `cache` may free blocks by dedup on publish
+    // (R9 revised); the window's once its blocks are published (R25).
+    let (full, _) = p.room(seq);
     p.cache(seq).unwrap();
     let need = tokens
         .div_ceil(p.block_size())
         .saturating_sub(seq.blocks().len());
-    let (full, window) = p.room(seq);
+    let (_, window) = p.room(seq);
     need > full || window.is_some_and(|w| need > w)
 }
 

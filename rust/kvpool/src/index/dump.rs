@@ -31,7 +31,7 @@ use crate::index::tree::{Entry, SPECULATIVE};
 
 const MAGIC: &[u8; 8] = b"KVPIDX\0\0";
 /// The format's version; a dump of another version is refused.
-pub const VERSION: u32 = 1;
+pub(crate) const VERSION: u32 = 1;
 const NO_PARENT: u8 = 0;
 const UNKNOWN_PARENT: u8 = 1;
 const KNOWN_PARENT: u8 = 2;

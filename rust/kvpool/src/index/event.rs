@@ -111,7 +111,10 @@ pub enum GroupKind {
     FullAttention,
     /// Sliding window of `window` tokens: a hit of `n` blocks needs only the blocks holding
     /// the last `window - 1` tokens before position `n * block_size`.
-    SlidingWindow { window: u32 },
+    SlidingWindow {
+        /// The window in tokens.
+        window: u32,
+    },
     /// Linear (recurrent) state, e.g. Mamba / GDN: a hit of `n` blocks needs a state
     /// checkpoint at the end of block `n - 1`, stored under that block's hash.
     LinearState,
@@ -192,11 +195,15 @@ pub struct IndexEvent {
     /// previous number plus one and its events share it. `None`: an unsequenced event,
     /// applied without gap detection.
     pub sequence: Option<u64>,
+    /// Whether the blocks were stored or removed.
     pub kind: EventKind,
+    /// Where the blocks live: device, host or remote.
     pub medium: Medium,
+    /// The data-parallel rank inside the instance.
     pub dp_rank: u32,
     /// The KV-cache group's index in its instance (0 for a model with one group).
     pub group: u32,
+    /// The kind of block group the blocks belong to.
     pub group_kind: GroupKind,
     /// Tokens per block of that group.
     pub block_size: u32,

@@ -46,12 +46,12 @@ pub(crate) struct Expiry {
 }
 
 impl Expiry {
-    pub fn push(&mut self, due: Due) {
+    pub(crate) fn push(&mut self, due: Due) {
         self.heap.push(Reverse(due));
     }
 
     /// The oldest record lapsing at or before `now`.
-    pub fn pop_due(&mut self, now: f64) -> Option<Due> {
+    pub(crate) fn pop_due(&mut self, now: f64) -> Option<Due> {
         match self.heap.peek() {
             Some(Reverse(due)) if due.expires <= now => self.heap.pop().map(|r| r.0),
             _ => None,
@@ -59,17 +59,17 @@ impl Expiry {
     }
 
     /// Whether stale records should be dropped, with `live` speculative entries.
-    pub fn needs_rebuild(&self, live: usize) -> bool {
+    pub(crate) fn needs_rebuild(&self, live: usize) -> bool {
         self.heap.len() > 2 * live + SLACK
     }
 
     /// Replaces the records with `live` ones.
-    pub fn rebuild(&mut self, live: impl IntoIterator<Item = Due>) {
+    pub(crate) fn rebuild(&mut self, live: impl IntoIterator<Item = Due>) {
         self.heap = live.into_iter().map(Reverse).collect();
     }
 
     /// Every record, sorted (for `check`).
-    pub fn records(&self) -> Vec<Due> {
+    pub(crate) fn records(&self) -> Vec<Due> {
         let mut out: Vec<Due> = self.heap.iter().map(|r| r.0).collect();
         out.sort();
         out

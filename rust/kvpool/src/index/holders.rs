@@ -19,11 +19,20 @@ pub(crate) const INLINE: usize = 3;
 
 #[derive(Clone, Copy, Debug)]
 pub(crate) enum Holders {
-    Inline { len: u32, ids: [u32; INLINE] },
+    Inline {
+        len: u32,
+        ids: [u32; INLINE],
+    },
     /// Sorted ids in `Sets::lists[at]`.
-    List { len: u32, at: u32 },
+    List {
+        len: u32,
+        at: u32,
+    },
     /// A bitset in `Sets::bits[at]`.
-    Bits { len: u32, at: u32 },
+    Bits {
+        len: u32,
+        at: u32,
+    },
 }
 
 /// A read-only view for lookups.
@@ -71,7 +80,7 @@ impl Sets {
     }
 
     /// Makes slot `at` of `source` (another copy's) this copy's too.
-    pub fn copy_list(&mut self, source: &Sets, at: u32) {
+    pub(crate) fn copy_list(&mut self, source: &Sets, at: u32) {
         let at = at as usize;
         if self.lists.len() <= at {
             self.lists.resize_with(at + 1, Vec::new);
@@ -80,7 +89,7 @@ impl Sets {
     }
 
     /// Makes bitset slot `at` of `source` this copy's too.
-    pub fn copy_bits(&mut self, source: &Sets, at: u32) {
+    pub(crate) fn copy_bits(&mut self, source: &Sets, at: u32) {
         let at = at as usize;
         if self.bits.len() <= at {
             self.bits.resize_with(at + 1, Vec::new);
@@ -103,14 +112,14 @@ fn bit(words: &[u64], id: u32) -> bool {
 }
 
 impl Holders {
-    pub const EMPTY: Self = Self::Inline {
+    pub(crate) const EMPTY: Self = Self::Inline {
         len: 0,
         ids: [0; INLINE],
     };
 
     /// The set of one id.
     #[inline]
-    pub const fn one(id: u32) -> Self {
+    pub(crate) const fn one(id: u32) -> Self {
         Self::Inline {
             len: 1,
             ids: [id, 0, 0],
@@ -118,7 +127,7 @@ impl Holders {
     }
 
     #[inline]
-    pub fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         match *self {
             Self::Inline { len, .. } | Self::List { len, .. } | Self::Bits { len, .. } => {
                 len as usize
@@ -127,13 +136,13 @@ impl Holders {
     }
 
     #[inline]
-    pub fn is_empty(&self) -> bool {
+    pub(crate) fn is_empty(&self) -> bool {
         self.len() == 0
     }
 
     /// The slot of `sets` this set names: `(is a bitset, slot)`.
     #[inline]
-    pub fn slot(&self) -> Option<(bool, u32)> {
+    pub(crate) fn slot(&self) -> Option<(bool, u32)> {
         match *self {
             Self::Inline { .. } => None,
             Self::List { at, .. } => Some((false, at)),
@@ -142,7 +151,7 @@ impl Holders {
     }
 
     #[inline]
-    pub fn view<'a>(&'a self, sets: &'a Sets) -> View<'a> {
+    pub(crate) fn view<'a>(&'a self, sets: &'a Sets) -> View<'a> {
         match self {
             Self::Inline { len, ids } => View::Sorted(&ids[..*len as usize]),
             Self::List { at, .. } => View::Sorted(&sets.lists[*at as usize]),
@@ -151,7 +160,7 @@ impl Holders {
     }
 
     #[inline]
-    pub fn contains(&self, id: u32, sets: &Sets) -> bool {
+    pub(crate) fn contains(&self, id: u32, sets: &Sets) -> bool {
         match self.view(sets) {
             View::Sorted(ids) => ids.binary_search(&id).is_ok(),
             View::Bits(words) => bit(words, id),
@@ -160,7 +169,7 @@ impl Holders {
 
     /// Adds `id`; `width` is the bitset size of every known location. Returns whether new.
     #[inline]
-    pub fn insert(&mut self, id: u32, width: usize, sets: &mut Sets) -> bool {
+    pub(crate) fn insert(&mut self, id: u32, width: usize, sets: &mut Sets) -> bool {
         if let Self::Inline { len: len @ 0, ids } = self {
             // The common case: the first holder of a new node.
             ids[0] = id;
@@ -233,7 +242,7 @@ impl Holders {
     }
 
     /// Removes `id`; returns whether it was there.
-    pub fn remove(&mut self, id: u32, width: usize, sets: &mut Sets) -> bool {
+    pub(crate) fn remove(&mut self, id: u32, width: usize, sets: &mut Sets) -> bool {
         match *self {
             Self::Inline { len, mut ids } => {
                 let n = len as usize;
@@ -266,7 +275,12 @@ impl Holders {
     }
 
     /// Keeps the ids `keep` says; returns how many went.
-    pub fn retain(&mut self, keep: impl Fn(u32) -> bool, width: usize, sets: &mut Sets) -> usize {
+    pub(crate) fn retain(
+        &mut self,
+        keep: impl Fn(u32) -> bool,
+        width: usize,
+        sets: &mut Sets,
+    ) -> usize {
         let before = self.len();
         match *self {
             Self::Inline { len, mut ids } => {
@@ -323,7 +337,7 @@ impl Holders {
     }
 
     /// Gives this set's slot back to `sets` (the set is dropped, or about to be replaced).
-    pub fn release(&mut self, sets: &mut Sets) {
+    pub(crate) fn release(&mut self, sets: &mut Sets) {
         match *self {
             Self::Inline { .. } => {}
             Self::List { at, .. } => sets.free_lists.push(at),
@@ -333,7 +347,7 @@ impl Holders {
     }
 
     /// The set of sorted, distinct `ids` in array form.
-    pub fn from_sorted(ids: &[u32], sets: &mut Sets) -> Self {
+    pub(crate) fn from_sorted(ids: &[u32], sets: &mut Sets) -> Self {
         if ids.len() <= INLINE {
             let mut inline = [0; INLINE];
             inline[..ids.len()].copy_from_slice(ids);
@@ -349,25 +363,28 @@ impl Holders {
     }
 
     /// Members, ascending.
-    pub fn iter<'a>(&'a self, sets: &'a Sets) -> impl Iterator<Item = u32> + 'a {
+    pub(crate) fn iter<'a>(&'a self, sets: &'a Sets) -> impl Iterator<Item = u32> + 'a {
         let (sorted, words): (&[u32], &[u64]) = match self.view(sets) {
             View::Sorted(ids) => (ids, &[]),
             View::Bits(words) => (&[], words),
         };
-        sorted.iter().copied().chain(words.iter().enumerate().flat_map(|(w, &word)| {
-            let mut bits = word;
-            std::iter::from_fn(move || {
-                (bits != 0).then(|| {
-                    let b = bits.trailing_zeros();
-                    bits &= bits - 1;
-                    (w * 64) as u32 + b
+        sorted
+            .iter()
+            .copied()
+            .chain(words.iter().enumerate().flat_map(|(w, &word)| {
+                let mut bits = word;
+                std::iter::from_fn(move || {
+                    (bits != 0).then(|| {
+                        let b = bits.trailing_zeros();
+                        bits &= bits - 1;
+                        (w * 64) as u32 + b
+                    })
                 })
-            })
-        }))
+            }))
     }
 
     /// Checks the module's invariants for this set; `Err` says which.
-    pub fn check(&self, sets: &Sets) -> std::result::Result<(), String> {
+    pub(crate) fn check(&self, sets: &Sets) -> std::result::Result<(), String> {
         match *self {
             Self::Inline { len, ids } => {
                 let n = len as usize;
@@ -384,7 +401,9 @@ impl Holders {
                     || list.len() <= INLINE
                     || list.windows(2).any(|p| p[0] >= p[1])
                 {
-                    return Err(format!("holders list of {len} unsorted, short or miscounted"));
+                    return Err(format!(
+                        "holders list of {len} unsorted, short or miscounted"
+                    ));
                 }
             }
             Self::Bits { len, at } => {

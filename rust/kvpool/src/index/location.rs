@@ -24,9 +24,13 @@ pub(crate) type FixedState = rustc_hash::FxBuildHasher;
 /// The identity of a location.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct LocationKey {
+    /// The serving instance.
     pub instance: u64,
+    /// The data-parallel rank inside the instance.
     pub dp_rank: u32,
+    /// Where the blocks live: device, host or remote.
     pub medium: Medium,
+    /// Tokens per block at this location.
     pub block_size: u32,
 }
 
@@ -63,7 +67,7 @@ pub(crate) enum Kind {
 }
 
 impl Location {
-    pub fn kind(&self) -> Kind {
+    pub(crate) fn kind(&self) -> Kind {
         if self.gapped {
             Kind::Gapped
         } else if self.groups.len() >= 2 {
@@ -111,44 +115,44 @@ pub(crate) struct Locations {
 }
 
 impl Locations {
-    pub fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.list.len()
     }
 
-    pub fn get(&self, id: u32) -> &Location {
+    pub(crate) fn get(&self, id: u32) -> &Location {
         &self.list[id as usize]
     }
 
     #[inline]
-    pub fn key(&self, id: u32) -> LocationKey {
+    pub(crate) fn key(&self, id: u32) -> LocationKey {
         self.keys[id as usize]
     }
 
-    pub fn iter(&self) -> impl Iterator<Item = (u32, &Location)> {
+    pub(crate) fn iter(&self) -> impl Iterator<Item = (u32, &Location)> {
         self.list.iter().enumerate().map(|(i, l)| (i as u32, l))
     }
 
-    pub fn find(&self, key: &LocationKey) -> Option<u32> {
+    pub(crate) fn find(&self, key: &LocationKey) -> Option<u32> {
         self.ids.get(key).copied()
     }
 
     /// Block sizes in use and their locations.
-    pub fn block_sizes(&self) -> impl Iterator<Item = (u32, &SizeCounts)> + '_ {
+    pub(crate) fn block_sizes(&self) -> impl Iterator<Item = (u32, &SizeCounts)> + '_ {
         self.per_block_size.iter().map(|(&k, v)| (k, v))
     }
 
     /// The locations of block size `block_size`.
-    pub fn size_counts(&self, block_size: u32) -> Option<&SizeCounts> {
+    pub(crate) fn size_counts(&self, block_size: u32) -> Option<&SizeCounts> {
         self.per_block_size.get(&block_size)
     }
 
     /// Words of a bitset over every location.
-    pub fn width(&self) -> usize {
+    pub(crate) fn width(&self) -> usize {
         self.list.len().div_ceil(64)
     }
 
     /// The id of `key`, registering it (with no groups) if new.
-    pub fn register(&mut self, key: LocationKey) -> u32 {
+    pub(crate) fn register(&mut self, key: LocationKey) -> u32 {
         if let Some(id) = self.ids.get(&key) {
             return *id;
         }
@@ -168,7 +172,7 @@ impl Locations {
     }
 
     /// The mask bit of group (`group`, `kind`) at location `id`, if it has that group.
-    pub fn group_bit(&self, id: u32, group: u32, kind: GroupKind) -> Option<u32> {
+    pub(crate) fn group_bit(&self, id: u32, group: u32, kind: GroupKind) -> Option<u32> {
         self.list[id as usize]
             .groups
             .iter()
@@ -178,7 +182,7 @@ impl Locations {
 
     /// Whether registering (`group`, `kind`) at `key` would succeed (at most [`MAX_GROUPS`]
     /// groups per location), counting `pending` groups about to be added there.
-    pub fn can_add_group(
+    pub(crate) fn can_add_group(
         &self,
         key: &LocationKey,
         group: u32,
@@ -198,7 +202,7 @@ impl Locations {
     }
 
     /// The mask bit of (`group`, `kind`) at location `id`, registering the group if new.
-    pub fn add_group(&mut self, id: u32, group: u32, kind: GroupKind) -> Result<u32> {
+    pub(crate) fn add_group(&mut self, id: u32, group: u32, kind: GroupKind) -> Result<u32> {
         if let Some(bit) = self.group_bit(id, group, kind) {
             return Ok(bit);
         }
@@ -230,7 +234,7 @@ impl Locations {
     }
 
     /// Ids of the locations of `instance` (and `dp_rank`, `medium` when given).
-    pub fn matching(
+    pub(crate) fn matching(
         &self,
         instance: u64,
         dp_rank: Option<u32>,
@@ -247,10 +251,9 @@ impl Locations {
     }
 
     /// Checks the module's invariants.
-    pub fn check(&self) -> Result<()> {
+    pub(crate) fn check(&self) -> Result<()> {
         ensure_invariant!(
-            self.ids.len() == self.list.len()
-                && self.keys.len() == self.list.len(),
+            self.ids.len() == self.list.len() && self.keys.len() == self.list.len(),
             "{} location ids for {} locations",
             self.ids.len(),
             self.list.len()

@@ -34,9 +34,13 @@ const PREFETCH: usize = 32;
 /// One location's matched prefix.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Match {
+    /// The serving instance.
     pub instance: u64,
+    /// The data-parallel rank inside the instance.
     pub dp_rank: u32,
+    /// Where the blocks live: device, host or remote.
     pub medium: Medium,
+    /// Tokens per block at this location.
     pub block_size: u32,
     /// Leading blocks of the request held there.
     pub blocks: u32,
@@ -48,7 +52,9 @@ pub struct Match {
 /// (`Snapshot::location` resolves it) and its blocks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Row {
+    /// Index into the match's locations.
     pub location: u32,
+    /// Leading blocks of the query held at that location.
     pub blocks: u32,
 }
 
@@ -86,6 +92,7 @@ fn unset(words: &mut [u64], id: u32) {
 }
 
 impl Matches {
+    /// An empty answer.
     pub fn new() -> Self {
         Self::default()
     }
@@ -99,31 +106,41 @@ impl Matches {
 
     /// Locations matched.
     pub fn len(&self) -> usize {
-        self.rows.len() + self.words.iter().map(|w| w.count_ones() as usize).sum::<usize>()
+        self.rows.len()
+            + self
+                .words
+                .iter()
+                .map(|w| w.count_ones() as usize)
+                .sum::<usize>()
     }
 
+    /// Whether no location matched.
     pub fn is_empty(&self) -> bool {
         self.rows.is_empty() && self.layers.is_empty()
     }
 
     /// Every location matched (in no particular order), as rows.
     pub fn iter(&self) -> impl Iterator<Item = Row> + '_ {
-        let layers = self.layers.iter().enumerate().flat_map(move |(i, &blocks)| {
-            let words = &self.words[i * self.width..(i + 1) * self.width];
-            words.iter().enumerate().flat_map(move |(w, &word)| {
-                let mut bits = word;
-                std::iter::from_fn(move || {
-                    (bits != 0).then(|| {
-                        let b = bits.trailing_zeros();
-                        bits &= bits - 1;
-                        Row {
-                            location: (w * 64) as u32 + b,
-                            blocks,
-                        }
+        let layers = self
+            .layers
+            .iter()
+            .enumerate()
+            .flat_map(move |(i, &blocks)| {
+                let words = &self.words[i * self.width..(i + 1) * self.width];
+                words.iter().enumerate().flat_map(move |(w, &word)| {
+                    let mut bits = word;
+                    std::iter::from_fn(move || {
+                        (bits != 0).then(|| {
+                            let b = bits.trailing_zeros();
+                            bits &= bits - 1;
+                            Row {
+                                location: (w * 64) as u32 + b,
+                                blocks,
+                            }
+                        })
                     })
                 })
-            })
-        });
+            });
         self.rows.iter().copied().chain(layers)
     }
 
@@ -173,7 +190,13 @@ impl Matches {
 impl IndexState {
     /// Writes to `out` (appending) the matches of `chain` on every location of `block_size`
     /// that holds at least its first block.
-    pub fn lookup_chain(&self, chain: &[BlockHash], block_size: u32, now: f64, out: &mut Matches) {
+    pub(crate) fn lookup_chain(
+        &self,
+        chain: &[BlockHash],
+        block_size: u32,
+        now: f64,
+        out: &mut Matches,
+    ) {
         let Some(counts) = self.locations.size_counts(block_size) else {
             return;
         };
@@ -193,7 +216,7 @@ impl IndexState {
 
     /// [`IndexState::lookup_chain`] for the chain of `tokens` under `extra_key`, for each
     /// block size in use.
-    pub fn lookup_tokens(
+    pub(crate) fn lookup_tokens(
         &self,
         tokens: &[u32],
         extra_key: Option<&[u8]>,
@@ -211,7 +234,7 @@ impl IndexState {
 
     /// The [`Match`] of a row.
     #[inline]
-    pub fn to_match(&self, row: Row) -> Match {
+    pub(crate) fn to_match(&self, row: Row) -> Match {
         let key = self.locations.key(row.location);
         Match {
             instance: key.instance,
@@ -224,7 +247,7 @@ impl IndexState {
     }
 
     /// The location of a row.
-    pub fn location(&self, id: u32) -> Option<crate::index::location::LocationKey> {
+    pub(crate) fn location(&self, id: u32) -> Option<crate::index::location::LocationKey> {
         ((id as usize) < self.locations.len()).then(|| self.locations.key(id))
     }
 

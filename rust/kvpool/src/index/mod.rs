@@ -44,7 +44,7 @@ mod sequence;
 mod state;
 mod table;
 mod tree;
-pub mod wire;
+pub(crate) mod wire;
 
 use std::sync::Arc;
 
@@ -70,13 +70,19 @@ const SPARE_SPINS: usize = 64;
 pub struct IndexStats {
     /// Entries (one block hash at one location), speculative ones included.
     pub entries: usize,
+    /// Entries inserted speculatively by the router, not yet confirmed by an event.
     pub speculative_entries: usize,
     /// Block hashes held (nodes, including parents kept only for their children).
     pub blocks: usize,
+    /// Distinct (instance, rank, medium, block size) locations known.
     pub locations: usize,
+    /// Event sources (instance, rank) seen.
     pub sources: usize,
+    /// Sources waiting for a gap in their sequence numbers to be filled.
     pub stalled_sources: usize,
+    /// The most entries the index keeps before it evicts.
     pub max_entries: usize,
+    /// Running counts of what the index applied, dropped and evicted.
     pub counters: IndexCounters,
 }
 

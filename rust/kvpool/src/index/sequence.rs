@@ -21,7 +21,9 @@ use crate::index::location::FixedState;
 /// The state of one source.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SourceState {
+    /// The serving instance.
     pub instance: u64,
+    /// The data-parallel rank inside the instance.
     pub dp_rank: u32,
     /// The last applied number.
     pub last: u64,
@@ -32,9 +34,13 @@ pub struct SourceState {
 /// A gap found by an `apply`: the source's next number should have been `expected`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Gap {
+    /// The serving instance.
     pub instance: u64,
+    /// The data-parallel rank inside the instance.
     pub dp_rank: u32,
+    /// The sequence number the source was expected to send next.
     pub expected: u64,
+    /// The sequence number it sent.
     pub got: u64,
 }
 
@@ -55,19 +61,19 @@ pub(crate) struct Sources {
 
 impl Sources {
     #[cfg(test)]
-    pub fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.map.len()
     }
 
     /// The verdict on an event numbered `sequence` of (`instance`, `dp_rank`); records it.
     #[cfg(test)]
-    pub fn admit(&mut self, instance: u64, dp_rank: u32, sequence: u64) -> Verdict {
+    pub(crate) fn admit(&mut self, instance: u64, dp_rank: u32, sequence: u64) -> Verdict {
         self.admit_tracked(instance, dp_rank, sequence).0
     }
 
     /// [`Sources::admit`], with the source's new state if it changed.
     #[inline]
-    pub fn admit_tracked(
+    pub(crate) fn admit_tracked(
         &mut self,
         instance: u64,
         dp_rank: u32,
@@ -105,13 +111,13 @@ impl Sources {
     }
 
     /// Forgets the number of (`instance`, `dp_rank`), or of every rank of `instance`.
-    pub fn forget(&mut self, instance: u64, dp_rank: Option<u32>) {
+    pub(crate) fn forget(&mut self, instance: u64, dp_rank: Option<u32>) {
         self.map
             .retain(|&(i, d), _| i != instance || dp_rank.is_some_and(|r| r != d));
     }
 
     /// Every source, sorted by (instance, dp rank).
-    pub fn list(&self) -> Vec<SourceState> {
+    pub(crate) fn list(&self) -> Vec<SourceState> {
         let mut out: Vec<SourceState> = self
             .map
             .iter()
@@ -127,7 +133,7 @@ impl Sources {
     }
 
     /// Sets one source's state (from a dump, or replaying a write).
-    pub fn restore(&mut self, state: SourceState) {
+    pub(crate) fn restore(&mut self, state: SourceState) {
         self.map
             .insert((state.instance, state.dp_rank), (state.last, state.stalled));
     }

@@ -59,12 +59,19 @@ pub struct ApplyReport {
 /// Counters over the index's life.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct IndexCounters {
+    /// Events applied.
     pub events_applied: u64,
+    /// Events ignored because their sequence number was already applied.
     pub duplicates: u64,
+    /// Events dropped (unknown parent, bad group, or over capacity).
     pub dropped: u64,
+    /// Gaps found in a source's sequence numbers.
     pub gaps: u64,
+    /// Entries evicted to stay under `max_entries`.
     pub evicted_entries: u64,
+    /// Speculative entries expired without confirmation.
     pub expired_entries: u64,
+    /// Speculative entries inserted.
     pub speculative_inserted: u64,
 }
 
@@ -102,7 +109,7 @@ pub(crate) struct Journal {
 }
 
 impl Journal {
-    pub fn clear(&mut self) {
+    pub(crate) fn clear(&mut self) {
         self.steps.clear();
         self.expiry_rebuilt = false;
     }
@@ -124,7 +131,7 @@ pub(crate) struct IndexState {
 type Resolved = Option<(LocationKey, u32, GroupKind, u32, u32)>;
 
 impl IndexState {
-    pub fn new(config: IndexConfig, capacity: usize) -> Result<Self> {
+    pub(crate) fn new(config: IndexConfig, capacity: usize) -> Result<Self> {
         ensure_arg!(
             config.max_entries >= 1,
             "max_entries",
@@ -143,7 +150,7 @@ impl IndexState {
 
     /// Brings this copy level with `source`, which was equal to it before its last write,
     /// that write's `journal`.
-    pub fn level_with(&mut self, source: &IndexState, journal: &Journal) -> Result<()> {
+    pub(crate) fn level_with(&mut self, source: &IndexState, journal: &Journal) -> Result<()> {
         for step in &journal.steps {
             match *step {
                 Step::Source(state) => self.sources.restore(state),
@@ -243,7 +250,7 @@ impl IndexState {
     }
 
     /// Applies `instance`'s events in order (see `sequence.rs` for gaps and duplicates).
-    pub fn apply(
+    pub(crate) fn apply(
         &mut self,
         instance: u64,
         events: &[IndexEvent],
@@ -415,7 +422,7 @@ impl IndexState {
 
     /// Evicts until the entries fit `max_entries` (the only copy: a loaded index); returns
     /// how many went.
-    pub fn enforce_bound(&mut self) -> usize {
+    pub(crate) fn enforce_bound(&mut self) -> usize {
         self.tree.begin_write();
         let evicted = self.evict_to_bound();
         self.tree.drop_deleted(self.tree.deleted());
@@ -425,7 +432,7 @@ impl IndexState {
 
     /// Marks `chain` speculative (see `KVIndex::insert_speculative`).
     #[allow(clippy::too_many_arguments)]
-    pub fn speculate(
+    pub(crate) fn speculate(
         &mut self,
         instance: u64,
         dp_rank: u32,
@@ -498,7 +505,7 @@ impl IndexState {
     }
 
     /// Drops the speculative entries lapsing at or before `now`; returns how many.
-    pub fn expire(&mut self, now: f64, journal: &mut Journal) -> Result<usize> {
+    pub(crate) fn expire(&mut self, now: f64, journal: &mut Journal) -> Result<usize> {
         ensure_arg!(!now.is_nan(), "now", "must be a number, got NaN");
         let expired = self.expire_due(now, journal);
         self.counters.expired_entries += expired as u64;
@@ -511,9 +518,9 @@ impl IndexState {
         while let Some(due) = self.expiry.pop_due(now) {
             popped = true;
             if let Some(id) = self.tree.find(due.hash) {
-                let cleared = self
-                    .tree
-                    .clear_bits(id, due.location, SPECULATIVE, Some(due.expires));
+                let cleared =
+                    self.tree
+                        .clear_bits(id, due.location, SPECULATIVE, Some(due.expires));
                 expired += usize::from(cleared & SPECULATIVE != 0);
             }
         }
@@ -529,7 +536,7 @@ impl IndexState {
     }
 
     /// An expiry record per speculative entry.
-    pub fn speculative_due(&self) -> Vec<Due> {
+    pub(crate) fn speculative_due(&self) -> Vec<Due> {
         let mut out = Vec::with_capacity(self.tree.speculative);
         for id in self.tree.ids_in_order() {
             let hash = self.tree.node(id).hash;
@@ -548,7 +555,7 @@ impl IndexState {
 
     /// Drops the entries and sequence state of (`instance`, `dp_rank`), or of the whole
     /// instance; returns the entries dropped.
-    pub fn forget(
+    pub(crate) fn forget(
         &mut self,
         instance: u64,
         dp_rank: Option<u32>,
@@ -561,12 +568,12 @@ impl IndexState {
     }
 
     /// Every source's sequence state.
-    pub fn sources(&self) -> Vec<SourceState> {
+    pub(crate) fn sources(&self) -> Vec<SourceState> {
         self.sources.list()
     }
 
     /// Checks every invariant of the module doc.
-    pub fn check(&self) -> Result<()> {
+    pub(crate) fn check(&self) -> Result<()> {
         self.locations.check()?;
         ensure_invariant!(
             self.tree.width == self.locations.width(),

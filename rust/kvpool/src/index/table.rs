@@ -94,7 +94,7 @@ pub(crate) struct Table {
 impl Table {
     /// An empty table with room for `capacity` entries before it needs to grow. Every slot is
     /// written here, so that the pages are touched up front and not during the first writes.
-    pub fn with_capacity(capacity: usize) -> Self {
+    pub(crate) fn with_capacity(capacity: usize) -> Self {
         let slots = (capacity.saturating_mul(2))
             .max(MIN_SLOTS)
             .checked_next_power_of_two()
@@ -109,14 +109,14 @@ impl Table {
     }
 
     /// Entries held (live or not yet tombstoned).
-    pub fn entries(&self) -> usize {
+    pub(crate) fn entries(&self) -> usize {
         // Relaxed: the writer's own count (see the field).
         self.entries.load(Ordering::Relaxed)
     }
 
     /// Whether `inserts` more would leave fewer than half the slots empty.
     #[inline]
-    pub fn needs_room_for(&self, inserts: usize) -> bool {
+    pub(crate) fn needs_room_for(&self, inserts: usize) -> bool {
         // Relaxed: the writer's own count.
         (self.used.load(Ordering::Relaxed) + inserts) * 2 > self.slots.len()
     }
@@ -124,7 +124,7 @@ impl Table {
     /// The id stored for `hash` that `valid` confirms, if any. `valid` is the caller's copy
     /// saying whether node `id` is live there with this hash.
     #[inline]
-    pub fn find(&self, hash: u128, valid: impl Fn(u32) -> bool) -> Option<u32> {
+    pub(crate) fn find(&self, hash: u128, valid: impl Fn(u32) -> bool) -> Option<u32> {
         let (home, tag) = home_and_tag(hash);
         let mut at = home & self.mask;
         for _ in 0..self.slots.len() {
@@ -145,7 +145,7 @@ impl Table {
     /// Asks the cache for the first slot `hash` probes, so that the slots of a batch's blocks
     /// arrive together (their misses overlap) before the probes that depend on them.
     #[inline]
-    pub fn prefetch(&self, hash: u128) {
+    pub(crate) fn prefetch(&self, hash: u128) {
         let (home, _) = home_and_tag(hash);
         prefetch(&self.slots[home & self.mask]);
     }
@@ -153,7 +153,7 @@ impl Table {
     /// The id of the first entry whose tag matches `hash`'s, unconfirmed: a hint (to ask the
     /// cache for that node ahead of the look-up that confirms it).
     #[inline]
-    pub fn candidate(&self, hash: u128) -> Option<u32> {
+    pub(crate) fn candidate(&self, hash: u128) -> Option<u32> {
         let (home, tag) = home_and_tag(hash);
         let mut at = home & self.mask;
         for _ in 0..4 {
@@ -173,7 +173,7 @@ impl Table {
     /// Where `hash` is: its confirmed id, or else the slot an insert would take (the first
     /// tombstone or empty slot of its probe path). The writer only.
     #[inline]
-    pub fn probe(&self, hash: u128, valid: impl Fn(u32) -> bool) -> Probe {
+    pub(crate) fn probe(&self, hash: u128, valid: impl Fn(u32) -> bool) -> Probe {
         let (home, tag) = home_and_tag(hash);
         let mut at = home & self.mask;
         let mut vacant = None;
@@ -195,7 +195,7 @@ impl Table {
     /// Stores `hash -> id` in `slot`, which [`Table::probe`] gave for `hash` (the writer only,
     /// with no store in between; room was made with `needs_room_for` before the probe).
     #[inline]
-    pub fn insert_at(&self, slot: usize, hash: u128, id: u32) {
+    pub(crate) fn insert_at(&self, slot: usize, hash: u128, id: u32) {
         let (_, tag) = home_and_tag(hash);
         // Relaxed: the writer reads its own stores.
         let was = self.slots[slot].load(Ordering::Relaxed);
@@ -210,7 +210,7 @@ impl Table {
 
     /// Stores `hash -> id` (the writer only; the caller made room with `needs_room_for` first and
     /// knows no confirmed entry of `hash` exists).
-    pub fn insert(&self, hash: u128, id: u32) {
+    pub(crate) fn insert(&self, hash: u128, id: u32) {
         if let Probe::Vacant(slot) = self.probe(hash, |_| false) {
             self.insert_at(slot, hash, id);
         }
@@ -221,7 +221,7 @@ impl Table {
     /// slot becomes a tombstone, or empty when the next slot is empty (then so do the
     /// tombstones right before it): no entry's probe path crosses an empty slot, as none can
     /// cross the next one. Returns whether it was dropped.
-    pub fn remove(&self, hash: u128, id: u32, keep: impl Fn(u32) -> bool) -> bool {
+    pub(crate) fn remove(&self, hash: u128, id: u32, keep: impl Fn(u32) -> bool) -> bool {
         let (home, tag) = home_and_tag(hash);
         let want = tag | u64::from(id);
         let mut at = home & self.mask;
@@ -257,7 +257,7 @@ impl Table {
     }
 
     /// A new table holding `live` (hash, id) pairs, with room for `capacity` entries.
-    pub fn rebuilt(live: impl Iterator<Item = (u128, u32)>, capacity: usize) -> Self {
+    pub(crate) fn rebuilt(live: impl Iterator<Item = (u128, u32)>, capacity: usize) -> Self {
         let table = Self::with_capacity(capacity);
         for (hash, id) in live {
             table.insert(hash, id);

@@ -67,7 +67,7 @@ pub(crate) struct Entry {
 impl Entry {
     /// Whether the speculative bit is set and not lapsed at `now`.
     #[inline]
-    pub fn speculative_at(&self, now: f64) -> bool {
+    pub(crate) fn speculative_at(&self, now: f64) -> bool {
         self.mask & SPECULATIVE != 0 && self.expires > now
     }
 }
@@ -99,12 +99,12 @@ const BLANK: Node = Node {
 impl Node {
     /// Whether `parent` is known (a chain's first block has none); a node made for a parent
     /// hash before its own event came has an unknown parent until that event links it.
-    pub fn parent_known(&self) -> bool {
+    pub(crate) fn parent_known(&self) -> bool {
         self.flags & PARENT_KNOWN != 0
     }
 
     #[inline]
-    pub fn has_extras(&self) -> bool {
+    pub(crate) fn has_extras(&self) -> bool {
         self.flags & HAS_EXTRAS != 0
     }
 
@@ -175,7 +175,7 @@ pub(crate) struct Tree {
 
 impl Tree {
     /// An empty tree with room for `capacity` nodes (reserved and touched up front).
-    pub fn with_capacity(capacity: usize) -> Self {
+    pub(crate) fn with_capacity(capacity: usize) -> Self {
         let mut tree = Self {
             nodes: Vec::new(),
             free: Vec::new(),
@@ -199,7 +199,7 @@ impl Tree {
 
     /// Reserves room for `capacity` nodes in this copy's own vectors, touching the pages (so
     /// that a fresh index does not take its page faults during its first writes).
-    pub fn reserve(&mut self, capacity: usize) {
+    pub(crate) fn reserve(&mut self, capacity: usize) {
         let more = capacity.saturating_sub(self.nodes.len());
         if more == 0 {
             return;
@@ -215,7 +215,7 @@ impl Tree {
     }
 
     /// Starts tracking a write's changes (on the copy it writes).
-    pub fn begin_write(&mut self) {
+    pub(crate) fn begin_write(&mut self) {
         self.write = self.write.wrapping_add(1);
         self.changes.wrapped = self.write == 0;
         if self.changes.wrapped {
@@ -237,7 +237,7 @@ impl Tree {
     /// Brings this copy level with `source`, which was equal to it before its last write:
     /// copies what that write changed (see `Changes`). The caller then drops the table
     /// entries of the nodes deleted.
-    pub fn level_with(&mut self, source: &Tree) {
+    pub(crate) fn level_with(&mut self, source: &Tree) {
         let c = &source.changes;
         if c.wrapped {
             for node in &mut self.nodes {
@@ -258,7 +258,9 @@ impl Tree {
             }
         }
         // Slots made and freed within the write exist (empty) here too.
-        self.sets.lists.resize_with(source.sets.lists.len(), Vec::new);
+        self.sets
+            .lists
+            .resize_with(source.sets.lists.len(), Vec::new);
         self.sets.bits.resize_with(source.sets.bits.len(), Vec::new);
         self.sets.free_lists.clone_from(&source.sets.free_lists);
         self.sets.free_bits.clone_from(&source.sets.free_bits);
@@ -303,19 +305,19 @@ impl Tree {
     }
 
     /// Nodes the current (or last) write changed.
-    pub fn changed(&self) -> usize {
+    pub(crate) fn changed(&self) -> usize {
         self.changes.nodes.len() + self.nodes.len() - self.changes.nodes_start
     }
 
     /// The nodes the last write deleted, with their hashes.
-    pub fn deleted(&self) -> &[(u128, u32)] {
+    pub(crate) fn deleted(&self) -> &[(u128, u32)] {
         &self.changes.deleted
     }
 
     /// Tombstones the table entries of `deleted` nodes (a write's, see [`Tree::deleted`]) that
     /// this copy does not hold (again): once no copy a reader can reach holds them (this copy
     /// is the only one, or the other copy is level with it).
-    pub fn drop_deleted(&self, deleted: &[(u128, u32)]) {
+    pub(crate) fn drop_deleted(&self, deleted: &[(u128, u32)]) {
         for &(hash, id) in deleted {
             self.table.remove(hash, id, |id| self.valid(id, hash));
         }
@@ -341,13 +343,13 @@ impl Tree {
     }
 
     /// Live nodes.
-    pub fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.live
     }
 
     /// The live node of `hash`.
     #[inline]
-    pub fn find(&self, hash: u128) -> Option<u32> {
+    pub(crate) fn find(&self, hash: u128) -> Option<u32> {
         self.table.find(hash, |id| self.valid(id, hash))
     }
 
@@ -359,19 +361,19 @@ impl Tree {
     }
 
     #[inline]
-    pub fn node(&self, id: u32) -> &Node {
+    pub(crate) fn node(&self, id: u32) -> &Node {
         &self.nodes[id as usize]
     }
 
     /// The live node of `hash`, with its id.
     #[inline]
-    pub fn get(&self, hash: u128) -> Option<(u32, &Node)> {
+    pub(crate) fn get(&self, hash: u128) -> Option<(u32, &Node)> {
         self.find(hash).map(|id| (id, &self.nodes[id as usize]))
     }
 
     /// A node's holders, to read.
     #[inline]
-    pub fn holders<'a>(&'a self, node: &'a Node) -> View<'a> {
+    pub(crate) fn holders<'a>(&'a self, node: &'a Node) -> View<'a> {
         node.holders.view(&self.sets)
     }
 
@@ -385,7 +387,7 @@ impl Tree {
 
     /// Node `id`'s entries other than its holders, sorted by location.
     #[inline]
-    pub fn extras(&self, id: u32) -> &[Entry] {
+    pub(crate) fn extras(&self, id: u32) -> &[Entry] {
         if self.nodes[id as usize].has_extras() {
             self.extras.get(&id).map_or(&[], |e| &e[..])
         } else {
@@ -394,7 +396,7 @@ impl Tree {
     }
 
     /// Every entry of node `id`, sorted by location.
-    pub fn entries_of(&self, id: u32) -> Vec<Entry> {
+    pub(crate) fn entries_of(&self, id: u32) -> Vec<Entry> {
         let node = &self.nodes[id as usize];
         let mut out: Vec<Entry> = node
             .holders
@@ -414,7 +416,7 @@ impl Tree {
     }
 
     /// Live node ids in LRU order (oldest first), then the nodes without entries.
-    pub fn ids_in_order(&self) -> Vec<u32> {
+    pub(crate) fn ids_in_order(&self) -> Vec<u32> {
         let mut out = Vec::with_capacity(self.live);
         for &(id, stamp) in &self.lru[self.lru_head..] {
             if self.nodes[id as usize].stamp == stamp && stamp != 0 {
@@ -431,7 +433,7 @@ impl Tree {
 
     /// Asks for the table slots of `hashes` (see [`Table::prefetch`]).
     #[inline]
-    pub fn prefetch(&self, hashes: &[crate::hash::BlockHash]) {
+    pub(crate) fn prefetch(&self, hashes: &[crate::hash::BlockHash]) {
         for hash in hashes {
             self.table.prefetch(hash.0);
         }
@@ -439,14 +441,14 @@ impl Tree {
 
     /// Asks for the table slot of `hash`.
     #[inline]
-    pub fn prefetch_slot(&self, hash: u128) {
+    pub(crate) fn prefetch_slot(&self, hash: u128) {
         self.table.prefetch(hash);
     }
 
     /// Asks for the node the table names for `hash` without confirming it (see
     /// [`Table::candidate`]).
     #[inline]
-    pub fn prefetch_candidate(&self, hash: u128) {
+    pub(crate) fn prefetch_candidate(&self, hash: u128) {
         if let Some(node) = self
             .table
             .candidate(hash)
@@ -461,7 +463,7 @@ impl Tree {
     /// created if new and linked (see [`Tree::get_or_create`]) and gets the bit (see
     /// [`Tree::add_groups`]); then the run is touched deepest block first, so that parents end
     /// up newer than their children. `ids` (scratch) ends holding the run's nodes.
-    pub fn store_run(
+    pub(crate) fn store_run(
         &mut self,
         hashes: &[crate::hash::BlockHash],
         parent: Option<u128>,
@@ -510,7 +512,7 @@ impl Tree {
     /// The node of `hash`, created (without entries) if new. A new node, or a live one whose
     /// parent is unknown, is linked under `parent` (a parent hash's node is created if
     /// absent); a link that would close a cycle is not made.
-    pub fn get_or_create(&mut self, hash: u128, parent: Parent) -> u32 {
+    pub(crate) fn get_or_create(&mut self, hash: u128, parent: Parent) -> u32 {
         match self.probe(hash) {
             Probe::Found(id) => {
                 if !self.nodes[id as usize].parent_known() {
@@ -616,7 +618,7 @@ impl Tree {
 
     /// Gives this copy a new table holding its live nodes, with room for `capacity` (the
     /// other copy keeps the old one until it is brought level; see `table.rs`).
-    pub fn rebuild_table(&mut self, capacity: usize) {
+    pub(crate) fn rebuild_table(&mut self, capacity: usize) {
         let live = self
             .nodes
             .iter()
@@ -667,7 +669,7 @@ impl Tree {
     /// Adds group bits `bits` of `location` to node `id`; a speculative bit there is
     /// confirmed (cleared). Returns whether the entry is new.
     #[inline]
-    pub fn add_groups(&mut self, id: u32, location: u32, bits: u32) -> bool {
+    pub(crate) fn add_groups(&mut self, id: u32, location: u32, bits: u32) -> bool {
         if bits == PLAIN && !self.nodes[id as usize].has_extras() {
             // The common case: a holder more (or again).
             let new = self.insert_holder(id, location);
@@ -713,7 +715,7 @@ impl Tree {
 
     /// Marks `location`'s entry at node `id` speculative until `expires`, unless a group
     /// already holds it there. Returns whether the speculative bit was set or extended.
-    pub fn add_speculative(&mut self, id: u32, location: u32, expires: f64) -> bool {
+    pub(crate) fn add_speculative(&mut self, id: u32, location: u32, expires: f64) -> bool {
         if self.holds(id, location) {
             return false; // held for real: nothing to predict
         }
@@ -738,7 +740,7 @@ impl Tree {
     /// an entry left with no bit is dropped, and the node collected if emptied. With
     /// `only_expiring == Some(t)` the speculative bit is cleared only if it lapses at `t`.
     /// Returns the bits cleared.
-    pub fn clear_bits(
+    pub(crate) fn clear_bits(
         &mut self,
         id: u32,
         location: u32,
@@ -787,7 +789,7 @@ impl Tree {
     }
 
     /// Drops every entry of the locations `drop` says, in every node. Returns how many.
-    pub fn drop_locations(&mut self, drop: impl Fn(u32) -> bool) -> usize {
+    pub(crate) fn drop_locations(&mut self, drop: impl Fn(u32) -> bool) -> usize {
         let mut emptied = Vec::new();
         let mut dropped = 0;
         let mut speculative = 0;
@@ -804,7 +806,9 @@ impl Tree {
             }
             self.mark(id);
             let node = &mut self.nodes[i];
-            dropped += node.holders.retain(|l| !drop(l), self.width, &mut self.sets);
+            dropped += node
+                .holders
+                .retain(|l| !drop(l), self.width, &mut self.sets);
             if self.nodes[i].has_extras() {
                 let extras = self.extras_mut(id);
                 let before = extras.len();
@@ -830,7 +834,7 @@ impl Tree {
 
     /// Moves node `id` (which has entries) to the newest end of the LRU.
     #[inline]
-    pub fn touch(&mut self, id: u32) {
+    pub(crate) fn touch(&mut self, id: u32) {
         self.stamp(id);
         self.compact_lru();
     }
@@ -869,7 +873,7 @@ impl Tree {
 
     /// Evicts the oldest node with no children (a node with children met on the way is moved
     /// to the newest end, so each pass is amortized O(1)). Returns how many entries went.
-    pub fn evict_one(&mut self) -> usize {
+    pub(crate) fn evict_one(&mut self) -> usize {
         let mut budget = self.live;
         while budget > 0 && self.lru_head < self.lru.len() {
             let (id, stamp) = self.lru[self.lru_head];
@@ -892,10 +896,7 @@ impl Tree {
                 node.flags &= !HAS_EXTRAS;
                 let extras = self.extras.remove(&id).unwrap_or_default();
                 gone += extras.len();
-                self.speculative -= extras
-                    .iter()
-                    .filter(|e| e.mask & SPECULATIVE != 0)
-                    .count();
+                self.speculative -= extras.iter().filter(|e| e.mask & SPECULATIVE != 0).count();
             }
             self.entries -= gone;
             self.collect(id);
@@ -936,7 +937,7 @@ impl Tree {
     /// `i`-th of `nodes`) and its entries, sorted by location. Structural checks are left to
     /// [`Tree::check`] except those restoring needs.
     #[allow(clippy::type_complexity)]
-    pub fn restore(
+    pub(crate) fn restore(
         nodes: Vec<(u128, Option<Option<u32>>, Vec<Entry>)>,
         width: usize,
     ) -> Result<Self> {
@@ -983,7 +984,7 @@ impl Tree {
     }
 
     /// Checks the module's invariants; `locations` is the number of registered locations.
-    pub fn check(&self, locations: usize) -> Result<()> {
+    pub(crate) fn check(&self, locations: usize) -> Result<()> {
         let mut children = vec![0u32; self.nodes.len()];
         let (mut entries, mut speculative, mut live, mut with_entries) = (0, 0, 0, 0);
         for (i, node) in self.nodes.iter().enumerate() {
@@ -1013,7 +1014,9 @@ impl Tree {
                 .check(&self.sets)
                 .map_err(|e| crate::KvPoolError::Invariant(format!("node {id}: {e}")))?;
             ensure_invariant!(
-                node.holders.iter(&self.sets).all(|l| (l as usize) < locations),
+                node.holders
+                    .iter(&self.sets)
+                    .all(|l| (l as usize) < locations),
                 "node {id}: a holder of no location"
             );
             ensure_invariant!(
@@ -1078,7 +1081,11 @@ impl Tree {
                 up = self.nodes[up as usize].parent;
             }
         }
-        ensure_invariant!(live == self.live, "{} live nodes counted, {live} held", self.live);
+        ensure_invariant!(
+            live == self.live,
+            "{} live nodes counted, {live} held",
+            self.live
+        );
         ensure_invariant!(
             entries == self.entries,
             "{} entries counted, {entries} held",
@@ -1093,7 +1100,11 @@ impl Tree {
         for &(id, stamp) in &self.lru[self.lru_head..] {
             ensure_invariant!(stamp > last, "LRU records out of stamp order");
             last = stamp;
-            on_lru += usize::from(self.nodes.get(id as usize).is_some_and(|n| n.stamp == stamp));
+            on_lru += usize::from(
+                self.nodes
+                    .get(id as usize)
+                    .is_some_and(|n| n.stamp == stamp),
+            );
         }
         ensure_invariant!(
             on_lru == with_entries && on_lru == self.on_lru,

@@ -17,7 +17,7 @@ use crate::hash::BlockHash;
 use crate::index::event::{EventKind, GroupKind, IndexEvent, Medium};
 
 /// The wire format's version.
-pub const WIRE_VERSION: u32 = 1;
+pub(crate) const WIRE_VERSION: u32 = 1;
 
 #[derive(Serialize, Deserialize)]
 struct WireBatch {

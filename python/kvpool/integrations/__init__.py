@@ -1,0 +1,11 @@
+"""Drop-in block managers for serving engines, on kvpool's pool.
+
+Each engine has its own module, imported on its own (it imports that engine, if any):
+
+* :mod:`kvpool.integrations.nanovllm`: ``BlockManager(num_blocks, block_size)``, nano-vllm's
+  block-manager interface on nano-vllm's own ``Sequence`` objects;
+* :mod:`kvpool.integrations.vllm`: ``KVCacheManager``, vLLM 0.33.0's KV cache manager under its
+  real Scheduler (``kvpool.integrations.vllm.install()``).
+
+docs/integrations.md shows the swap for each.
+"""

@@ -1,0 +1,342 @@
+//! The block groups of a rank, behind one interface.
+//!
+//! A rank has a full-attention group ([`FullGroup`]: the allocator and prefix cache that own the
+//! chain) and any number of other groups ([`Group`]: a sliding window, linear state), each with
+//! its own table in a sequence's allocation ([`GroupTable`], same order). Every operation is the
+//! same for every group, so the pool's coordinator loops over them and never asks which kind it
+//! has (the shape of vLLM's `kv_cache_coordinator.py`):
+//! - **hit limit**: the deepest boundary `k <= limit` the group can serve for a chain; the
+//!   admission hit is the fold of the limits over the groups until it no longer moves (each
+//!   limit only lowers it, and every group accepts `k = 0`), so it is the deepest boundary every
+//!   group accepts; the R23 checkpoint trim is the linear group's limit;
+//! - **fits / take hit / take slot / grow / admitted**: the all-or-nothing admission steps of
+//!   R14 (pin what the hit found first, then take the per-sequence resources, then grow);
+//! - **room / grow**: growth of an allocated sequence (R16), one computation for the question and
+//!   the action;
+//! - **publish / slide / step**: after the KV exists (R17, R24, R25);
+//! - **release / reset / counts / check**.
+//!
+//! Invariants: a sequence allocated on a rank holds one table per group of the rank, in order.
+
+pub(crate) mod full;
+pub(crate) mod linear;
+pub(crate) mod window;
+
+use crate::error::{ensure_invariant, Result};
+use crate::hash::BlockHash;
+use crate::manager::BlockCounts;
+use crate::sliding_window::WindowTable;
+
+pub(crate) use full::{FullGroup, Walk};
+pub(crate) use linear::{Ledger, LinearGroup, LinearTable, OpKind};
+pub use linear::{LinearStateMatch, LinearStateSave};
+pub(crate) use window::WindowGroup;
+
+/// A group of a rank besides full attention.
+pub(crate) enum Group {
+    /// Sliding-window attention layers (R25).
+    Window(WindowGroup),
+    /// Recurrent (linear-attention) state and its checkpoints (R22).
+    Linear(LinearGroup),
+}
+
+/// What a sequence holds of one [`Group`].
+#[derive(Debug)]
+pub(crate) enum GroupTable {
+    /// The window group's table.
+    Window(WindowTable),
+    /// The live slot and planned copies.
+    Linear(LinearTable),
+}
+
+impl GroupTable {
+    pub(crate) fn as_window(&self) -> Option<&WindowTable> {
+        match self {
+            Self::Window(t) => Some(t),
+            Self::Linear(_) => None,
+        }
+    }
+
+    pub(crate) fn as_linear(&self) -> Option<&LinearTable> {
+        match self {
+            Self::Linear(t) => Some(t),
+            Self::Window(_) => None,
+        }
+    }
+
+    /// Whether a copy planned for this sequence is not confirmed yet (a linear-state save or
+    /// restore in `ledger`, R24): dedup on publish waits for it (R9 revised).
+    pub(crate) fn holds_plan(&self, ledger: &Ledger) -> bool {
+        match self {
+            Self::Linear(t) => t.ops.iter().any(|id| ledger.ops.contains_key(id)),
+            Self::Window(_) => false,
+        }
+    }
+}
+
+/// The counters the groups of a rank report (R20).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub(crate) struct GroupCounters {
+    pub(crate) window: Option<BlockCounts>,
+    pub(crate) window_releases: u64,
+    pub(crate) live_slots: usize,
+    pub(crate) pending_checkpoints: usize,
+    pub(crate) committed_checkpoints: usize,
+    pub(crate) free_slots: usize,
+    pub(crate) linear_hits: u64,
+    pub(crate) checkpoint_evictions: u64,
+    pub(crate) checkpoint_commits: u64,
+}
+
+/// A table of the wrong kind for its group: an invariant the pool keeps, reported, never a panic.
+fn mismatch() -> bool {
+    debug_assert!(false, "a group got the table of another kind");
+    false
+}
+
+impl Group {
+    /// Whether a new sequence could get what it needs of this group here (R13).
+    pub(crate) fn admits(&self) -> bool {
+        match self {
+            Self::Window(_) => true,
+            Self::Linear(g) => g.admits(),
+        }
+    }
+
+    /// The deepest boundary `k <= limit` of the chain this group can serve (0 always).
+    pub(crate) fn hit_limit(&self, hashes: &[BlockHash], tokens: &[u32], limit: usize) -> usize {
+        match self {
+            Self::Window(g) => g.hit_limit(hashes, tokens, limit),
+            Self::Linear(g) => g.hit_limit(hashes, limit),
+        }
+    }
+
+    /// Whether a hit at `k`, then a table of `entries` entries, fit in this group.
+    pub(crate) fn fits(
+        &self,
+        hashes: &[BlockHash],
+        tokens: &[u32],
+        k: usize,
+        entries: usize,
+    ) -> bool {
+        match self {
+            Self::Window(g) => g.fits(hashes, tokens, k, entries),
+            Self::Linear(g) => g.fits(hashes, k),
+        }
+    }
+
+    /// Takes the hit at `k` (pins or shares what it found); `None` if it vanished meanwhile.
+    pub(crate) fn take_hit(
+        &mut self,
+        hashes: &[BlockHash],
+        tokens: &[u32],
+        k: usize,
+    ) -> Option<GroupTable> {
+        match self {
+            Self::Window(g) => g.take_hit(hashes, tokens, k).map(GroupTable::Window),
+            Self::Linear(g) => g.take_hit(hashes, k).map(GroupTable::Linear),
+        }
+    }
+
+    /// Takes the per-sequence resources after the single block (the live slot).
+    pub(crate) fn take_slot(&mut self, table: &mut GroupTable) -> bool {
+        match (self, table) {
+            (Self::Linear(g), GroupTable::Linear(t)) => g.take_slot(t),
+            (Self::Window(_), GroupTable::Window(_)) => true,
+            _ => mismatch(),
+        }
+    }
+
+    /// Gives back what a failed admission took of this group.
+    pub(crate) fn undo(&mut self, table: GroupTable) {
+        match (self, table) {
+            (Self::Linear(g), GroupTable::Linear(t)) => g.undo(t),
+            (Self::Window(_), GroupTable::Window(t)) => drop(t),
+            _ => {
+                mismatch();
+            }
+        }
+    }
+
+    /// Grows the table to `entries` entries (all-or-nothing).
+    pub(crate) fn grow(&mut self, table: &mut GroupTable, entries: usize) -> bool {
+        match (self, table) {
+            (Self::Window(g), GroupTable::Window(t)) => g.grow(t, entries),
+            (Self::Linear(_), GroupTable::Linear(_)) => true,
+            _ => mismatch(),
+        }
+    }
+
+    /// Whether `need` more entries can be had for a table whose sequence computed `computed`.
+    pub(crate) fn room(&self, table: &GroupTable, computed: usize, need: usize) -> bool {
+        match (self, table) {
+            (Self::Window(g), GroupTable::Window(t)) => g.room(t, computed, need),
+            (Self::Linear(_), GroupTable::Linear(_)) => true,
+            _ => mismatch(),
+        }
+    }
+
+    /// The admission succeeded: plans what the group plans for a new sequence.
+    pub(crate) fn admitted(&mut self, table: &mut GroupTable, ledger: &mut Ledger) {
+        if let (Self::Linear(g), GroupTable::Linear(t)) = (self, table) {
+            g.admitted(t, ledger);
+        }
+    }
+
+    /// Whether the group publishes or slides at all (most decode steps of a plain pool skip
+    /// these calls).
+    pub(crate) fn publishes(&self) -> bool {
+        matches!(self, Self::Window(_))
+    }
+
+    /// Whether [`Self::publish`] has work below `full` full computed blocks.
+    pub(crate) fn wants_publish(&self, table: &GroupTable, full: usize) -> bool {
+        match (self, table) {
+            (Self::Window(g), GroupTable::Window(t)) => g.wants_publish(t, full),
+            _ => false,
+        }
+    }
+
+    /// Publishes the table's full computed blocks `..full` under their chain hashes.
+    pub(crate) fn publish(
+        &mut self,
+        table: &mut GroupTable,
+        hashes: &[BlockHash],
+        tokens: &[u32],
+        full: usize,
+    ) {
+        if let (Self::Window(g), GroupTable::Window(t)) = (self, table) {
+            g.publish(t, hashes, tokens, full);
+        }
+    }
+
+    /// Releases what no future query needs once `computed` tokens exist (R25).
+    pub(crate) fn slide(&mut self, table: &mut GroupTable, computed: usize) {
+        if let (Self::Window(g), GroupTable::Window(t)) = (self, table) {
+            g.slide(t, computed);
+        }
+    }
+
+    /// Whether a step at `computed` tokens (prompt `prompt`) plans a copy that needs the prefix
+    /// hash of that boundary (R24).
+    pub(crate) fn saves_at(&self, table: &GroupTable, computed: usize, prompt: usize) -> bool {
+        match (self, table) {
+            (Self::Linear(g), GroupTable::Linear(t)) => g.saves_at(t, computed, prompt),
+            _ => false,
+        }
+    }
+
+    /// After a forward step (`cache(seq)`): what the group plans at a step (R24).
+    pub(crate) fn step(
+        &mut self,
+        table: &mut GroupTable,
+        computed: usize,
+        save: Option<BlockHash>,
+        ledger: &mut Ledger,
+    ) {
+        if let (Self::Linear(g), GroupTable::Linear(t)) = (self, table) {
+            g.step(t, computed, save, ledger);
+        }
+    }
+
+    /// Whether [`Self::step`] has anything to do (a live state to save or stale saves).
+    pub(crate) fn steps(&self) -> bool {
+        matches!(self, Self::Linear(_))
+    }
+
+    /// The sequence is released (R18): keeps or cancels what outlives it.
+    pub(crate) fn release(&mut self, table: &mut GroupTable, ledger: &mut Ledger) {
+        match (self, table) {
+            (Self::Window(g), GroupTable::Window(t)) => g.release(t),
+            (Self::Linear(g), GroupTable::Linear(t)) => g.release(t, ledger),
+            _ => {
+                mismatch();
+            }
+        }
+    }
+
+    /// Drops everything cached that nothing holds (R12, R24, R25).
+    pub(crate) fn reset(&mut self) {
+        match self {
+            Self::Window(g) => g.reset(),
+            Self::Linear(g) => g.reset(),
+        }
+    }
+
+    /// Adds this group's counters (R20).
+    pub(crate) fn count(&self, c: &mut GroupCounters) {
+        match self {
+            Self::Window(g) => {
+                c.window = Some(g.counts());
+                c.window_releases = g.releases();
+            }
+            Self::Linear(g) => {
+                let cache = g.cache();
+                let s = cache.stats();
+                c.live_slots = cache.num_live_slots();
+                c.pending_checkpoints = cache.num_pending_checkpoints();
+                c.committed_checkpoints = cache.num_committed_checkpoints();
+                c.free_slots = cache.num_free_slots();
+                c.linear_hits = g.hits();
+                c.checkpoint_evictions = s.evictions;
+                c.checkpoint_commits = s.commits;
+            }
+        }
+    }
+
+    /// Walks the group's structures.
+    pub(crate) fn check(&self, ledger: &Ledger) -> Result<()> {
+        match self {
+            Self::Window(g) => g.check(),
+            Self::Linear(g) => g.check(ledger),
+        }
+    }
+
+    /// Checks a sequence's table of this group (`entries`: its full-attention table's length).
+    pub(crate) fn check_table(
+        &self,
+        table: &GroupTable,
+        entries: usize,
+        seq_id: u64,
+    ) -> Result<()> {
+        match (self, table) {
+            (Self::Window(g), GroupTable::Window(t)) => g.check_table(t, entries, seq_id),
+            (Self::Linear(g), GroupTable::Linear(t)) => g.check_table(t, seq_id),
+            _ => {
+                ensure_invariant!(
+                    false,
+                    "sequence {seq_id} holds a table of another group kind"
+                );
+                Ok(())
+            }
+        }
+    }
+
+    pub(crate) fn as_window(&self) -> Option<&WindowGroup> {
+        match self {
+            Self::Window(g) => Some(g),
+            Self::Linear(_) => None,
+        }
+    }
+
+    pub(crate) fn as_window_mut(&mut self) -> Option<&mut WindowGroup> {
+        match self {
+            Self::Window(g) => Some(g),
+            Self::Linear(_) => None,
+        }
+    }
+
+    pub(crate) fn as_linear(&self) -> Option<&LinearGroup> {
+        match self {
+            Self::Linear(g) => Some(g),
+            Self::Window(_) => None,
+        }
+    }
+
+    pub(crate) fn as_linear_mut(&mut self) -> Option<&mut LinearGroup> {
+        match self {
+            Self::Linear(g) => Some(g),
+            Self::Window(_) => None,
+        }
+    }
+}

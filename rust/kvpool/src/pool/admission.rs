@@ -1,0 +1,539 @@
+//! Admission: plan once, then allocate (R13-R15).
+//!
+//! [`BlockManagerPool::plan`] decides an allocation without side effects and returns it as an
+//! [`AllocationPlan`]; `allocate(seq, plan)` carries it out when nothing changed since (the
+//! pool's generation, the sequence object and its length, `num_tokens`), and plans again
+//! otherwise. A plan is made of:
+//! - a **survey**: the rank (R13) and ONE walk of the chain per tier (device, then host from
+//!   block 0); the walks carry the ids they found, so allocating only retains them;
+//! - a **decision**: the hit, narrowed over the rank's groups to the deepest boundary every group
+//!   can serve (the R23 checkpoint trim is the linear group's limit, the window group's is the
+//!   boundary whose window blocks are held); the device part alone decides whether the
+//!   allocation succeeds (R14, R15: a host tier never changes the answer); a hit that continues
+//!   in the host tier (and the remote tier behind it) extends it to the deepest boundary past the
+//!   device hit that every group accepts and the device (and host) blocks can hold.
+//!
+//! Allocating follows R14's order: retain the walked blocks and take the groups' hits (pinning
+//! the checkpoint), then the single block, the live slot and the new blocks; any failure gives
+//! everything back. With a host part, the load is attached to the fresh table entries.
+
+use crate::error::{ensure_arg, Result};
+use crate::groups::{Group, Walk};
+use crate::hash::BlockHash;
+use crate::sequence::{Allocation, Sequence};
+use crate::tiers::{ChainRef, HostPart, HostTier, RemoteHits};
+
+use super::BlockManagerPool;
+
+/// Chain walks of a pool's caches so far (debug counters; not part of `stats`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DebugCounters {
+    /// Walks of a chain through the device prefix caches.
+    pub device_chain_walks: u64,
+    /// Walks of a chain through the host prefix caches.
+    pub host_chain_walks: u64,
+}
+
+/// An allocation decided by [`BlockManagerPool::plan`], with no side effect (see the module
+/// doc). Pass it to [`BlockManagerPool::allocate_planned`] to carry it out.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AllocationPlan {
+    pool: u64,
+    generation: u64,
+    seq: u64,
+    seq_len: usize,
+    num_tokens: usize,
+    block_size: usize,
+    rank: usize,
+    kind: Kind,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum Kind {
+    /// The sequence holds blocks: its tables grow by `need` blocks.
+    Grow { need: usize, entries: usize },
+    /// A first allocation.
+    Admit(Survey, Decision),
+}
+
+/// The walks of an admission.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Survey {
+    /// Full blocks looked up (R8: at least one token is left to compute).
+    query: usize,
+    device: Walk,
+    /// The host walk, when there is a host tier and the device walk stopped short of `query`.
+    host: Option<Walk>,
+}
+
+/// What an admission takes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Decision {
+    /// Blocks of the hit after the groups' limits (device, host and remote parts).
+    hit: usize,
+    /// Device blocks the hit retains.
+    device_hit: usize,
+    /// The host (and remote) part, loaded into fresh table entries.
+    host: Option<HostPart>,
+    /// Table entries after the allocation.
+    entries: usize,
+    /// Prefix hash of the checkpoint the linear state is restored from.
+    restore: Option<BlockHash>,
+}
+
+impl AllocationPlan {
+    /// The dp rank the sequence goes (or is) to (R13).
+    pub fn dp_rank(&self) -> usize {
+        self.rank
+    }
+
+    /// Tokens the table will hold (`num_tokens` of the call).
+    pub fn num_tokens(&self) -> usize {
+        self.num_tokens
+    }
+
+    /// Whether the sequence already holds blocks (the plan grows its table).
+    pub fn is_growth(&self) -> bool {
+        matches!(self.kind, Kind::Grow { .. })
+    }
+
+    fn decision(&self) -> Option<&Decision> {
+        match &self.kind {
+            Kind::Admit(_, d) => Some(d),
+            Kind::Grow { .. } => None,
+        }
+    }
+
+    /// Blocks of the prefix hit, every tier together (what the sequence counts as cached once
+    /// its loads are confirmed); 0 for a growth.
+    pub fn num_cached_blocks(&self) -> usize {
+        self.decision().map_or(0, |d| d.hit)
+    }
+
+    /// [`Self::num_cached_blocks`] in tokens.
+    pub fn num_cached_tokens(&self) -> usize {
+        self.num_cached_blocks() * self.block_size
+    }
+
+    /// Hit blocks already on the device (retained, counted as cached at allocation).
+    pub fn device_hit_blocks(&self) -> usize {
+        self.decision().map_or(0, |d| d.device_hit)
+    }
+
+    /// Hit blocks loaded from the host tier and from the remote tier (through host staging).
+    fn tier_split(&self) -> (usize, usize) {
+        match self.decision() {
+            Some(Decision {
+                device_hit,
+                host: Some(part),
+                ..
+            }) => {
+                let host_end = part.host_end.min(part.end).max(*device_hit);
+                (host_end - device_hit, part.end - host_end)
+            }
+            _ => (0, 0),
+        }
+    }
+
+    /// Hit blocks loaded from the host tier.
+    pub fn host_hit_blocks(&self) -> usize {
+        self.tier_split().0
+    }
+
+    /// Hit blocks fetched from the remote tier (then loaded from host).
+    pub fn remote_hit_blocks(&self) -> usize {
+        self.tier_split().1
+    }
+
+    /// Fresh device blocks the allocation takes (load destinations included).
+    pub fn num_new_blocks(&self) -> usize {
+        match &self.kind {
+            Kind::Grow { need, .. } => *need,
+            Kind::Admit(_, d) => d.entries.saturating_sub(d.device_hit),
+        }
+    }
+
+    /// Entries of the full-attention table after the allocation.
+    pub fn num_blocks(&self) -> usize {
+        match &self.kind {
+            Kind::Grow { entries, .. } => *entries,
+            Kind::Admit(_, d) => d.entries.max(d.device_hit),
+        }
+    }
+
+    /// The prefix hash of the checkpoint the linear state is restored from (R23), if any.
+    pub fn restore_checkpoint(&self) -> Option<BlockHash> {
+        self.decision().and_then(|d| d.restore)
+    }
+
+    /// The full blocks looked up and how far the device and host walks reached.
+    pub(crate) fn local_reach(&self) -> Option<(usize, usize)> {
+        match &self.kind {
+            Kind::Admit(survey, _) => {
+                let host = survey.host.as_ref().map_or(0, Walk::len);
+                Some((survey.query, host.max(survey.device.len())))
+            }
+            Kind::Grow { .. } => None,
+        }
+    }
+
+    /// Whether the plan was made for this very sequence object at its current length.
+    pub(crate) fn is_for(&self, seq: &Sequence) -> bool {
+        self.seq == seq.uid() && self.seq_len == seq.len()
+    }
+}
+
+impl BlockManagerPool {
+    /// Chain walks of the device and host caches so far (for tests of one walk per admission).
+    pub fn debug_counters(&self) -> DebugCounters {
+        DebugCounters {
+            device_chain_walks: self
+                .ranks
+                .iter()
+                .filter_map(|r| r.full.cache())
+                .map(|c| c.num_walks())
+                .sum(),
+            host_chain_walks: self.host.as_ref().map_or(0, HostTier::num_walks),
+        }
+    }
+
+    /// R13: the rank a sequence without one goes to, or `None` if no rank can take a new
+    /// sequence (single block, and what every group needs).
+    pub(crate) fn choose_rank(&self, seq: &Sequence) -> Option<usize> {
+        if let Some(rank) = seq.dp_rank().filter(|&r| r < self.ranks.len()) {
+            return Some(rank);
+        }
+        let mut best: Option<(usize, usize)> = None;
+        for (index, rank) in self.ranks.iter().enumerate() {
+            if !rank.admits() {
+                continue;
+            }
+            let available = rank.full.num_available();
+            if best.is_none_or(|(_, b)| available > b) {
+                best = Some((index, available));
+            }
+        }
+        best.map(|(index, _)| index)
+    }
+
+    /// Plans `allocate(seq, num_tokens)` with no side effect of any kind (R15): `None` if it
+    /// would return false. A sequence that holds blocks gets a growth plan.
+    pub fn plan(
+        &self,
+        seq: &mut Sequence,
+        num_tokens: Option<usize>,
+    ) -> Result<Option<AllocationPlan>> {
+        let n = Self::validate_num_tokens(seq, num_tokens)?;
+        if self.take_seq(seq)? {
+            let Some(need) = self.growth(seq, n) else {
+                return Ok(None);
+            };
+            let rank = seq.alloc().map_or(0, |a| a.rank);
+            let entries = seq.blocks().len() + need;
+            return Ok(Some(self.stamp(seq, n, rank, Kind::Grow { need, entries })));
+        }
+        Ok(self
+            .plan_admission(seq, n, None, false)
+            .map(|(rank, survey, decision)| {
+                self.stamp(seq, n, rank, Kind::Admit(survey, decision))
+            }))
+    }
+
+    fn stamp(&self, seq: &Sequence, num_tokens: usize, rank: usize, kind: Kind) -> AllocationPlan {
+        AllocationPlan {
+            pool: self.id,
+            generation: self.generation,
+            seq: seq.uid(),
+            seq_len: seq.len(),
+            num_tokens,
+            block_size: self.config.block_size,
+            rank,
+            kind,
+        }
+    }
+
+    /// Whether `plan` was made by this pool for this very sequence and call, and nothing
+    /// changed since.
+    fn is_current(&self, plan: &AllocationPlan, seq: &Sequence, num_tokens: usize) -> bool {
+        plan.pool == self.id
+            && plan.generation == self.generation
+            && plan.seq == seq.uid()
+            && plan.seq_len == seq.len()
+            && plan.num_tokens == num_tokens
+    }
+
+    /// R14 with a plan: carries out `plan` if it is current, else plans again; `remote` names
+    /// the chain blocks the remote tier holds (the answer to [`Self::remote_query`]), which only
+    /// extend the hit. On a sequence that holds blocks, grows its tables.
+    pub fn allocate_planned(
+        &mut self,
+        seq: &mut Sequence,
+        num_tokens: Option<usize>,
+        plan: Option<&AllocationPlan>,
+        remote: Option<RemoteHits>,
+    ) -> Result<bool> {
+        let n = Self::validate_num_tokens(seq, num_tokens)?;
+        let owned = self.take_seq(seq)?;
+        let current = plan.filter(|p| self.is_current(p, seq, n));
+        self.generation += 1;
+        if owned {
+            return Ok(self.grow(seq, n));
+        }
+        if let Some(AllocationPlan {
+            rank,
+            kind: Kind::Admit(survey, decision),
+            ..
+        }) = current
+        {
+            if remote.is_none() {
+                return Ok(self.admit(seq, *rank, survey, decision));
+            }
+            // The remote answer extends the decision; the walks stand.
+            return Ok(match self.decide(seq, *rank, survey, n, remote, false) {
+                Some(decision) => self.admit(seq, *rank, survey, &decision),
+                None => false,
+            });
+        }
+        Ok(match self.plan_admission(seq, n, remote, false) {
+            Some((rank, survey, decision)) => self.admit(seq, rank, &survey, &decision),
+            None => false,
+        })
+    }
+
+    /// The seed's `allocate_shared(seq)`: the trimmed device hit only, with the single block and
+    /// the live slot and no new blocks; `allocate` then grows the table. A sequence that holds
+    /// blocks is a `ValueError`-style error; false (nothing changed) if the rank has no room.
+    pub(crate) fn allocate_shared_prefix(&mut self, seq: &mut Sequence) -> Result<bool> {
+        ensure_arg!(
+            !self.take_seq(seq)?,
+            "seq",
+            "sequence {} already holds blocks (allocate grows its table)",
+            seq.seq_id()
+        );
+        ensure_arg!(
+            !seq.is_empty(),
+            "seq",
+            "sequence {} has no tokens",
+            seq.seq_id()
+        );
+        self.generation += 1;
+        Ok(match self.plan_admission(seq, seq.len(), None, true) {
+            Some((rank, survey, decision)) => self.admit(seq, rank, &survey, &decision),
+            None => false,
+        })
+    }
+
+    /// Survey and decision of a first allocation; `shared`: the hit only (`allocate_shared`).
+    fn plan_admission(
+        &self,
+        seq: &mut Sequence,
+        num_tokens: usize,
+        remote: Option<RemoteHits>,
+        shared: bool,
+    ) -> Option<(usize, Survey, Decision)> {
+        let rank = self.choose_rank(seq)?;
+        if !self.ranks[rank].admits() {
+            return None;
+        }
+        let survey = self.survey(seq, rank);
+        let decision = self.decide(seq, rank, &survey, num_tokens, remote, shared)?;
+        Some((rank, survey, decision))
+    }
+
+    /// One walk of the chain per tier (the sequence memoizes its hashes).
+    fn survey(&self, seq: &mut Sequence, rank: usize) -> Survey {
+        let bs = self.config.block_size;
+        let full = &self.ranks[rank].full;
+        let query = match full.cache() {
+            Some(_) => (seq.len() - 1) / bs, // R8: leave at least one token to compute
+            None => 0,
+        };
+        if query > 0 {
+            seq.ensure_hashes(&full.hasher(), bs, query * bs);
+        }
+        let hashes = seq.hashes(query);
+        let device = full.walk(hashes, seq.tokens(), seq.extra_key(), query);
+        let host = match &self.host {
+            Some(host) if device.len() < query => {
+                Some(host.walk(rank, hashes, seq.tokens(), seq.extra_key(), query))
+            }
+            _ => None,
+        };
+        Survey {
+            query,
+            device,
+            host,
+        }
+    }
+
+    /// The decision of a first allocation on `rank` from its survey, with no side effect.
+    fn decide(
+        &self,
+        seq: &Sequence,
+        rank: usize,
+        survey: &Survey,
+        num_tokens: usize,
+        remote: Option<RemoteHits>,
+        shared: bool,
+    ) -> Option<Decision> {
+        let r = &self.ranks[rank];
+        let hashes = seq.hashes(survey.query);
+        let tokens = seq.tokens();
+        // The fold of the groups' limits, until it no longer moves.
+        let narrow = |limit: usize| {
+            let mut k = limit;
+            loop {
+                let before = k;
+                for group in &r.groups {
+                    k = group.hit_limit(hashes, tokens, k);
+                }
+                if k == before || k == 0 {
+                    return k;
+                }
+            }
+        };
+        let fits = |k: usize, device_hit: usize, entries: usize| {
+            r.full.fits(&survey.device, device_hit, entries)
+                && r.groups.iter().all(|g| g.fits(hashes, tokens, k, entries))
+        };
+        let linear = r.groups.iter().any(|g| matches!(g, Group::Linear(_)));
+        let restore = |k: usize| (linear && k > 0).then(|| hashes[k - 1]);
+        let d = survey.device.len();
+        let kd = narrow(d);
+        let entries = if shared {
+            kd
+        } else {
+            self.blocks_for(num_tokens)
+        };
+        if !fits(kd, kd, entries) {
+            return None;
+        }
+        let device_only = Decision {
+            hit: kd,
+            device_hit: kd,
+            host: None,
+            entries,
+            restore: restore(kd),
+        };
+        let (Some(host), Some(walk), false) = (&self.host, &survey.host, shared) else {
+            return Some(device_only);
+        };
+        // The tier extension: the deepest boundary past the device hit that every group
+        // accepts and the device and host blocks can hold.
+        let h = walk.len();
+        let reach = h.max(d);
+        // Remote hits only where every group is full attention (tiers/remote.rs).
+        let remote = remote.filter(|_| r.groups.is_empty());
+        let end = HostTier::remote_end(remote, reach, survey.query);
+        let mut k = if end > d { narrow(end) } else { 0 };
+        while k > d {
+            let table = entries.max(k);
+            let host_end = h.min(k);
+            let pinned = if host_end > d { host_end } else { 0 };
+            let staging = k - host_end.max(d);
+            if fits(k, d, table) && host.staging_fits(rank, walk, pinned, staging) {
+                return Some(Decision {
+                    hit: k,
+                    device_hit: d,
+                    host: Some(HostPart {
+                        walk: walk.clone(),
+                        host_end,
+                        end: k,
+                    }),
+                    entries: table,
+                    restore: restore(k),
+                });
+            }
+            k = narrow(k - 1);
+        }
+        Some(device_only)
+    }
+
+    /// Carries out a decision (R14's order; all-or-nothing). False only if something the plan
+    /// found vanished meanwhile (a window block released by a handle drop elsewhere).
+    fn admit(
+        &mut self,
+        seq: &mut Sequence,
+        rank: usize,
+        survey: &Survey,
+        decision: &Decision,
+    ) -> bool {
+        let bs = self.config.block_size;
+        let Self {
+            ranks,
+            ledger,
+            host,
+            id,
+            ..
+        } = self;
+        let r = &mut ranks[rank];
+        let hashes = seq.hashes(survey.query);
+        let tokens = seq.tokens();
+        let mut blocks = Vec::with_capacity(decision.entries.max(decision.device_hit));
+        // Match and pin first (R14), then the single block, the live slot and new blocks.
+        r.full
+            .take_hit(&survey.device, decision.device_hit, &mut blocks);
+        let mut tables = Vec::with_capacity(r.groups.len());
+        let mut ok = true;
+        for group in &mut r.groups {
+            match group.take_hit(hashes, tokens, decision.hit) {
+                Some(table) => tables.push(table),
+                None => {
+                    ok = false;
+                    break;
+                }
+            }
+        }
+        let single = if ok { r.single.allocate_one() } else { None };
+        ok = single.is_some();
+        for (group, table) in r.groups.iter_mut().zip(tables.iter_mut()) {
+            ok = ok && group.take_slot(table);
+        }
+        let need = decision.entries.saturating_sub(blocks.len());
+        ok = ok && r.full.grow(&mut blocks, need);
+        for (group, table) in r.groups.iter_mut().zip(tables.iter_mut()) {
+            ok = ok && group.grow(table, decision.entries);
+        }
+        let Some(single) = single.filter(|_| ok) else {
+            for (group, table) in r.groups.iter_mut().zip(tables) {
+                group.undo(table);
+            }
+            drop(blocks);
+            r.full.drain();
+            return false; // unreachable single-threaded: the plan saw every resource
+        };
+        r.query_tokens += (survey.query * bs) as u64;
+        r.hit_tokens += (decision.device_hit * bs) as u64;
+        for (group, table) in r.groups.iter_mut().zip(tables.iter_mut()) {
+            group.admitted(table, ledger);
+        }
+        let mut alloc = Allocation {
+            owner: *id,
+            rank,
+            block_size: bs,
+            blocks,
+            single,
+            groups: tables,
+            published: decision.device_hit,
+            published_epoch: r.full.cache().map_or(0, |c| c.epoch()),
+            host_load: None,
+        };
+        if let Some(host) = host.as_mut() {
+            if survey.host.is_some() {
+                host.record_query(rank, survey.query - survey.device.len());
+            }
+            if let Some(part) = &decision.host {
+                let chain = ChainRef {
+                    hashes,
+                    tokens,
+                    extra_key: seq.extra_key_arc(),
+                };
+                alloc.host_load =
+                    host.attach(rank, part, decision.device_hit, chain, &alloc.blocks);
+            }
+        }
+        seq.attach(alloc, decision.device_hit * bs);
+        self.collect_events(rank);
+        true
+    }
+}

@@ -1,0 +1,250 @@
+//! [`PoolConfig`]: the options of a pool, their validation (R29: every error names its
+//! argument) and the ranks they build.
+
+use crate::alloc;
+use crate::block::BlockStore;
+use crate::error::{ensure_arg, Result};
+use crate::groups::{FullGroup, Group, LinearGroup, WindowGroup};
+use crate::hash::BlockHasher;
+use crate::linear_state::LinearStatePrefixCache;
+use crate::manager::{BlockManagerImpl, ManagerConfig, SingleBlockManager};
+use crate::sliding_window::SlidingWindowBlockManager;
+use crate::tiers::HostTierConfig;
+use crate::xtensor::{PageBackend, XTensorBlockManager};
+
+pub use crate::groups::{LinearStateMatch, LinearStateSave};
+
+use super::elastic::{PageBackendKind, XTensorOptions};
+use super::Rank;
+
+/// Options of a [`super::BlockManagerPool`].
+#[derive(Clone, Copy, Debug)]
+pub struct PoolConfig {
+    /// Block ids per rank, padding block included.
+    pub num_blocks: usize,
+    /// Tokens per block.
+    pub block_size: usize,
+    /// Data-parallel ranks.
+    pub dp_size: usize,
+    /// Keep a prefix cache per rank.
+    pub enable_prefix_cache: bool,
+    /// Single blocks per rank, padding included (default: `num_blocks`).
+    pub num_single_blocks: Option<usize>,
+    /// Hasher (seed) of the chains.
+    pub hasher: BlockHasher,
+    /// Record KV events (R21).
+    pub enable_events: bool,
+    /// Events per rank the replay buffer keeps (`events_since`); 0: none.
+    pub event_replay: usize,
+    /// Recurrent-state slots per rank, padding slot 0 included; 0 disables linear state (R22).
+    pub linear_state_slots: usize,
+    /// Save a checkpoint every this many computed tokens (a multiple of `block_size`), besides
+    /// the prompt's last block boundary (R24). `None`: only that boundary.
+    pub checkpoint_interval: Option<usize>,
+    /// How a KV prefix hit is trimmed to checkpointed boundaries (R23).
+    pub linear_state_match: LinearStateMatch,
+    /// How a checkpoint is saved (R22).
+    pub linear_state_save: LinearStateSave,
+    /// Sliding window in tokens of the second group (R25); `None`: one full-attention group.
+    pub sliding_window: Option<usize>,
+    /// Block ids per rank of the sliding-window group, padding included (default `num_blocks`).
+    pub swa_num_blocks: Option<usize>,
+    /// A host tier per rank (R26); `None`: the device only.
+    pub host: Option<HostTierConfig>,
+    /// Full-attention blocks of every rank on elastic pages (`XTensorBlockManager`, the seed's
+    /// `enable_xtensor`); `None`: fixed memory.
+    pub xtensor: Option<XTensorOptions>,
+    /// Dedup on publish (R9 revised): a computed duplicate of a cached block switches to the
+    /// cached copy. `false`: first writer wins, as at the physical level.
+    pub dedup: bool,
+}
+
+impl PoolConfig {
+    /// Defaults of the host tier (R26, docs/host_tier.md).
+    pub fn new(num_blocks: usize, block_size: usize) -> Self {
+        Self {
+            num_blocks,
+            block_size,
+            dp_size: 1,
+            enable_prefix_cache: true,
+            num_single_blocks: None,
+            hasher: BlockHasher::default(),
+            enable_events: false,
+            event_replay: super::DEFAULT_EVENT_REPLAY,
+            linear_state_slots: 0,
+            checkpoint_interval: None,
+            linear_state_match: LinearStateMatch::Deepest,
+            linear_state_save: LinearStateSave::Copy,
+            sliding_window: None,
+            swa_num_blocks: None,
+            host: None,
+            xtensor: None,
+            dedup: true,
+        }
+    }
+
+    fn manager(&self) -> ManagerConfig {
+        ManagerConfig {
+            num_blocks: self.num_blocks,
+            block_size: self.block_size,
+            enable_prefix_cache: self.enable_prefix_cache,
+            hasher: self.hasher,
+        }
+    }
+
+    fn num_single(&self) -> usize {
+        self.num_single_blocks.unwrap_or(self.num_blocks)
+    }
+
+    fn swa_blocks(&self) -> usize {
+        self.swa_num_blocks.unwrap_or(self.num_blocks)
+    }
+
+    /// Checks every option (each error names its argument) and the footprint of every rank in
+    /// one request (F1), before anything is sized by them.
+    pub(crate) fn validate(&self) -> Result<()> {
+        ensure_arg!(
+            self.dp_size >= 1,
+            "dp_size",
+            "must be at least 1, got {}",
+            self.dp_size
+        );
+        ensure_arg!(
+            self.dp_size <= 1024,
+            "dp_size",
+            "must be at most 1024, got {}",
+            self.dp_size
+        );
+        self.manager().validate()?;
+        ensure_arg!(
+            self.linear_state_slots != 1,
+            "linear_state_slots",
+            "must be 0 (off) or at least 2 (slot 0 is padding), got 1"
+        );
+        if let Some(interval) = self.checkpoint_interval {
+            ensure_arg!(
+                self.linear_state_slots > 0,
+                "checkpoint_interval",
+                "needs linear_state_slots > 0"
+            );
+            ensure_arg!(
+                interval >= self.block_size && interval % self.block_size == 0,
+                "checkpoint_interval",
+                "must be a positive multiple of block_size {}, got {interval}",
+                self.block_size
+            );
+        }
+        ensure_arg!(
+            self.swa_num_blocks.is_none() || self.sliding_window.is_some(),
+            "swa_num_blocks",
+            "needs sliding_window"
+        );
+        // Every count within its cap before anything is sized by it (F1).
+        let within_caps = |n: usize, block_size: usize, name: &'static str| {
+            ManagerConfig::new(n, block_size)
+                .validate()
+                .map_err(|e| e.renamed("num_blocks", name).renamed("block_size", name))
+        };
+        within_caps(self.num_single(), 1, "num_single_blocks")?;
+        if self.linear_state_slots > 0 {
+            within_caps(self.linear_state_slots, 1, "linear_state_slots")?;
+        }
+        if self.sliding_window.is_some() {
+            within_caps(self.swa_blocks(), self.block_size, "swa_num_blocks")?;
+        }
+        if let Some(xtensor) = &self.xtensor {
+            xtensor.validate(self)?;
+        }
+        let allocator = match &self.xtensor {
+            Some(xtensor) => xtensor.manager_config(self).footprint(),
+            None => self.manager().footprint(),
+        };
+        // F1: the whole footprint of every rank in one request, before anything is filled.
+        let per_rank = allocator
+            + self.num_single() as u128 * BlockStore::BYTES_PER_ID
+            + LinearStatePrefixCache::footprint(self.linear_state_slots)
+            + self.sliding_window.map_or(0, |_| {
+                SlidingWindowBlockManager::footprint(
+                    self.swa_blocks(),
+                    self.block_size,
+                    self.enable_prefix_cache,
+                )
+            });
+        alloc::probe(self.dp_size as u128 * per_rank, "num_blocks")
+    }
+
+    /// The ranks (after [`Self::validate`]).
+    /// `backends`: rank `r`'s page backend at `r`, for elastic pages with a `Custom` backend.
+    pub(crate) fn build_ranks(&self, backends: Vec<Box<dyn PageBackend>>) -> Result<Vec<Rank>> {
+        let mut ranks = Vec::with_capacity(self.dp_size);
+        let mut backends = backends.into_iter();
+        for index in 0..self.dp_size {
+            let full = match &self.xtensor {
+                None => {
+                    let mut blocks = BlockManagerImpl::new(self.manager())?;
+                    if let Some(cache) = blocks.prefix_cache_mut() {
+                        cache.set_record_events(self.enable_events);
+                    }
+                    FullGroup::new(blocks)
+                }
+                Some(xtensor) => {
+                    let backend = match xtensor.backend(self)? {
+                        Some(backend) => backend,
+                        None => backends.next().ok_or_else(|| {
+                            crate::error::KvPoolError::invalid(
+                                "xtensor.backend",
+                                format!("no page backend for dp rank {index}"),
+                            )
+                        })?,
+                    };
+                    debug_assert!(
+                        xtensor.backend == PageBackendKind::Custom || backends.len() == 0
+                    );
+                    let mut manager =
+                        XTensorBlockManager::with_backend(xtensor.manager_config(self), backend)?;
+                    if let Some(cache) = manager.cache.as_mut() {
+                        cache.set_record_events(self.enable_events);
+                    }
+                    FullGroup::elastic(manager)
+                }
+            };
+            let single = SingleBlockManager::new(self.num_single())
+                .map_err(|e| e.renamed("num_slots", "num_single_blocks"))?;
+            let mut groups = Vec::new();
+            if self.linear_state_slots > 0 {
+                let mut cache = LinearStatePrefixCache::new(self.linear_state_slots)
+                    .map_err(|e| e.renamed("num_slots", "linear_state_slots"))?;
+                cache.events = self.enable_events.then(Vec::new);
+                groups.push(Group::Linear(LinearGroup::new(
+                    cache,
+                    index,
+                    self.block_size,
+                    self.checkpoint_interval,
+                    self.linear_state_match,
+                    self.linear_state_save,
+                )));
+            }
+            if let Some(window) = self.sliding_window {
+                let manager = SlidingWindowBlockManager::new(
+                    self.swa_blocks(),
+                    self.block_size,
+                    window,
+                    self.enable_prefix_cache,
+                )
+                .map_err(|e| {
+                    e.renamed("num_blocks", "swa_num_blocks")
+                        .renamed("window", "sliding_window")
+                })?;
+                groups.push(Group::Window(WindowGroup::new(manager)));
+            }
+            ranks.push(Rank {
+                full,
+                single,
+                groups,
+                query_tokens: 0,
+                hit_tokens: 0,
+            });
+        }
+        Ok(ranks)
+    }
+}

@@ -1,0 +1,342 @@
+//! KV events for external KV-aware routers (R21), self-describing (issue "Beyond one instance"):
+//! the events of every rank's device cache, of its host cache (R26) and of the remote tier's
+//! stores and removals the caller reports, each numbered in its rank's stream and kept in a
+//! bounded replay buffer.
+//!
+//! Invariants:
+//! - per rank, the recorded events carry the sequence numbers 1, 2, 3, ... with no gap and no
+//!   repeat, in the order they were recorded, whatever their medium;
+//! - the replay buffer of a rank holds the last `min(recorded, capacity)` events of that rank,
+//!   consecutive numbers ending at the rank's last; `events_since` answers exactly from it;
+//! - every event names its medium, group (0: full attention; the linear-state group's
+//!   checkpoints are group 1; the sliding-window group records none yet), dp rank, block size,
+//!   extra key and parent hash.
+
+use std::collections::VecDeque;
+
+use crate::error::{ensure_arg, Result};
+use crate::hash::BlockHash;
+use crate::index::{EventKind, GroupKind, IndexEvent, Medium};
+use crate::prefix_cache::{CacheEvent, ExtraKey, PrefixCache};
+
+use super::BlockManagerPool;
+
+/// Events per rank the replay buffer keeps by default.
+pub const DEFAULT_EVENT_REPLAY: usize = 4096;
+
+/// Kind of a [`KvEvent`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KvEventKind {
+    /// Blocks became matchable.
+    Stored,
+    /// Blocks left the cache.
+    Removed,
+    /// The cache was reset.
+    Cleared,
+}
+
+impl KvEventKind {
+    /// "stored", "removed" or "cleared".
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Stored => "stored",
+            Self::Removed => "removed",
+            Self::Cleared => "cleared",
+        }
+    }
+
+    /// The index's kind of the same name.
+    pub fn to_index_kind(self) -> EventKind {
+        match self {
+            Self::Stored => EventKind::Stored,
+            Self::Removed => EventKind::Removed,
+            Self::Cleared => EventKind::Cleared,
+        }
+    }
+}
+
+/// A KV event for external KV-aware routers (R21), self-describing (docs/events.md).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KvEvent {
+    /// Position in the rank's stream: 1, 2, 3, ... per (pool, dp rank), every medium.
+    pub sequence: u64,
+    /// What happened.
+    pub kind: KvEventKind,
+    /// Where the blocks live: the device cache, the host tier or the remote tier.
+    pub medium: Medium,
+    /// The KV-cache group: 0 full attention, 1 the linear-state checkpoints (R22).
+    pub group: u32,
+    /// The group's kind.
+    pub group_kind: GroupKind,
+    /// The chain hashes of the blocks (R6).
+    pub block_hashes: Vec<BlockHash>,
+    /// Hash of the parent of the first block; `None` for a chain's first block (and for
+    /// "cleared").
+    pub parent_hash: Option<BlockHash>,
+    /// Tokens of the stored blocks (empty otherwise).
+    pub token_ids: Vec<u32>,
+    /// Tokens per block.
+    pub block_size: usize,
+    /// The rank whose cache it happened in.
+    pub dp_rank: usize,
+    /// The chain's extra key.
+    pub extra_key: Option<ExtraKey>,
+}
+
+impl KvEvent {
+    fn new(kind: KvEventKind, medium: Medium, block_size: usize, dp_rank: usize) -> Self {
+        Self {
+            sequence: 0,
+            kind,
+            medium,
+            group: 0,
+            group_kind: GroupKind::FullAttention,
+            block_hashes: Vec::new(),
+            parent_hash: None,
+            token_ids: Vec::new(),
+            block_size,
+            dp_rank,
+            extra_key: None,
+        }
+    }
+
+    fn of_cache(event: CacheEvent, medium: Medium, block_size: usize, rank: usize) -> Self {
+        match event {
+            CacheEvent::Stored {
+                block_hashes,
+                parent_hash,
+                token_ids,
+                extra_key,
+            } => Self {
+                block_hashes,
+                parent_hash,
+                token_ids,
+                extra_key,
+                ..Self::new(KvEventKind::Stored, medium, block_size, rank)
+            },
+            CacheEvent::Removed {
+                block_hashes,
+                extra_key,
+            } => Self {
+                block_hashes,
+                extra_key,
+                ..Self::new(KvEventKind::Removed, medium, block_size, rank)
+            },
+            CacheEvent::Cleared => Self::new(KvEventKind::Cleared, medium, block_size, rank),
+        }
+    }
+
+    /// The same event as a [`crate::KVIndex`] applies it (for the pool's own instance id).
+    pub fn to_index_event(&self) -> IndexEvent {
+        IndexEvent {
+            sequence: Some(self.sequence),
+            kind: self.kind.to_index_kind(),
+            medium: self.medium,
+            // Ranks are below the pool's dp_size, which is far below 2**32.
+            dp_rank: self.dp_rank as u32,
+            group: self.group,
+            group_kind: self.group_kind,
+            block_size: self.block_size as u32,
+            extra_key: self.extra_key.clone(),
+            parent_hash: self.parent_hash,
+            block_hashes: self.block_hashes.clone(),
+            token_ids: (self.kind == KvEventKind::Stored && !self.token_ids.is_empty())
+                .then(|| self.token_ids.clone()),
+        }
+    }
+}
+
+/// The pool's event state: events not yet drained, the next number and the replay buffer of
+/// every rank.
+pub(crate) struct EventLog {
+    pending: Vec<KvEvent>,
+    next: Vec<u64>,
+    replay: Vec<VecDeque<KvEvent>>,
+    capacity: usize,
+}
+
+impl EventLog {
+    pub(crate) fn new(dp_size: usize, capacity: usize) -> Self {
+        Self {
+            pending: Vec::new(),
+            next: vec![1; dp_size],
+            replay: (0..dp_size).map(|_| VecDeque::new()).collect(),
+            capacity,
+        }
+    }
+
+    fn record(&mut self, mut event: KvEvent) {
+        let rank = event.dp_rank;
+        event.sequence = self.next[rank];
+        self.next[rank] += 1;
+        if self.capacity > 0 {
+            let buffer = &mut self.replay[rank];
+            if buffer.len() == self.capacity {
+                buffer.pop_front();
+            }
+            buffer.push_back(event.clone());
+        }
+        self.pending.push(event);
+    }
+
+    fn record_cache(&mut self, cache: &mut PrefixCache, medium: Medium, bs: usize, rank: usize) {
+        for event in cache.take_events() {
+            self.record(KvEvent::of_cache(event, medium, bs, rank));
+        }
+    }
+}
+
+impl BlockManagerPool {
+    /// Moves the events of `rank`'s device and host caches into the pool's list (R21).
+    pub(crate) fn collect_events(&mut self, rank: usize) {
+        let Some(log) = self.events.as_mut() else {
+            return;
+        };
+        let bs = self.config.block_size;
+        if let Some(cache) = self.ranks[rank].full.cache_mut() {
+            log.record_cache(cache, Medium::Device, bs, rank);
+        }
+        if let Some(cache) = self.host.as_mut().and_then(|h| h.cache_mut(rank)) {
+            log.record_cache(cache, Medium::Host, bs, rank);
+        }
+        // The linear-state group's checkpoints (R22): one block each, under its prefix hash.
+        for (position, group) in self.ranks[rank].groups.iter_mut().enumerate() {
+            let Some(linear) = group.as_linear_mut() else {
+                continue;
+            };
+            let changes = linear.cache_mut().events.as_mut().map(std::mem::take);
+            for (committed, hash) in changes.unwrap_or_default() {
+                let kind = if committed {
+                    KvEventKind::Stored
+                } else {
+                    KvEventKind::Removed
+                };
+                let mut event = KvEvent::new(kind, Medium::Device, bs, rank);
+                // Groups after full attention (0), in the order of a sequence's tables.
+                event.group = position as u32 + 1;
+                event.group_kind = GroupKind::LinearState;
+                event.block_hashes.push(hash);
+                log.record(event);
+            }
+        }
+    }
+
+    /// Takes the recorded KV events (R21); empty unless `enable_events`.
+    pub fn drain_events(&mut self) -> Vec<KvEvent> {
+        self.events
+            .as_mut()
+            .map(|log| std::mem::take(&mut log.pending))
+            .unwrap_or_default()
+    }
+
+    /// The last sequence number recorded for `rank` (0 before its first event).
+    pub fn last_event_sequence(&self, rank: usize) -> Result<u64> {
+        self.check_event_rank(rank)?;
+        Ok(self.events.as_ref().map_or(0, |log| log.next[rank] - 1))
+    }
+
+    /// Replay: `rank`'s events numbered `from` and later, from the bounded buffer (drained or
+    /// not), so a consumer that saw a gap (expected `from`) can fill it. `None` when the buffer
+    /// no longer reaches back to `from` (the consumer resyncs from scratch: drops the rank's
+    /// entries and applies what comes next). `from` past the next number is an
+    /// `InvalidArgument`; without `enable_events` there is nothing to replay (`None` unless
+    /// `from` is 1).
+    pub fn events_since(&self, rank: usize, from: u64) -> Result<Option<Vec<KvEvent>>> {
+        self.check_event_rank(rank)?;
+        let Some(log) = self.events.as_ref() else {
+            ensure_arg!(
+                from <= 1,
+                "sequence",
+                "must be <= 1 (no events), got {from}"
+            );
+            return Ok((from == 1).then(Vec::new));
+        };
+        let next = log.next[rank];
+        ensure_arg!(
+            from <= next,
+            "sequence",
+            "must be <= {next} (the next event of dp rank {rank}), got {from}"
+        );
+        let buffer = &log.replay[rank];
+        let oldest = buffer.front().map_or(next, |e| e.sequence);
+        if from < oldest.max(1) {
+            return Ok(None);
+        }
+        // Numbers in the buffer are consecutive: `from` sits at offset from - oldest.
+        let skip = (from - oldest) as usize;
+        Ok(Some(buffer.iter().skip(skip).cloned().collect()))
+    }
+
+    /// Records the remote tier's stores or removals of `rank`'s blocks (`hashes`, chain hashes
+    /// as the tier's keys) as remote-medium events in the rank's stream: the pool does no I/O,
+    /// so the caller (`kvpool.remote.RemoteTransfer`) reports what it wrote or found missing.
+    /// Hashes are grouped into events of consecutive chain blocks; each event's parent, tokens
+    /// and extra key come from the rank's host or device cache where the block is known there
+    /// (else no parent and no tokens). Returns the events recorded (0 without `enable_events`).
+    pub fn record_remote_events(
+        &mut self,
+        rank: usize,
+        kind: KvEventKind,
+        hashes: &[BlockHash],
+    ) -> Result<usize> {
+        self.check_event_rank(rank)?;
+        ensure_arg!(
+            kind != KvEventKind::Cleared,
+            "kind",
+            "must be 'stored' or 'removed' (a remote tier is never cleared by a pool)"
+        );
+        let bs = self.config.block_size;
+        let host = self.host.as_ref().and_then(|h| h.cache(rank));
+        let device = self.ranks[rank].full.cache();
+        let Some(log) = self.events.as_mut() else {
+            return Ok(0);
+        };
+        let describe = |h: BlockHash| {
+            host.and_then(|c| c.describe(h))
+                .or_else(|| device.and_then(|c| c.describe(h)))
+        };
+        let mut events: Vec<KvEvent> = Vec::new();
+        for &hash in hashes {
+            let block = describe(hash);
+            let parent = block.as_ref().and_then(|b| b.parent_hash);
+            let extends = parent.is_some()
+                && events
+                    .last()
+                    .is_some_and(|e| e.block_hashes.last() == parent.as_ref());
+            if !extends {
+                let mut event = KvEvent::new(kind, Medium::Remote, bs, rank);
+                event.parent_hash = parent;
+                event.extra_key = block.as_ref().and_then(|b| b.extra_key.clone());
+                events.push(event);
+            }
+            let Some(event) = events.last_mut() else {
+                continue; // pushed above: unreachable
+            };
+            event.block_hashes.push(hash);
+            if kind == KvEventKind::Stored {
+                // Tokens for every block of the event or for none.
+                match &block {
+                    Some(b) if event.token_ids.len() == (event.block_hashes.len() - 1) * bs => {
+                        event.token_ids.extend_from_slice(&b.token_ids)
+                    }
+                    _ => event.token_ids.clear(),
+                }
+            }
+        }
+        let n = events.len();
+        for event in events {
+            log.record(event);
+        }
+        Ok(n)
+    }
+
+    fn check_event_rank(&self, rank: usize) -> Result<()> {
+        ensure_arg!(
+            rank < self.ranks.len(),
+            "dp_rank",
+            "must be < dp_size ({}), got {rank}",
+            self.ranks.len()
+        );
+        Ok(())
+    }
+}

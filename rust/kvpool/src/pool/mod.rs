@@ -1,0 +1,622 @@
+//! `BlockManagerPool`: the sequence-level KV-cache manager (the seed's `KVCacheManager`): per
+//! data-parallel rank a full-attention group, a single-block manager and the rank's other groups
+//! (sliding window, linear state), and optionally a host tier (the public
+//! `HierarchyBlockManagerPool`).
+//!
+//! The pool is the coordinator: it loops over a rank's groups for every operation and never asks
+//! which kind a group is (`groups/mod.rs`). Files: `config.rs` (options), `admission.rs` (plan
+//! once, then allocate), `linear_plans.rs` (the recurrent-state copies of R24), `events.rs`
+//! (R21), `stats.rs` and `check.rs` (R20), `batch.rs` (the batch calls of R16, R17, R19),
+//! `tiers.rs` (the host tier's API), `hierarchy.rs` (the `HierarchyBlockManagerPool` name).
+//!
+//! Invariants: a sequence holds blocks of at most one pool (its allocation's `owner`) and one
+//! rank (R13); every entry point is all-or-nothing (R14, R16, R29): it either succeeds or leaves
+//! the pool and the sequence as they were (blocks, LRU, single blocks, statistics, dp rank);
+//! counts of every rank obey R2; blocks are published only once their KV exists (R17); with
+//! `dedup` a step's publication switches a duplicate the sequence alone holds to the cached copy
+//! and records the switch (R9 revised, `prefix_cache/dedup.rs`). Every entry that changes the
+//! pool advances its generation, which a plan is checked against.
+
+mod admission;
+mod batch;
+mod check;
+mod config;
+mod elastic;
+mod events;
+mod hierarchy;
+mod linear_plans;
+mod stats;
+mod tiers;
+
+use std::collections::HashSet;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use crate::error::{ensure_arg, KvPoolError, Result};
+use crate::groups::{FullGroup, Group, Ledger};
+use crate::linear_state::LinearStatePrefixCache;
+use crate::manager::{BlockCounts, BlockManager, BlockManagerImpl, SingleBlockManager};
+use crate::prefix_cache::Switch;
+use crate::sequence::Sequence;
+use crate::sliding_window::SlidingWindowBlockManager;
+use crate::tiers::HostTier;
+
+pub use admission::{AllocationPlan, DebugCounters};
+pub use config::{LinearStateMatch, LinearStateSave, PoolConfig};
+pub use elastic::{PageBackendKind, XTensorOptions, XTensorRankStats};
+pub use events::{KvEvent, KvEventKind, DEFAULT_EVENT_REPLAY};
+pub use hierarchy::{HierarchyBlockManagerPool, HierarchyConfig, HierarchyStats};
+pub use linear_plans::LinearStatePlan;
+pub use stats::{PoolStats, RankStats};
+
+static NEXT_POOL_ID: AtomicU64 = AtomicU64::new(1);
+
+/// The sequence-level interface (the seed's `KVCacheManager`).
+pub trait KvCacheManager {
+    /// R15: what `allocate` would answer, with no side effect.
+    fn can_allocate(&mut self, seq: &mut Sequence, num_tokens: Option<usize>) -> Result<bool>;
+    /// R14.
+    fn allocate(&mut self, seq: &mut Sequence, num_tokens: Option<usize>) -> Result<bool>;
+    /// The seed's `allocate_shared(seq)` (section 2.1): the prefix hit only, into a sequence that
+    /// holds nothing (its hit's blocks, single block and live slot; no new blocks).
+    fn allocate_shared(&mut self, seq: &mut Sequence) -> Result<bool>;
+    /// R16.
+    fn can_append(&self, seq: &Sequence, lookahead: usize) -> Result<bool>;
+    /// R16.
+    fn may_append(&mut self, seq: &mut Sequence, lookahead: usize) -> Result<bool>;
+    /// R17.
+    fn cache(&mut self, seq: &mut Sequence) -> Result<()>;
+    /// R18.
+    fn deallocate(&mut self, seq: &mut Sequence) -> Result<()>;
+}
+
+/// One data-parallel rank.
+pub(crate) struct Rank {
+    pub(crate) full: FullGroup,
+    pub(crate) single: SingleBlockManager,
+    /// The rank's other groups, in the order of a sequence's tables.
+    pub(crate) groups: Vec<Group>,
+    pub(crate) query_tokens: u64,
+    pub(crate) hit_tokens: u64,
+}
+
+impl Rank {
+    /// Whether a sequence could get its single block and what every group gives it here (R13).
+    pub(crate) fn admits(&self) -> bool {
+        self.single.counts().free > 0 && self.groups.iter().all(Group::admits)
+    }
+}
+
+/// When the pool publishes a sequence's blocks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Publish {
+    /// `cache(seq)` after a step: may plan a checkpoint save.
+    Step,
+    /// `deallocate(seq)`.
+    Release { all_released: bool },
+}
+
+/// Per-rank block groups behind the sequence-level API.
+///
+/// Concurrency (R27): the pool is `Send + Sync`; methods that change it take `&mut self`, so
+/// threads share it behind a lock (the Python class does, and with `concurrent=True` releases the
+/// GIL while it waits and works). Handles are released lock-free: a sequence dropped on any
+/// thread returns its blocks without touching the pool or its lock.
+pub struct BlockManagerPool {
+    id: u64,
+    config: PoolConfig,
+    ranks: Vec<Rank>,
+    /// Whether the ranks have groups besides full attention (the decode fast paths skip them).
+    has_groups: bool,
+    /// Whether some group publishes or slides a table (a sliding window).
+    slides: bool,
+    events: Option<events::EventLog>,
+    ledger: Ledger,
+    open_plans: HashSet<u64>,
+    next_plan: u64,
+    host: Option<HostTier>,
+    /// Advanced by every entry that changes the pool (plans are checked against it).
+    generation: u64,
+    /// Table entries switched by dedup on publish since the last drain: (seq_id, old, new).
+    block_switches: Vec<(u64, u32, u32)>,
+    /// Scratch of one publish's switches (position, old, new).
+    switch_scratch: Vec<Switch>,
+}
+
+// R27: the pool can be shared between threads (behind a lock).
+const _: fn() = || {
+    fn assert_send_sync<T: Send + Sync>() {}
+    assert_send_sync::<BlockManagerPool>();
+    assert_send_sync::<Sequence>();
+};
+
+impl BlockManagerPool {
+    /// A pool per `config`.
+    pub fn new(config: PoolConfig) -> Result<Self> {
+        Self::build(config, Vec::new())
+    }
+
+    /// A pool per `config`; on elastic pages with a `Custom` backend, `backends[r]` is rank
+    /// `r`'s.
+    fn build(
+        config: PoolConfig,
+        backends: Vec<Box<dyn crate::xtensor::PageBackend>>,
+    ) -> Result<Self> {
+        config.validate()?;
+        let ranks = config.build_ranks(backends)?;
+        // Relaxed: only uniqueness matters.
+        let id = NEXT_POOL_ID.fetch_add(1, Ordering::Relaxed);
+        let host = match config.host {
+            None => None,
+            Some(host) => {
+                let mut tier =
+                    HostTier::new(host, id, config.dp_size, config.block_size, config.hasher)?;
+                tier.set_record_events(config.enable_events);
+                Some(tier)
+            }
+        };
+        let has_groups = ranks.iter().any(|r| !r.groups.is_empty());
+        let slides = ranks.iter().any(|r| r.groups.iter().any(Group::publishes));
+        Ok(Self {
+            id,
+            config,
+            ranks,
+            has_groups,
+            slides,
+            events: config
+                .enable_events
+                .then(|| events::EventLog::new(config.dp_size, config.event_replay)),
+            ledger: Ledger::default(),
+            open_plans: HashSet::new(),
+            next_plan: 1,
+            host,
+            generation: 0,
+            block_switches: Vec::new(),
+            switch_scratch: Vec::new(),
+        })
+    }
+
+    /// Takes the table entries that dedup on publish switched since the last call (R9
+    /// revised): (seq_id, old block id, new block id), in the order they happened. Engines that
+    /// mirror block tables apply them; the list grows until drained.
+    pub fn drain_block_switches(&mut self) -> Vec<(u64, u32, u32)> {
+        std::mem::take(&mut self.block_switches)
+    }
+
+    /// The options.
+    pub fn config(&self) -> &PoolConfig {
+        &self.config
+    }
+
+    /// Tokens per block.
+    pub fn block_size(&self) -> usize {
+        self.config.block_size
+    }
+
+    /// Number of dp ranks.
+    pub fn dp_size(&self) -> usize {
+        self.ranks.len()
+    }
+
+    /// Block groups of every sequence: 1, or 2 with a sliding window (R25).
+    pub fn num_groups(&self) -> usize {
+        1 + usize::from(self.config.sliding_window.is_some())
+    }
+
+    /// Whether the pool has a host tier (R26).
+    pub fn has_host_tier(&self) -> bool {
+        self.host.is_some()
+    }
+
+    /// The block manager of `rank`'s full-attention group (`None` on elastic pages: see
+    /// [`Self::xtensor_manager`]).
+    pub fn block_manager(&self, rank: usize) -> Option<&BlockManagerImpl> {
+        self.ranks.get(rank).and_then(|r| r.full.paged())
+    }
+
+    /// The sliding-window group's manager of `rank`, if any.
+    pub fn window_manager(&self, rank: usize) -> Option<&SlidingWindowBlockManager> {
+        let rank = self.ranks.get(rank)?;
+        rank.groups
+            .iter()
+            .find_map(Group::as_window)
+            .map(|g| g.manager())
+    }
+
+    /// The sliding-window group's manager of `rank`, if any (to evict kept tails).
+    pub fn window_manager_mut(&mut self, rank: usize) -> Option<&mut SlidingWindowBlockManager> {
+        self.generation += 1;
+        let rank = self.ranks.get_mut(rank)?;
+        rank.groups
+            .iter_mut()
+            .find_map(Group::as_window_mut)
+            .map(|g| g.manager_mut())
+    }
+
+    /// The linear-state cache of `rank`, if linear state is enabled (R22).
+    pub fn linear_state_cache(&self, rank: usize) -> Option<&LinearStatePrefixCache> {
+        let rank = self.ranks.get(rank)?;
+        rank.groups
+            .iter()
+            .find_map(Group::as_linear)
+            .map(|g| g.cache())
+    }
+
+    /// The linear-state cache of `rank`, if linear state is enabled (R22).
+    pub fn linear_state_cache_mut(&mut self, rank: usize) -> Option<&mut LinearStatePrefixCache> {
+        self.generation += 1;
+        let rank = self.ranks.get_mut(rank)?;
+        rank.groups
+            .iter_mut()
+            .find_map(Group::as_linear_mut)
+            .map(|g| g.cache_mut())
+    }
+
+    /// Block counts of `rank`'s full-attention group; an error naming `rank` past the last.
+    pub fn counts(&self, rank: usize) -> Result<BlockCounts> {
+        self.ranks
+            .get(rank)
+            .map(|r| r.full.counts())
+            .ok_or_else(|| self.rank_error(rank))
+    }
+
+    fn rank_error(&self, rank: usize) -> KvPoolError {
+        KvPoolError::invalid(
+            "rank",
+            format!("must be < dp_size {}, got {rank}", self.ranks.len()),
+        )
+    }
+
+    /// Whether `seq` holds blocks of this pool (`ValueError`-style error if of another pool).
+    pub fn owns_sequence(&self, seq: &Sequence) -> Result<bool> {
+        self.check_owner(seq)
+    }
+
+    pub(crate) fn check_owner(&self, seq: &Sequence) -> Result<bool> {
+        self.check_owner_as(seq, "seq")
+    }
+
+    /// [`Self::check_owner`] for a sequence passed as argument `name` (`seqs` in batch calls).
+    #[inline]
+    fn check_owner_as(&self, seq: &Sequence, name: &'static str) -> Result<bool> {
+        match seq.owner() {
+            None => Ok(false),
+            Some(owner) if owner == self.id => Ok(true),
+            Some(_) => Err(KvPoolError::invalid(
+                name,
+                format!("sequence {} holds blocks of another pool", seq.seq_id()),
+            )),
+        }
+    }
+
+    /// The one entry of every call that takes a sequence: folds a confirmed host load into it
+    /// (R26) and says whether it holds blocks of this pool.
+    #[inline]
+    fn take_seq(&self, seq: &mut Sequence) -> Result<bool> {
+        if self.host.is_some() {
+            seq.sync(); // only a host tier hands out tickets
+        }
+        self.check_owner(seq)
+    }
+
+    fn blocks_for(&self, tokens: usize) -> usize {
+        tokens.div_ceil(self.config.block_size)
+    }
+
+    fn validate_num_tokens(seq: &Sequence, num_tokens: Option<usize>) -> Result<usize> {
+        let n = num_tokens.unwrap_or(seq.len());
+        ensure_arg!(
+            n >= 1 && n <= seq.len(),
+            "num_tokens",
+            "must be in 1..={} (len(seq)), got {n}",
+            seq.len()
+        );
+        Ok(n)
+    }
+
+    /// Drops every cached entry of every rank (R12), every committed checkpoint nothing pins
+    /// (R24), every sliding-window publication and, with a host tier, every host entry nothing
+    /// pins (R26).
+    pub fn reset_prefix_cache(&mut self) {
+        self.generation += 1;
+        for index in 0..self.ranks.len() {
+            let rank = &mut self.ranks[index];
+            rank.full.reset();
+            for group in &mut rank.groups {
+                group.reset();
+            }
+            self.collect_events(index);
+        }
+        if let Some(host) = self.host.as_mut() {
+            host.reset();
+            for index in 0..self.ranks.len() {
+                self.collect_events(index);
+            }
+        }
+    }
+
+    /// The blocks missing for `seq`'s tables to hold `tokens` tokens, or `None` if a group
+    /// cannot supply them. The one computation behind both the question (`can_append`,
+    /// `can_allocate` on an allocated sequence) and the action (`may_append`, `allocate`), so
+    /// they agree exactly (R15, R16). A group that slides counts with exactly what its slide
+    /// frees or makes evictable (F4).
+    fn growth(&self, seq: &Sequence, tokens: usize) -> Option<usize> {
+        let alloc = seq.alloc()?;
+        let rank = self.ranks.get(alloc.rank)?;
+        let need = self.blocks_for(tokens).saturating_sub(alloc.blocks.len());
+        if need == 0 {
+            return Some(0);
+        }
+        if need > rank.full.num_available() {
+            return None;
+        }
+        let computed = seq.num_computed_tokens(); // a confirmed load counts (R16 exactness)
+        let room = rank
+            .groups
+            .iter()
+            .zip(&alloc.groups)
+            .all(|(g, t)| g.room(t, computed, need));
+        room.then_some(need)
+    }
+
+    /// Whether [`Self::grow`] would succeed (no side effect).
+    fn can_grow(&self, seq: &Sequence, tokens: usize) -> bool {
+        self.growth(seq, tokens).is_some()
+    }
+
+    /// Grows `seq`'s tables to hold `tokens` tokens: all-or-nothing (R14, R16). On success it
+    /// first publishes the window blocks and slides the window (R25); a failure changes nothing.
+    fn grow(&mut self, seq: &mut Sequence, tokens: usize) -> bool {
+        let Some(need) = self.growth(seq, tokens) else {
+            return false;
+        };
+        if self.slides {
+            self.publish_and_slide_groups(seq); // publish before the slide releases (R25)
+        }
+        if need == 0 {
+            return true;
+        }
+        let entries = self.blocks_for(tokens);
+        let Some(alloc) = seq.alloc_mut() else {
+            return false;
+        };
+        let rank_index = alloc.rank;
+        let rank = &mut self.ranks[rank_index];
+        let before = alloc.blocks.len();
+        let mut ok = rank.full.grow(&mut alloc.blocks, need);
+        for (group, table) in rank.groups.iter_mut().zip(alloc.groups.iter_mut()) {
+            ok = ok && group.grow(table, entries);
+        }
+        if !ok {
+            // Unreachable: `growth` counted every group's blocks after the slide.
+            alloc.blocks.truncate(before);
+        }
+        debug_assert!(ok, "growth() promised {need} blocks");
+        self.collect_events(rank_index);
+        ok
+    }
+
+    /// Whether `publish` would change nothing (most decode steps): no other group to serve and
+    /// no full computed block left to publish in the cache's current epoch. Tested first,
+    /// without the division `publish` needs.
+    #[inline]
+    fn publish_is_noop(&self, seq: &Sequence) -> bool {
+        let Some(alloc) = seq.alloc() else {
+            return true;
+        };
+        if self.has_groups {
+            return false;
+        }
+        match self.ranks[alloc.rank].full.cache() {
+            None => true,
+            Some(cache) => {
+                alloc.published_epoch == cache.epoch()
+                    && (alloc.blocks.len() <= alloc.published
+                        || seq.computed() < (alloc.published + 1) * self.config.block_size)
+            }
+        }
+    }
+
+    /// Publishes the full computed blocks (R17) in the prefix cache and every group, then slides
+    /// the groups; at a step, lets the groups plan what they plan at a step (R24). The chain
+    /// hashes are computed only as far as something needs them.
+    fn publish(&mut self, seq: &mut Sequence, when: Publish) {
+        if self.publish_is_noop(seq) {
+            return;
+        }
+        let block_size = self.config.block_size;
+        let computed = seq.computed();
+        let prompt = seq.num_prompt_tokens();
+        let seq_id = seq.seq_id();
+        let (chain, tokens, key, alloc) = seq.split_for_publish();
+        let Some(alloc) = alloc else { return };
+        let rank_index = alloc.rank;
+        let full = (computed / block_size).min(alloc.blocks.len());
+        let Rank {
+            full: attention,
+            groups,
+            ..
+        } = &mut self.ranks[rank_index];
+        let raw_key = key.map(|k| &**k);
+        let epoch = attention.cache().map(|c| c.epoch());
+        if let Some(epoch) = epoch {
+            if alloc.published_epoch != epoch {
+                alloc.published = 0;
+                alloc.published_epoch = epoch;
+            }
+            if alloc.published < full {
+                let hasher = attention.hasher();
+                let hashes = chain.ensure(&hasher, block_size, tokens, raw_key, full * block_size);
+                // R9 revised: dedup between steps, never while a planned copy is unconfirmed.
+                let dedup = self.config.dedup
+                    && step_publish(when)
+                    && !alloc.groups.iter().any(|t| t.holds_plan(&self.ledger));
+                alloc.published = if dedup {
+                    let switches = &mut self.switch_scratch;
+                    let reached = attention.publish_dedup(
+                        hashes,
+                        tokens,
+                        &mut alloc.blocks[..full],
+                        alloc.published,
+                        key,
+                        switches,
+                    );
+                    self.block_switches
+                        .extend(switches.drain(..).map(|(_, old, new)| (seq_id, old, new)));
+                    reached
+                } else {
+                    attention.publish(
+                        hashes,
+                        tokens,
+                        &alloc.blocks[..full],
+                        alloc.published,
+                        key,
+                        matches!(when, Publish::Release { all_released: true }),
+                    )
+                };
+            }
+        }
+        let step = when == Publish::Step;
+        for (group, table) in groups.iter_mut().zip(alloc.groups.iter_mut()) {
+            if epoch.is_some() && group.wants_publish(table, full) {
+                let hashes = chain.ensure(
+                    &attention.hasher(),
+                    block_size,
+                    tokens,
+                    raw_key,
+                    full * block_size,
+                );
+                group.publish(table, hashes, tokens, full);
+            }
+            group.slide(table, computed);
+            if step && group.steps() {
+                let save = (epoch.is_some() && full > 0 && group.saves_at(table, computed, prompt))
+                    .then(|| {
+                        let hasher = attention.hasher();
+                        chain.ensure(&hasher, block_size, tokens, raw_key, full * block_size)
+                            [full - 1]
+                    });
+                group.step(table, computed, save, &mut self.ledger);
+            }
+        }
+        self.collect_events(rank_index);
+    }
+
+    /// Publishes the groups' full computed blocks, then slides them (before a growth: the
+    /// slide must not release blocks before they are published, R25).
+    fn publish_and_slide_groups(&mut self, seq: &mut Sequence) {
+        let block_size = self.config.block_size;
+        let computed = seq.computed();
+        let (chain, tokens, key, alloc) = seq.split_for_publish();
+        let Some(alloc) = alloc else { return };
+        let full = (computed / block_size).min(alloc.blocks.len());
+        let Rank {
+            full: attention,
+            groups,
+            ..
+        } = &mut self.ranks[alloc.rank];
+        let cache_on = attention.cache().is_some();
+        for (group, table) in groups.iter_mut().zip(alloc.groups.iter_mut()) {
+            if cache_on && group.wants_publish(table, full) {
+                let raw_key = key.map(|k| &**k);
+                let hashes = chain.ensure(
+                    &attention.hasher(),
+                    block_size,
+                    tokens,
+                    raw_key,
+                    full * block_size,
+                );
+                group.publish(table, hashes, tokens, full);
+            }
+            group.slide(table, computed);
+        }
+    }
+
+    /// R18's deallocate. `all_released`: nothing else keeps the sequence's blocks after this
+    /// (false with a host tier, whose offload may still hold them), so recomputed duplicates may
+    /// be skipped and the rest of the chain published (see `PrefixCache::insert`).
+    fn release(&mut self, seq: &mut Sequence, all_released: bool) {
+        self.publish(seq, Publish::Release { all_released });
+        let Some(mut alloc) = seq.detach() else {
+            return;
+        };
+        let rank = &mut self.ranks[alloc.rank];
+        for (group, table) in rank.groups.iter_mut().zip(alloc.groups.iter_mut()) {
+            group.release(table, &mut self.ledger); // R24 cancels, R25 keeps the window's tail
+        }
+        drop(alloc); // the table tail first (`Allocation`'s `Drop`)
+        rank.full.drain();
+    }
+}
+
+/// Whether a publication happens at a step (`cache`, the batch step calls), where dedup on
+/// publish switches duplicates (R9 revised); a release publishes with the physical rule.
+fn step_publish(when: Publish) -> bool {
+    when == Publish::Step
+}
+
+/// `len(seq) + lookahead`, the tokens R16 asks room for; `None` past `usize::MAX` (F5).
+fn appended_len(seq: &Sequence, lookahead: usize) -> Option<usize> {
+    seq.len().checked_add(lookahead)
+}
+
+impl KvCacheManager for BlockManagerPool {
+    fn can_allocate(&mut self, seq: &mut Sequence, num_tokens: Option<usize>) -> Result<bool> {
+        Ok(self.plan(seq, num_tokens)?.is_some())
+    }
+
+    fn allocate(&mut self, seq: &mut Sequence, num_tokens: Option<usize>) -> Result<bool> {
+        self.allocate_planned(seq, num_tokens, None, None)
+    }
+
+    fn allocate_shared(&mut self, seq: &mut Sequence) -> Result<bool> {
+        self.allocate_shared_prefix(seq)
+    }
+
+    fn can_append(&self, seq: &Sequence, lookahead: usize) -> Result<bool> {
+        ensure_arg!(
+            self.check_owner(seq)?,
+            "seq",
+            "sequence {} is not allocated in this pool",
+            seq.seq_id()
+        );
+        // F5: a sum past usize::MAX tokens can never be had.
+        Ok(appended_len(seq, lookahead).is_some_and(|tokens| self.can_grow(seq, tokens)))
+    }
+
+    fn may_append(&mut self, seq: &mut Sequence, lookahead: usize) -> Result<bool> {
+        ensure_arg!(
+            self.take_seq(seq)?,
+            "seq",
+            "sequence {} is not allocated in this pool",
+            seq.seq_id()
+        );
+        self.generation += 1;
+        Ok(appended_len(seq, lookahead).is_some_and(|tokens| self.grow(seq, tokens)))
+    }
+
+    fn cache(&mut self, seq: &mut Sequence) -> Result<()> {
+        if self.take_seq(seq)? {
+            self.generation += 1;
+            self.publish(seq, Publish::Step);
+        }
+        Ok(())
+    }
+
+    fn deallocate(&mut self, seq: &mut Sequence) -> Result<()> {
+        if !self.take_seq(seq)? {
+            return Ok(());
+        }
+        self.generation += 1;
+        match self.host.is_some() {
+            false => self.release(seq, true),
+            true => {
+                self.plan_offload(seq);
+                // A pending offload keeps the blocks: publish without skipping recomputed
+                // duplicates, or a cached duplicate could get a held child and be counted
+                // evictable (R9).
+                self.release(seq, false);
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,122 @@
+//! [`PrefixCache::check`]: the invariants of the module doc, walked entry by entry.
+
+use crate::block::{CACHED, COUNT_MASK, QUEUED};
+use crate::error::{ensure_invariant, Result};
+
+use super::{PrefixCache, NIL};
+
+impl PrefixCache {
+    /// Walks every structure and verifies the invariants in the module doc.
+    pub fn check(&self) -> Result<()> {
+        let n = self.entries.len();
+        let mut children = vec![0u32; n];
+        let mut cache_only = 0usize;
+        for (&hash, &id) in &self.index {
+            ensure_invariant!((id as usize) < n && id != 0, "cached id {id} out of range");
+            let entry = &self.entries[id as usize];
+            ensure_invariant!(
+                entry.live,
+                "index names block {id} but its entry is not live"
+            );
+            ensure_invariant!(
+                entry.hash.0 == hash,
+                "block {id} indexed under a foreign hash"
+            );
+            let state = self.store.state(id);
+            ensure_invariant!(
+                state & CACHED != 0,
+                "cached block {id} lacks the cache's reference"
+            );
+            let count = state & COUNT_MASK;
+            ensure_invariant!(count >= 1, "cached block {id} has count 0");
+            if count == 1 {
+                cache_only += 1;
+                ensure_invariant!(
+                    entry.in_lru || state & QUEUED != 0,
+                    "cache-only block {id} is neither on the LRU nor queued for it"
+                );
+            } else {
+                ensure_invariant!(
+                    !entry.in_lru,
+                    "held block {id} is on the eviction list (R10)"
+                );
+            }
+            ensure_invariant!(
+                self.store.hash_of(id) == entry.hash,
+                "block {id}'s recorded hash differs from its entry"
+            );
+            let parent_hash = if entry.parent == NIL {
+                ensure_invariant!(
+                    entry.depth == 0,
+                    "root block {id} has depth {}",
+                    entry.depth
+                );
+                self.hasher.root(entry.extra_key.as_deref())
+            } else {
+                let parent = &self.entries[entry.parent as usize];
+                ensure_invariant!(
+                    parent.live,
+                    "cached block {id}'s parent {} is not cached (R10 prefix closure)",
+                    entry.parent
+                );
+                ensure_invariant!(
+                    parent.depth + 1 == entry.depth,
+                    "depth of block {id} is off"
+                );
+                children[entry.parent as usize] += 1;
+                parent.hash
+            };
+            ensure_invariant!(
+                self.hasher.hash_block(parent_hash, self.block_tokens(id)) == entry.hash,
+                "block {id}'s tokens do not hash to its key (R6)"
+            );
+        }
+        for (id, entry) in self.entries.iter().enumerate() {
+            if entry.live {
+                ensure_invariant!(
+                    entry.children == children[id],
+                    "block {id} counts {} children, has {}",
+                    entry.children,
+                    children[id]
+                );
+            } else {
+                ensure_invariant!(!entry.in_lru, "dead entry {id} on the LRU");
+                if id > 0 {
+                    ensure_invariant!(
+                        self.store.state(id as u32) & CACHED == 0,
+                        "block {id} is marked cached but has no entry"
+                    );
+                }
+            }
+        }
+        ensure_invariant!(
+            cache_only == self.store.num_cache_only(),
+            "cached-block count {} differs from the {} cache-only entries (R2)",
+            self.store.num_cache_only(),
+            cache_only
+        );
+        let order = self.lru_order();
+        ensure_invariant!(
+            order.len() == self.lru_len,
+            "LRU list length differs from its count"
+        );
+        let mut seen = vec![false; n];
+        let mut prev = NIL;
+        for &id in &order {
+            ensure_invariant!(!seen[id as usize], "block {id} twice on the LRU");
+            seen[id as usize] = true;
+            let entry = &self.entries[id as usize];
+            ensure_invariant!(
+                entry.in_lru && entry.prev == prev,
+                "LRU links broken at block {id}"
+            );
+            ensure_invariant!(
+                prev == NIL || self.entries[prev as usize].stamp < entry.stamp,
+                "LRU stamps do not increase at block {id}"
+            );
+            prev = id;
+        }
+        ensure_invariant!(prev == self.newest, "LRU tail pointer is off");
+        Ok(())
+    }
+}

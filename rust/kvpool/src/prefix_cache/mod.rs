@@ -1,0 +1,682 @@
+//! `PrefixCache`: hash-keyed cache of full KV blocks with prefix-closed LRU eviction.
+//!
+//! Invariants (checked by [`PrefixCache::check`]):
+//! - every entry is a full block of a chain: key = its chained hash (R6), with its tokens, its
+//!   parent entry (or none for a chain's first block, then its extra key) kept beside it; a hit
+//!   compares hash, parent and tokens, so a hash collision never hands out the wrong KV (R7);
+//! - the cached set is closed under prefix: an entry's parent is an entry (R10), and
+//!   `children` counts the entries whose parent it is;
+//! - the cache holds exactly one reference of each entry's block (`CACHED` in its state word);
+//! - the LRU list holds exactly the cache-only entries (state `CACHED|1`) that the cache has
+//!   been told about; the others sit in the store's `released` stack (state has `QUEUED`) until
+//!   the next operation drains it. Entries enter the LRU at the newest end in the order their
+//!   last outside handle went (the stack's order, so a block's place is its release time, not
+//!   the time of the drain), and carry a stamp that increases along the list. Whoever releases
+//!   a whole table releases it tail first (`Sequence`, `deallocate`), so a chain is evicted
+//!   from its tail (R10, R11).
+//!
+//! "Least recently used" is the time a block last became cache-only (its last holder released
+//! it; a hit makes it held, so the release after a hit refreshes it). Eviction is strictly LRU
+//! among the evictable leaves (cache-only entries without children): one walk from the oldest
+//! end skips entries that still have children; when an eviction turns an older, skipped parent
+//! into a leaf, that parent is the oldest evictable leaf and goes next, so it competes by its
+//! own recency and no second pass is needed. A block some sequence holds is never on the list,
+//! so it is never evicted. Everything is O(1) per block except skipping entries whose children
+//! are still cached or held, which only arises when a chain's head was released before its
+//! tail.
+
+mod check;
+mod dedup;
+mod describe;
+mod keys;
+
+use crate::alloc;
+use crate::block::{Block, BlockStore, CACHED, COUNT_MASK};
+use crate::error::Result;
+use crate::hash::{BlockHash, BlockHasher};
+use crate::sync::Arc;
+// std, not the loom shim: a debug counter, outside every loom model.
+use std::sync::atomic::{AtomicU64, Ordering};
+
+pub(crate) use dedup::Switch;
+use keys::{same_tokens, HashIndex};
+
+const NIL: u32 = u32::MAX;
+
+/// Extra key of a chain (cache salt, LoRA id, model namespace). Immutable shared bytes: always
+/// `std::sync::Arc`, also under loom (see `sync.rs`).
+pub type ExtraKey = std::sync::Arc<[u8]>;
+
+#[derive(Clone)]
+struct Entry {
+    hash: BlockHash,
+    parent: u32,
+    depth: u32,
+    children: u32,
+    prev: u32,
+    next: u32,
+    live: bool,
+    in_lru: bool,
+    /// When the entry last entered the LRU list (increases from the oldest end to the newest).
+    stamp: u64,
+    extra_key: Option<ExtraKey>,
+}
+
+impl Default for Entry {
+    fn default() -> Self {
+        Self {
+            hash: BlockHash(0),
+            parent: NIL,
+            depth: 0,
+            children: 0,
+            prev: NIL,
+            next: NIL,
+            live: false,
+            in_lru: false,
+            stamp: 0,
+            extra_key: None,
+        }
+    }
+}
+
+/// What happened in the cache, for KV events (R21).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum CacheEvent {
+    /// Consecutive blocks of one chain became matchable.
+    Stored {
+        /// Chain hashes of the blocks.
+        block_hashes: Vec<BlockHash>,
+        /// Hash of the first block's parent (`None` for a chain's first block).
+        parent_hash: Option<BlockHash>,
+        /// Tokens of the blocks.
+        token_ids: Vec<u32>,
+        /// The chain's extra key.
+        extra_key: Option<ExtraKey>,
+    },
+    /// Blocks left the cache (eviction).
+    Removed {
+        /// Chain hashes of the blocks.
+        block_hashes: Vec<BlockHash>,
+        /// The chain's extra key.
+        extra_key: Option<ExtraKey>,
+    },
+    /// Every entry was dropped (`reset`).
+    Cleared,
+}
+
+/// Counters of the cache's life.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CacheStats {
+    /// Tokens of full blocks looked up by recorded queries.
+    pub query_tokens: u64,
+    /// Tokens of those that hit.
+    pub hit_tokens: u64,
+    /// Blocks evicted.
+    pub evictions: u64,
+    /// Blocks inserted.
+    pub insertions: u64,
+}
+
+/// Result of a side-effect-free lookup.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Probe {
+    /// Leading blocks that would hit.
+    pub matched: usize,
+    /// How many of those are cache-only now (a match would make them used).
+    pub cache_only: usize,
+}
+
+/// Hash-keyed prefix cache over the blocks of one [`BlockStore`].
+pub struct PrefixCache {
+    store: Arc<BlockStore>,
+    hasher: BlockHasher,
+    block_size: usize,
+    index: HashIndex,
+    entries: Vec<Entry>,
+    tokens: Vec<u32>,
+    oldest: u32,
+    newest: u32,
+    lru_len: usize,
+    /// Stamp of the next entry pushed on the LRU list.
+    clock: u64,
+    epoch: u64,
+    stats: CacheStats,
+    events: Option<Vec<CacheEvent>>,
+    scratch: Vec<u32>,
+    /// Walks of a chain through the index (probes and matches), for tests of admission's one
+    /// walk (a debug counter, never part of `stats`).
+    walks: AtomicU64,
+}
+
+/// Bit set on an id [`PrefixCache::walk`] reports when the cache alone holds the block (ids are
+/// below [`crate::MAX_BLOCKS`], so the bit is free).
+pub(crate) const CACHE_ONLY_BIT: u32 = 1 << 31;
+
+impl PrefixCache {
+    /// Bytes the cache spends per block of `block_size` tokens (entry and tokens).
+    pub(crate) fn bytes_per_block(block_size: usize) -> u128 {
+        (std::mem::size_of::<Entry>() + 4 * block_size) as u128
+    }
+
+    /// The cache of `store`'s blocks; an error naming `num_blocks` if its per-block arrays
+    /// cannot be allocated (F1).
+    pub(crate) fn new(store: Arc<BlockStore>, hasher: BlockHasher) -> Result<Self> {
+        let n = store.num_blocks();
+        let block_size = store.block_size as usize;
+        Ok(Self {
+            store,
+            hasher,
+            block_size,
+            index: HashIndex::default(),
+            entries: alloc::filled(n, "num_blocks", Entry::default)?,
+            tokens: alloc::filled(n * block_size, "num_blocks", || 0)?,
+            oldest: NIL,
+            newest: NIL,
+            lru_len: 0,
+            clock: 0,
+            epoch: 0,
+            stats: CacheStats::default(),
+            events: None,
+            scratch: Vec::new(),
+            walks: AtomicU64::new(0),
+        })
+    }
+
+    /// The hasher (seed) of this cache.
+    pub fn hasher(&self) -> &BlockHasher {
+        &self.hasher
+    }
+
+    /// Number of cached blocks (entries), held or not.
+    pub fn len(&self) -> usize {
+        self.index.len()
+    }
+
+    /// Whether the cache is empty.
+    pub fn is_empty(&self) -> bool {
+        self.index.is_empty()
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> CacheStats {
+        self.stats
+    }
+
+    /// Incremented by every `reset`; lets callers know published blocks were dropped.
+    pub fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    /// Starts (or stops) recording [`CacheEvent`]s.
+    pub fn set_record_events(&mut self, on: bool) {
+        self.events = if on { Some(Vec::new()) } else { None };
+    }
+
+    /// Takes the recorded events.
+    pub fn take_events(&mut self) -> Vec<CacheEvent> {
+        self.events.as_mut().map(std::mem::take).unwrap_or_default()
+    }
+
+    /// Adds to the query/hit statistics.
+    pub fn record_query(&mut self, query_blocks: usize, hit_blocks: usize) {
+        self.stats.query_tokens += (query_blocks * self.block_size) as u64;
+        self.stats.hit_tokens += (hit_blocks * self.block_size) as u64;
+    }
+
+    /// The block id cached under `hash`, if any.
+    pub fn block_id(&self, hash: BlockHash) -> Option<u32> {
+        self.index.get(&hash.0).copied()
+    }
+
+    /// Whether `hash` is cached.
+    pub fn contains(&self, hash: BlockHash) -> bool {
+        self.index.contains_key(&hash.0)
+    }
+
+    fn block_tokens(&self, id: u32) -> &[u32] {
+        let start = id as usize * self.block_size;
+        &self.tokens[start..start + self.block_size]
+    }
+
+    /// The entry for block `i` of a chain, verified (R7): same hash, same parent entry (or same
+    /// extra key for a chain's first block) and same tokens.
+    #[inline]
+    fn find(
+        &self,
+        hash: BlockHash,
+        parent: u32,
+        extra_key: Option<&[u8]>,
+        tokens: &[u32],
+    ) -> Option<u32> {
+        let &id = self.index.get(&hash.0)?;
+        let entry = &self.entries[id as usize];
+        let same_parent =
+            entry.parent == parent && (parent != NIL || entry.extra_key.as_deref() == extra_key);
+        (same_parent && same_tokens(self.block_tokens(id), tokens)).then_some(id)
+    }
+
+    /// Counts the leading blocks of a chain that would hit, without any side effect.
+    /// `hashes` are the chain's hashes (R6) of the full blocks of `tokens`.
+    pub fn probe(
+        &self,
+        hashes: &[BlockHash],
+        tokens: &[u32],
+        extra_key: Option<&[u8]>,
+        max_blocks: usize,
+    ) -> Probe {
+        let mut ids = Vec::new();
+        self.walk(hashes, tokens, extra_key, max_blocks, &mut ids);
+        Probe {
+            matched: ids.len(),
+            cache_only: ids.iter().filter(|&&id| id & CACHE_ONLY_BIT != 0).count(),
+        }
+    }
+
+    /// The one walk of a chain (R7): appends to `out` the ids of its leading cached blocks (at
+    /// most `max_blocks`), each with [`CACHE_ONLY_BIT`] set when only the cache holds it. No side
+    /// effect but the walk counter; [`Self::retain`] then takes exactly these blocks as long as
+    /// the cache was not changed in between (handle drops elsewhere do not change it).
+    pub(crate) fn walk(
+        &self,
+        hashes: &[BlockHash],
+        tokens: &[u32],
+        extra_key: Option<&[u8]>,
+        max_blocks: usize,
+        out: &mut Vec<u32>,
+    ) {
+        // Relaxed: a debug counter.
+        self.walks.fetch_add(1, Ordering::Relaxed);
+        let mut parent = NIL;
+        for (i, &hash) in hashes.iter().enumerate().take(max_blocks) {
+            let block = &tokens[i * self.block_size..(i + 1) * self.block_size];
+            let Some(id) = self.find(hash, parent, extra_key, block) else {
+                break;
+            };
+            let state = self.store.state(id);
+            let cache_only = state & (CACHED | COUNT_MASK) == CACHED | 1;
+            out.push(id | if cache_only { CACHE_ONLY_BIT } else { 0 });
+            parent = id;
+        }
+    }
+
+    /// New handles of the blocks of `ids` (from [`Self::walk`], flags ignored), appended to
+    /// `out` in order: they become used, so they leave the LRU. The ids must still be entries
+    /// of this cache (no insert, evict or reset since the walk).
+    pub(crate) fn retain(&mut self, ids: &[u32], out: &mut Vec<Block>) {
+        self.drain_released();
+        out.reserve(ids.len());
+        for &flagged in ids {
+            let id = flagged & !CACHE_ONLY_BIT;
+            debug_assert!(
+                self.entries[id as usize].live,
+                "walked block {id} left the cache"
+            );
+            if self.entries[id as usize].in_lru {
+                self.lru_unlink(id);
+            }
+            out.push(self.store.retain_cached(id));
+        }
+    }
+
+    /// Chain walks so far (probes, walks and matches): a debug counter.
+    pub(crate) fn num_walks(&self) -> u64 {
+        // Relaxed: a debug counter.
+        self.walks.load(Ordering::Relaxed)
+    }
+
+    /// Hands out new handles of the leading cached blocks of a chain (at most `max_blocks`),
+    /// appended to `out`; returns how many. Matched blocks become used, so they leave the LRU.
+    /// One walk: each block is retained as it is found.
+    pub fn match_prefix(
+        &mut self,
+        hashes: &[BlockHash],
+        tokens: &[u32],
+        extra_key: Option<&[u8]>,
+        max_blocks: usize,
+        out: &mut Vec<Block>,
+    ) -> usize {
+        // Relaxed: a debug counter.
+        self.walks.fetch_add(1, Ordering::Relaxed);
+        self.drain_released();
+        let mut parent = NIL;
+        let mut matched = 0;
+        for (i, &hash) in hashes.iter().enumerate().take(max_blocks) {
+            let block = &tokens[i * self.block_size..(i + 1) * self.block_size];
+            let Some(id) = self.find(hash, parent, extra_key, block) else {
+                break;
+            };
+            if self.entries[id as usize].in_lru {
+                self.lru_unlink(id);
+            }
+            out.push(self.store.retain_cached(id));
+            matched += 1;
+            parent = id;
+        }
+        matched
+    }
+
+    /// Records the full blocks `start..` of a chain (R9): `hashes[i]`, `tokens[i*bs..]` and
+    /// `blocks[i]` describe block i; blocks `..start` must already be cached as this chain's.
+    /// Stops at the first block whose hash is cached with another block (first writer wins) or
+    /// whose block is cached under another hash; the rest stays private. Returns (number newly
+    /// cached, index where it stopped). The caller guarantees every block belongs to this cache's
+    /// store.
+    ///
+    /// `releasing`: the caller drops every handle of `blocks` right after (a sequence being
+    /// deallocated). A block whose chain position is already cached with another block (same
+    /// hash, parent and tokens: a recomputed duplicate, e.g. after a linear-state trim) is then
+    /// skipped and the chain continues under the cached entry, so the rest of the sequence is
+    /// published too (R9's "publish the rest when the sequence releases it"). Safe because the
+    /// sequence's own blocks all become cache-only together: no cached parent keeps a held
+    /// child. Past a skipped duplicate only blocks that nobody else holds (one handle, the
+    /// releasing sequence's) are published: a block another sequence shares (it matched it
+    /// before a reset, say) would hang a held child under the cached original, which then
+    /// counts as evictable but cannot be evicted (R10); the chain stops there instead.
+    pub fn insert(
+        &mut self,
+        hashes: &[BlockHash],
+        tokens: &[u32],
+        blocks: &[Block],
+        start: usize,
+        extra_key: Option<&ExtraKey>,
+        releasing: bool,
+    ) -> (usize, usize) {
+        self.drain_released();
+        let end = hashes
+            .len()
+            .min(blocks.len())
+            .min(tokens.len() / self.block_size);
+        let mut parent = NIL;
+        if start > 0 && start <= end {
+            let previous = &blocks[start - 1];
+            if self.index.get(&hashes[start - 1].0) != Some(&previous.id()) {
+                return (0, start);
+            }
+            parent = previous.id();
+        }
+        let mut newly = 0;
+        let mut stored_from = None;
+        // Whether the chain continues under a cached original (a skipped duplicate).
+        let mut under_original = false;
+        let mut i = start;
+        while i < end {
+            let hash = hashes[i];
+            let block = &blocks[i];
+            let id = block.id();
+            if let Some(&cached) = self.index.get(&hash.0) {
+                if cached != id {
+                    let block_tokens = &tokens[i * self.block_size..(i + 1) * self.block_size];
+                    let key = extra_key.map(|k| &**k);
+                    if releasing && self.find(hash, parent, key, block_tokens) == Some(cached) {
+                        parent = cached; // a duplicate: continue the chain under the original
+                        under_original = true;
+                        i += 1;
+                        continue;
+                    }
+                    break;
+                }
+                parent = id;
+                i += 1;
+                continue;
+            }
+            if block.is_cached() || id == 0 || (under_original && block.ref_count() != 1) {
+                break;
+            }
+            let block_tokens = &tokens[i * self.block_size..(i + 1) * self.block_size];
+            let at = id as usize * self.block_size;
+            self.tokens[at..at + self.block_size].copy_from_slice(block_tokens);
+            let depth = if parent == NIL {
+                0
+            } else {
+                self.entries[parent as usize].depth + 1
+            };
+            if parent != NIL {
+                self.entries[parent as usize].children += 1;
+            }
+            self.entries[id as usize] = Entry {
+                hash,
+                parent,
+                depth,
+                live: true,
+                extra_key: extra_key.cloned(),
+                ..Entry::default()
+            };
+            self.index.insert(hash.0, id);
+            self.store.mark_cached(id, hash);
+            stored_from.get_or_insert(i);
+            newly += 1;
+            parent = id;
+            i += 1;
+        }
+        self.stats.insertions += newly as u64;
+        if let (Some(from), Some(events)) = (stored_from, self.events.as_mut()) {
+            let parent_hash = (from > 0).then(|| hashes[from - 1]);
+            events.push(CacheEvent::Stored {
+                block_hashes: hashes[from..i].to_vec(),
+                parent_hash,
+                token_ids: tokens[from * self.block_size..i * self.block_size].to_vec(),
+                extra_key: extra_key.cloned(),
+            });
+        }
+        (newly, i)
+    }
+
+    /// Moves the blocks whose last outside handle went away onto the LRU list, in the order they
+    /// were released (F9: a block's place is its release time, whenever the drain runs).
+    pub fn drain_released(&mut self) {
+        let mut batch = std::mem::take(&mut self.scratch);
+        while let Some(id) = self.store.released.pop() {
+            let state = self.store.clear_queued(id);
+            let entry = &self.entries[id as usize];
+            if state & (CACHED | COUNT_MASK) == CACHED | 1 && entry.live && !entry.in_lru {
+                batch.push(id);
+            }
+        }
+        // The stack pops the newest release first.
+        for &id in batch.iter().rev() {
+            self.lru_push_newest(id);
+        }
+        batch.clear();
+        self.scratch = batch;
+    }
+
+    /// Evicts up to `n` cache-only blocks, strictly least recently used among the evictable
+    /// leaves (R10, module doc); returns how many went back to the free list.
+    pub fn evict(&mut self, n: usize) -> usize {
+        self.drain_released();
+        let mut evicted = 0;
+        let mut removed = Vec::new();
+        // Every entry older than `cursor` that is still on the list has children.
+        let mut cursor = self.oldest;
+        while evicted < n && cursor != NIL {
+            let mut victim = cursor;
+            cursor = self.entries[victim as usize].next;
+            if self.entries[victim as usize].children > 0 {
+                continue;
+            }
+            loop {
+                let parent = self.entries[victim as usize].parent;
+                let (hash, key) = self.remove_entry(victim);
+                if self.events.is_some() {
+                    removed.push((hash, key));
+                }
+                evicted += 1;
+                // `parent == cursor`: a chain released tail first, the walk's next victim anyway.
+                if evicted == n || parent == NIL || parent == cursor {
+                    break;
+                }
+                // The parent just became a leaf: if it was skipped (older than `cursor`), it is
+                // now the oldest evictable leaf; otherwise the walk reaches it in its turn.
+                let p = &self.entries[parent as usize];
+                let older_than_cursor =
+                    cursor == NIL || p.stamp < self.entries[cursor as usize].stamp;
+                if p.children > 0 || !p.in_lru || !older_than_cursor {
+                    break;
+                }
+                victim = parent;
+            }
+        }
+        self.stats.evictions += evicted as u64;
+        if let Some(events) = self.events.as_mut() {
+            for (hash, extra_key) in removed {
+                events.push(CacheEvent::Removed {
+                    block_hashes: vec![hash],
+                    extra_key,
+                });
+            }
+        }
+        evicted
+    }
+
+    /// Evicts block `id` if it is an evictable leaf: cache-only, on the LRU list (so call
+    /// [`Self::drain_released`] first) and without cached children (R10: the cached set stays
+    /// closed under prefix). Returns whether it did; otherwise nothing changes. The same
+    /// bookkeeping as [`Self::evict`] (statistics, events). For callers that choose victims by
+    /// a policy of their own among the evictable leaves (`XTensorBlockManager` frees whole
+    /// pages); `evict` stays the LRU walk.
+    pub fn evict_leaf(&mut self, id: u32) -> bool {
+        let Some(entry) = self.entries.get(id as usize) else {
+            return false;
+        };
+        if !entry.live || !entry.in_lru || entry.children > 0 {
+            return false;
+        }
+        let (hash, extra_key) = self.remove_entry(id);
+        self.stats.evictions += 1;
+        if let Some(events) = self.events.as_mut() {
+            events.push(CacheEvent::Removed {
+                block_hashes: vec![hash],
+                extra_key,
+            });
+        }
+        true
+    }
+
+    /// The cached parent of cached block `id`: `None` for a chain's first block, or when `id`
+    /// is not cached.
+    pub fn parent_of(&self, id: u32) -> Option<u32> {
+        let entry = self.entries.get(id as usize)?;
+        (entry.live && entry.parent != NIL).then_some(entry.parent)
+    }
+
+    /// Every cached block (held or not) with its cached parent, unordered.
+    pub fn entries(&self) -> impl Iterator<Item = (u32, Option<u32>)> + '_ {
+        self.index.values().map(|&id| {
+            let parent = self.entries[id as usize].parent;
+            (id, (parent != NIL).then_some(parent))
+        })
+    }
+
+    /// How many times a block entered the LRU list so far (became evictable and was drained):
+    /// a change tells a caller that some block became cache-only since it last looked.
+    pub fn lru_insertions(&self) -> u64 {
+        self.clock
+    }
+
+    /// Removes a cache-only leaf on the LRU and frees its block.
+    fn remove_entry(&mut self, id: u32) -> (BlockHash, Option<ExtraKey>) {
+        self.lru_unlink(id);
+        let entry = std::mem::take(&mut self.entries[id as usize]);
+        self.index.remove(&entry.hash.0);
+        if entry.parent != NIL {
+            self.entries[entry.parent as usize].children -= 1;
+        }
+        let freed = self.store.unmark_cached(id);
+        debug_assert!(freed, "evicted block {id} was held");
+        (entry.hash, entry.extra_key)
+    }
+
+    /// Drops every entry (R12): cache-only blocks go back to the free list, held blocks stay
+    /// with their holders (they are just no longer cached).
+    pub fn reset(&mut self) {
+        self.drain_released();
+        let ids: Vec<u32> = self.index.values().copied().collect();
+        self.index.clear();
+        for id in ids {
+            self.entries[id as usize] = Entry::default();
+            self.store.unmark_cached(id);
+        }
+        self.oldest = NIL;
+        self.newest = NIL;
+        self.lru_len = 0;
+        self.epoch += 1;
+        if let Some(events) = self.events.as_mut() {
+            events.push(CacheEvent::Cleared);
+        }
+    }
+
+    fn lru_push_newest(&mut self, id: u32) {
+        let newest = self.newest;
+        {
+            let entry = &mut self.entries[id as usize];
+            entry.prev = newest;
+            entry.next = NIL;
+            entry.in_lru = true;
+            entry.stamp = self.clock;
+        }
+        self.clock += 1;
+        if newest == NIL {
+            self.oldest = id;
+        } else {
+            self.entries[newest as usize].next = id;
+        }
+        self.newest = id;
+        self.lru_len += 1;
+    }
+
+    fn lru_unlink(&mut self, id: u32) {
+        let (prev, next) = {
+            let entry = &mut self.entries[id as usize];
+            if !entry.in_lru {
+                return;
+            }
+            entry.in_lru = false;
+            (
+                std::mem::replace(&mut entry.prev, NIL),
+                std::mem::replace(&mut entry.next, NIL),
+            )
+        };
+        if prev == NIL {
+            self.oldest = next;
+        } else {
+            self.entries[prev as usize].next = next;
+        }
+        if next == NIL {
+            self.newest = prev;
+        } else {
+            self.entries[next as usize].prev = prev;
+        }
+        self.lru_len -= 1;
+    }
+
+    /// Block ids on the LRU list, oldest first (cache-only blocks the cache knows about).
+    pub fn lru_order(&self) -> Vec<u32> {
+        let mut ids = Vec::with_capacity(self.lru_len);
+        let mut id = self.oldest;
+        while id != NIL && ids.len() <= self.entries.len() {
+            ids.push(id);
+            id = self.entries[id as usize].next;
+        }
+        ids
+    }
+
+    /// The eviction order, oldest first, without draining: the LRU list, then the blocks
+    /// released since the last drain in release order (where the next drain puts them, F9).
+    /// Exact only without concurrent handle drops; for tests and debugging.
+    pub fn eviction_order(&self) -> Vec<u32> {
+        let mut ids = self.lru_order();
+        let queued = self.store.released.snapshot(); // newest release first
+        ids.extend(queued.into_iter().rev().filter(|&id| {
+            let entry = &self.entries[id as usize];
+            self.store.state(id) & (CACHED | COUNT_MASK) == CACHED | 1
+                && entry.live
+                && !entry.in_lru
+        }));
+        ids
+    }
+
+    /// Hashes of every entry (unordered).
+    pub fn hashes(&self) -> Vec<BlockHash> {
+        self.index.keys().map(|&h| BlockHash(h)).collect()
+    }
+}

@@ -1,0 +1,134 @@
+"""vLLM 0.33.0's real Scheduler and AsyncScheduler on kvpool's manager, on CPU (issue 19, part b).
+
+Skipped unless vLLM 0.33.0 is installed (``make test-vllm``). The Scheduler is built from a
+written config.json (no hub, no weights) and fed fake ``ModelRunnerOutput``s
+(``vllm_harness.run_scheduler``); kvpool's manager goes in through ``scheduler_cls``, the route
+of ``--scheduler-cls kvpool.integrations.vllm.Scheduler``. Every run ends with no leaked block and
+a successful ``reset_prefix_cache()``. Schedules are compared per step (requests, computed
+tokens, block counts, scheduled tokens, preemptions) with vLLM's own manager (``vllm``) and with
+vLLM's own publishing after the KV exists as kvpool does (``vllm-r17``). Where they differ, the
+first difference must be a prefix hit (the by-design differences of test_vllm_manager.py's doc),
+and the differences are counted and printed.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+
+import pytest
+
+try:  # the installed distribution (tests/vllm itself would pass for a namespace package)
+    _FOUND = importlib.metadata.version("vllm").split("+")[0]
+except importlib.metadata.PackageNotFoundError:
+    _FOUND = None
+if _FOUND != "0.33.0":
+    pytest.skip(f"needs vLLM 0.33.0 (found {_FOUND}): make test-vllm", allow_module_level=True)
+
+import vllm_harness as h  # noqa: E402  (imports vLLM: 15-25 s, once per process)
+
+
+@pytest.fixture(scope="module")
+def hasher():
+    return h.block_hasher(16)
+
+
+def _three(trace, hasher, num_blocks, **kw):
+    runs, managers = {}, {}
+    scale = kw.pop("arrival_scale", 1.0)
+    for kind in ("kvpool", "vllm-r17", "vllm"):
+        scheduler, config = h.build_scheduler(kind, num_blocks, **kw)
+        managers[kind] = type(scheduler.kv_cache_manager).__module__
+        runs[kind] = h.run_scheduler(scheduler, config, trace, arrival_scale=scale,
+                                     hasher=None if kind == "kvpool" else hasher)
+        assert runs[kind].finished == len(trace)
+    assert managers["kvpool"] == "kvpool.integrations.vllm"
+    return runs
+
+
+def _first_difference(a, b):
+    for x, y in zip(a.records, b.records, strict=False):
+        if x != y:
+            return x, y
+    return None
+
+
+def _report(name, runs):
+    k, r, v = runs["kvpool"], runs["vllm-r17"], runs["vllm"]
+
+    def differing(a, b):
+        return sum(x != y for x, y in zip(a.records, b.records, strict=False)) + abs(len(a.records) - len(b.records))
+
+    print(f"\n{name}: steps {len(k.records)}/{len(r.records)}/{len(v.records)} (kvpool/vllm-r17/vllm); "
+          f"prefix hits {k.hits}/{r.hits}/{v.hits} of {k.queries}; preemptions "
+          f"{k.preemptions}/{r.preemptions}/{v.preemptions}; steps scheduled differently: "
+          f"kvpool vs vllm-r17 {differing(k, r)}, kvpool vs vllm {differing(k, v)}")
+
+
+def _assert_same_or_hit_first(a, b):
+    """Identical schedules, or the first differing step admits a request with another hit."""
+    diff = _first_difference(a, b)
+    if diff is None:
+        assert len(a.records) == len(b.records)
+        return
+    (step, new_a, cached_a, *rest_a), (_, new_b, cached_b, *rest_b) = diff
+    assert cached_a == cached_b, f"step {step}: running requests scheduled differently"
+    hits_a = {rid: computed for rid, computed, _ in new_a}
+    hits_b = {rid: computed for rid, computed, _ in new_b}
+    common = hits_a.keys() & hits_b.keys()
+    assert any(hits_a[rid] != hits_b[rid] for rid in common), (
+        f"step {step}: the schedules part without a hit difference: {diff}")
+
+
+def test_scheduler_light_load_identical(hasher):
+    # no memory pressure, and (seeded, deterministic) no R9 duplicate: nothing by design differs
+    trace = h.chat_trace(120, seed=2)
+    runs = _three(trace, hasher, 4096)
+    _report("sync Scheduler, 4096 blocks", runs)
+    assert runs["kvpool"].records == runs["vllm-r17"].records
+    assert runs["kvpool"].hits == runs["vllm-r17"].hits > 0
+    _assert_same_or_hit_first(runs["kvpool"], runs["vllm"])
+
+
+def test_scheduler_denser_trace_parts_at_a_hit(hasher):
+    runs = _three(h.chat_trace(160, seed=2), hasher, 4096)
+    _report("sync Scheduler, 4096 blocks, 160 requests", runs)
+    _assert_same_or_hit_first(runs["kvpool"], runs["vllm-r17"])
+    _assert_same_or_hit_first(runs["kvpool"], runs["vllm"])
+
+
+@pytest.mark.parametrize("async_", [False, True], ids=["sync", "async"])
+def test_scheduler_dense_pressure_and_async(async_, hasher):
+    trace = h.chat_trace(200, seed=4)
+    runs = _three(trace, hasher, 400, arrival_scale=0.3, async_=async_)
+    _report(f"{'AsyncScheduler' if async_ else 'Scheduler'}, 400 blocks, dense arrivals", runs)
+    assert runs["kvpool"].preemptions > 0
+    _assert_same_or_hit_first(runs["kvpool"], runs["vllm-r17"])
+    _assert_same_or_hit_first(runs["vllm-r17"], runs["vllm"])
+
+
+def test_scheduler_publishes_vllm_kv_events(hasher):
+    trace = h.chat_trace(30, seed=6)
+    scheduler, config = h.build_scheduler("kvpool", 200, events=True)
+    kinds: dict[str, int] = {}
+
+    def publish(batch):
+        for e in batch.events:
+            kinds[type(e).__name__] = kinds.get(type(e).__name__, 0) + 1
+
+    scheduler.kv_event_publisher.publish = publish
+    h.run_scheduler(scheduler, config, trace, arrival_scale=0.3)
+    publish(type("Batch", (), {"events": scheduler.kv_cache_manager.take_events()})())
+    assert kinds.get("BlockStored", 0) > 0 and kinds.get("BlockRemoved", 0) > 0
+    assert kinds.get("AllBlocksCleared") == 1  # run_scheduler's closing reset_prefix_cache()
+
+
+def test_install_puts_kvpool_under_every_scheduler_built_after(monkeypatch):
+    import vllm.v1.core.sched.scheduler as sched_module
+    from kvpool.integrations import vllm as kv_vllm
+
+    monkeypatch.setattr(sched_module, "KVCacheManager", sched_module.KVCacheManager)  # undone after
+    kv_vllm.install()  # the documented one line
+    scheduler, config = h.build_scheduler("vllm", 256)  # vLLM's own Scheduler class
+    assert isinstance(scheduler.kv_cache_manager, kv_vllm.KVCacheManager)
+    trace = h.chat_trace(20, seed=7)
+    assert h.run_scheduler(scheduler, config, trace, arrival_scale=0.5).finished == len(trace)

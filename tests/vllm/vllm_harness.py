@@ -1,0 +1,470 @@
+"""Shared by tests/vllm and benches/vllm_bench.py: vLLM 0.33.0 on CPU, both managers, traces.
+
+Importing this module imports vLLM (15-25 s): callers check ``vllm_available()`` first. It sets
+``VLLM_TARGET_DEVICE=cpu`` and ``HF_HUB_OFFLINE=1`` (no hub, no GPU).
+
+- ``chat_trace``: a seeded multi-turn chat trace (shared system prompts, growing histories).
+- ``make_manager``: vLLM's own ``KVCacheManager`` or kvpool's, from the same arguments.
+- ``drive``: the calls vLLM's sync Scheduler makes on its manager (``schedule()``:
+  ``new_step_starts``, the running loop's ``allocate_slots`` with lookahead and preemption from
+  the tail, the waiting loop's ``get_computed_blocks`` / ``allocate_slots(full_sequence_must_fit)``
+  / ``record_prefix_cache_stats`` / ``get_blocks``, the three ``take_*``; ``update_from_output``:
+  sampled tokens, ``free`` on finish, ``take_events``, ``make_prefix_cache_stats``, ``usage``),
+  on many requests at once, with a fake KV store that checks every hit block holds the KV of the
+  tokens it stands for and that tables only grow. Returns a log to compare.
+- ``build_scheduler`` / ``run_scheduler``: vLLM's real Scheduler on a written config.json.
+"""
+
+from __future__ import annotations
+
+import collections
+import importlib.metadata
+import json
+import os
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+REQUIRED = "0.33.0"
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+def vllm_available() -> bool:
+    """Whether vLLM 0.33.0 is installed (without importing it)."""
+    try:
+        return importlib.metadata.version("vllm").split("+")[0] == REQUIRED
+    except importlib.metadata.PackageNotFoundError:
+        return False
+
+
+import kvpool  # noqa: E402
+import torch  # noqa: E402
+import vllm.v1.core.sched.scheduler as sched_module  # noqa: E402
+from kvpool.integrations import vllm as kv_vllm  # noqa: E402
+from vllm.sampling_params import SamplingParams  # noqa: E402
+from vllm.utils.hashing import get_hash_fn_by_name  # noqa: E402
+from vllm.v1.core.kv_cache_manager import KVCacheManager as VllmKVCacheManager  # noqa: E402
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec  # noqa: E402
+from vllm.v1.request import Request, RequestStatus  # noqa: E402
+
+VOCAB = 32000
+
+
+# ---------------------------------------------------------------------------------- traces
+@dataclass
+class Item:
+    rid: int
+    arrival: float
+    prompt: list[int]
+    output: list[int]
+
+
+def chat_trace(num_requests: int, seed: int = 0, *, num_system_prompts: int = 4,
+               system_prompt_len: int = 700, user_mean: float = 90.0, output_len: int = 12,
+               max_turns: int = 6, max_prompt_len: int = 3000) -> list[Item]:
+    """Sessions on a few shared system prompts; each turn's prompt is the whole history plus a
+    new user message; answers are fixed tokens (the fake model samples exactly them)."""
+    rng = np.random.default_rng(seed)
+    systems = [rng.integers(3, VOCAB, system_prompt_len).tolist() for _ in range(num_system_prompts)]
+    items: list[Item] = []
+    t_session = 0.0
+    while len(items) < num_requests:
+        history = list(systems[int(rng.integers(num_system_prompts))])
+        t = t_session
+        for _ in range(int(rng.integers(1, max_turns + 1))):
+            user = int(np.clip(rng.lognormal(np.log(user_mean), 0.6), 4, 600))
+            prompt = history + rng.integers(3, VOCAB, user).tolist()
+            if len(prompt) > max_prompt_len or len(items) >= num_requests:
+                break
+            answer = rng.integers(3, VOCAB, output_len).tolist()
+            items.append(Item(len(items), t, prompt, answer))
+            history = prompt + answer
+            t += 8.0 + float(rng.exponential(12.0))
+        t_session += float(rng.exponential(3.0))
+    items.sort(key=lambda it: (it.arrival, it.rid))
+    for i, it in enumerate(items):
+        it.rid = i
+    return items
+
+
+# -------------------------------------------------------------------------------- managers
+def kv_cache_config(num_blocks: int, block_size: int = 16, num_layers: int = 2) -> KVCacheConfig:
+    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+    layers = [f"model.layers.{i}.self_attn.attn" for i in range(num_layers)]
+    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
+                         kv_cache_groups=[KVCacheGroupSpec(layers, spec)])
+
+
+class PublishAfterCompute(VllmKVCacheManager):
+    """vLLM's own manager publishing the way kvpool does (R17), the reference of the exact
+    comparisons: ``allocate_slots`` with ``delay_cache_blocks=True``, then ``cache_blocks`` of
+    the tokens whose KV exists at the next ``new_step_starts`` and before ``free``."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.live: dict[str, Request] = {}
+
+    def new_step_starts(self) -> None:
+        for r in self.live.values():
+            self.cache_blocks(r, r.num_computed_tokens - r.num_in_flight_tokens)
+        super().new_step_starts()
+
+    def allocate_slots(self, request, num_new_tokens, *args, **kwargs):
+        kwargs["delay_cache_blocks"] = True
+        blocks = super().allocate_slots(request, num_new_tokens, *args, **kwargs)
+        if blocks is not None:
+            self.live[request.request_id] = request
+        return blocks
+
+    def free(self, request) -> None:
+        if self.live.pop(request.request_id, None) is not None:
+            self.cache_blocks(request, request.num_computed_tokens - request.num_in_flight_tokens)
+        super().free(request)
+
+
+MANAGERS = {"vllm": VllmKVCacheManager, "vllm-r17": PublishAfterCompute}
+
+
+def make_manager(kind: str, num_blocks: int, block_size: int = 16, *, max_model_len: int = 8192,
+                 events: bool = False, caching: bool = True):
+    """``kind`` "vllm" (vLLM's own), "vllm-r17" (``PublishAfterCompute``) or "kvpool", built
+    with the Scheduler's keyword arguments."""
+    cls = MANAGERS.get(kind, kv_vllm.KVCacheManager)
+    return cls(kv_cache_config=kv_cache_config(num_blocks, block_size), max_model_len=max_model_len,
+               max_in_flight_tokens=2048, enable_caching=caching, use_eagle=False,
+               num_hash_lookahead_tokens=0, num_prefill_lookahead=0, log_stats=True,
+               enable_kv_cache_events=events, dcp_world_size=1, pcp_world_size=1,
+               scheduler_block_size=block_size, hash_block_size=block_size, metrics_collector=None,
+               watermark=0.0, enable_mamba_shared_prefix_checkpoint=False)
+
+
+def block_hasher(block_size: int, algo: str = "sha256"):
+    """vLLM's request block hasher (what EngineCore builds when prefix caching is on)."""
+    hash_fn = get_hash_fn_by_name(algo)
+    init_none_hash(hash_fn)
+    return get_request_block_hasher(block_size, hash_fn)
+
+
+# ----------------------------------------------------------------------------- the driver
+@dataclass
+class Log:
+    """What a drive decided, step by step, and its totals."""
+
+    steps: list[tuple] = field(default_factory=list)  # one tuple per step: what was scheduled
+    admissions: dict[int, list[tuple[int, int]]] = field(default_factory=dict)  # rid -> [(step, hit)]
+    same_step_shares: int = 0  # admissions whose hit includes blocks scheduled, not computed
+    first_share_step: int | None = None
+    missed_running: int = 0  # hits stopping at a block a running request computed, unpublished
+    first_missed_step: int | None = None
+    first_eviction_step: int | None = None
+    hit_tokens: int = 0
+    preemptions: int = 0
+    events: collections.Counter = field(default_factory=collections.Counter)
+    stats_hits: int = 0
+    stats_queries: int = 0
+    resets: list[bool] = field(default_factory=list)
+
+
+def drive(manager, trace: list[Item], *, budget: int = 512, max_seqs: int = 16,
+          lookahead: int = 0, arrival_scale: float = 1.0, hasher=None,
+          reset_at: tuple[int, ...] = (), check=None) -> Log:
+    """Run ``trace`` through ``manager`` with the sync Scheduler's calls (module doc).
+
+    ``hasher``: vLLM's block hasher (vLLM's manager reads ``request.block_hashes``; kvpool's
+    hashes the tokens itself). ``reset_at``: steps at which ``reset_prefix_cache`` is called
+    (its result is logged). ``check``: called with the manager after every step.
+    """
+    bs = manager.kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
+    params = {}
+    pending = collections.deque(trace)
+    waiting: collections.deque = collections.deque()
+    running: list = []
+    reqs: dict[str, Request] = {}
+    chains: dict[str, list[bytes]] = {}  # the content each full block of a request stands for
+    tables: dict[str, list[int]] = {}  # the worker's view: NewRequestData, then appends
+    answers = {str(it.rid): it.output for it in trace}
+    kv_store: dict[int, bytes] = {}  # block id -> content whose KV it holds (full blocks)
+    log = Log()
+    step = 0
+
+    def release(r: Request) -> None:
+        manager.free(r)
+    while pending or waiting or running:
+        while pending and pending[0].arrival * arrival_scale <= step:
+            it = pending.popleft()
+            sp = params.get(len(it.output)) or params.setdefault(
+                len(it.output), SamplingParams(max_tokens=len(it.output), ignore_eos=True))
+            r = Request(str(it.rid), it.prompt, sp, None, arrival_time=float(step), block_hasher=hasher)
+            reqs[r.request_id] = r
+            chains[r.request_id] = kvpool.hash_blocks(it.prompt + it.output, bs)
+            waiting.append(r)
+        if step in reset_at:
+            log.resets.append(manager.reset_prefix_cache())
+        # ------------------------------------------------------------------ schedule()
+        manager.new_step_starts()
+        token_budget = budget
+        scheduled: dict[str, int] = {}
+        in_flight: set[bytes] = set()
+        preempted: list[str] = []
+        i = 0
+        while i < len(running) and token_budget > 0:
+            r = running[i]
+            n = min(r.num_tokens_with_spec - r.num_computed_tokens, token_budget)
+            while True:
+                new = manager.allocate_slots(r, n, num_lookahead_tokens=lookahead)
+                if new is not None:
+                    break
+                victim = running.pop()  # preempt from the tail (FCFS)
+                release(victim)
+                victim.status = RequestStatus.PREEMPTED
+                victim.num_computed_tokens = 0
+                victim.num_preemptions += 1
+                tables.pop(victim.request_id, None)
+                waiting.appendleft(victim)
+                preempted.append(victim.request_id)
+                log.preemptions += 1
+                if victim is r:
+                    break
+            if new is None:
+                break
+            ids = new.get_block_ids(allow_none=True)
+            if ids is not None:
+                tables[r.request_id].extend(ids[0])
+            scheduled[r.request_id] = n
+            token_budget -= n
+            for j in range(r.num_computed_tokens // bs, (r.num_computed_tokens + n) // bs):
+                in_flight.add(chains[r.request_id][j])
+            i += 1
+        while waiting and not preempted and token_budget > 0 and len(running) < max_seqs:
+            r = waiting[0]
+            blocks, hit, _ = manager.get_computed_blocks(r)
+            n = min(r.num_tokens - hit, token_budget)
+            new = manager.allocate_slots(
+                r, n, num_new_computed_tokens=hit, new_computed_blocks=blocks,
+                num_lookahead_tokens=lookahead, num_external_computed_tokens=0,
+                delay_cache_blocks=False, skip_zeroing_group_ids=(),
+                num_encoder_tokens=0, full_sequence_must_fit=True, reserved_blocks=0,
+                has_scheduled_reqs=bool(running))
+            if new is None:
+                break
+            waiting.popleft()
+            manager.record_prefix_cache_stats(r, hit)
+            table = manager.get_blocks(r.request_id).get_block_ids()[0]
+            chain = chains[r.request_id]
+            shared = False
+            for j in range(hit // bs):  # every hit block holds the KV of its tokens ...
+                if chain[j] in in_flight:  # ... or is being computed this step (vLLM only)
+                    shared = True
+                else:
+                    assert kv_store.get(table[j]) == chain[j], f"request {r.request_id}: hit block {j} holds other KV"
+            log.same_step_shares += shared
+            if shared and log.first_share_step is None:
+                log.first_share_step = step
+            j = hit // bs  # the first block missed: computed by a running request, unpublished?
+            if j < len(chain) and (j + 1) * bs < r.num_tokens and any(
+                    q.num_computed_tokens >= (j + 1) * bs and chains[q.request_id][j] == chain[j]
+                    for q in running):
+                log.missed_running += 1
+                if log.first_missed_step is None:
+                    log.first_missed_step = step
+            tables[r.request_id] = list(table)
+            log.admissions.setdefault(int(r.request_id), []).append((step, hit))
+            log.hit_tokens += hit
+            r.status = RequestStatus.RUNNING
+            r.num_computed_tokens = hit
+            running.append(r)
+            scheduled[r.request_id] = n
+            token_budget -= n
+            for j in range(hit // bs, (hit + n) // bs):
+                in_flight.add(chain[j])
+        manager.take_boundary_state_offloads()
+        manager.take_kv_cache_block_copies()
+        manager.take_new_block_ids()
+        log.steps.append((step, tuple(scheduled.items()), tuple(preempted)))
+        # --------------------------------------------------- the forward pass, then update
+        for rid, n in scheduled.items():
+            r = reqs[rid]
+            table = tables[rid]
+            assert table == manager.get_block_ids(rid)[0], f"request {rid}: table changed under the worker"
+            for j in range(r.num_computed_tokens // bs, (r.num_computed_tokens + n) // bs):
+                kv_store[table[j]] = chains[rid][j]  # the fake KV of a block once it is full
+            r.num_computed_tokens += n
+        finished = []
+        for rid in scheduled:
+            r = reqs[rid]
+            if r.num_computed_tokens >= r.num_tokens:
+                r.append_output_token_ids(answers[rid][r.num_output_tokens])
+                if r.num_output_tokens >= r.max_tokens:
+                    finished.append(r)
+        for r in finished:
+            r.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            running.remove(r)
+            release(r)
+            tables.pop(r.request_id)
+        for e in manager.take_events():
+            log.events[type(e).__name__] += 1
+            if type(e).__name__ == "BlockRemoved" and log.first_eviction_step is None:
+                log.first_eviction_step = step
+        stats = manager.make_prefix_cache_stats()
+        log.stats_hits += stats.hits
+        log.stats_queries += stats.queries
+        assert 0.0 <= manager.usage <= 1.0
+        if check is not None:
+            check(manager)
+        step += 1
+    assert manager.block_pool.get_num_free_blocks() == manager.kv_cache_config.num_blocks - 1, "blocks leaked"
+    return log
+
+
+# ------------------------------------------------------------------- the real Scheduler
+LLAMA_CONFIG = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 128,
+    "intermediate_size": 256, "num_attention_heads": 2, "num_key_value_heads": 2,
+    "num_hidden_layers": 2, "max_position_embeddings": 16384, "vocab_size": VOCAB,
+    "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "torch_dtype": "bfloat16", "bos_token_id": 1,
+    "eos_token_id": 2, "tie_word_embeddings": False,
+}
+_MODEL_DIR: list[str] = []
+
+
+def model_dir() -> str:
+    """A folder with a Llama-shaped config.json (no weights, no tokenizer, no hub)."""
+    if not _MODEL_DIR:
+        path = tempfile.mkdtemp(prefix="kvpool-vllm-model-")
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump(LLAMA_CONFIG, f)
+        _MODEL_DIR.append(path)
+    return _MODEL_DIR[0]
+
+
+def build_scheduler(manager: str, num_blocks: int, *, block_size: int = 16, budget: int = 512,
+                    max_seqs: int = 32, max_model_len: int = 8192, async_: bool = False,
+                    events: bool = False, hash_algo: str = "sha256"):
+    """vLLM's real Scheduler (or AsyncScheduler); ``manager`` "vllm" or "kvpool" (kvpool's
+    installed through ``scheduler_cls``, the route ``--scheduler-cls`` takes)."""
+    from vllm.config import CacheConfig, KVEventsConfig, ModelConfig, SchedulerConfig, VllmConfig
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+    from vllm.v1.core.sched.scheduler import Scheduler  # noqa: F401 (cls below)
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    model = ModelConfig(model=model_dir(), skip_tokenizer_init=True, max_model_len=max_model_len)
+    cache = CacheConfig(block_size=block_size, enable_prefix_caching=True,
+                        prefix_caching_hash_algo=hash_algo)
+    sched = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs,
+                            max_model_len=max_model_len, is_encoder_decoder=False)
+    kv_events = KVEventsConfig(enable_kv_cache_events=True, publisher="null") if events else None
+    config = VllmConfig(model_config=model, cache_config=cache, scheduler_config=sched,
+                        kv_events_config=kv_events)
+    config.cache_config.num_gpu_blocks = num_blocks
+    config.scheduler_config.async_scheduling = async_
+    if manager == "kvpool":
+        config.scheduler_config.scheduler_cls = kv_vllm.AsyncScheduler if async_ else kv_vllm.Scheduler
+        cls = config.scheduler_config.get_scheduler_cls()
+    else:
+        cls = AsyncScheduler if async_ else Scheduler
+    saved = sched_module.KVCacheManager
+    if manager == "vllm-r17":
+        sched_module.KVCacheManager = PublishAfterCompute
+    try:
+        scheduler = cls(vllm_config=config, kv_cache_config=kv_cache_config(num_blocks, block_size),
+                        structured_output_manager=StructuredOutputManager(config),
+                        block_size=block_size, hash_block_size=block_size,
+                        include_finished_set=False, log_stats=True)
+    finally:
+        sched_module.KVCacheManager = saved
+    return scheduler, config
+
+
+@dataclass
+class Run:
+    """A Scheduler run: one record per ``schedule()``, and totals."""
+
+    records: list[tuple] = field(default_factory=list)
+    finished: int = 0
+    preemptions: int = 0
+    hits: int = 0
+    queries: int = 0
+    schedule_ns: list[int] = field(default_factory=list)
+    update_ns: list[int] = field(default_factory=list)
+    hash_ns: int = 0
+
+
+def run_scheduler(scheduler, config, trace: list[Item], *, arrival_scale: float = 1.0,
+                  hasher=None, timed: bool = False) -> Run:
+    """Feed ``trace`` to the Scheduler as EngineCore does (``step`` for sync,
+    ``step_with_batch_queue`` for async: a queue of ``max_concurrent_batches``), with a fake
+    model that samples the trace's answers; ends with ``reset_prefix_cache()`` (must succeed)."""
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    answers = {str(it.rid): it.output for it in trace}
+    sampled: collections.Counter[str] = collections.Counter()
+    pending = collections.deque(trace)
+    params: dict[int, SamplingParams] = {}
+    queue: collections.deque = collections.deque()
+    queue_size = config.max_concurrent_batches if config.scheduler_config.async_scheduling else 1
+    run = Run()
+    clock = time.perf_counter_ns
+    step = 0
+    while pending or scheduler.has_requests() or queue:
+        while pending and pending[0].arrival * arrival_scale <= step:
+            it = pending.popleft()
+            sp = params.get(len(it.output)) or params.setdefault(
+                len(it.output), SamplingParams(max_tokens=len(it.output), ignore_eos=True))
+            t0 = clock()
+            r = Request(str(it.rid), it.prompt, sp, None, arrival_time=float(step), block_hasher=hasher)
+            run.hash_ns += clock() - t0
+            scheduler.add_request(r)
+        if not scheduler.has_requests() and not queue:
+            step += 1
+            continue
+        if scheduler.has_requests():
+            t0 = clock()
+            so = scheduler.schedule()
+            if timed:
+                run.schedule_ns.append(clock() - t0)
+            ids, tokens = list(so.num_scheduled_tokens), []
+            for rid in ids:
+                req = scheduler.requests.get(rid)
+                if req is None or req.is_prefill_chunk:
+                    tokens.append([])
+                    continue
+                i = sampled[rid]
+                sampled[rid] += 1
+                tokens.append([answers[rid][i] if i < len(answers[rid]) else 0])
+            mro = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                                    sampled_token_ids=tokens)
+            cached = so.scheduled_cached_reqs
+            run.records.append((  # block counts, not ids: which free block comes is the allocator's
+                step,
+                tuple((r.req_id, r.num_computed_tokens, len(r.block_ids[0])) for r in so.scheduled_new_reqs),
+                tuple(zip(cached.req_ids, cached.num_computed_tokens,
+                          [0 if b is None else len(b[0]) for b in cached.new_block_ids], strict=True)),
+                tuple(so.num_scheduled_tokens.items()),
+                tuple(sorted(so.preempted_req_ids or ())),
+            ))
+            run.preemptions += len(so.preempted_req_ids or ())
+            queue.appendleft((so, mro))
+            if len(queue) < queue_size and (so.total_num_scheduled_tokens > 0 or scheduler.has_requests()):
+                step += 1
+                continue
+        if queue:
+            so, mro = queue.pop()
+            t0 = clock()
+            outs = scheduler.update_from_output(so, mro)
+            if timed:
+                run.update_ns.append(clock() - t0)
+            for eco in outs.values():
+                run.finished += sum(o.finish_reason is not None for o in eco.outputs)
+                if eco.scheduler_stats is not None:
+                    run.hits += eco.scheduler_stats.prefix_cache_stats.hits
+                    run.queries += eco.scheduler_stats.prefix_cache_stats.queries
+        step += 1
+    manager = scheduler.kv_cache_manager
+    assert manager.block_pool.get_num_free_blocks() == manager.kv_cache_config.num_blocks - 1, "blocks leaked"
+    assert scheduler.reset_prefix_cache(), "reset_prefix_cache failed with nothing running"
+    return run
