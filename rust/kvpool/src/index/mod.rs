@@ -418,6 +418,7 @@ impl KVIndex {
         let published = self.published.load();
         published.check()?;
         spare.check()?;
+        spare.tree.check_same_as(&published.tree)?;
         ensure_invariant!(
             dump::encode(spare) == dump::encode(&published),
             "the two copies differ after the replay"

@@ -214,3 +214,81 @@ impl Tree {
         Ok(())
     }
 }
+
+impl Tree {
+    /// Checks that this copy is node for node the same as `other` (the two copies of an index
+    /// once levelled): the same ids for the same hashes (the shared table relies on it), the
+    /// same links, holders, extras, stamps, free list, current LRU records and counts.
+    pub(crate) fn check_same_as(&self, other: &Tree) -> Result<()> {
+        ensure_invariant!(
+            self.nodes.len() == other.nodes.len(),
+            "copies have {} and {} node slots",
+            self.nodes.len(),
+            other.nodes.len()
+        );
+        for (i, (a, b)) in self.nodes.iter().zip(&other.nodes).enumerate() {
+            ensure_invariant!(a.flags == b.flags, "node {i}: flags differ between copies");
+            if !a.live() {
+                continue;
+            }
+            ensure_invariant!(
+                a.hash == b.hash
+                    && a.stamp == b.stamp
+                    && a.parent == b.parent
+                    && a.children == b.children,
+                "node {i}: hash, stamp or links differ between copies"
+            );
+            ensure_invariant!(
+                a.holders.slot() == b.holders.slot()
+                    && a.holders.iter(&self.sets).eq(b.holders.iter(&other.sets)),
+                "node {i}: holders differ between copies"
+            );
+            ensure_invariant!(
+                self.extras(i as u32) == other.extras(i as u32),
+                "node {i}: extras differ between copies"
+            );
+        }
+        ensure_invariant!(
+            self.extras.len() == other.extras.len(),
+            "copies keep {} and {} extras lists",
+            self.extras.len(),
+            other.extras.len()
+        );
+        ensure_invariant!(self.free == other.free, "free lists differ between copies");
+        let current = |tree: &Tree| -> Vec<(u32, u64)> {
+            tree.lru[tree.lru_head..]
+                .iter()
+                .copied()
+                .filter(|&(id, stamp)| tree.nodes[id as usize].stamp == stamp)
+                .collect()
+        };
+        ensure_invariant!(
+            current(self) == current(other),
+            "current LRU records differ between copies"
+        );
+        ensure_invariant!(
+            (
+                self.live,
+                self.entries,
+                self.speculative,
+                self.on_lru,
+                self.tick,
+                self.width
+            ) == (
+                other.live,
+                other.entries,
+                other.speculative,
+                other.on_lru,
+                other.tick,
+                other.width
+            ),
+            "counts differ between copies"
+        );
+        ensure_invariant!(
+            self.sets.free_lists == other.sets.free_lists
+                && self.sets.free_bits == other.sets.free_bits,
+            "holder set free slots differ between copies"
+        );
+        Ok(())
+    }
+}
