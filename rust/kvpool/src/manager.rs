@@ -13,7 +13,7 @@ use crate::alloc;
 use crate::block::{Block, BlockStore, CACHED, COUNT_MASK};
 use crate::error::{ensure_arg, ensure_invariant, KvPoolError, Result};
 use crate::hash::{BlockHash, BlockHasher};
-use crate::prefix_cache::{ExtraKey, PrefixCache};
+use crate::prefix_cache::PrefixCache;
 use crate::sync::Arc;
 
 /// Most blocks one manager may own (ids are u32 with two bits of the state word reserved).
@@ -33,6 +33,24 @@ pub struct BlockCounts {
 }
 
 impl BlockCounts {
+    /// R2 against a walk of the ids that found `cache_only` blocks held by the cache alone.
+    pub(crate) fn check(&self, cache_only: usize) -> Result<()> {
+        ensure_invariant!(
+            self.cached == cache_only,
+            "num_cached_blocks is {} but {cache_only} blocks are cache-only (R2)",
+            self.cached
+        );
+        ensure_invariant!(
+            self.free + self.cached + self.used == self.total,
+            "free {} + cached {} + used {} != total {} (R2)",
+            self.free,
+            self.cached,
+            self.used,
+            self.total
+        );
+        Ok(())
+    }
+
     /// Adds `other`'s counts (totals over ranks).
     pub(crate) fn add(&mut self, other: &BlockCounts) {
         self.total += other.total;
@@ -339,13 +357,7 @@ impl BlockManager for BlockManagerImpl {
         let Some(cache) = self.cache.as_mut() else {
             return Vec::new();
         };
-        let hashes = cache
-            .hasher()
-            .chain(tokens, self.store.block_size as usize, extra_key);
-        let mut out = Vec::with_capacity(hashes.len());
-        let hit = cache.match_prefix(&hashes, tokens, extra_key, hashes.len(), &mut out);
-        cache.record_query(hashes.len(), hit);
-        out
+        cache.share_prefix(tokens, self.store.block_size as usize, extra_key)
     }
 
     fn cache(
@@ -359,14 +371,7 @@ impl BlockManager for BlockManagerImpl {
         let Some(cache) = self.cache.as_mut() else {
             return Ok(0);
         };
-        let full = (tokens.len() / block_size).min(blocks.len());
-        let hashes = cache
-            .hasher()
-            .chain(&tokens[..full * block_size], block_size, extra_key);
-        let key: Option<ExtraKey> = extra_key.map(ExtraKey::from);
-        Ok(cache
-            .insert(&hashes, tokens, blocks, 0, key.as_ref(), false)
-            .0)
+        Ok(cache.publish_tokens(tokens, blocks, block_size, extra_key))
     }
 
     fn evict(&mut self, n: usize) -> usize {
@@ -427,20 +432,7 @@ impl BlockManagerImpl {
                 }
             }
         }
-        let counts = self.counts();
-        ensure_invariant!(
-            counts.cached == cached,
-            "num_cached_blocks is {} but {cached} blocks are cache-only (R2)",
-            counts.cached
-        );
-        ensure_invariant!(
-            counts.free + counts.cached + counts.used == counts.total,
-            "free {} + cached {} + used {} != total {} (R2)",
-            counts.free,
-            counts.cached,
-            counts.used,
-            counts.total
-        );
+        self.counts().check(cached)?;
         Ok(())
     }
 }

@@ -13,7 +13,7 @@
 use crate::block::Block;
 use crate::hash::BlockHash;
 
-use super::{CacheEvent, Entry, ExtraKey, PrefixCache, NIL};
+use super::{CacheEvent, ExtraKey, PrefixCache, NIL};
 
 /// One table entry switched to the cached copy: (position in the table, old id, new id).
 pub(crate) type Switch = (usize, u32, u32);
@@ -87,36 +87,6 @@ impl PrefixCache {
         self.flush_stored(hashes, tokens, run_from, i, extra_key);
         self.stats.insertions += newly as u64;
         (newly, i)
-    }
-
-    /// Records block `id` as the chain position `hash` under `parent` with `tokens`.
-    fn add_entry(
-        &mut self,
-        hash: BlockHash,
-        parent: u32,
-        id: u32,
-        tokens: &[u32],
-        extra_key: Option<&ExtraKey>,
-    ) {
-        let at = id as usize * self.block_size;
-        self.tokens[at..at + self.block_size].copy_from_slice(tokens);
-        let depth = if parent == NIL {
-            0
-        } else {
-            let p = &mut self.entries[parent as usize];
-            p.children += 1;
-            p.depth + 1
-        };
-        self.entries[id as usize] = Entry {
-            hash,
-            parent,
-            depth,
-            live: true,
-            extra_key: extra_key.cloned(),
-            ..Entry::default()
-        };
-        self.index.insert(hash.0, id);
-        self.store.mark_cached(id, hash);
     }
 
     /// The "stored" event of chain positions `from..to`, if recording and `from` is some.

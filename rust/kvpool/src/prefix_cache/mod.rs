@@ -29,6 +29,7 @@ mod check;
 mod dedup;
 mod describe;
 mod keys;
+mod physical;
 
 use crate::alloc;
 use crate::block::{Block, BlockStore, CACHED, COUNT_MASK};
@@ -355,6 +356,37 @@ impl PrefixCache {
         matched
     }
 
+    /// Records block `id` as the chain position `hash` under `parent` with `tokens`.
+    #[inline]
+    pub(super) fn add_entry(
+        &mut self,
+        hash: BlockHash,
+        parent: u32,
+        id: u32,
+        tokens: &[u32],
+        extra_key: Option<&ExtraKey>,
+    ) {
+        let at = id as usize * self.block_size;
+        self.tokens[at..at + self.block_size].copy_from_slice(tokens);
+        let depth = if parent == NIL {
+            0
+        } else {
+            let p = &mut self.entries[parent as usize];
+            p.children += 1;
+            p.depth + 1
+        };
+        self.entries[id as usize] = Entry {
+            hash,
+            parent,
+            depth,
+            live: true,
+            extra_key: extra_key.cloned(),
+            ..Entry::default()
+        };
+        self.index.insert(hash.0, id);
+        self.store.mark_cached(id, hash);
+    }
+
     /// Records the full blocks `start..` of a chain (R9): `hashes[i]`, `tokens[i*bs..]` and
     /// `blocks[i]` describe block i; blocks `..start` must already be cached as this chain's.
     /// Stops at the first block whose hash is cached with another block (first writer wins) or
@@ -423,26 +455,7 @@ impl PrefixCache {
                 break;
             }
             let block_tokens = &tokens[i * self.block_size..(i + 1) * self.block_size];
-            let at = id as usize * self.block_size;
-            self.tokens[at..at + self.block_size].copy_from_slice(block_tokens);
-            let depth = if parent == NIL {
-                0
-            } else {
-                self.entries[parent as usize].depth + 1
-            };
-            if parent != NIL {
-                self.entries[parent as usize].children += 1;
-            }
-            self.entries[id as usize] = Entry {
-                hash,
-                parent,
-                depth,
-                live: true,
-                extra_key: extra_key.cloned(),
-                ..Entry::default()
-            };
-            self.index.insert(hash.0, id);
-            self.store.mark_cached(id, hash);
+            self.add_entry(hash, parent, id, block_tokens, extra_key);
             stored_from.get_or_insert(i);
             newly += 1;
             parent = id;

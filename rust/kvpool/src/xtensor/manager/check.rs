@@ -62,20 +62,7 @@ impl XTensorBlockManager {
                 }
             }
         }
-        let counts = self.counts();
-        ensure_invariant!(
-            counts.cached == cached,
-            "num_cached_blocks is {} but {cached} blocks are cache-only (R2)",
-            counts.cached
-        );
-        ensure_invariant!(
-            counts.free + counts.cached + counts.used == counts.total,
-            "free {} + cached {} + used {} != total {} (R2)",
-            counts.free,
-            counts.cached,
-            counts.used,
-            counts.total
-        );
+        self.counts().check(cached)?;
         if let Some(cache) = &self.cache {
             cache.check()?;
         }

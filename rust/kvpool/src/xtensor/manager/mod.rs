@@ -38,7 +38,7 @@ use crate::block::{Block, BlockStore};
 use crate::error::{ensure_arg, KvPoolError, Result};
 use crate::hash::{BlockHash, BlockHasher};
 use crate::manager::{BlockCounts, BlockManager};
-use crate::prefix_cache::{ExtraKey, PrefixCache};
+use crate::prefix_cache::PrefixCache;
 use crate::sync::Arc;
 use crate::xtensor::backend::{backend_error, AccountingBackend, PageBackend, PageError};
 use crate::xtensor::pages::PageTable;
@@ -649,11 +649,7 @@ impl BlockManager for XTensorBlockManager {
         let Some(cache) = self.cache.as_mut() else {
             return Vec::new();
         };
-        let hashes = cache.hasher().chain(tokens, block_size, extra_key);
-        let mut out = Vec::with_capacity(hashes.len());
-        let hit = cache.match_prefix(&hashes, tokens, extra_key, hashes.len(), &mut out);
-        cache.record_query(hashes.len(), hit);
-        out
+        cache.share_prefix(tokens, block_size, extra_key)
     }
 
     fn cache(
@@ -667,14 +663,7 @@ impl BlockManager for XTensorBlockManager {
         let Some(cache) = self.cache.as_mut() else {
             return Ok(0);
         };
-        let full = (tokens.len() / block_size).min(blocks.len());
-        let hashes = cache
-            .hasher()
-            .chain(&tokens[..full * block_size], block_size, extra_key);
-        let key: Option<ExtraKey> = extra_key.map(ExtraKey::from);
-        Ok(cache
-            .insert(&hashes, tokens, blocks, 0, key.as_ref(), false)
-            .0)
+        Ok(cache.publish_tokens(tokens, blocks, block_size, extra_key))
     }
 
     /// Evicts up to `n` cached blocks, whole pages first ([`super::reclaim`]); a backend error
