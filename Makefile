@@ -66,13 +66,17 @@ test: test-deps build test-rust test-loom test-python
 test-rust:
 	cargo test -p kvpool --release
 
-# loom models of the lock-free paths (rust/kvpool/tests/loom.rs); own target dir so the cfg flag
+# loom models of the lock-free paths (rust/kvpool/tests/loom.rs, and the index's shared table in
+# rust/kvpool/src/index/table.rs); own target dir so the cfg flag
 # does not invalidate the normal build; debug assertions on, so the state-word checks of
 # block.rs run in every explored interleaving.
 test-loom:
 	RUSTFLAGS="--cfg kvpool_loom" LOOM_MAX_PREEMPTIONS=3 CARGO_TARGET_DIR=target/loom \
 		CARGO_PROFILE_RELEASE_DEBUG_ASSERTIONS=true \
 		cargo test -p kvpool --release --test loom
+	RUSTFLAGS="--cfg kvpool_loom" LOOM_MAX_PREEMPTIONS=3 CARGO_TARGET_DIR=target/loom \
+		CARGO_PROFILE_RELEASE_DEBUG_ASSERTIONS=true \
+		cargo test -p kvpool --release --lib index::table
 
 test-python: test-deps build
 	$(PY) -m pytest -q

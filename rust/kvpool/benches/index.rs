@@ -21,7 +21,7 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use kvpool::Row;
+use kvpool::Matches;
 use kvpool::{BlockHash, BlockHasher, IndexConfig, IndexEvent, KVIndex};
 
 const BLOCK_SIZE: u32 = 512;
@@ -115,18 +115,20 @@ struct Workload {
     removed_events: usize,
 }
 
-fn index() -> KVIndex {
-    KVIndex::new(IndexConfig {
+/// An index sized for the fleet: room for every instance's whole cache (`CAPACITY` blocks
+/// each), the capacity hint a router knows from the fleet it routes to.
+fn index(instances: usize) -> KVIndex {
+    let config = IndexConfig {
         max_entries: 1 << 26,
         ..IndexConfig::default()
-    })
-    .expect("config")
+    };
+    KVIndex::with_capacity(config, instances * CAPACITY).expect("config")
 }
 
 fn generate(trace: &[Vec<u32>], instances: usize) -> Workload {
     let hasher = BlockHasher::default();
     let rounds = (instances / 1000).max(1);
-    let idx = index();
+    let idx = index(instances);
     let mut caches: Vec<BlockLru> = (0..instances).map(|_| BlockLru::default()).collect();
     let mut sequence = vec![0u64; instances];
     let mut w = Workload {
@@ -187,8 +189,7 @@ fn generate(trace: &[Vec<u32>], instances: usize) -> Workload {
                 w.removed_events += 1;
             }
             w.events += batch.len();
-            idx.apply(instance as u64, batch.clone())
-                .expect("valid events");
+            idx.apply(instance as u64, &batch).expect("valid events");
             w.steps.push(Step::Apply(instance as u64, batch));
             w.chains.push(chain);
         }
@@ -196,35 +197,149 @@ fn generate(trace: &[Vec<u32>], instances: usize) -> Workload {
     w
 }
 
+/// How a replay looks up.
+#[derive(Clone, Copy, PartialEq)]
+enum Lookups {
+    /// None (apply only).
+    Skip,
+    /// `Snapshot::lookup_into`: the compact answer (rows and layers), reused.
+    Compact,
+    /// `KVIndex::lookup_chain`: a `Match` per location (what the Python binding returns).
+    Matches,
+}
+
 /// Replays `w` on a fresh index; returns the time of the replay and each lookup's time.
-fn replay(w: &Workload, lookups: bool, timed: bool) -> (Duration, Vec<u32>) {
-    let idx = index();
-    let steps = w.steps.clone();
+fn replay(w: &Workload, lookups: Lookups, timed: bool) -> (Duration, Vec<u32>) {
+    let idx = index(w.instances);
+    let out = replay_on(&idx, w, lookups, timed);
+    drop(idx);
+    out
+}
+
+/// [`replay`] on `idx` (apart, for a profiler: `--toggle-collect=index::replay_on`).
+#[inline(never)]
+fn replay_on(idx: &KVIndex, w: &Workload, lookups: Lookups, timed: bool) -> (Duration, Vec<u32>) {
     let mut latencies = Vec::with_capacity(if timed { w.chains.len() } else { 0 });
-    let mut out: Vec<Row> = Vec::with_capacity(w.instances);
+    let mut out = Matches::new();
     let start = Instant::now();
-    for step in steps {
-        match step {
-            Step::Lookup(c) if lookups => {
-                out.clear();
-                if timed {
-                    let t = Instant::now();
+    for step in &w.steps {
+        match *step {
+            Step::Lookup(c) if lookups != Lookups::Skip => {
+                let t = timed.then(Instant::now);
+                if lookups == Lookups::Compact {
                     idx.snapshot()
-                        .lookup_rows_into(&w.chains[c], BLOCK_SIZE, 0.0, &mut out);
-                    latencies.push(t.elapsed().as_nanos() as u32);
+                        .lookup_into(&w.chains[c], BLOCK_SIZE, 0.0, &mut out);
+                    std::hint::black_box(&out);
                 } else {
-                    idx.snapshot()
-                        .lookup_rows_into(&w.chains[c], BLOCK_SIZE, 0.0, &mut out);
+                    std::hint::black_box(idx.lookup_chain(&w.chains[c], BLOCK_SIZE, 0.0));
                 }
-                std::hint::black_box(&out);
+                if let Some(t) = t {
+                    latencies.push(t.elapsed().as_nanos() as u32);
+                }
             }
             Step::Lookup(_) => {}
-            Step::Apply(instance, batch) => {
+            Step::Apply(instance, ref batch) => {
                 idx.apply(instance, batch).expect("valid events");
             }
         }
     }
     (start.elapsed(), latencies)
+}
+
+/// Reads every event's hashes once, in replay order, after a fresh index is built (as a
+/// replay does): what reading the recorded input alone costs.
+#[inline(never)]
+fn read_input(w: &Workload) -> Duration {
+    let idx = index(w.instances);
+    let start = Instant::now();
+    let mut sum = 0u128;
+    for step in &w.steps {
+        if let Step::Apply(instance, batch) = step {
+            for e in batch {
+                sum = sum.wrapping_add(u128::from(*instance));
+                for h in &e.block_hashes {
+                    sum = sum.wrapping_add(h.0);
+                }
+            }
+        }
+    }
+    std::hint::black_box(sum);
+    let time = start.elapsed();
+    drop(idx);
+    time
+}
+
+/// A floor for applying the stream on this machine: only what any hash-addressed index must
+/// do per block, once (one copy): an open-addressing table (hash -> node, pre-sized, linear
+/// probing) and a 64-byte node per new block holding one location; a removal clears it
+/// (no LRU, parents, sequence numbers, second copy, concurrent readers or memory reuse).
+#[inline(never)]
+fn replay_floor(w: &Workload) -> Duration {
+    #[derive(Clone, Copy, Default)]
+    #[repr(align(64))]
+    struct Node {
+        hash: u128,
+        location: u32,
+    }
+    // Room for every hash of the stream (a removed block keeps its node: less work still).
+    let distinct: std::collections::HashSet<u128> = w
+        .steps
+        .iter()
+        .filter_map(|s| match s {
+            Step::Apply(_, batch) => Some(batch),
+            Step::Lookup(_) => None,
+        })
+        .flat_map(|batch| {
+            batch
+                .iter()
+                .flat_map(|e| e.block_hashes.iter().map(|h| h.0))
+        })
+        .collect();
+    let slots = (distinct.len() * 2).next_power_of_two();
+    let mut table = vec![0u64; slots];
+    for s in table.iter_mut() {
+        *s = u64::MAX; // touched up front, as the index's table is
+    }
+    let mut nodes: Vec<Node> = Vec::with_capacity(distinct.len());
+    nodes.resize(distinct.len(), Node::default());
+    nodes.clear();
+    let mask = slots - 1;
+    let start = Instant::now();
+    for step in &w.steps {
+        let Step::Apply(instance, batch) = step else {
+            continue;
+        };
+        for e in batch {
+            for h in &e.block_hashes {
+                let mut at = (h.0 as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) as usize & mask;
+                loop {
+                    let id = table[at];
+                    if id == u64::MAX {
+                        if e.kind == kvpool::EventKind::Stored {
+                            table[at] = nodes.len() as u64;
+                            nodes.push(Node {
+                                hash: h.0,
+                                location: *instance as u32,
+                            });
+                        }
+                        break;
+                    }
+                    if nodes[id as usize].hash == h.0 {
+                        nodes[id as usize].location = if e.kind == kvpool::EventKind::Stored {
+                            *instance as u32
+                        } else {
+                            u32::MAX
+                        };
+                        break;
+                    }
+                    at = (at + 1) & mask;
+                }
+            }
+        }
+    }
+    let time = start.elapsed();
+    std::hint::black_box(&nodes);
+    time
 }
 
 /// The instance counts to run: `KVPOOL_INDEX_INSTANCES` (comma-separated) or [`INSTANCES`].
@@ -288,6 +403,7 @@ impl PlainIndex {
 }
 
 /// The plain peer's replay: (apply-only time, mixed time, lookup times).
+#[inline(never)]
 fn replay_plain(w: &Workload) -> (Duration, Duration, Vec<u32>) {
     let mut plain = PlainIndex::default();
     let start = Instant::now();
@@ -326,8 +442,44 @@ fn workloads() -> Vec<Workload> {
     }
 }
 
+/// `KVPOOL_INDEX_PROFILE=apply|mixed|matches|plain` (with `KVPOOL_INDEX_REPEAT`, default 1): only
+/// that replay of each workload, timed, for a profiler (`valgrind --tool=callgrind
+/// --toggle-collect=index::replay_on`,
+/// or `index::replay_plain`); no criterion run, no summary.
+fn profile(workloads: &[Workload]) -> bool {
+    let Ok(kind) = std::env::var("KVPOOL_INDEX_PROFILE") else {
+        return false;
+    };
+    let repeat: usize = std::env::var("KVPOOL_INDEX_REPEAT")
+        .ok()
+        .and_then(|r| r.parse().ok())
+        .unwrap_or(1);
+    for w in workloads {
+        for _ in 0..repeat {
+            let time = match kind.as_str() {
+                "apply" => replay(w, Lookups::Skip, false).0,
+                "mixed" => replay(w, Lookups::Compact, false).0,
+                "matches" => replay(w, Lookups::Matches, false).0,
+                "read" => read_input(w),
+                "floor" => replay_floor(w),
+                _ => replay_plain(w).1,
+            };
+            println!(
+                "profile {kind} {} instances: {:.2} ms, {:.0} events+lookups/s",
+                w.instances,
+                time.as_secs_f64() * 1e3,
+                (w.events + w.chains.len()) as f64 / time.as_secs_f64()
+            );
+        }
+    }
+    true
+}
+
 fn bench(c: &mut Criterion) {
     let workloads = workloads();
+    if profile(&workloads) {
+        return;
+    }
     if workloads.is_empty() {
         eprintln!("index bench: skipped (set KVPOOL_MOONCAKE_TRACE)");
         return;
@@ -340,11 +492,15 @@ fn bench(c: &mut Criterion) {
     for w in &workloads {
         group.throughput(Throughput::Elements(w.events as u64));
         group.bench_with_input(BenchmarkId::new("apply", w.instances), w, |b, w| {
-            b.iter_custom(|iters| (0..iters).map(|_| replay(w, false, false).0).sum())
+            b.iter_custom(|iters| (0..iters).map(|_| replay(w, Lookups::Skip, false).0).sum())
         });
         group.throughput(Throughput::Elements((w.events + w.chains.len()) as u64));
         group.bench_with_input(BenchmarkId::new("mixed", w.instances), w, |b, w| {
-            b.iter_custom(|iters| (0..iters).map(|_| replay(w, true, false).0).sum())
+            b.iter_custom(|iters| {
+                (0..iters)
+                    .map(|_| replay(w, Lookups::Compact, false).0)
+                    .sum()
+            })
         });
     }
     group.finish();
@@ -376,8 +532,8 @@ fn summary(workloads: &[Workload]) {
         "apply x"
     );
     for w in workloads {
-        let (apply, _) = replay(w, false, false);
-        let (mixed, mut latencies) = replay(w, true, true);
+        let (apply, _) = replay(w, Lookups::Skip, false);
+        let (mixed, mut latencies) = replay(w, Lookups::Compact, true);
         let (plain_apply, _, mut plain_latencies) = replay_plain(w);
         latencies.sort_unstable();
         plain_latencies.sort_unstable();

@@ -510,6 +510,150 @@ proptest! {
     }
 }
 
+/// A fleet: 150 instances on two media (300 locations, bitsets of 5 words), documents that
+/// share prefixes, so that popular blocks have holder lists and bitsets that grow and shrink
+/// and lookups take the bitset walk; a few instances have two full-attention groups or a
+/// sliding window, some entries are speculative. After every step the index answers as the
+/// model does, and both copies are equal, node for node (`check`).
+#[test]
+fn a_fleet_with_shared_prefixes_matches_the_model() {
+    const INSTANCES: u64 = 150;
+    // Documents of 64 tokens (16 blocks of 4): document d shares its first 4 * (d % 4) + 4
+    // tokens with document 0.
+    let doc = |d: usize| -> Vec<u32> {
+        let shared = 4 * (d % 4) + 4;
+        (0..64u32)
+            .map(|i| {
+                if (i as usize) < shared {
+                    i
+                } else {
+                    1000 * (d as u32 + 1) + i
+                }
+            })
+            .collect()
+    };
+    let docs: Vec<Vec<u32>> = (0..12).map(doc).collect();
+    let chains: Vec<Vec<BlockHash>> = docs
+        .iter()
+        .map(|t| BlockHasher::default().chain(t, 4, None))
+        .collect();
+    let group_of = |instance: u64, second: bool| -> (u32, GroupKind) {
+        match (instance % 23, second) {
+            (0, true) => (1, GroupKind::SlidingWindow { window: 6 }),
+            (11, true) => (1, GroupKind::FullAttention),
+            _ => (0, GroupKind::FullAttention),
+        }
+    };
+    let mut rng = 0x2545_f491_4f6c_dd1du64;
+    let mut next = move |n: u64| {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        rng % n
+    };
+    let idx = index(1 << 20);
+    let mut model = Model::default();
+    let mut now = 0.0f64;
+    for step in 0..1500 {
+        let instance = next(INSTANCES);
+        let d = next(docs.len() as u64) as usize;
+        let medium = if next(4) == 0 {
+            Medium::Host
+        } else {
+            Medium::Device
+        };
+        let kind = next(100);
+        let events: Vec<IndexEvent> = if kind < 55 {
+            // A run: the document's blocks start..end, under one or both groups.
+            let start = next(8) as usize;
+            let end = (start + 1 + next(10) as usize).min(16);
+            let mut out = Vec::new();
+            for second in [false, true] {
+                let (g, group_kind) = group_of(instance, second);
+                if second && g == 0 {
+                    continue;
+                }
+                out.push(
+                    IndexEvent::stored(4, start.checked_sub(1).map(|i| chains[d][i]), {
+                        chains[d][start..end].to_vec()
+                    })
+                    .with_medium(medium)
+                    .with_group(g, group_kind),
+                );
+            }
+            if next(4) == 0 {
+                // Churn within the batch: some of the run leaves again at once.
+                let gone = (start..end).filter(|_| next(2) == 0).map(|i| chains[d][i]);
+                out.push(IndexEvent::removed(4, gone.collect()).with_medium(medium));
+            }
+            out
+        } else if kind < 85 {
+            let blocks: Vec<BlockHash> = (0..16)
+                .filter(|_| next(3) == 0)
+                .map(|i| chains[d][i])
+                .collect();
+            let (g, group_kind) = group_of(instance, next(2) == 0);
+            vec![IndexEvent::removed(4, blocks)
+                .with_medium(medium)
+                .with_group(g, group_kind)]
+        } else if kind < 88 {
+            vec![IndexEvent::cleared(4).with_medium(medium)]
+        } else if kind < 96 {
+            let len = 1 + next(12) as usize;
+            let ttl = 1.0 + next(4) as f64;
+            let key = LocationKey {
+                instance,
+                dp_rank: 0,
+                medium: Medium::Device,
+                block_size: 4,
+            };
+            model.speculate(key, &chains[d][..len], now, ttl);
+            idx.insert_speculative(instance, 0, 4, chains[d][..len].to_vec(), now, ttl)
+                .unwrap();
+            Vec::new()
+        } else {
+            now += 1.0;
+            model.expire(now);
+            idx.expire(now).unwrap();
+            Vec::new()
+        };
+        if !events.is_empty() {
+            for e in &events {
+                model.apply(instance, e);
+            }
+            idx.apply(instance, &events).unwrap();
+        }
+        for _ in 0..3 {
+            let q = next(docs.len() as u64) as usize;
+            let cut = 4 * (1 + next(16) as usize);
+            assert_eq!(
+                sorted(idx.lookup_tokens(&docs[q][..cut], None, now)),
+                model.lookup(&docs[q][..cut], now),
+                "step {step}: document {q} cut {cut}"
+            );
+        }
+        idx.check().unwrap();
+    }
+    idx.check().unwrap();
+    // The compact answer is the same answer.
+    let snapshot = idx.snapshot();
+    let mut compact = kvpool::Matches::new();
+    for c in &chains {
+        snapshot.lookup_into(c, 4, now, &mut compact);
+        let rows: Vec<Match> = compact
+            .iter()
+            .map(|r| snapshot.to_match(r).unwrap())
+            .collect();
+        assert_eq!(rows.len(), compact.len());
+        assert_eq!(sorted(rows), sorted(idx.lookup_chain(c, 4, now)));
+        let best = compact.best().map(|r| r.blocks);
+        assert_eq!(best, compact.iter().map(|r| r.blocks).max());
+    }
+    let loaded = KVIndex::load(&idx.dump(), None).unwrap();
+    loaded.check().unwrap();
+    assert_eq!(loaded.dump(), idx.dump());
+}
+
 // ----------------------------------------------------------------------------- unit tests
 
 fn blocks_on(matches: &[Match], instance: u64, medium: Medium) -> u32 {

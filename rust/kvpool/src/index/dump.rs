@@ -86,7 +86,7 @@ pub(crate) fn encode(state: &IndexState) -> Vec<u8> {
     for &id in &order {
         let node = state.tree.node(id);
         out.extend_from_slice(&node.hash.to_be_bytes());
-        if !node.parent_known {
+        if !node.parent_known() {
             out.push(UNKNOWN_PARENT);
         } else if node.parent == u32::MAX {
             out.push(NO_PARENT);
@@ -94,8 +94,9 @@ pub(crate) fn encode(state: &IndexState) -> Vec<u8> {
             out.push(KNOWN_PARENT);
             put_u32(&mut out, position[node.parent as usize]);
         }
-        put_u32(&mut out, node.entries.len() as u32);
-        for entry in &node.entries {
+        let entries = state.tree.entries_of(id);
+        put_u32(&mut out, entries.len() as u32);
+        for entry in &entries {
             put_u32(&mut out, entry.location);
             put_u32(&mut out, entry.mask);
             if entry.mask & SPECULATIVE != 0 {
@@ -189,10 +190,13 @@ pub(crate) fn decode(data: &[u8]) -> Result<IndexState> {
     }
     let hash_seed = r.u64()?;
     let max_entries = usize::try_from(r.u64()?).map_err(|_| bad("max_entries too large"))?;
-    let mut state = IndexState::new(IndexConfig {
-        max_entries,
-        hash_seed,
-    })
+    let mut state = IndexState::new(
+        IndexConfig {
+            max_entries,
+            hash_seed,
+        },
+        0,
+    )
     .map_err(|e| bad(e.to_string()))?;
     let mut counters = [0u64; 7];
     for value in &mut counters {
@@ -292,7 +296,8 @@ pub(crate) fn decode(data: &[u8]) -> Result<IndexState> {
     if r.at != body.len() {
         return Err(bad(format!("{} trailing bytes", body.len() - r.at)));
     }
-    state.tree = crate::index::tree::Tree::restore(nodes).map_err(|e| bad(e.to_string()))?;
+    state.tree = crate::index::tree::Tree::restore(nodes, state.locations.width())
+        .map_err(|e| bad(e.to_string()))?;
     let live: Vec<Due> = state.speculative_due();
     state.expiry.rebuild(live);
     state.check().map_err(|e| bad(e.to_string()))?;

@@ -7,7 +7,10 @@
 //!   index's life (a location emptied by "cleared" keeps its id and its groups);
 //! - `full_mask` has exactly the bits of the location's full-attention groups, and `gapped`
 //!   says whether it has any other group;
-//! - `per_block_size` counts the locations (and the gapped ones) of each block size.
+//! - `per_block_size` counts the locations of each block size and sorts them into three
+//!   kinds, with a bitset of the plain ones and of the gapped ones: plain (no gapped group and
+//!   at most one group, so that its entries are group bit 0 or speculative: the lookups'
+//!   fast path), complex (two or more full-attention groups) and gapped.
 
 use std::collections::{BTreeMap, HashMap};
 
@@ -36,35 +39,76 @@ pub struct LocationKey {
 pub(crate) struct Location {
     pub key: LocationKey,
     /// (group index, kind); bit `i` of an entry's mask is `groups[i]`.
-    pub groups: Vec<(u32, GroupKind)>,
+    pub groups: smallvec::SmallVec<[(u32, GroupKind); 2]>,
     /// Bits of the full-attention groups.
     pub full_mask: u32,
     /// Whether a group is a sliding window or a linear state.
     pub gapped: bool,
 }
 
-/// What a walk checks of a location for every entry it meets, kept dense and small (12
-/// bytes): a lookup at 1,000 instances reads one per instance, and its cost is the bytes read.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct LocationMeta {
-    pub full_mask: u32,
-    pub block_size: u32,
-    pub gapped: bool,
-}
-
-/// Counts of the locations of one block size.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+/// The locations of one block size.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub(crate) struct SizeCounts {
     pub locations: usize,
     pub gapped: usize,
+    pub complex: usize,
+    /// Bit `i`: location `i` is of this size and plain (see the module doc).
+    pub plain: Vec<u64>,
+    /// Bit `i`: location `i` is of this size and gapped.
+    pub gapped_bits: Vec<u64>,
+}
+
+/// How lookups treat a location (see the module doc).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Kind {
+    Plain,
+    Complex,
+    Gapped,
+}
+
+impl Location {
+    pub(crate) fn kind(&self) -> Kind {
+        if self.gapped {
+            Kind::Gapped
+        } else if self.groups.len() >= 2 {
+            Kind::Complex
+        } else {
+            Kind::Plain
+        }
+    }
+}
+
+fn set_bit(words: &mut Vec<u64>, id: u32, on: bool) {
+    let w = id as usize / 64;
+    if words.len() <= w {
+        words.resize(w + 1, 0);
+    }
+    if on {
+        words[w] |= 1 << (id % 64);
+    } else {
+        words[w] &= !(1 << (id % 64));
+    }
+}
+
+impl SizeCounts {
+    fn count(&mut self, id: u32, kind: Kind, delta: isize) {
+        let on = delta > 0;
+        match kind {
+            Kind::Plain => set_bit(&mut self.plain, id, on),
+            Kind::Complex => self.complex = self.complex.wrapping_add_signed(delta),
+            Kind::Gapped => {
+                self.gapped = self.gapped.wrapping_add_signed(delta);
+                set_bit(&mut self.gapped_bits, id, on);
+            }
+        }
+    }
 }
 
 /// Every location the index has seen.
 #[derive(Clone, Debug, Default)]
 pub(crate) struct Locations {
     list: Vec<Location>,
-    /// `meta[i]` and `keys[i]` mirror `list[i]`.
-    meta: Vec<LocationMeta>,
+    /// `keys[i]` mirrors `list[i]`.
     keys: Vec<LocationKey>,
     ids: HashMap<LocationKey, u32, FixedState>,
     per_block_size: BTreeMap<u32, SizeCounts>,
@@ -80,11 +124,6 @@ impl Locations {
     }
 
     #[inline]
-    pub(crate) fn meta(&self, id: u32) -> LocationMeta {
-        self.meta[id as usize]
-    }
-
-    #[inline]
     pub(crate) fn key(&self, id: u32) -> LocationKey {
         self.keys[id as usize]
     }
@@ -97,17 +136,19 @@ impl Locations {
         self.ids.get(key).copied()
     }
 
-    /// Block sizes in use and their counts.
-    pub(crate) fn block_sizes(&self) -> impl Iterator<Item = (u32, SizeCounts)> + '_ {
-        self.per_block_size.iter().map(|(&k, &v)| (k, v))
+    /// Block sizes in use and their locations.
+    pub(crate) fn block_sizes(&self) -> impl Iterator<Item = (u32, &SizeCounts)> + '_ {
+        self.per_block_size.iter().map(|(&k, v)| (k, v))
     }
 
-    /// The counts of block size `block_size`.
-    pub(crate) fn size_counts(&self, block_size: u32) -> SizeCounts {
-        self.per_block_size
-            .get(&block_size)
-            .copied()
-            .unwrap_or_default()
+    /// The locations of block size `block_size`.
+    pub(crate) fn size_counts(&self, block_size: u32) -> Option<&SizeCounts> {
+        self.per_block_size.get(&block_size)
+    }
+
+    /// Words of a bitset over every location.
+    pub(crate) fn width(&self) -> usize {
+        self.list.len().div_ceil(64)
     }
 
     /// The id of `key`, registering it (with no groups) if new.
@@ -118,21 +159,15 @@ impl Locations {
         let id = self.list.len() as u32;
         self.list.push(Location {
             key,
-            groups: Vec::new(),
+            groups: smallvec::SmallVec::new(),
             full_mask: 0,
             gapped: false,
         });
         self.keys.push(key);
-        self.meta.push(LocationMeta {
-            full_mask: 0,
-            block_size: key.block_size,
-            gapped: false,
-        });
         self.ids.insert(key, id);
-        self.per_block_size
-            .entry(key.block_size)
-            .or_default()
-            .locations += 1;
+        let counts = self.per_block_size.entry(key.block_size).or_default();
+        counts.locations += 1;
+        counts.count(id, Kind::Plain, 1);
         id
     }
 
@@ -179,18 +214,22 @@ impl Locations {
             ));
         }
         let bit = 1u32 << location.groups.len();
+        let before = location.kind();
         location.groups.push((group, kind));
         if kind.is_gapped() {
-            if !location.gapped {
-                location.gapped = true;
-                let size = location.key.block_size;
-                self.per_block_size.entry(size).or_default().gapped += 1;
-            }
+            location.gapped = true;
         } else {
             location.full_mask |= bit;
         }
-        self.meta[id as usize].full_mask = location.full_mask;
-        self.meta[id as usize].gapped = location.gapped;
+        let after = location.kind();
+        if after != before {
+            let counts = self
+                .per_block_size
+                .entry(location.key.block_size)
+                .or_default();
+            counts.count(id, before, -1);
+            counts.count(id, after, 1);
+        }
         Ok(bit)
     }
 
@@ -214,9 +253,7 @@ impl Locations {
     /// Checks the module's invariants.
     pub(crate) fn check(&self) -> Result<()> {
         ensure_invariant!(
-            self.ids.len() == self.list.len()
-                && self.meta.len() == self.list.len()
-                && self.keys.len() == self.list.len(),
+            self.ids.len() == self.list.len() && self.keys.len() == self.list.len(),
             "{} location ids for {} locations",
             self.ids.len(),
             self.list.len()
@@ -246,21 +283,30 @@ impl Locations {
             let gapped = location.groups.iter().any(|(_, k)| k.is_gapped());
             ensure_invariant!(gapped == location.gapped, "location {id}: gapped flag");
             ensure_invariant!(
-                self.meta[id as usize]
-                    == LocationMeta {
-                        full_mask: full,
-                        block_size: location.key.block_size,
-                        gapped,
-                    }
-                    && self.keys[id as usize] == location.key,
-                "location {id}: dense copies differ"
+                self.keys[id as usize] == location.key,
+                "location {id}: its key's copy differs"
             );
             let counts = sizes.entry(location.key.block_size).or_default();
             counts.locations += 1;
-            counts.gapped += usize::from(gapped);
+            counts.count(id, location.kind(), 1);
         }
+        // Trailing zero words are an artefact of clearing bits: compare without them.
+        let trim = |v: &Vec<u64>| {
+            let n = v.iter().rposition(|&w| w != 0).map_or(0, |i| i + 1);
+            v[..n].to_vec()
+        };
+        let normal = |m: &BTreeMap<u32, SizeCounts>| -> BTreeMap<u32, SizeCounts> {
+            m.iter()
+                .map(|(&k, c)| {
+                    let mut c = c.clone();
+                    c.plain = trim(&c.plain);
+                    c.gapped_bits = trim(&c.gapped_bits);
+                    (k, c)
+                })
+                .collect()
+        };
         ensure_invariant!(
-            sizes == self.per_block_size,
+            normal(&sizes) == normal(&self.per_block_size),
             "per-block-size counts {:?}, locations say {sizes:?}",
             self.per_block_size
         );

@@ -7,22 +7,29 @@
 //! `n * block_size`, a linear state block `n - 1`. A speculative entry (not lapsed at `now`)
 //! stands for every group of its location at that block.
 //!
-//! Locations with full-attention groups only (the common case) take the fast path: one walk
-//! down the chain, keeping the sorted list of locations still matching and merging it with
-//! each node's sorted entries; it stops at the first block no location still matching holds.
-//! The walk costs O(sum over the blocks walked of the entries met), and at 1,000 instances
-//! sharing a first block it is bound by the bytes it reads and writes per instance: a 16-byte
-//! entry, a 12-byte location record and an 8-byte [`Row`] (the rich [`Match`] is made from the
-//! rows afterwards, for the callers that want it). Locations with a sliding
-//! window or a linear state take a second walk over the whole chain that records, per group,
-//! which blocks are held, then pick the largest admissible `n`.
+//! Plain locations (one full-attention group, the common case; see `location.rs`) take the
+//! fast path: one walk down the chain keeping the set of locations still matching, as a bitset
+//! while it is large (intersected with each node's holder bitset a word at a time) and as a
+//! sorted list once it is small, and recording where locations drop out: the locations that
+//! leave at one depth while the set is a bitset are written as one bitset ("layer") of
+//! [`Matches`], the others as [`Row`]s. The walk stops at the first block no location still
+//! matching holds. So a lookup at 1,000 instances that all hold the first block costs a few
+//! dozen words per block walked, not a row per instance. Complex locations (two or more
+//! full-attention groups) walk their entries' masks; locations with a sliding window or a
+//! linear state take a walk over the whole chain that records, per group, which blocks are
+//! held, then pick the largest admissible `n`.
 
 use std::collections::HashMap;
 
 use crate::hash::BlockHash;
 use crate::index::event::{GroupKind, Medium};
+use crate::index::holders::View;
+use crate::index::location::Kind;
 use crate::index::state::IndexState;
-use crate::index::tree::{Entry, SPECULATIVE};
+use crate::index::tree::{Entry, Node, PLAIN, SPECULATIVE};
+
+/// Blocks whose table slots a walk asks for before it starts.
+const PREFETCH: usize = 32;
 
 /// One location's matched prefix.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -42,8 +49,7 @@ pub struct Match {
 }
 
 /// One location's matched prefix, compact (8 bytes): the location's id within the index
-/// (`Snapshot::location` resolves it) and its blocks. A lookup at 1,000 instances writes a
-/// row per instance holding the first block, so the rows' size is most of its cost.
+/// (`Snapshot::location` resolves it) and its blocks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Row {
     /// Index into the match's locations.
@@ -52,43 +58,177 @@ pub struct Row {
     pub blocks: u32,
 }
 
+/// A lookup's answer, compact: rows, plus layers (a bitset of location ids that all matched
+/// the same number of blocks). Reused across lookups, it allocates nothing once grown.
+#[derive(Clone, Debug, Default)]
+pub struct Matches {
+    rows: Vec<Row>,
+    /// The blocks of each layer; layer `i` is `words[i * width..(i + 1) * width]`.
+    layers: Vec<u32>,
+    words: Vec<u64>,
+    width: usize,
+    /// The walk's working sets.
+    dense: Vec<u64>,
+    sparse: Vec<u32>,
+    next: Vec<u32>,
+    keep: Vec<u32>,
+}
+
+#[inline]
+fn bit(words: &[u64], id: u32) -> bool {
+    words
+        .get(id as usize / 64)
+        .is_some_and(|w| w >> (id % 64) & 1 != 0)
+}
+
+#[inline]
+fn set(words: &mut [u64], id: u32) {
+    words[id as usize / 64] |= 1 << (id % 64);
+}
+
+#[inline]
+fn unset(words: &mut [u64], id: u32) {
+    words[id as usize / 64] &= !(1 << (id % 64));
+}
+
+impl Matches {
+    /// An empty answer.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Forgets the last answer (keeping the memory).
+    pub fn clear(&mut self) {
+        self.rows.clear();
+        self.layers.clear();
+        self.words.clear();
+    }
+
+    /// Locations matched.
+    pub fn len(&self) -> usize {
+        self.rows.len()
+            + self
+                .words
+                .iter()
+                .map(|w| w.count_ones() as usize)
+                .sum::<usize>()
+    }
+
+    /// Whether no location matched.
+    pub fn is_empty(&self) -> bool {
+        self.rows.is_empty() && self.layers.is_empty()
+    }
+
+    /// Every location matched (in no particular order), as rows.
+    pub fn iter(&self) -> impl Iterator<Item = Row> + '_ {
+        let layers = self
+            .layers
+            .iter()
+            .enumerate()
+            .flat_map(move |(i, &blocks)| {
+                let words = &self.words[i * self.width..(i + 1) * self.width];
+                words.iter().enumerate().flat_map(move |(w, &word)| {
+                    let mut bits = word;
+                    std::iter::from_fn(move || {
+                        (bits != 0).then(|| {
+                            let b = bits.trailing_zeros();
+                            bits &= bits - 1;
+                            Row {
+                                location: (w * 64) as u32 + b,
+                                blocks,
+                            }
+                        })
+                    })
+                })
+            });
+        self.rows.iter().copied().chain(layers)
+    }
+
+    /// A location with the most blocks (the lowest id among ties), if any matched.
+    pub fn best(&self) -> Option<Row> {
+        let row = self
+            .rows
+            .iter()
+            .copied()
+            .max_by_key(|r| (r.blocks, std::cmp::Reverse(r.location)));
+        let layer = self
+            .layers
+            .iter()
+            .enumerate()
+            .max_by_key(|&(i, &blocks)| (blocks, std::cmp::Reverse(i)))
+            .and_then(|(i, &blocks)| {
+                let words = &self.words[i * self.width..(i + 1) * self.width];
+                let w = words.iter().position(|&x| x != 0)?;
+                Some(Row {
+                    location: (w * 64) as u32 + words[w].trailing_zeros(),
+                    blocks,
+                })
+            });
+        match (row, layer) {
+            (Some(a), Some(b)) => Some(
+                if (a.blocks, std::cmp::Reverse(a.location))
+                    >= (b.blocks, std::cmp::Reverse(b.location))
+                {
+                    a
+                } else {
+                    b
+                },
+            ),
+            (a, b) => a.or(b),
+        }
+    }
+
+    #[inline]
+    fn row(&mut self, location: u32, blocks: usize) {
+        self.rows.push(Row {
+            location,
+            blocks: u32::try_from(blocks).unwrap_or(u32::MAX),
+        });
+    }
+}
+
 impl IndexState {
-    /// Appends to `out` one [`Row`] per location of `block_size` that holds at least the
-    /// first block of `chain` (in no particular order).
-    pub(crate) fn rows_chain(
+    /// Writes to `out` (appending) the matches of `chain` on every location of `block_size`
+    /// that holds at least its first block.
+    pub(crate) fn lookup_chain(
         &self,
         chain: &[BlockHash],
         block_size: u32,
         now: f64,
-        out: &mut Vec<Row>,
+        out: &mut Matches,
     ) {
-        let counts = self.locations.size_counts(block_size);
+        let Some(counts) = self.locations.size_counts(block_size) else {
+            return;
+        };
         if chain.is_empty() || counts.locations == 0 {
             return;
         }
-        if counts.gapped < counts.locations {
-            self.walk_full(chain, block_size, now, out);
+        if counts.gapped + counts.complex < counts.locations {
+            self.walk_plain(chain, now, &counts.plain, out);
+        }
+        if counts.complex > 0 {
+            self.walk_complex(chain, block_size, now, out);
         }
         if counts.gapped > 0 {
-            self.walk_gapped(chain, block_size, now, out);
+            self.walk_gapped(chain, block_size, now, &counts.gapped_bits, out);
         }
     }
 
-    /// [`IndexState::rows_chain`] for the chain of `tokens` under `extra_key`, for each block
-    /// size in use.
-    pub(crate) fn rows_tokens(
+    /// [`IndexState::lookup_chain`] for the chain of `tokens` under `extra_key`, for each
+    /// block size in use.
+    pub(crate) fn lookup_tokens(
         &self,
         tokens: &[u32],
         extra_key: Option<&[u8]>,
         now: f64,
-        out: &mut Vec<Row>,
+        out: &mut Matches,
     ) {
         for (block_size, counts) in self.locations.block_sizes() {
             if counts.locations == 0 || tokens.len() < block_size as usize {
                 continue;
             }
             let chain = self.hasher.chain(tokens, block_size as usize, extra_key);
-            self.rows_chain(&chain, block_size, now, out);
+            self.lookup_chain(&chain, block_size, now, out);
         }
     }
 
@@ -111,122 +251,306 @@ impl IndexState {
         ((id as usize) < self.locations.len()).then(|| self.locations.key(id))
     }
 
+    /// The plain locations of `eligible` holding node `id`'s block by a speculative entry.
     #[inline]
-    fn emit(location: u32, blocks: usize, out: &mut Vec<Row>) {
-        out.push(Row {
-            location,
-            blocks: u32::try_from(blocks).unwrap_or(u32::MAX),
-        });
+    fn speculative_holders<'a>(
+        &'a self,
+        id: u32,
+        node: &Node,
+        eligible: &'a [u64],
+        now: f64,
+    ) -> impl Iterator<Item = u32> + 'a {
+        let extras: &[Entry] = if node.has_extras() {
+            self.tree.extras(id)
+        } else {
+            &[]
+        };
+        extras
+            .iter()
+            .filter(move |e| e.speculative_at(now) && bit(eligible, e.location))
+            .map(|e| e.location)
     }
 
-    /// Whether `entry` gives a full-attention-only location (with groups `full`) the block.
+    /// The fast path (see the module doc) for the plain locations `eligible` (a bitset).
+    fn walk_plain(&self, chain: &[BlockHash], now: f64, eligible: &[u64], m: &mut Matches) {
+        // The table slots of the blocks the walk may reach first, then, one block ahead, the
+        // node the table names: the walk's cache misses overlap instead of coming in turn.
+        for hash in &chain[..chain.len().min(PREFETCH)] {
+            self.tree.prefetch_slot(hash.0);
+        }
+        if let Some(next) = chain.get(1) {
+            self.tree.prefetch_candidate(next.0);
+        }
+        let Some((id, first)) = self.tree.get(chain[0].0) else {
+            return;
+        };
+        let width = self.locations.width();
+        if m.width != width {
+            // Layers of earlier walks of this lookup (another block size) have this width.
+            debug_assert!(m.layers.is_empty());
+            m.width = width;
+        }
+        let mut dense = false;
+        match self.tree.holders(first) {
+            View::Bits(words) => {
+                m.dense.clear();
+                m.dense.extend((0..width).map(|i| {
+                    words.get(i).copied().unwrap_or(0) & eligible.get(i).copied().unwrap_or(0)
+                }));
+                dense = true;
+                if first.has_extras() {
+                    for location in self.speculative_holders(id, first, eligible, now) {
+                        set(&mut m.dense, location);
+                    }
+                }
+            }
+            View::Sorted(ids) => {
+                m.sparse.clear();
+                m.sparse
+                    .extend(ids.iter().copied().filter(|&l| bit(eligible, l)));
+                if first.has_extras() {
+                    m.sparse
+                        .extend(self.speculative_holders(id, first, eligible, now));
+                    m.sparse.sort_unstable();
+                }
+            }
+        }
+        let mut depth = 1;
+        while depth < chain.len() {
+            if let Some(next) = chain.get(depth + 1) {
+                if depth + 1 >= PREFETCH {
+                    self.tree.prefetch_slot(next.0);
+                }
+                self.tree.prefetch_candidate(next.0);
+            }
+            if dense {
+                let Some((id, node)) = self.tree.get(chain[depth].0) else {
+                    break;
+                };
+                // Speculative holders still matching stay in.
+                m.keep.clear();
+                if node.has_extras() {
+                    let dense_set = &m.dense;
+                    m.keep.extend(
+                        self.speculative_holders(id, node, eligible, now)
+                            .filter(|&l| bit(dense_set, l)),
+                    );
+                }
+                let at = m.words.len();
+                m.words.extend_from_slice(&m.dense);
+                let layer = &mut m.words[at..];
+                let mut left = 0u64;
+                match self.tree.holders(node) {
+                    View::Bits(words) => {
+                        for (i, (a, d)) in m.dense.iter_mut().zip(layer.iter_mut()).enumerate() {
+                            let n = *a & words.get(i).copied().unwrap_or(0);
+                            *d = *a & !n;
+                            *a = n;
+                            left |= n;
+                        }
+                        for &l in &m.keep {
+                            set(&mut m.dense, l);
+                            unset(layer, l);
+                            left = 1;
+                        }
+                    }
+                    View::Sorted(ids) => {
+                        // The set becomes small: list the survivors, the rest is a layer.
+                        m.sparse.clear();
+                        for &l in ids {
+                            if bit(&m.dense, l) {
+                                m.sparse.push(l);
+                                unset(layer, l);
+                            }
+                        }
+                        if !m.keep.is_empty() {
+                            for &l in &m.keep {
+                                unset(layer, l);
+                            }
+                            m.sparse.extend_from_slice(&m.keep);
+                            m.sparse.sort_unstable();
+                            m.sparse.dedup();
+                        }
+                        dense = false;
+                        left = u64::from(!m.sparse.is_empty());
+                    }
+                }
+                if m.words[at..].iter().any(|&w| w != 0) {
+                    m.layers.push(depth as u32);
+                } else {
+                    m.words.truncate(at);
+                }
+                depth += 1;
+                if left == 0 {
+                    return;
+                }
+            } else {
+                if m.sparse.is_empty() {
+                    return;
+                }
+                let Some((id, node)) = self.tree.get(chain[depth].0) else {
+                    break;
+                };
+                m.next.clear();
+                let extras: &[Entry] = if node.has_extras() {
+                    self.tree.extras(id)
+                } else {
+                    &[]
+                };
+                let holds = |l: u32, view: &View<'_>, j: &mut usize| -> bool {
+                    let real = match view {
+                        View::Bits(words) => bit(words, l),
+                        View::Sorted(ids) => {
+                            while *j < ids.len() && ids[*j] < l {
+                                *j += 1;
+                            }
+                            *j < ids.len() && ids[*j] == l
+                        }
+                    };
+                    real || extras
+                        .binary_search_by_key(&l, |e| e.location)
+                        .is_ok_and(|i| extras[i].speculative_at(now))
+                };
+                let view = self.tree.holders(node);
+                let mut j = 0;
+                for &l in &m.sparse {
+                    if holds(l, &view, &mut j) {
+                        m.next.push(l);
+                    } else {
+                        m.rows.push(Row {
+                            location: l,
+                            blocks: depth as u32,
+                        });
+                    }
+                }
+                std::mem::swap(&mut m.sparse, &mut m.next);
+                depth += 1;
+            }
+        }
+        if dense {
+            if m.dense.iter().any(|&w| w != 0) {
+                m.layers.push(depth as u32);
+                m.words.extend_from_slice(&m.dense);
+            }
+        } else {
+            for i in 0..m.sparse.len() {
+                let l = m.sparse[i];
+                m.row(l, depth);
+            }
+        }
+    }
+
+    /// Whether `entry` gives a non-gapped location (with groups `full`) the block.
     #[inline]
     fn holds(entry: &Entry, full: u32, now: f64) -> bool {
         (full != 0 && entry.mask & full == full) || entry.speculative_at(now)
     }
 
-    fn walk_full(&self, chain: &[BlockHash], block_size: u32, now: f64, out: &mut Vec<Row>) {
-        let Some(first) = self.tree.get(chain[0].0) else {
+    /// Complex locations: their holding entries are all extras (a holder has group bit 0
+    /// alone, not every full-attention group).
+    fn walk_complex(&self, chain: &[BlockHash], block_size: u32, now: f64, m: &mut Matches) {
+        let complex = |e: &Entry| {
+            let l = self.locations.get(e.location);
+            l.key.block_size == block_size
+                && l.kind() == Kind::Complex
+                && Self::holds(e, l.full_mask, now)
+        };
+        let Some((id, _)) = self.tree.get(chain[0].0) else {
             return;
         };
-        out.reserve(first.entries.len());
-        // Blocks 0 and 1 in one pass over the first block's entries (often every instance),
-        // so that the locations matching only block 0 are emitted without being listed.
-        let second = chain.get(1).and_then(|h| self.tree.get(h.0));
-        let second: &[Entry] = second.map_or(&[], |n| &n.entries[..]);
-        let mut active: Vec<u32> = Vec::with_capacity(second.len());
-        let mut j = 0;
-        for entry in &first.entries {
-            let meta = self.locations.meta(entry.location);
-            if meta.gapped
-                || meta.block_size != block_size
-                || !Self::holds(entry, meta.full_mask, now)
-            {
-                continue;
-            }
-            while j < second.len() && second[j].location < entry.location {
-                j += 1;
-            }
-            if j < second.len()
-                && second[j].location == entry.location
-                && Self::holds(&second[j], meta.full_mask, now)
-            {
-                active.push(entry.location);
-            } else {
-                Self::emit(entry.location, 1, out);
-            }
-        }
-        let mut next: Vec<u32> = Vec::with_capacity(active.len());
-        let mut depth = 2;
+        let mut active: Vec<u32> = self
+            .tree
+            .extras(id)
+            .iter()
+            .filter(|e| complex(e))
+            .map(|e| e.location)
+            .collect();
+        let mut depth = 1;
         while depth < chain.len() && !active.is_empty() {
-            let Some(node) = self.tree.get(chain[depth].0) else {
+            let Some((id, _)) = self.tree.get(chain[depth].0) else {
                 break;
             };
-            let entries = &node.entries[..];
-            next.clear();
-            // Both lists are sorted by location: merge, or binary-search the longer one when
-            // few locations are left.
-            let search = entries.len() > 8 * active.len();
-            let mut j = 0;
-            for &location in &active {
-                if search {
-                    j += entries[j..].partition_point(|e| e.location < location);
-                } else {
-                    while j < entries.len() && entries[j].location < location {
-                        j += 1;
-                    }
+            let extras = self.tree.extras(id);
+            active.retain(|&l| {
+                let keep = extras
+                    .binary_search_by_key(&l, |e| e.location)
+                    .is_ok_and(|i| complex(&extras[i]));
+                if !keep {
+                    m.rows.push(Row {
+                        location: l,
+                        blocks: depth as u32,
+                    });
                 }
-                if j < entries.len()
-                    && entries[j].location == location
-                    && Self::holds(&entries[j], self.locations.meta(location).full_mask, now)
-                {
-                    next.push(location);
-                } else {
-                    Self::emit(location, depth, out);
-                }
-            }
-            std::mem::swap(&mut active, &mut next);
+                keep
+            });
             depth += 1;
         }
-        for &location in &active {
-            Self::emit(location, depth, out);
+        for l in active {
+            m.row(l, depth);
         }
     }
 
-    fn walk_gapped(&self, chain: &[BlockHash], block_size: u32, now: f64, out: &mut Vec<Row>) {
+    fn walk_gapped(
+        &self,
+        chain: &[BlockHash],
+        block_size: u32,
+        now: f64,
+        gapped: &[u64],
+        out: &mut Matches,
+    ) {
         let words = chain.len().div_ceil(64);
         // Per location met: its bitsets (one per group, then one of speculative blocks).
         let mut seen: HashMap<u32, Vec<Vec<u64>>> = HashMap::new();
+        let mut note = |location: u32, mask: u32, speculative: bool, i: usize| {
+            let groups = self.locations.get(location).groups.len();
+            let sets = seen
+                .entry(location)
+                .or_insert_with(|| vec![vec![0u64; words]; groups + 1]);
+            let (word, b) = (i / 64, 1u64 << (i % 64));
+            let mut mask = mask & !SPECULATIVE;
+            while mask != 0 {
+                sets[mask.trailing_zeros() as usize][word] |= b;
+                mask &= mask - 1;
+            }
+            if speculative {
+                sets[groups][word] |= b;
+            }
+        };
         for (i, hash) in chain.iter().enumerate() {
-            let Some(node) = self.tree.get(hash.0) else {
+            let Some((id, node)) = self.tree.get(hash.0) else {
                 continue;
             };
-            for entry in &node.entries {
-                let meta = self.locations.meta(entry.location);
-                if !meta.gapped || meta.block_size != block_size {
-                    continue;
+            match self.tree.holders(node) {
+                View::Sorted(ids) => {
+                    for &l in ids {
+                        if bit(gapped, l) {
+                            note(l, PLAIN, false, i);
+                        }
+                    }
                 }
-                let groups = self.locations.get(entry.location).groups.len();
-                let sets = seen
-                    .entry(entry.location)
-                    .or_insert_with(|| vec![vec![0u64; words]; groups + 1]);
-                let (word, bit) = (i / 64, 1u64 << (i % 64));
-                let mut mask = entry.mask & !SPECULATIVE;
-                while mask != 0 {
-                    sets[mask.trailing_zeros() as usize][word] |= bit;
-                    mask &= mask - 1;
+                View::Bits(bits) => {
+                    for (w, (&a, &g)) in bits.iter().zip(gapped).enumerate() {
+                        let mut x = a & g;
+                        while x != 0 {
+                            note((w * 64) as u32 + x.trailing_zeros(), PLAIN, false, i);
+                            x &= x - 1;
+                        }
+                    }
                 }
-                if entry.speculative_at(now) {
-                    sets[groups][word] |= bit;
+            }
+            for entry in self.tree.extras(id) {
+                if bit(gapped, entry.location) {
+                    note(entry.location, entry.mask, entry.speculative_at(now), i);
                 }
             }
         }
+        let _ = block_size;
         let mut locations: Vec<u32> = seen.keys().copied().collect();
         locations.sort_unstable();
         for location in locations {
             let blocks = self.admissible(location, &seen[&location], chain.len());
             if blocks > 0 {
-                Self::emit(location, blocks, out);
+                out.row(location, blocks);
             }
         }
     }

@@ -15,14 +15,21 @@
 //! The state lives in two copies behind an [`arc_swap::ArcSwap`] (an RCU of immutable
 //! snapshots with a recycled second copy, as `left-right` does): readers load the published
 //! copy (lock-free) and walk it; the one writer (a mutex orders writers among themselves)
-//! replays the previous write on the other copy, applies the new one there, and publishes it
-//! with one atomic swap. A reader thus sees the state after some whole write, never a torn
-//! one. The writer needs the unpublished copy to itself: readers that loaded it before the
-//! last swap usually left long ago (a lookup takes microseconds); if one still holds it after
-//! a short spin the writer deep-copies the published state rather than wait. Costs: two copies
-//! in memory, every write applied twice. No atomics of the crate's own: `arc-swap` and `Arc`
-//! provide the orderings, so there is nothing for loom to explore here; the stress test in
-//! `tests/index.rs` checks coherence (every answer equals the answer of some published state).
+//! brings the other copy level with the published one, applies the new write there, and
+//! publishes it with one atomic swap. A reader thus sees the state after some whole write,
+//! never a torn one. Bringing a copy level is cheap: it copies the nodes the previous write
+//! changed from the published copy (which the writer may read: it is immutable) and replays
+//! that write's few steps outside the tree (`state.rs`), so no validation, sequence check or
+//! hash probe is done twice; and the hash -> node table is one for both copies (`table.rs`):
+//! the writer stores a new node there once, and tombstones a deleted one only once the other
+//! copy is level too, so that each copy finds exactly its own nodes in it. The writer needs the unpublished copy to itself: readers that loaded it
+//! before the last swap usually left long ago (a lookup takes microseconds); if one still
+//! holds it after a short spin the writer deep-copies the published state (with a table of its
+//! own, leaving the old one to the copies readers hold) rather than wait. Costs: two copies of
+//! the nodes in memory, every node a write changes copied once more. The table's atomics are explained in
+//! `table.rs` (with a loom model there); `arc-swap` and `Arc` provide the publication's
+//! orderings; the stress test in `tests/index.rs` checks coherence (every answer equals the
+//! answer of some published state).
 //!
 //! Invariants: both copies are equal after each replay (`check` compares their dumps); those
 //! of [`IndexState::check`] on each.
@@ -30,10 +37,12 @@
 mod dump;
 mod event;
 mod expiry;
+mod holders;
 mod location;
 mod lookup;
 mod sequence;
 mod state;
+mod table;
 mod tree;
 pub(crate) mod wire;
 
@@ -44,13 +53,13 @@ use parking_lot::Mutex;
 
 pub use event::{EventKind, GroupKind, IndexEvent, Medium, MAX_GROUPS};
 pub use location::LocationKey;
-pub use lookup::{Match, Row};
+pub use lookup::{Match, Matches, Row};
 pub use sequence::{Gap, SourceState};
 pub use state::{ApplyReport, IndexConfig, IndexCounters};
 
 use crate::error::{ensure_invariant, KvPoolError, Result};
 use crate::hash::BlockHash;
-use state::{IndexState, Outcome, WriteOp};
+use state::{IndexState, Journal};
 
 /// Spins (yielding) this many times for a reader to leave the unpublished copy before the
 /// writer copies the published one instead.
@@ -78,9 +87,17 @@ pub struct IndexStats {
 }
 
 struct Writer {
-    /// The unpublished copy: equal to the published one once `pending` is replayed on it.
+    /// The unpublished copy: equal to the published one once `journal` is replayed on it.
     spare: Arc<IndexState>,
-    pending: Option<WriteOp>,
+    /// The published copy (the writer's own reference: it reads it to level the spare one).
+    current: Arc<IndexState>,
+    /// The last write's journal (replayed on `spare` when `pending`).
+    journal: Journal,
+    pending: bool,
+    /// A write failed after changing the spare copy: copy the published one instead.
+    dirty: bool,
+    /// Nodes each copy reserves room for.
+    capacity: usize,
     /// Writes that found the spare copy held by a reader and copied the published one.
     copies: u64,
 }
@@ -95,22 +112,50 @@ pub struct KVIndex {
 pub struct Snapshot(Guard<Arc<IndexState>>);
 
 impl Snapshot {
+    /// The matched prefix of `chain` on every location of `block_size` (see
+    /// [`KVIndex::lookup_chain`]), into `out` (cleared first; no allocation once `out` has
+    /// grown): the fast path, compact. [`Matches::iter`] lists the rows, [`Matches::best`]
+    /// the longest, [`Snapshot::to_match`] resolves one.
+    pub fn lookup_into(&self, chain: &[BlockHash], block_size: u32, now: f64, out: &mut Matches) {
+        out.clear();
+        self.0.lookup_chain(chain, block_size, now, out);
+    }
+
+    /// [`Snapshot::lookup_into`] for the chain of `tokens` under `extra_key` (see
+    /// [`KVIndex::lookup_tokens`]).
+    pub fn lookup_tokens_into(
+        &self,
+        tokens: &[u32],
+        extra_key: Option<&[u8]>,
+        now: f64,
+        out: &mut Matches,
+    ) {
+        out.clear();
+        self.0.lookup_tokens(tokens, extra_key, now, out);
+    }
+
     /// See [`KVIndex::lookup_chain`].
     pub fn lookup_chain(&self, chain: &[BlockHash], block_size: u32, now: f64) -> Vec<Match> {
-        let mut rows = Vec::new();
-        self.0.rows_chain(chain, block_size, now, &mut rows);
-        rows.into_iter().map(|r| self.0.to_match(r)).collect()
+        let mut m = Matches::new();
+        self.lookup_into(chain, block_size, now, &mut m);
+        self.matches(&m)
     }
 
     /// See [`KVIndex::lookup_tokens`].
     pub fn lookup_tokens(&self, tokens: &[u32], extra_key: Option<&[u8]>, now: f64) -> Vec<Match> {
-        let mut rows = Vec::new();
-        self.0.rows_tokens(tokens, extra_key, now, &mut rows);
-        rows.into_iter().map(|r| self.0.to_match(r)).collect()
+        let mut m = Matches::new();
+        self.lookup_tokens_into(tokens, extra_key, now, &mut m);
+        self.matches(&m)
     }
 
-    /// The lookup of `chain` as compact rows appended to `out` (no allocation once `out` has
-    /// grown): the fast path for a router in Rust, which resolves only the rows it uses.
+    /// Every row of `m` (a lookup of this snapshot) as a [`Match`].
+    pub fn matches(&self, m: &Matches) -> Vec<Match> {
+        let mut out = Vec::with_capacity(m.len());
+        out.extend(m.iter().map(|r| self.0.to_match(r)));
+        out
+    }
+
+    /// The lookup of `chain` as rows appended to `out`.
     pub fn lookup_rows_into(
         &self,
         chain: &[BlockHash],
@@ -118,7 +163,9 @@ impl Snapshot {
         now: f64,
         out: &mut Vec<Row>,
     ) {
-        self.0.rows_chain(chain, block_size, now, out);
+        let mut m = Matches::new();
+        self.lookup_into(chain, block_size, now, &mut m);
+        out.extend(m.iter());
     }
 
     /// The location of a row (`None` for an id this index never gave).
@@ -135,16 +182,28 @@ impl Snapshot {
 impl KVIndex {
     /// An empty index; `Err` if `config.max_entries == 0`.
     pub fn new(config: IndexConfig) -> Result<Self> {
-        Ok(Self::from_state(IndexState::new(config)?))
+        Self::with_capacity(config, 0)
     }
 
-    fn from_state(state: IndexState) -> Self {
-        let spare = Arc::new(state.clone());
+    /// An empty index with room for `blocks` block hashes reserved (and its pages touched) in
+    /// both copies, so that it does not grow (rehash, fault pages in) until it holds more.
+    pub fn with_capacity(config: IndexConfig, blocks: usize) -> Result<Self> {
+        Ok(Self::from_state(IndexState::new(config, blocks)?, blocks))
+    }
+
+    fn from_state(state: IndexState, capacity: usize) -> Self {
+        let mut spare = state.clone(); // the same table: both copies are equal
+        spare.tree.reserve(capacity);
+        let current = Arc::new(state);
         Self {
-            published: ArcSwap::from_pointee(state),
+            published: ArcSwap::new(Arc::clone(&current)),
             writer: Mutex::new(Writer {
-                spare,
-                pending: None,
+                current,
+                spare: Arc::new(spare),
+                journal: Journal::default(),
+                pending: false,
+                dirty: false,
+                capacity,
                 copies: 0,
             }),
         }
@@ -160,47 +219,76 @@ impl KVIndex {
         self.published.load().hasher
     }
 
-    /// Runs one write: brings the spare copy level, applies `op` to it and publishes it.
-    fn write(&self, op: WriteOp) -> Result<Outcome> {
-        let mut writer = self.writer.lock();
-        let state = self.level_spare(&mut writer)?;
-        let outcome = state.run(&op)?;
-        let next = Arc::clone(&writer.spare);
-        writer.spare = self.published.swap(next);
-        writer.pending = Some(op);
-        Ok(outcome)
+    /// Runs one write: brings the spare copy level, applies `write` to it (recording its
+    /// journal) and publishes it.
+    fn write<T>(
+        &self,
+        write: impl FnOnce(&mut IndexState, &mut Journal) -> Result<T>,
+    ) -> Result<T> {
+        let mut guard = self.writer.lock();
+        let writer = &mut *guard;
+        self.level_spare(writer)?;
+        writer.journal.clear();
+        let state = Arc::get_mut(&mut writer.spare)
+            .ok_or_else(|| KvPoolError::Invariant("the spare copy is shared".into()))?;
+        state.tree.begin_write();
+        let before = state.tree.changed();
+        match write(state, &mut writer.journal) {
+            Ok(value) => {
+                let next = Arc::clone(&writer.spare);
+                // The old published copy comes back as the spare one; the writer's own
+                // reference moves to the new one.
+                writer.current = Arc::clone(&next);
+                writer.spare = self.published.swap(next);
+                writer.pending = true;
+                Ok(value)
+            }
+            Err(e) => {
+                // Validation comes first, so a failed write normally changed nothing.
+                let state = &writer.spare;
+                writer.dirty |= !writer.journal.steps.is_empty() || state.tree.changed() != before;
+                Err(e)
+            }
+        }
     }
 
-    /// The spare copy, to the writer alone and equal to the published one.
-    fn level_spare<'w>(&self, writer: &'w mut Writer) -> Result<&'w mut IndexState> {
+    /// Makes the spare copy the writer's alone and equal to the published one.
+    fn level_spare(&self, writer: &mut Writer) -> Result<()> {
         let mut spins = 0;
         while Arc::get_mut(&mut writer.spare).is_none() && spins < SPARE_SPINS {
             std::thread::yield_now();
             spins += 1;
         }
-        if Arc::get_mut(&mut writer.spare).is_none() {
-            // A reader still holds it: start from a copy of the published state instead.
-            writer.spare = Arc::new(IndexState::clone(&self.published.load()));
-            writer.pending = None;
+        if writer.dirty || Arc::get_mut(&mut writer.spare).is_none() {
+            // A reader still holds it: start from a copy of the published state, with a
+            // table of its own (the old one stays as it is for the copies readers hold).
+            let mut copy = IndexState::clone(&writer.current);
+            copy.tree.reserve(writer.capacity);
+            copy.tree.rebuild_table(2 * (copy.tree.len() + 1));
+            writer.spare = Arc::new(copy);
+            writer.pending = false;
+            writer.dirty = false;
             writer.copies += 1;
+            return Ok(());
         }
-        let pending = writer.pending.take();
+        if !writer.pending {
+            return Ok(());
+        }
+        writer.pending = false;
         let state = Arc::get_mut(&mut writer.spare)
             .ok_or_else(|| KvPoolError::Invariant("the spare copy is shared".into()))?;
-        if let Some(op) = pending {
-            // It succeeded on the other copy, which was equal: it succeeds here.
-            state.run(&op)?;
-        }
-        Ok(state)
+        let published = &writer.current;
+        state.level_with(published, &writer.journal)?;
+        // Neither copy holds the nodes the write deleted now (unless it made them again).
+        state.tree.drop_deleted(published.tree.deleted());
+        Ok(())
     }
 
     /// Applies a batch of `instance`'s events in order; `Err` (an invalid event, named) changes
     /// nothing. See `sequence.rs` for what gaps and duplicates do.
-    pub fn apply(&self, instance: u64, events: Vec<IndexEvent>) -> Result<ApplyReport> {
-        match self.write(WriteOp::Apply { instance, events })? {
-            Outcome::Applied(report) => Ok(report),
-            Outcome::Count(_) => Err(KvPoolError::Invariant("apply returned a count".into())),
-        }
+    pub fn apply(&self, instance: u64, events: impl AsRef<[IndexEvent]>) -> Result<ApplyReport> {
+        let events = events.as_ref();
+        self.write(|state, journal| state.apply(instance, events, journal))
     }
 
     /// Marks `chain` (a request's hashes from its first block) as held on the device of
@@ -215,13 +303,8 @@ impl KVIndex {
         now: f64,
         ttl: f64,
     ) -> Result<usize> {
-        self.count(WriteOp::Speculate {
-            instance,
-            dp_rank,
-            block_size,
-            chain,
-            now,
-            ttl,
+        self.write(|state, journal| {
+            state.speculate(instance, dp_rank, block_size, &chain, now, ttl, journal)
         })
     }
 
@@ -248,34 +331,21 @@ impl KVIndex {
 
     /// Drops the speculative entries that lapse at or before `now`; returns how many.
     pub fn expire(&self, now: f64) -> Result<usize> {
-        self.count(WriteOp::Expire { now })
+        self.write(|state, journal| state.expire(now, journal))
     }
 
     /// Drops every entry of (`instance`, `dp_rank`) on every medium and forgets its sequence
     /// number, so that its next event starts it afresh (after a gap the replay buffer cannot
     /// fill). Returns the entries dropped.
     pub fn resync(&self, instance: u64, dp_rank: u32) -> usize {
-        self.count(WriteOp::Forget {
-            instance,
-            dp_rank: Some(dp_rank),
-        })
-        .unwrap_or(0)
+        self.write(|state, journal| state.forget(instance, Some(dp_rank), journal))
+            .unwrap_or(0)
     }
 
     /// Drops every entry and source of `instance` (it left the fleet). Returns the entries.
     pub fn remove_instance(&self, instance: u64) -> usize {
-        self.count(WriteOp::Forget {
-            instance,
-            dp_rank: None,
-        })
-        .unwrap_or(0)
-    }
-
-    fn count(&self, op: WriteOp) -> Result<usize> {
-        match self.write(op)? {
-            Outcome::Count(n) => Ok(n),
-            Outcome::Applied(report) => Ok(report.applied),
-        }
+        self.write(|state, journal| state.forget(instance, None, journal))
+            .unwrap_or(0)
     }
 
     /// A consistent view for several reads.
@@ -337,16 +407,18 @@ impl KVIndex {
             state.config.max_entries = max;
             state.enforce_bound();
         }
-        Ok(Self::from_state(state))
+        Ok(Self::from_state(state, 0))
     }
 
     /// Checks every invariant: each copy's, and that the two are equal once levelled.
     pub fn check(&self) -> Result<()> {
         let mut writer = self.writer.lock();
-        let spare = self.level_spare(&mut writer)?;
+        self.level_spare(&mut writer)?;
+        let spare = &writer.spare;
         let published = self.published.load();
         published.check()?;
         spare.check()?;
+        spare.tree.check_same_as(&published.tree)?;
         ensure_invariant!(
             dump::encode(spare) == dump::encode(&published),
             "the two copies differ after the replay"

@@ -66,13 +66,27 @@ impl Sources {
     }
 
     /// The verdict on an event numbered `sequence` of (`instance`, `dp_rank`); records it.
+    #[cfg(test)]
     pub(crate) fn admit(&mut self, instance: u64, dp_rank: u32, sequence: u64) -> Verdict {
-        let state = self
-            .map
-            .entry((instance, dp_rank))
-            .or_insert((sequence, None));
-        let (last, stalled) = *state;
-        if sequence < last {
+        self.admit_tracked(instance, dp_rank, sequence).0
+    }
+
+    /// [`Sources::admit`], with the source's new state if it changed.
+    #[inline]
+    pub(crate) fn admit_tracked(
+        &mut self,
+        instance: u64,
+        dp_rank: u32,
+        sequence: u64,
+    ) -> (Verdict, Option<SourceState>) {
+        let mut new = false;
+        let state = self.map.entry((instance, dp_rank)).or_insert_with(|| {
+            new = true;
+            (sequence, None)
+        });
+        let before = *state;
+        let (last, stalled) = before;
+        let verdict = if sequence < last {
             Verdict::Duplicate
         } else if sequence <= last.saturating_add(1) {
             *state = (sequence, None);
@@ -86,7 +100,14 @@ impl Sources {
             });
             state.1 = Some(stalled.unwrap_or(sequence));
             Verdict::Dropped(gap)
-        }
+        };
+        let changed = (new || *state != before).then_some(SourceState {
+            instance,
+            dp_rank,
+            last: state.0,
+            stalled: state.1,
+        });
+        (verdict, changed)
     }
 
     /// Forgets the number of (`instance`, `dp_rank`), or of every rank of `instance`.
@@ -111,7 +132,7 @@ impl Sources {
         out
     }
 
-    /// Restores one source (from a dump).
+    /// Sets one source's state (from a dump, or replaying a write).
     pub(crate) fn restore(&mut self, state: SourceState) {
         self.map
             .insert((state.instance, state.dp_rank), (state.last, state.stalled));

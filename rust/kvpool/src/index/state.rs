@@ -1,9 +1,12 @@
 //! One copy of the index's state and the writer's operations on it.
 //!
-//! [`IndexState::run`] is deterministic: the same operation on equal states leaves equal
-//! states (same node slots, same LRU order), which lets [`crate::KVIndex`] keep two copies and
-//! replay each operation on the second one later. An operation validates everything first and
-//! returns `Err` having changed nothing.
+//! A write validates everything first (`Err` changes nothing), then changes this copy. The
+//! other copy, equal before the write, is brought level afterwards by
+//! [`IndexState::level_with`]: it copies the nodes the write changed (the tree tracks them,
+//! `tree.rs`) and replays the write's [`Journal`] of the small steps elsewhere (sequence
+//! states, locations and groups, expiry records). No validation, sequence check, hash probe
+//! or table store is done twice; the copies end equal (same node slots, same LRU order), as
+//! [`crate::KVIndex::check`] verifies.
 //!
 //! Invariants (checked by [`IndexState::check`]): those of the tree, the locations and the
 //! expiry heap; every entry's group bits are groups of its location; after every operation
@@ -17,7 +20,7 @@ use crate::index::event::{EventKind, GroupKind, IndexEvent, Medium};
 use crate::index::expiry::{Due, Expiry};
 use crate::index::location::{FixedState, LocationKey, Locations};
 use crate::index::sequence::{Gap, SourceState, Sources, Verdict};
-use crate::index::tree::{Tree, SPECULATIVE};
+use crate::index::tree::{Parent, Tree, SPECULATIVE};
 
 /// Settings of an index.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -72,36 +75,44 @@ pub struct IndexCounters {
     pub speculative_inserted: u64,
 }
 
-/// A write, kept to be replayed on the second copy.
-#[derive(Clone, Debug)]
-pub(crate) enum WriteOp {
-    Apply {
-        instance: u64,
-        events: Vec<IndexEvent>,
-    },
-    Speculate {
-        instance: u64,
-        dp_rank: u32,
-        block_size: u32,
-        chain: Vec<BlockHash>,
-        now: f64,
-        ttl: f64,
-    },
-    Expire {
-        now: f64,
-    },
-    /// Drop the entries and sequence state of (instance, dp rank), or of the whole instance.
+/// A step of a write outside the tree, as the journal keeps it for the other copy.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Step {
+    /// A source's sequence state after an event.
+    Source(SourceState),
+    /// The sequence state of (instance, dp rank), or of every rank, was dropped.
     Forget {
         instance: u64,
         dp_rank: Option<u32>,
     },
+    Register(LocationKey),
+    Group {
+        location: u32,
+        group: u32,
+        kind: GroupKind,
+    },
+    ExpiryPush(Due),
+    /// Every expiry record due at `now` was popped.
+    ExpiryPop {
+        now: f64,
+    },
 }
 
-/// What a write returned.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub(crate) enum Outcome {
-    Applied(ApplyReport),
-    Count(usize),
+/// A write's steps outside the tree, and the writer's scratch space.
+#[derive(Debug, Default)]
+pub(crate) struct Journal {
+    pub steps: Vec<Step>,
+    /// The expiry heap was rebuilt: the other copy copies it (and skips the expiry steps).
+    pub expiry_rebuilt: bool,
+    /// The node ids of the blocks of one event (reused).
+    ids: Vec<u32>,
+}
+
+impl Journal {
+    pub(crate) fn clear(&mut self) {
+        self.steps.clear();
+        self.expiry_rebuilt = false;
+    }
 }
 
 /// One copy of the index.
@@ -116,8 +127,11 @@ pub(crate) struct IndexState {
     pub counters: IndexCounters,
 }
 
+/// The location and group bit of the last stored event, reused by the next one of the batch.
+type Resolved = Option<(LocationKey, u32, GroupKind, u32, u32)>;
+
 impl IndexState {
-    pub(crate) fn new(config: IndexConfig) -> Result<Self> {
+    pub(crate) fn new(config: IndexConfig, capacity: usize) -> Result<Self> {
         ensure_arg!(
             config.max_entries >= 1,
             "max_entries",
@@ -126,7 +140,7 @@ impl IndexState {
         Ok(Self {
             config,
             hasher: BlockHasher::new(config.hash_seed),
-            tree: Tree::new(),
+            tree: Tree::with_capacity(capacity),
             locations: Locations::default(),
             sources: Sources::default(),
             expiry: Expiry::default(),
@@ -134,33 +148,73 @@ impl IndexState {
         })
     }
 
-    /// Runs `op`; `Err` (bad input) changes nothing.
-    pub(crate) fn run(&mut self, op: &WriteOp) -> Result<Outcome> {
-        match op {
-            WriteOp::Apply { instance, events } => {
-                self.apply(*instance, events).map(Outcome::Applied)
-            }
-            WriteOp::Speculate {
-                instance,
-                dp_rank,
-                block_size,
-                chain,
-                now,
-                ttl,
-            } => self
-                .speculate(*instance, *dp_rank, *block_size, chain, *now, *ttl)
-                .map(Outcome::Count),
-            WriteOp::Expire { now } => self.expire(*now).map(Outcome::Count),
-            WriteOp::Forget { instance, dp_rank } => {
-                Ok(Outcome::Count(self.forget(*instance, *dp_rank)))
+    /// Brings this copy level with `source`, which was equal to it before its last write,
+    /// that write's `journal`.
+    pub(crate) fn level_with(&mut self, source: &IndexState, journal: &Journal) -> Result<()> {
+        for step in &journal.steps {
+            match *step {
+                Step::Source(state) => self.sources.restore(state),
+                Step::Forget { instance, dp_rank } => self.sources.forget(instance, dp_rank),
+                Step::Register(key) => {
+                    self.locations.register(key);
+                }
+                Step::Group {
+                    location,
+                    group,
+                    kind,
+                } => {
+                    self.locations.add_group(location, group, kind)?;
+                }
+                Step::ExpiryPush(due) if !journal.expiry_rebuilt => self.expiry.push(due),
+                Step::ExpiryPop { now } if !journal.expiry_rebuilt => {
+                    while self.expiry.pop_due(now).is_some() {}
+                }
+                Step::ExpiryPush(_) | Step::ExpiryPop { .. } => {}
             }
         }
+        if journal.expiry_rebuilt {
+            self.expiry.clone_from(&source.expiry);
+        }
+        self.tree.level_with(&source.tree);
+        self.counters = source.counters;
+        Ok(())
+    }
+
+    /// The id of location `key`, registered if new.
+    fn location_id(&mut self, key: LocationKey, journal: &mut Journal) -> u32 {
+        if let Some(id) = self.locations.find(&key) {
+            return id;
+        }
+        journal.steps.push(Step::Register(key));
+        let id = self.locations.register(key);
+        self.tree.width = self.locations.width();
+        id
+    }
+
+    /// The mask bit of group (`group`, `kind`) at `location`, registered if new.
+    fn group_bit(
+        &mut self,
+        location: u32,
+        group: u32,
+        kind: GroupKind,
+        journal: &mut Journal,
+    ) -> Result<u32> {
+        if let Some(bit) = self.locations.group_bit(location, group, kind) {
+            return Ok(bit);
+        }
+        journal.steps.push(Step::Group {
+            location,
+            group,
+            kind,
+        });
+        self.locations.add_group(location, group, kind)
     }
 
     fn validate_batch(&self, instance: u64, events: &[IndexEvent]) -> Result<()> {
         // New groups per location, so that a batch that would overflow one fails whole.
         let mut new_groups: HashMap<LocationKey, Vec<(u32, GroupKind)>, FixedState> =
             HashMap::default();
+        let mut known: Option<(LocationKey, u32, GroupKind)> = None;
         for event in events {
             event.validate()?;
             if event.kind != EventKind::Stored {
@@ -168,11 +222,15 @@ impl IndexState {
             }
             let key = location_key(instance, event);
             let group = (event.group, event.group_kind);
-            let known = self
+            if known == Some((key, group.0, group.1)) {
+                continue;
+            }
+            let exists = self
                 .locations
                 .find(&key)
                 .is_some_and(|id| self.locations.group_bit(id, group.0, group.1).is_some());
-            if known {
+            if exists {
+                known = Some((key, group.0, group.1));
                 continue;
             }
             let pending = new_groups.entry(key).or_default();
@@ -191,12 +249,57 @@ impl IndexState {
         Ok(())
     }
 
-    fn apply(&mut self, instance: u64, events: &[IndexEvent]) -> Result<ApplyReport> {
+    /// Applies `instance`'s events in order (see `sequence.rs` for gaps and duplicates).
+    pub(crate) fn apply(
+        &mut self,
+        instance: u64,
+        events: &[IndexEvent],
+        journal: &mut Journal,
+    ) -> Result<ApplyReport> {
         self.validate_batch(instance, events)?;
+        // The table slots of every block first, then the nodes that exist (removals, a run's
+        // parent): their cache misses overlap instead of coming one by one.
+        for event in events {
+            self.tree.prefetch(&event.block_hashes);
+            if let Some(parent) = event.parent_hash {
+                self.tree.prefetch_slot(parent.0);
+            }
+        }
+        for event in events {
+            match event.kind {
+                EventKind::Removed => {
+                    for hash in &event.block_hashes {
+                        self.tree.prefetch_candidate(hash.0);
+                    }
+                }
+                EventKind::Stored => {
+                    if let Some(parent) = event.parent_hash {
+                        self.tree.prefetch_candidate(parent.0);
+                    }
+                }
+                EventKind::Cleared => {}
+            }
+        }
         let mut report = ApplyReport::default();
+        let mut last: Resolved = None;
+        // The last state of the source that changed last: only a source's final state goes to
+        // the journal (a batch is mostly one source's).
+        let mut source: Option<SourceState> = None;
         for event in events {
             if let Some(sequence) = event.sequence {
-                match self.sources.admit(instance, event.dp_rank, sequence) {
+                let (verdict, changed) =
+                    self.sources
+                        .admit_tracked(instance, event.dp_rank, sequence);
+                if let Some(state) = changed {
+                    match source {
+                        Some(s) if s.dp_rank != state.dp_rank => {
+                            journal.steps.push(Step::Source(s));
+                        }
+                        _ => {}
+                    }
+                    source = Some(state);
+                }
+                match verdict {
                     Verdict::Apply => {}
                     Verdict::Duplicate => {
                         report.duplicates += 1;
@@ -209,47 +312,74 @@ impl IndexState {
                     }
                 }
             }
-            self.apply_one(instance, event)?;
+            self.apply_one(instance, event, journal, &mut last)?;
             report.applied += 1;
         }
-        report.evicted = self.enforce_bound();
-        self.counters.events_applied += report.applied as u64;
-        self.counters.duplicates += report.duplicates as u64;
-        self.counters.dropped += report.dropped as u64;
-        self.counters.gaps += report.gaps.len() as u64;
+        if let Some(state) = source {
+            journal.steps.push(Step::Source(state));
+        }
+        report.evicted = self.evict_to_bound();
+        let c = &mut self.counters;
+        c.events_applied += report.applied as u64;
+        c.duplicates += report.duplicates as u64;
+        c.dropped += report.dropped as u64;
+        c.gaps += report.gaps.len() as u64;
+        c.evicted_entries += report.evicted as u64;
         Ok(report)
     }
 
-    fn apply_one(&mut self, instance: u64, event: &IndexEvent) -> Result<()> {
+    fn apply_one(
+        &mut self,
+        instance: u64,
+        event: &IndexEvent,
+        journal: &mut Journal,
+        last: &mut Resolved,
+    ) -> Result<()> {
         let key = location_key(instance, event);
         match event.kind {
             EventKind::Stored => {
-                let location = self.locations.register(key);
-                let bit = self
-                    .locations
-                    .add_group(location, event.group, event.group_kind)?;
-                let mut ids = smallvec::SmallVec::<[u32; 32]>::new();
-                let mut parent = event.parent_hash.map(|h| h.0);
-                for hash in &event.block_hashes {
-                    let id = self.tree.get_or_create(hash.0, parent);
-                    self.tree.add_groups(id, location, bit);
-                    ids.push(id);
-                    parent = Some(hash.0);
-                }
-                // Deepest first, so that parents end up newer than their children.
-                for &id in ids.iter().rev() {
-                    self.tree.touch(id);
-                }
+                let (location, bit) = match *last {
+                    Some((k, g, kind, location, bit))
+                        if k == key && g == event.group && kind == event.group_kind =>
+                    {
+                        (location, bit)
+                    }
+                    _ => {
+                        let location = self.location_id(key, journal);
+                        let bit =
+                            self.group_bit(location, event.group, event.group_kind, journal)?;
+                        *last = Some((key, event.group, event.group_kind, location, bit));
+                        (location, bit)
+                    }
+                };
+                self.tree.store_run(
+                    &event.block_hashes,
+                    event.parent_hash.map(|h| h.0),
+                    location,
+                    bit,
+                    &mut journal.ids,
+                );
             }
             EventKind::Removed => {
-                let Some(location) = self.locations.find(&key) else {
-                    return Ok(());
-                };
-                let Some(bit) = self
-                    .locations
-                    .group_bit(location, event.group, event.group_kind)
-                else {
-                    return Ok(());
+                let (location, bit) = match *last {
+                    Some((k, g, kind, location, bit))
+                        if k == key && g == event.group && kind == event.group_kind =>
+                    {
+                        (location, bit)
+                    }
+                    _ => {
+                        let Some(location) = self.locations.find(&key) else {
+                            return Ok(());
+                        };
+                        let Some(bit) =
+                            self.locations
+                                .group_bit(location, event.group, event.group_kind)
+                        else {
+                            return Ok(());
+                        };
+                        *last = Some((key, event.group, event.group_kind, location, bit));
+                        (location, bit)
+                    }
                 };
                 for hash in &event.block_hashes {
                     if let Some(id) = self.tree.find(hash.0) {
@@ -278,8 +408,7 @@ impl IndexState {
         self.tree.drop_locations(|l| hit[l as usize])
     }
 
-    /// Evicts until the entries fit `max_entries`; returns how many went.
-    pub(crate) fn enforce_bound(&mut self) -> usize {
+    fn evict_to_bound(&mut self) -> usize {
         let mut evicted = 0;
         while self.tree.entries > self.config.max_entries {
             let gone = self.tree.evict_one();
@@ -288,11 +417,22 @@ impl IndexState {
             }
             evicted += gone;
         }
+        evicted
+    }
+
+    /// Evicts until the entries fit `max_entries` (the only copy: a loaded index); returns
+    /// how many went.
+    pub(crate) fn enforce_bound(&mut self) -> usize {
+        self.tree.begin_write();
+        let evicted = self.evict_to_bound();
+        self.tree.drop_deleted(self.tree.deleted());
         self.counters.evicted_entries += evicted as u64;
         evicted
     }
 
-    fn speculate(
+    /// Marks `chain` speculative (see `KVIndex::insert_speculative`).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn speculate(
         &mut self,
         instance: u64,
         dp_rank: u32,
@@ -300,6 +440,7 @@ impl IndexState {
         chain: &[BlockHash],
         now: f64,
         ttl: f64,
+        journal: &mut Journal,
     ) -> Result<usize> {
         ensure_arg!(now.is_finite(), "now", "must be finite, got {now}");
         ensure_arg!(
@@ -321,42 +462,61 @@ impl IndexState {
                 pair[0]
             );
         }
-        self.expire(now)?;
-        let location = self.locations.register(LocationKey {
-            instance,
-            dp_rank,
-            medium: Medium::Device,
-            block_size,
-        });
+        let expired = self.expire_due(now, journal);
+        let location = self.location_id(
+            LocationKey {
+                instance,
+                dp_rank,
+                medium: Medium::Device,
+                block_size,
+            },
+            journal,
+        );
         let expires = now + ttl;
-        let mut ids = Vec::with_capacity(chain.len());
-        let mut parent = None;
+        let mut ids = std::mem::take(&mut journal.ids);
+        ids.clear();
+        let mut up = Parent::Root;
         let mut marked = 0;
         for hash in chain {
-            let id = self.tree.get_or_create(hash.0, parent);
+            let id = self.tree.get_or_create(hash.0, up);
             if self.tree.add_speculative(id, location, expires) {
-                self.expiry.push(Due {
+                let due = Due {
                     expires,
                     hash: hash.0,
                     location,
-                });
+                };
+                self.expiry.push(due);
+                journal.steps.push(Step::ExpiryPush(due));
                 marked += 1;
             }
             ids.push(id);
-            parent = Some(hash.0);
+            up = Parent::Node(id);
         }
         for &id in ids.iter().rev() {
             self.tree.touch(id);
         }
-        self.counters.speculative_inserted += marked as u64;
-        self.enforce_bound();
+        journal.ids = ids;
+        let evicted = self.evict_to_bound();
+        let c = &mut self.counters;
+        c.expired_entries += expired as u64;
+        c.speculative_inserted += marked as u64;
+        c.evicted_entries += evicted as u64;
         Ok(marked)
     }
 
-    fn expire(&mut self, now: f64) -> Result<usize> {
+    /// Drops the speculative entries lapsing at or before `now`; returns how many.
+    pub(crate) fn expire(&mut self, now: f64, journal: &mut Journal) -> Result<usize> {
         ensure_arg!(!now.is_nan(), "now", "must be a number, got NaN");
+        let expired = self.expire_due(now, journal);
+        self.counters.expired_entries += expired as u64;
+        Ok(expired)
+    }
+
+    fn expire_due(&mut self, now: f64, journal: &mut Journal) -> usize {
         let mut expired = 0;
+        let mut popped = false;
         while let Some(due) = self.expiry.pop_due(now) {
+            popped = true;
             if let Some(id) = self.tree.find(due.hash) {
                 let cleared =
                     self.tree
@@ -364,24 +524,27 @@ impl IndexState {
                 expired += usize::from(cleared & SPECULATIVE != 0);
             }
         }
+        if popped {
+            journal.steps.push(Step::ExpiryPop { now });
+        }
         if self.expiry.needs_rebuild(self.tree.speculative) {
             let live = self.speculative_due();
             self.expiry.rebuild(live);
+            journal.expiry_rebuilt = true;
         }
-        self.counters.expired_entries += expired as u64;
-        Ok(expired)
+        expired
     }
 
     /// An expiry record per speculative entry.
     pub(crate) fn speculative_due(&self) -> Vec<Due> {
         let mut out = Vec::with_capacity(self.tree.speculative);
         for id in self.tree.ids_in_order() {
-            let node = self.tree.node(id);
-            for entry in &node.entries {
+            let hash = self.tree.node(id).hash;
+            for entry in self.tree.extras(id) {
                 if entry.mask & SPECULATIVE != 0 {
                     out.push(Due {
                         expires: entry.expires,
-                        hash: node.hash,
+                        hash,
                         location: entry.location,
                     });
                 }
@@ -390,10 +553,18 @@ impl IndexState {
         out
     }
 
-    fn forget(&mut self, instance: u64, dp_rank: Option<u32>) -> usize {
+    /// Drops the entries and sequence state of (`instance`, `dp_rank`), or of the whole
+    /// instance; returns the entries dropped.
+    pub(crate) fn forget(
+        &mut self,
+        instance: u64,
+        dp_rank: Option<u32>,
+        journal: &mut Journal,
+    ) -> Result<usize> {
         self.sources.forget(instance, dp_rank);
+        journal.steps.push(Step::Forget { instance, dp_rank });
         let ids = self.locations.matching(instance, dp_rank, None);
-        self.drop_locations(&ids)
+        Ok(self.drop_locations(&ids))
     }
 
     /// Every source's sequence state.
@@ -404,6 +575,12 @@ impl IndexState {
     /// Checks every invariant of the module doc.
     pub(crate) fn check(&self) -> Result<()> {
         self.locations.check()?;
+        ensure_invariant!(
+            self.tree.width == self.locations.width(),
+            "the tree's bitset width {} is not the locations' {}",
+            self.tree.width,
+            self.locations.width()
+        );
         self.tree.check(self.locations.len())?;
         ensure_invariant!(
             self.tree.entries <= self.config.max_entries,
@@ -413,8 +590,8 @@ impl IndexState {
         );
         let records = self.expiry.records();
         for id in self.tree.ids_in_order() {
-            let node = self.tree.node(id);
-            for entry in &node.entries {
+            let hash = self.tree.node(id).hash;
+            for entry in self.tree.entries_of(id) {
                 let location = self.locations.get(entry.location);
                 let groups = (1u64 << location.groups.len()) - 1;
                 ensure_invariant!(
@@ -431,7 +608,7 @@ impl IndexState {
                     );
                     let due = Due {
                         expires: entry.expires,
-                        hash: node.hash,
+                        hash,
                         location: entry.location,
                     };
                     ensure_invariant!(
