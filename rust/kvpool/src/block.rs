@@ -371,3 +371,21 @@ impl PartialEq for Block {
 }
 
 impl Eq for Block {}
+
+/// An argument error naming `name` unless every block in `blocks` is an id of `store` (a handle
+/// of another manager would corrupt this one's counts).
+pub(crate) fn check_owned(
+    store: &Arc<BlockStore>,
+    blocks: &[Block],
+    name: &'static str,
+) -> Result<()> {
+    for block in blocks {
+        crate::error::ensure_arg!(
+            block.belongs_to(store),
+            name,
+            "block {} belongs to another manager",
+            block.id()
+        );
+    }
+    Ok(())
+}

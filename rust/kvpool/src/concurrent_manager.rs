@@ -39,7 +39,7 @@
 //!   word under the lock before acting (see the "Concurrency" section of `block.rs`).
 
 use crate::block::{Block, BlockStore};
-use crate::error::{ensure_arg, KvPoolError, Result};
+use crate::error::{KvPoolError, Result};
 use crate::hash::BlockHasher;
 use crate::manager::{BlockCounts, BlockManager, BlockManagerImpl, ManagerConfig};
 use crate::prefix_cache::{CacheStats, ExtraKey, PrefixCache};
@@ -245,15 +245,7 @@ impl ConcurrentBlockManager {
     }
 
     fn check_owned(&self, blocks: &[Block], name: &'static str) -> Result<()> {
-        for block in blocks {
-            ensure_arg!(
-                self.owns(block),
-                name,
-                "block {} belongs to another manager",
-                block.id()
-            );
-        }
-        Ok(())
+        crate::block::check_owned(&self.store, blocks, name)
     }
 
     /// Logical release of handles (R5): all are checked before any is dropped. Never waits for

@@ -295,15 +295,7 @@ impl BlockManagerImpl {
     }
 
     fn check_owned(&self, blocks: &[Block], name: &'static str) -> Result<()> {
-        for block in blocks {
-            ensure_arg!(
-                self.owns(block),
-                name,
-                "block {} belongs to another manager",
-                block.id()
-            );
-        }
-        Ok(())
+        crate::block::check_owned(&self.store, blocks, name)
     }
 }
 

@@ -35,7 +35,7 @@
 
 use crate::alloc;
 use crate::block::{Block, BlockStore};
-use crate::error::{ensure_arg, KvPoolError, Result};
+use crate::error::{KvPoolError, Result};
 use crate::hash::{BlockHash, BlockHasher};
 use crate::manager::{BlockCounts, BlockManager};
 use crate::prefix_cache::PrefixCache;
@@ -585,15 +585,7 @@ impl XTensorBlockManager {
     }
 
     fn check_owned(&self, blocks: &[Block], name: &'static str) -> Result<()> {
-        for block in blocks {
-            ensure_arg!(
-                self.owns(block),
-                name,
-                "block {} belongs to another manager",
-                block.id()
-            );
-        }
-        Ok(())
+        crate::block::check_owned(&self.store, blocks, name)
     }
 }
 
