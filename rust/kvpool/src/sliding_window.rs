@@ -109,8 +109,9 @@ pub struct SlidingWindowBlockManager {
     sharing: Option<WindowIndex>,
     /// Kept window tails of finished sequences, oldest first (each with the `CACHED` bit).
     kept: VecDeque<u32>,
-    /// KV events (R21), when recorded (only with sharing: nothing is findable otherwise).
-    events: Option<WindowEvents>,
+    /// KV events (R21), when recorded (only with sharing: nothing is findable otherwise);
+    /// boxed, so a manager without them stays small.
+    events: Option<Box<WindowEvents>>,
 }
 
 /// Chain hash -> block id of published window blocks (entries hold no reference).
@@ -154,7 +155,7 @@ impl SlidingWindowBlockManager {
     /// Records KV events (R21) from now on (`on`), or stops and forgets them. Only with
     /// sharing: without it no block is ever findable, so there is nothing to announce.
     pub fn set_record_events(&mut self, on: bool) {
-        self.events = (on && self.sharing.is_some()).then(WindowEvents::default);
+        self.events = (on && self.sharing.is_some()).then(Box::default);
     }
 
     /// Queues a "removed" event for every announced block that is no longer findable (its
@@ -173,15 +174,12 @@ impl SlidingWindowBlockManager {
 
     /// Takes the queued events, oldest first (empty without events).
     pub fn take_events(&mut self) -> Vec<CacheEvent> {
-        self.events
-            .as_mut()
-            .map(WindowEvents::take)
-            .unwrap_or_default()
+        self.events.as_mut().map(|e| e.take()).unwrap_or_default()
     }
 
     /// Blocks announced by a "stored" event and not yet by a "removed" one.
     pub fn num_announced(&self) -> usize {
-        self.events.as_ref().map_or(0, WindowEvents::num_announced)
+        self.events.as_ref().map_or(0, |e| e.num_announced())
     }
 
     /// Whether a prefix hit can find block `id` under `hash`: the index names it, it is held

@@ -638,8 +638,8 @@ proptest! {
             feed(&index, &events, &mut last);
             pool.check().unwrap();
             index.check().unwrap();
-            for rank in 0..dp {
-                prop_assert_eq!(pool.last_event_sequence(rank).unwrap(), last[rank]);
+            for (rank, &number) in last.iter().enumerate() {
+                prop_assert_eq!(pool.last_event_sequence(rank).unwrap(), number);
             }
             for probe in &probes {
                 let mut seq = Sequence::new(probe.clone(), None, None);
