@@ -192,8 +192,17 @@ impl EventLog {
 }
 
 impl BlockManagerPool {
-    /// Moves the events of `rank`'s device and host caches into the pool's list (R21).
+    /// Moves the events of `rank`'s device and host caches and groups into the pool's list
+    /// (R21). Inline: most pools record no events, and every step of theirs asks.
+    #[inline]
     pub(crate) fn collect_events(&mut self, rank: usize) {
+        if self.events.is_some() {
+            self.record_events(rank);
+        }
+    }
+
+    /// [`Self::collect_events`] of a pool that records events.
+    fn record_events(&mut self, rank: usize) {
         let Some(log) = self.events.as_mut() else {
             return;
         };
