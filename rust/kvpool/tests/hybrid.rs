@@ -651,3 +651,66 @@ proptest! {
         }
     }
 }
+
+/// R27 with events: sequences dropped on other threads while the pool (behind its lock) keeps
+/// serving and draining; once the drops are done, one more drain leaves an index fed every
+/// event agreeing with the pool, and no announced window block outlives its handles.
+#[test]
+fn window_removals_of_concurrent_drops_reach_the_index() {
+    let pool = std::sync::Mutex::new(window_pool(400, 8, Some(200), 1));
+    let index = KVIndex::new(IndexConfig::default()).unwrap();
+    let mut last = vec![0];
+    let prompt = |i: u32| -> Vec<u32> { (0..21).map(|t| 100 * (i % 6) + t).collect() };
+    let mut batches = Vec::new();
+    for round in 0..4u32 {
+        let mut seqs = Vec::new();
+        for i in 0..12 {
+            let mut s = Sequence::new(prompt(round * 12 + i), None, None);
+            let mut p = pool.lock().unwrap();
+            if p.allocate(&mut s, None).unwrap() {
+                s.set_num_computed_tokens(20).unwrap();
+                p.cache(&mut s).unwrap();
+                seqs.push(s);
+            }
+        }
+        std::thread::scope(|scope| {
+            // Three threads drop their sequences one by one while this one drains.
+            let mut rest = std::mem::take(&mut seqs);
+            while !rest.is_empty() {
+                let mine: Vec<Sequence> = rest.drain(..rest.len().min(4)).collect();
+                scope.spawn(move || mine.into_iter().for_each(drop));
+            }
+            for _ in 0..20 {
+                let mut p = pool.lock().unwrap();
+                let events = p.drain_events();
+                p.check().unwrap();
+                batches.push(events);
+            }
+        });
+        let mut p = pool.lock().unwrap();
+        batches.push(p.drain_events());
+        for events in batches.drain(..) {
+            feed(&index, &events, &mut last);
+        }
+        p.check().unwrap();
+        assert_eq!(
+            p.window_manager(0).unwrap().num_announced(),
+            0,
+            "round {round}"
+        );
+        for i in 0..6 {
+            let tokens = prompt(i);
+            let plan = p
+                .plan(&mut Sequence::new(tokens.clone(), None, None), None)
+                .unwrap()
+                .unwrap();
+            assert_eq!(credited(&index, &tokens, 0), plan.num_cached_blocks());
+            assert_eq!(
+                plan.num_cached_blocks(),
+                0,
+                "no window block is held any more"
+            );
+        }
+    }
+    index.check().unwrap();
+}
