@@ -919,7 +919,8 @@ class KVEvent:
 
     @property
     def group(self) -> int:
-        """The KV-cache group: 0 full attention, 1 the linear-state checkpoints (R22)."""
+        """The KV-cache group: 0 full attention, then the pool's other groups in the order of a
+        sequence's tables (the linear-state checkpoints, R22; the sliding window, R25)."""
 
     @property
     def group_kind(self) -> _GroupKind:
@@ -1281,7 +1282,10 @@ class BlockManagerPool:
         """
 
     def drain_events(self) -> list[KVEvent]:
-        """Return and clear the recorded KV events (R21); ``[]`` unless ``enable_events``."""
+        """Return and clear the recorded KV events (R21); ``[]`` unless ``enable_events``.
+
+        First records the removals of sliding-window blocks that stopped being findable since
+        the last call (their last handle may drop anywhere, lock-free; docs/events.md)."""
 
     def drain_block_switches(self) -> list[tuple[int, int, int]]:
         """Return and clear the table entries dedup on publish switched (R9 revised).

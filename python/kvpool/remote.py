@@ -647,11 +647,18 @@ class PrefixIndex:
 
     ``stored`` adds the hashes, ``removed`` drops them, ``cleared`` drops everything of that
     instance and rank; events of the host and remote media are not the device's and are skipped.
+    Each KV-cache group is kept apart: ``holders`` and ``snapshot`` are the full-attention group
+    (0); ``best_holder`` credits a holder with the longest prefix every one of its groups admits
+    (docs/events.md): full attention its leading run, a sliding window of ``w`` tokens the blocks
+    holding the ``w - 1`` tokens before the boundary, a linear state a checkpoint under the hash
+    of the boundary's last block.
     """
 
     def __init__(self) -> None:
         self.holders: dict[str, set[tuple[str, int]]] = {}
         self.by_holder: dict[tuple[str, int], set[str]] = {}
+        # holder -> group (not 0) -> (group_kind, sliding_window, block_size, hashes)
+        self.groups: dict[tuple[str, int], dict[int, tuple[str, int | None, int, set[str]]]] = {}
 
     def apply(self, instance: str, event: dict[str, Any]) -> None:
         """Applies one event (``event_to_dict`` form) of ``instance``."""
@@ -659,46 +666,82 @@ class PrefixIndex:
             return
         holder = (instance, int(event["dp_rank"]))
         kind = event["kind"]
+        if kind == "cleared":
+            self._drop(holder, self.by_holder.get(holder, set()))
+            self.by_holder.pop(holder, None)
+            for group in self.groups.get(holder, {}).values():
+                group[3].clear()
+            return
+        if kind not in ("stored", "removed"):
+            raise ValueError(f"event: unknown kind {kind!r}")
+        group = int(event.get("group") or 0)
+        if group != 0:
+            known = self.groups.setdefault(holder, {})
+            entry = known.get(group)
+            if entry is None or kind == "stored":
+                window = event.get("sliding_window")
+                held = set() if entry is None else entry[3]
+                entry = known[group] = (event.get("group_kind") or "full_attention",
+                                        None if window is None else int(window), int(event["block_size"]), held)
+            if kind == "stored":
+                entry[3].update(event["block_hashes"])
+            else:
+                entry[3].difference_update(event["block_hashes"])
+            return
         held = self.by_holder.setdefault(holder, set())
         if kind == "stored":
             for h in event["block_hashes"]:
                 held.add(h)
                 self.holders.setdefault(h, set()).add(holder)
-        elif kind == "removed":
-            for h in event["block_hashes"]:
-                held.discard(h)
-                s = self.holders.get(h)
-                if s is not None:
-                    s.discard(holder)
-                    if not s:
-                        del self.holders[h]
-        elif kind == "cleared":
-            for h in held:
-                s = self.holders.get(h)
-                if s is not None:
-                    s.discard(holder)
-                    if not s:
-                        del self.holders[h]
-            held.clear()
         else:
-            raise ValueError(f"event: unknown kind {kind!r}")
+            self._drop(holder, [h for h in event["block_hashes"] if h in held])
+            held.difference_update(event["block_hashes"])
+
+    def _drop(self, holder: tuple[str, int], hashes: Any) -> None:
+        for h in hashes:
+            s = self.holders.get(h)
+            if s is not None:
+                s.discard(holder)
+                if not s:
+                    del self.holders[h]
+
+    def admits(self, holder: tuple[str, int], hashes: Sequence[str], n: int) -> int:
+        """The largest ``m <= n`` every group of ``holder`` besides full attention admits for the
+        chain ``hashes`` (hex), whose leading ``n`` blocks its full-attention group holds."""
+        groups = self.groups.get(holder, {})
+
+        def admitted(m: int) -> bool:
+            for kind, window, block_size, held in groups.values():
+                if kind == "sliding_window" and window is not None:
+                    first = max(0, m * block_size - (window - 1)) // block_size
+                    if any(hashes[i] not in held for i in range(first, m)):
+                        return False
+                elif kind == "linear_state" and m > 0 and hashes[m - 1] not in held:
+                    return False
+                elif kind == "full_attention" and any(h not in held for h in hashes[:m]):
+                    return False
+            return True
+
+        return next(m for m in range(n, -1, -1) if admitted(m))
 
     def snapshot(self) -> dict[tuple[str, int], frozenset[str]]:
         """Holder -> hashes it holds (holders with none left out)."""
         return {k: frozenset(v) for k, v in self.by_holder.items() if v}
 
     def best_holder(self, hashes: Sequence[bytes]) -> tuple[tuple[str, int] | None, int]:
-        """The holder with the longest leading run of ``hashes`` (a request's chain), and its length."""
+        """The holder with the longest prefix of ``hashes`` (a request's chain) all its groups admit, and its length."""
         best: tuple[str, int] | None = None
         best_n = 0
-        candidates = set(self.holders.get(bytes(hashes[0]).hex(), ())) if hashes else set()
+        chain = [bytes(h).hex() for h in hashes]
+        candidates = set(self.holders.get(chain[0], ())) if chain else set()
         for holder in sorted(candidates):
             held = self.by_holder[holder]
             n = 0
-            for h in hashes:
-                if bytes(h).hex() not in held:
+            for h in chain:
+                if h not in held:
                     break
                 n += 1
+            n = self.admits(holder, chain, n)
             if n > best_n:
                 best, best_n = holder, n
         return best, best_n

@@ -315,7 +315,8 @@ def test_linear_state_checkpoints_are_group_1_events_and_the_index_trims_as_the_
         kinds |= {(e.group, e.group_kind, e.kind) for e in events}
         assert all(len(e.block_hashes) == 1 for e in events if e.group == 1)
         assert index.apply(0, events)["gaps"] == []
-        kv_only.apply(0, [e for e in events if e.group == 0])
+        # unnumbered: the stream without group 1 has gaps by design (a numbered one would stall)
+        kv_only.apply(0, [{**event_from_dict(event_to_dict(e)), "sequence": None} for e in events if e.group == 0])
         pool.check()
         for probe in prompts:
             plan = pool.plan(kvpool.Sequence(probe))
@@ -326,3 +327,122 @@ def test_linear_state_checkpoints_are_group_1_events_and_the_index_trims_as_the_
             trimmed += kv > held
     assert (1, "linear_state", "stored") in kinds and (1, "linear_state", "removed") in kinds
     assert trimmed > 0, "some KV hits were trimmed to a checkpoint"
+
+
+def window_prompt(rng):
+    prefix = rng.randrange(4)
+    return [1000 * prefix + i for i in range(rng.randrange(1, 7) * BS)] + [rng.randrange(50) for _ in range(
+        rng.randrange(0, 3) * BS + rng.randrange(BS))]
+
+
+def small_index_blocks(small, holder, tokens):
+    """Blocks the small PrefixIndex credits ``holder`` with for ``tokens`` (every group)."""
+    chain = [bytes(h).hex() for h in kvpool.hash_blocks(tokens, BS)]
+    held = small.by_holder.get(holder, set())
+    n = next((i for i, h in enumerate(chain) if h not in held), len(chain))
+    return small.admits(holder, chain, n)
+
+
+@pytest.mark.parametrize("window", [1, 5, 8, 13])
+def test_sliding_window_group_events_follow_what_the_pool_can_hit(window):
+    """R21, R25, issue 21 item 1: a pool with a sliding-window group records stored events of
+    its published window blocks (group 1, ``sliding_window``, every field) and removed events
+    once they stop being findable (slid out, evicted, last handle dropped without deallocate),
+    numbered gap-free with the rest of the rank's stream; after every step of a random workload,
+    an index fed the events (``KVIndex`` and the small ``PrefixIndex``) credits each probe with
+    exactly the device hit the pool's side-effect-free plan finds: full attention and window."""
+    rng = random.Random(window)
+    pool = kvpool.BlockManagerPool(48, BS, sliding_window=window, swa_num_blocks=16, dp_size=2,
+                                   enable_events=True)
+    index, kv_only, small = kvpool.KVIndex(), kvpool.KVIndex(), PrefixIndex()
+    seen = {0: [], 1: []}
+    kinds = set()
+    live = []
+    probes = [[1000 * p + i for i in range(6 * BS)] + [1] for p in range(4)]
+    compared = trimmed = 0
+    for step in range(120):
+        r = rng.random()
+        if r < 0.35 or not live:
+            seq = kvpool.Sequence(window_prompt(rng))
+            if pool.allocate(seq):
+                live.append(seq)
+        elif r < 0.7:
+            seq = live[rng.randrange(len(live))]
+            seq.num_computed_tokens = len(seq)
+            pool.cache(seq)
+            seq.append_token(rng.randrange(50))
+            if not pool.may_append(seq):
+                live.remove(seq)
+                pool.deallocate(seq)
+        elif r < 0.85:
+            pool.deallocate(live.pop(rng.randrange(len(live))))
+        elif r < 0.95:
+            live.pop(rng.randrange(len(live)))  # dropped without deallocate: lock-free (R27)
+        else:
+            pool.reset_prefix_cache()
+        events = pool.drain_events()
+        for e in events:
+            seen[e.dp_rank].append(e.sequence)
+            assert all(hasattr(e, f) for f in FIELDS) and e.block_size == BS and e.medium == "device"
+            if e.group == 1:
+                assert (e.group_kind, e.sliding_window) == ("sliding_window", window)
+                assert e.kind in ("stored", "removed") and e.block_hashes
+                kinds.add(e.kind)
+                if e.kind == "stored":
+                    assert len(e.token_ids) == BS * len(e.block_hashes)
+            else:
+                assert (e.group, e.group_kind, e.sliding_window) == (0, "full_attention", None)
+        assert index.apply(0, events)["gaps"] == []
+        # the same without group 1, unnumbered (the filtered stream has gaps by design)
+        kv_only.apply(0, [{**event_from_dict(event_to_dict(e)), "sequence": None} for e in events if e.group == 0])
+        for e in events:
+            small.apply("a", event_to_dict(e))
+        pool.check()
+        index.check()
+        for tokens in probes:
+            plan = pool.plan(kvpool.Sequence(tokens))
+            if plan is None:
+                continue
+            rank = plan.dp_rank
+            rows = [t for _, r, m, _, t in index.lookup(tokens) if r == rank and m == "device"]
+            assert max(rows, default=0) == plan.num_cached_tokens, f"step {step}"
+            assert small_index_blocks(small, ("a", rank), tokens) * BS == plan.num_cached_tokens
+            kv = max((t for _, r, m, _, t in kv_only.lookup(tokens) if r == rank and m == "device"), default=0)
+            compared += plan.num_cached_tokens
+            trimmed += kv > plan.num_cached_tokens
+    for rank, numbers in seen.items():
+        assert numbers == list(range(1, len(numbers) + 1)), "gap-free, from 1, per rank"
+        assert pool.last_event_sequence(rank) == len(numbers)
+    assert kinds == {"stored", "removed"}
+    assert compared > 0, "some probes hit"
+    # a window of one token needs no block before the boundary: it never trims a hit
+    assert (trimmed > 0) == (window > 1), "full attention alone claims hits the window cannot serve"
+
+
+def test_window_removal_after_a_lock_free_drop_and_the_reset_clears_the_group():
+    pool = kvpool.BlockManagerPool(32, BS, sliding_window=8, enable_events=True)
+    tokens = list(range(4 * BS + 1))
+    seq = kvpool.Sequence(tokens, extra_key=b"k")
+    assert pool.allocate(seq)
+    seq.num_computed_tokens = 4 * BS
+    pool.cache(seq)
+    stored = [e for e in pool.drain_events() if e.group == 1]
+    hashes = kvpool.hash_blocks(tokens, BS, extra_key=b"k")
+    assert [e.kind for e in stored] == ["stored", "removed"]
+    assert stored[0].block_hashes == hashes and stored[0].parent_hash is None and stored[0].extra_key == b"k"
+    assert stored[1].block_hashes == hashes[:2], "slid out of the window"
+    del seq  # its last handles drop where the pool does not see it
+    removed = [e for e in pool.drain_events() if e.group == 1]
+    assert [(e.kind, e.block_hashes, e.extra_key) for e in removed] == [("removed", hashes[2:], b"k")]
+    again = kvpool.Sequence(tokens, extra_key=b"k")
+    assert pool.allocate(again)
+    again.num_computed_tokens = 4 * BS
+    pool.deallocate(again)  # keeps the window tail
+    assert [e.kind for e in pool.drain_events() if e.group == 1] == ["stored", "removed"]
+    pool.reset_prefix_cache()
+    events = pool.drain_events()
+    assert [(e.kind, e.group) for e in events] == [("cleared", 0)], "one cleared covers every group"
+    index = kvpool.KVIndex()
+    index.apply(0, events)
+    assert index.lookup(tokens) == []
+    pool.check()

@@ -14,7 +14,8 @@ pub struct PyKvEvent {
     kind: &'static str,
     /// "device", "host" or "remote".
     medium: &'static str,
-    /// The KV-cache group: 0 full attention, 1 the linear-state checkpoints (R22).
+    /// The KV-cache group: 0 full attention, then the pool's other groups in the order of a
+    /// sequence's tables (the linear-state checkpoints, R22; the sliding window, R25).
     group: u32,
     /// "full_attention", "sliding_window" or "linear_state".
     group_kind: &'static str,

@@ -28,9 +28,17 @@
 //! Invariants (checked by [`SlidingWindowBlockManager::check`]): those of the block manager
 //! (R1-R5, with `cached` = kept tail blocks nothing else holds); a block has the `CACHED` bit
 //! iff it is in the kept list; index entries name real ids (stale ones are skipped on lookup and
-//! pruned in bulk when the index outgrows twice the number of ids).
+//! pruned in bulk when the index outgrows twice the number of ids); with events on, every
+//! findable published block is announced (`events.rs`).
+//!
+//! Events (R21, `events.rs`): with [`SlidingWindowBlockManager::set_record_events`], a
+//! publication queues a "stored" event and a block that stopped being findable a "removed" one,
+//! found by [`SlidingWindowBlockManager::sweep_events`] (its last handle may drop on any
+//! thread, lock-free, where the manager does not see it).
 //!
 //! [`BlockStore::try_retain`]: crate::block::BlockStore
+
+mod events;
 
 use std::collections::{HashMap, VecDeque};
 
@@ -39,6 +47,9 @@ use crate::block::{Block, CACHED, COUNT_MASK};
 use crate::error::{ensure_arg, ensure_invariant, Result};
 use crate::hash::BlockHash;
 use crate::manager::{BlockCounts, BlockManager, BlockManagerImpl, ManagerConfig};
+use crate::prefix_cache::{CacheEvent, ExtraKey};
+
+use events::WindowEvents;
 
 /// A sequence's table in a sliding-window group: `released` leading entries are padding (0),
 /// then the blocks it still holds.
@@ -98,6 +109,9 @@ pub struct SlidingWindowBlockManager {
     sharing: Option<WindowIndex>,
     /// Kept window tails of finished sequences, oldest first (each with the `CACHED` bit).
     kept: VecDeque<u32>,
+    /// KV events (R21), when recorded (only with sharing: nothing is findable otherwise);
+    /// boxed, so a manager without them stays small.
+    events: Option<Box<WindowEvents>>,
 }
 
 /// Chain hash -> block id of published window blocks (entries hold no reference).
@@ -134,7 +148,51 @@ impl SlidingWindowBlockManager {
             window,
             sharing,
             kept: VecDeque::new(),
+            events: None,
         })
+    }
+
+    /// Records KV events (R21) from now on (`on`), or stops and forgets them. Only with
+    /// sharing: without it no block is ever findable, so there is nothing to announce.
+    pub fn set_record_events(&mut self, on: bool) {
+        self.events = (on && self.sharing.is_some()).then(Box::default);
+    }
+
+    /// Queues a "removed" event for every announced block that is no longer findable (its
+    /// last handle dropped, a kept tail evicted); returns how many hashes left. The pool calls
+    /// it when it takes its events.
+    pub fn sweep_events(&mut self) -> usize {
+        let Some(events) = self.events.as_mut() else {
+            return 0;
+        };
+        let Some(sharing) = self.sharing.as_ref() else {
+            return 0;
+        };
+        let store = &self.inner.store;
+        events.sweep(|hash, id| Self::findable(sharing, store, hash, id))
+    }
+
+    /// Takes the queued events, oldest first (empty without events).
+    pub fn take_events(&mut self) -> Vec<CacheEvent> {
+        self.events.as_mut().map(|e| e.take()).unwrap_or_default()
+    }
+
+    /// Blocks announced by a "stored" event and not yet by a "removed" one.
+    pub fn num_announced(&self) -> usize {
+        self.events.as_ref().map_or(0, |e| e.num_announced())
+    }
+
+    /// Whether a prefix hit can find block `id` under `hash`: the index names it, it is held
+    /// and published under that hash (the rule of [`Self::find`], tokens aside).
+    fn findable(
+        sharing: &WindowIndex,
+        store: &crate::block::BlockStore,
+        hash: BlockHash,
+        id: u32,
+    ) -> bool {
+        sharing.index.get(&hash.0) == Some(&id)
+            && store.state(id) & COUNT_MASK != 0
+            && sharing.published[id as usize] == Some(hash)
     }
 
     /// Bytes a manager of these numbers allocates (for [`crate::alloc::probe`]).
@@ -315,13 +373,15 @@ impl SlidingWindowBlockManager {
     }
 
     /// Publishes the held blocks of `table` among its first `num_full` entries (full blocks
-    /// whose KV exists) under their chain hashes, so prefix hits can share them.
+    /// whose KV exists) under their chain hashes, so prefix hits can share them; with events,
+    /// queues their "stored" events (`extra_key`: the chain's).
     pub fn publish(
         &mut self,
         table: &mut WindowTable,
         hashes: &[BlockHash],
         tokens: &[u32],
         num_full: usize,
+        extra_key: Option<&ExtraKey>,
     ) {
         let block_size = self.block_size();
         let Some(sharing) = self.sharing.as_mut() else {
@@ -343,9 +403,14 @@ impl SlidingWindowBlockManager {
                 }
             }
             sharing.published[id] = Some(hash);
-            sharing.tokens[id * block_size..(id + 1) * block_size]
-                .copy_from_slice(&tokens[i * block_size..(i + 1) * block_size]);
+            let block_tokens = &tokens[i * block_size..(i + 1) * block_size];
+            sharing.tokens[id * block_size..(id + 1) * block_size].copy_from_slice(block_tokens);
             sharing.index.insert(hash.0, id as u32);
+            if let Some(events) = self.events.as_mut() {
+                // Any older block of this hash failed the first-writer test above: unfindable.
+                let parent = i.checked_sub(1).map(|p| hashes[p]);
+                events.stored(hash, parent, block_tokens, id as u32, extra_key);
+            }
         }
         table.published = table.published.max(end);
         if sharing.index.len() > 2 * sharing.published.len() + 64 {
@@ -407,8 +472,17 @@ impl SlidingWindowBlockManager {
         true
     }
 
+    /// Forgets the announced blocks without removal events: the caller records a "cleared"
+    /// event that covers them (the pool's reset, whose device "cleared" covers every group).
+    pub(crate) fn forget_events(&mut self) {
+        if let Some(events) = self.events.as_mut() {
+            events.forget();
+        }
+    }
+
     /// Forgets every published block and drops the kept tails (blocks of running sequences
-    /// stay with them).
+    /// stay with them). With events, the announced blocks are removed at the next sweep
+    /// unless the caller forgets them ([`Self::forget_events`]).
     pub fn reset_sharing(&mut self) {
         self.drop_kept();
         if let Some(sharing) = self.sharing.as_mut() {
@@ -500,6 +574,12 @@ impl BlockManager for SlidingWindowBlockManager {
                     (id as usize) < sharing.published.len() && id != 0,
                     "window index entry points at id {id}"
                 );
+            }
+            if let Some(events) = &self.events {
+                let store = &self.inner.store;
+                events.check(sharing.index.iter(), |hash, id| {
+                    Self::findable(sharing, store, hash, id)
+                })?;
             }
         }
         Ok(())

@@ -319,9 +319,18 @@ proptest! {
         config.linear_state_save = if promote { LinearStateSave::Promote } else { LinearStateSave::Copy };
         config.linear_state_match =
             if contiguous { LinearStateMatch::Contiguous } else { LinearStateMatch::Deepest };
+        config.enable_events = true;
         let mut pool = BlockManagerPool::new(config).unwrap();
         let mut seqs: Vec<Sequence> = Vec::new();
         let mut plans = Vec::new();
+        // Events of every group (R21): gap-free, the window after the linear group, and (no
+        // linear group: the index learns a group from its first stored event, and a linear
+        // group stores nothing before its first committed checkpoint) an index fed them
+        // agreeing with the pool's plan.
+        let index = KVIndex::new(IndexConfig::default()).unwrap();
+        let mut last = vec![0];
+        let window_group = 1 + u32::from(config.linear_state_slots > 0);
+        let probes: Vec<Vec<u32>> = (0..4u32).map(|p| (0..17).map(|i| p * 1000 + i).collect()).collect();
         for op in ops {
             match op {
                 Op::Allocate { prefix, len, chunk } => {
@@ -376,6 +385,20 @@ proptest! {
             for s in &seqs {
                 pool.check_sequence(s).unwrap();
             }
+            let events = pool.drain_events();
+            for e in &events {
+                if let GroupKind::SlidingWindow { window: w } = e.group_kind {
+                    prop_assert_eq!((Some(w as usize), e.group), (window, window_group));
+                }
+            }
+            feed(&index, &events, &mut last);
+            if config.linear_state_slots == 0 {
+                for probe in &probes {
+                    if let Some(plan) = pool.plan(&mut Sequence::new(probe.clone(), None, None), None).unwrap() {
+                        prop_assert_eq!(credited(&index, probe, 0), plan.num_cached_blocks());
+                    }
+                }
+            }
         }
         for mut s in seqs.drain(..) {
             pool.deallocate(&mut s).unwrap();
@@ -396,4 +419,320 @@ proptest! {
         prop_assert_eq!(stats.total.num_committed_checkpoints, 0);
         prop_assert_eq!(pool.num_pending_linear_state_copies(), 0);
     }
+}
+
+// ---- KV events of the sliding-window group (R21, R25, issue 21 item 1) ----
+
+use kvpool::{GroupKind, IndexConfig, IndexEvent, KVIndex, KvEvent, KvEventKind, Medium};
+
+fn window_pool(
+    num_blocks: usize,
+    window: usize,
+    swa: Option<usize>,
+    dp: usize,
+) -> BlockManagerPool {
+    let mut config = PoolConfig::new(num_blocks, 4);
+    config.sliding_window = Some(window);
+    config.swa_num_blocks = swa;
+    config.enable_events = true;
+    config.dp_size = dp;
+    BlockManagerPool::new(config).unwrap()
+}
+
+/// Applies `events` to `index`, checking the numbers continue each rank's stream (`last`).
+fn feed(index: &KVIndex, events: &[KvEvent], last: &mut [u64]) {
+    for e in events {
+        assert_eq!(e.sequence, last[e.dp_rank] + 1, "gap-free per rank");
+        last[e.dp_rank] = e.sequence;
+    }
+    let batch: Vec<IndexEvent> = events.iter().map(KvEvent::to_index_event).collect();
+    assert!(index.apply(0, batch).unwrap().gaps.is_empty());
+}
+
+/// Blocks the index credits `rank`'s device with for `tokens` (block size 4).
+fn credited(index: &KVIndex, tokens: &[u32], rank: usize) -> usize {
+    let chain = BlockHasher::default().chain(tokens, 4, None);
+    index
+        .lookup_chain(&chain, 4, 0.0)
+        .iter()
+        .filter(|m| m.dp_rank as usize == rank && m.medium == Medium::Device)
+        .map(|m| m.blocks as usize)
+        .max()
+        .unwrap_or(0)
+}
+
+#[test]
+fn window_group_events_carry_every_field_and_follow_the_blocks() {
+    let mut pool = window_pool(32, 8, Some(16), 1);
+    let tokens: Vec<u32> = (0..20).collect();
+    let hashes = BlockHasher::default().chain(&tokens, 4, Some(b"salt"));
+    let mut a = Sequence::new(tokens.clone(), None, Some(b"salt"));
+    assert!(pool.allocate(&mut a, None).unwrap());
+    a.set_num_computed_tokens(20).unwrap();
+    pool.cache(&mut a).unwrap(); // publishes 5 window blocks, then slides 3 out
+    let events = pool.drain_events();
+    let window: Vec<&KvEvent> = events.iter().filter(|e| e.group == 1).collect();
+    assert_eq!(window.len(), 2, "{events:?}");
+    for e in &window {
+        assert_eq!(e.group_kind, GroupKind::SlidingWindow { window: 8 });
+        assert_eq!((e.medium, e.dp_rank, e.block_size), (Medium::Device, 0, 4));
+        assert_eq!(e.extra_key.as_deref(), Some(&b"salt"[..]));
+    }
+    assert_eq!(window[0].kind, KvEventKind::Stored);
+    assert_eq!(window[0].block_hashes, hashes);
+    assert_eq!(
+        (window[0].parent_hash, &window[0].token_ids),
+        (None, &tokens)
+    );
+    assert_eq!(
+        window[1].kind,
+        KvEventKind::Removed,
+        "slid out: last handle dropped"
+    );
+    assert_eq!(window[1].block_hashes, hashes[..3]);
+    assert!(
+        window[0].sequence < window[1].sequence,
+        "a removal after its store"
+    );
+    let numbers: Vec<u64> = events.iter().map(|e| e.sequence).collect();
+    assert_eq!(numbers, (1..=events.len() as u64).collect::<Vec<_>>());
+    // The next block is published with its parent; deallocate keeps the tail (no removal).
+    a.append_token(20);
+    assert!(pool.may_append(&mut a, 0).unwrap());
+    a.append_tokens(&[21, 22, 23]);
+    assert!(pool.may_append(&mut a, 0).unwrap());
+    a.set_num_computed_tokens(24).unwrap();
+    pool.cache(&mut a).unwrap();
+    let events = pool.drain_events();
+    let stored = events
+        .iter()
+        .find(|e| e.group == 1 && e.kind == KvEventKind::Stored)
+        .unwrap();
+    assert_eq!(stored.parent_hash, Some(hashes[4]));
+    assert_eq!(stored.token_ids, vec![20, 21, 22, 23]);
+    pool.deallocate(&mut a).unwrap();
+    pool.check().unwrap();
+    let events = pool.drain_events();
+    assert!(events
+        .iter()
+        .all(|e| e.group != 1 || e.kind == KvEventKind::Removed));
+    assert_eq!(
+        pool.window_manager(0).unwrap().num_announced(),
+        2,
+        "the kept tail"
+    );
+    // Evicting the kept tail removes it; a reset's device "cleared" covers the group.
+    assert_eq!(pool.window_manager_mut(0).unwrap().evict(1), 1);
+    let removed: Vec<KvEvent> = pool.drain_events();
+    assert_eq!(removed.len(), 1);
+    assert_eq!(
+        (removed[0].group, removed[0].kind),
+        (1, KvEventKind::Removed)
+    );
+    pool.reset_prefix_cache();
+    let events = pool.drain_events();
+    assert_eq!(events.len(), 1);
+    assert_eq!((events[0].kind, events[0].group), (KvEventKind::Cleared, 0));
+    assert_eq!(pool.window_manager(0).unwrap().num_announced(), 0);
+    pool.check().unwrap();
+}
+
+#[test]
+fn a_sequence_dropped_on_another_thread_is_removed_at_the_next_drain() {
+    let mut pool = window_pool(64, 8, None, 1);
+    let tokens: Vec<u32> = (0..17).collect();
+    let mut a = Sequence::new(tokens.clone(), None, None);
+    assert!(pool.allocate(&mut a, None).unwrap());
+    a.set_num_computed_tokens(16).unwrap();
+    pool.cache(&mut a).unwrap();
+    let index = KVIndex::new(IndexConfig::default()).unwrap();
+    let mut last = vec![0];
+    feed(&index, &pool.drain_events(), &mut last);
+    assert_eq!(credited(&index, &tokens, 0), 4);
+    // Dropped without deallocate (R27: lock-free, the pool never sees it).
+    std::thread::spawn(move || drop(a)).join().unwrap();
+    let events = pool.drain_events();
+    assert!(events
+        .iter()
+        .any(|e| e.group == 1 && e.kind == KvEventKind::Removed));
+    feed(&index, &events, &mut last);
+    let plan = pool
+        .plan(&mut Sequence::new(tokens.clone(), None, None), None)
+        .unwrap()
+        .unwrap();
+    assert_eq!(plan.num_cached_blocks(), 0, "the window blocks are gone");
+    assert_eq!(credited(&index, &tokens, 0), 0, "and the index agrees");
+    pool.check().unwrap();
+}
+
+#[derive(Clone, Debug)]
+enum WindowOp {
+    Allocate { prefix: u8, len: u8 },
+    Step { seq: u8 },
+    Free { seq: u8 },
+    Drop { seq: u8 },
+    Evict { n: u8 },
+    Reset,
+}
+
+fn window_op() -> impl Strategy<Value = WindowOp> {
+    prop_oneof![
+        4 => (0u8..4, 1u8..40).prop_map(|(prefix, len)| WindowOp::Allocate { prefix, len }),
+        4 => (0u8..8).prop_map(|seq| WindowOp::Step { seq }),
+        2 => (0u8..8).prop_map(|seq| WindowOp::Free { seq }),
+        1 => (0u8..8).prop_map(|seq| WindowOp::Drop { seq }),
+        1 => (1u8..4).prop_map(|n| WindowOp::Evict { n }),
+        1 => Just(WindowOp::Reset),
+    ]
+}
+
+fn window_prompt(prefix: u8, len: u8) -> Vec<u32> {
+    (0..len as u32)
+        .map(|i| {
+            if i < 24 {
+                prefix as u32 * 1000 + i
+            } else {
+                7 * i
+            }
+        })
+        .collect()
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+    /// Random workloads on a pool with a sliding window: after every step the events are
+    /// gap-free per rank and an index fed them credits each probe with exactly the device hit
+    /// the pool's own plan finds (full attention and the window together).
+    #[test]
+    fn an_index_fed_window_events_agrees_with_the_pool(
+        ops in proptest::collection::vec(window_op(), 1..70),
+        window in 1usize..14,
+        dp in 1usize..3,
+    ) {
+        let mut pool = window_pool(40, window, Some(14), dp);
+        let index = KVIndex::new(IndexConfig::default()).unwrap();
+        let mut last = vec![0; dp];
+        let mut seqs: Vec<Sequence> = Vec::new();
+        let probes: Vec<Vec<u32>> = (0..4u8).map(|p| window_prompt(p, 25)).collect();
+        for op in ops {
+            match op {
+                WindowOp::Allocate { prefix, len } => {
+                    let mut seq = Sequence::new(window_prompt(prefix, len), None, None);
+                    if pool.allocate(&mut seq, None).unwrap() {
+                        seqs.push(seq);
+                    }
+                }
+                WindowOp::Step { seq } if !seqs.is_empty() => {
+                    let i = seq as usize % seqs.len();
+                    let s = &mut seqs[i];
+                    let n = s.len();
+                    s.set_num_computed_tokens(n).unwrap();
+                    pool.cache(s).unwrap();
+                    s.append_token(5);
+                    if !pool.may_append(s, 0).unwrap() {
+                        let mut s = seqs.swap_remove(i);
+                        pool.deallocate(&mut s).unwrap();
+                    }
+                }
+                WindowOp::Free { seq } if !seqs.is_empty() => {
+                    let mut s = seqs.swap_remove(seq as usize % seqs.len());
+                    pool.deallocate(&mut s).unwrap();
+                }
+                WindowOp::Drop { seq } if !seqs.is_empty() => {
+                    drop(seqs.swap_remove(seq as usize % seqs.len())); // lock-free (R27)
+                }
+                WindowOp::Evict { n } => {
+                    for rank in 0..dp {
+                        pool.window_manager_mut(rank).unwrap().evict(n as usize);
+                    }
+                }
+                WindowOp::Reset => pool.reset_prefix_cache(),
+                _ => {}
+            }
+            let events = pool.drain_events();
+            for e in &events {
+                prop_assert_eq!(e.block_size, 4);
+                prop_assert_eq!(e.medium, Medium::Device);
+                if e.group == 1 {
+                    prop_assert_eq!(e.group_kind, GroupKind::SlidingWindow { window: window as u32 });
+                    prop_assert!(e.kind != KvEventKind::Cleared);
+                }
+            }
+            feed(&index, &events, &mut last);
+            pool.check().unwrap();
+            index.check().unwrap();
+            for (rank, &number) in last.iter().enumerate() {
+                prop_assert_eq!(pool.last_event_sequence(rank).unwrap(), number);
+            }
+            for probe in &probes {
+                let mut seq = Sequence::new(probe.clone(), None, None);
+                if let Some(plan) = pool.plan(&mut seq, None).unwrap() {
+                    let held = credited(&index, probe, plan.dp_rank());
+                    prop_assert_eq!(held, plan.num_cached_blocks(), "probe {:?}", &probe[..2]);
+                }
+            }
+        }
+    }
+}
+
+/// R27 with events: sequences dropped on other threads while the pool (behind its lock) keeps
+/// serving and draining; once the drops are done, one more drain leaves an index fed every
+/// event agreeing with the pool, and no announced window block outlives its handles.
+#[test]
+fn window_removals_of_concurrent_drops_reach_the_index() {
+    let pool = std::sync::Mutex::new(window_pool(400, 8, Some(200), 1));
+    let index = KVIndex::new(IndexConfig::default()).unwrap();
+    let mut last = vec![0];
+    let prompt = |i: u32| -> Vec<u32> { (0..21).map(|t| 100 * (i % 6) + t).collect() };
+    let mut batches = Vec::new();
+    for round in 0..4u32 {
+        let mut seqs = Vec::new();
+        for i in 0..12 {
+            let mut s = Sequence::new(prompt(round * 12 + i), None, None);
+            let mut p = pool.lock().unwrap();
+            if p.allocate(&mut s, None).unwrap() {
+                s.set_num_computed_tokens(20).unwrap();
+                p.cache(&mut s).unwrap();
+                seqs.push(s);
+            }
+        }
+        std::thread::scope(|scope| {
+            // Three threads drop their sequences one by one while this one drains.
+            let mut rest = std::mem::take(&mut seqs);
+            while !rest.is_empty() {
+                let mine: Vec<Sequence> = rest.drain(..rest.len().min(4)).collect();
+                scope.spawn(move || mine.into_iter().for_each(drop));
+            }
+            for _ in 0..20 {
+                let mut p = pool.lock().unwrap();
+                // (No check() here: the counts are exact only at quiescence, R2.)
+                batches.push(p.drain_events());
+            }
+        });
+        let mut p = pool.lock().unwrap();
+        batches.push(p.drain_events());
+        for events in batches.drain(..) {
+            feed(&index, &events, &mut last);
+        }
+        p.check().unwrap();
+        assert_eq!(
+            p.window_manager(0).unwrap().num_announced(),
+            0,
+            "round {round}"
+        );
+        for i in 0..6 {
+            let tokens = prompt(i);
+            let plan = p
+                .plan(&mut Sequence::new(tokens.clone(), None, None), None)
+                .unwrap()
+                .unwrap();
+            assert_eq!(credited(&index, &tokens, 0), plan.num_cached_blocks());
+            assert_eq!(
+                plan.num_cached_blocks(),
+                0,
+                "no window block is held any more"
+            );
+        }
+    }
+    index.check().unwrap();
 }

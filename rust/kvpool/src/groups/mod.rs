@@ -204,9 +204,10 @@ impl Group {
         hashes: &[BlockHash],
         tokens: &[u32],
         full: usize,
+        extra_key: Option<&crate::prefix_cache::ExtraKey>,
     ) {
         if let (Self::Window(g), GroupTable::Window(t)) = (self, table) {
-            g.publish(t, hashes, tokens, full);
+            g.publish(t, hashes, tokens, full, extra_key);
         }
     }
 

@@ -7,12 +7,16 @@
 //! still in the window are kept for a next turn. Window blocks never go to a host tier: a hit
 //! whose window blocks are missing is trimmed (docs/host_tier.md).
 //!
+//! Events (R21): the manager's (`sliding_window/events.rs`): "stored" at publication,
+//! "removed" once a block is no longer findable (found when the pool takes its events).
+//!
 //! Invariants: those of the manager (`SlidingWindowBlockManager::check`); a sequence's window
 //! table has as many entries as its full-attention table.
 
 use crate::error::{ensure_invariant, Result};
 use crate::hash::BlockHash;
 use crate::manager::{BlockCounts, BlockManager};
+use crate::prefix_cache::ExtraKey;
 use crate::sliding_window::{SlidingWindowBlockManager, WindowTable};
 
 /// The sliding-window group of one rank.
@@ -85,16 +89,18 @@ impl WindowGroup {
         need <= self.manager.available_after_slide(table, computed)
     }
 
-    /// Publishes the held full computed blocks among the first `full` entries.
+    /// Publishes the held full computed blocks among the first `full` entries (with events:
+    /// their "stored" events, under the chain's `extra_key`).
     pub(crate) fn publish(
         &mut self,
         table: &mut WindowTable,
         hashes: &[BlockHash],
         tokens: &[u32],
         full: usize,
+        extra_key: Option<&ExtraKey>,
     ) {
         if table.published < full {
-            self.manager.publish(table, hashes, tokens, full);
+            self.manager.publish(table, hashes, tokens, full, extra_key);
         }
     }
 
@@ -113,8 +119,11 @@ impl WindowGroup {
         self.manager.keep_tail(table);
     }
 
+    /// Drops the publications and kept tails; the events announced so far are forgotten, as
+    /// the rank's device "cleared" event (which the pool records with the reset) covers them.
     pub(crate) fn reset(&mut self) {
         self.manager.reset_sharing();
+        self.manager.forget_events();
     }
 
     pub(crate) fn counts(&self) -> BlockCounts {

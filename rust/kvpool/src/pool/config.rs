@@ -225,7 +225,7 @@ impl PoolConfig {
                 )));
             }
             if let Some(window) = self.sliding_window {
-                let manager = SlidingWindowBlockManager::new(
+                let mut manager = SlidingWindowBlockManager::new(
                     self.swa_blocks(),
                     self.block_size,
                     window,
@@ -235,6 +235,7 @@ impl PoolConfig {
                     e.renamed("num_blocks", "swa_num_blocks")
                         .renamed("window", "sliding_window")
                 })?;
+                manager.set_record_events(self.enable_events);
                 groups.push(Group::Window(WindowGroup::new(manager)));
             }
             ranks.push(Rank {

@@ -8,9 +8,13 @@
 //!   repeat, in the order they were recorded, whatever their medium;
 //! - the replay buffer of a rank holds the last `min(recorded, capacity)` events of that rank,
 //!   consecutive numbers ending at the rank's last; `events_since` answers exactly from it;
-//! - every event names its medium, group (0: full attention; the linear-state group's
-//!   checkpoints are group 1; the sliding-window group records none yet), dp rank, block size,
-//!   extra key and parent hash.
+//! - every event names its medium, group (0: full attention; the rank's other groups 1, 2, ...
+//!   in the order of a sequence's tables: the linear-state group's checkpoints, the
+//!   sliding-window group's published blocks), dp rank, block size, extra key and parent hash;
+//! - a sliding-window group's "removed" events follow its "stored" ones per hash (its blocks
+//!   that stopped being findable are found when the pool takes its events, `drain_events`, or
+//!   when the hash is published again, whichever comes first), and a reset's device "cleared"
+//!   covers every group of the rank.
 
 use std::collections::VecDeque;
 
@@ -64,9 +68,10 @@ pub struct KvEvent {
     pub kind: KvEventKind,
     /// Where the blocks live: the device cache, the host tier or the remote tier.
     pub medium: Medium,
-    /// The KV-cache group: 0 full attention, 1 the linear-state checkpoints (R22).
+    /// The KV-cache group: 0 full attention, then the rank's other groups in the order of a
+    /// sequence's tables (the linear-state checkpoints, R22; the sliding window, R25).
     pub group: u32,
-    /// The group's kind.
+    /// The group's kind (with its window for a sliding window).
     pub group_kind: GroupKind,
     /// The chain hashes of the blocks (R6).
     pub block_hashes: Vec<BlockHash>,
@@ -187,8 +192,17 @@ impl EventLog {
 }
 
 impl BlockManagerPool {
-    /// Moves the events of `rank`'s device and host caches into the pool's list (R21).
+    /// Moves the events of `rank`'s device and host caches and groups into the pool's list
+    /// (R21). Inline: most pools record no events, and every step of theirs asks.
+    #[inline]
     pub(crate) fn collect_events(&mut self, rank: usize) {
+        if self.events.is_some() {
+            self.record_events(rank);
+        }
+    }
+
+    /// [`Self::collect_events`] of a pool that records events.
+    fn record_events(&mut self, rank: usize) {
         let Some(log) = self.events.as_mut() else {
             return;
         };
@@ -199,8 +213,22 @@ impl BlockManagerPool {
         if let Some(cache) = self.host.as_mut().and_then(|h| h.cache_mut(rank)) {
             log.record_cache(cache, Medium::Host, bs, rank);
         }
-        // The linear-state group's checkpoints (R22): one block each, under its prefix hash.
         for (position, group) in self.ranks[rank].groups.iter_mut().enumerate() {
+            // Groups after full attention (0), in the order of a sequence's tables.
+            let group_index = position as u32 + 1;
+            if let Some(window) = group.as_window_mut() {
+                let manager = window.manager_mut();
+                // A window past 2**32 tokens covers any sequence, as the largest u32 does.
+                let window = u32::try_from(manager.window()).unwrap_or(u32::MAX);
+                for event in manager.take_events() {
+                    let mut event = KvEvent::of_cache(event, Medium::Device, bs, rank);
+                    event.group = group_index;
+                    event.group_kind = GroupKind::SlidingWindow { window };
+                    log.record(event);
+                }
+                continue;
+            }
+            // The linear-state group's checkpoints (R22): one block each, under its prefix hash.
             let Some(linear) = group.as_linear_mut() else {
                 continue;
             };
@@ -212,8 +240,7 @@ impl BlockManagerPool {
                     KvEventKind::Removed
                 };
                 let mut event = KvEvent::new(kind, Medium::Device, bs, rank);
-                // Groups after full attention (0), in the order of a sequence's tables.
-                event.group = position as u32 + 1;
+                event.group = group_index;
                 event.group_kind = GroupKind::LinearState;
                 event.block_hashes.push(hash);
                 log.record(event);
@@ -221,8 +248,20 @@ impl BlockManagerPool {
         }
     }
 
-    /// Takes the recorded KV events (R21); empty unless `enable_events`.
+    /// Takes the recorded KV events (R21); empty unless `enable_events`. First records the
+    /// removals of sliding-window blocks that stopped being findable since the last call
+    /// (their last handle drops lock-free, where the pool does not see it).
     pub fn drain_events(&mut self) -> Vec<KvEvent> {
+        if self.slides && self.events.is_some() {
+            for rank in 0..self.ranks.len() {
+                for group in &mut self.ranks[rank].groups {
+                    if let Some(window) = group.as_window_mut() {
+                        window.manager_mut().sweep_events();
+                    }
+                }
+                self.collect_events(rank);
+            }
+        }
         self.events
             .as_mut()
             .map(|log| std::mem::take(&mut log.pending))

@@ -495,7 +495,7 @@ impl BlockManagerPool {
                     raw_key,
                     full * block_size,
                 );
-                group.publish(table, hashes, tokens, full);
+                group.publish(table, hashes, tokens, full, key);
             }
             group.slide(table, computed);
             if step && group.steps() {
@@ -535,7 +535,7 @@ impl BlockManagerPool {
                     raw_key,
                     full * block_size,
                 );
-                group.publish(table, hashes, tokens, full);
+                group.publish(table, hashes, tokens, full, key);
             }
             group.slide(table, computed);
         }
