@@ -40,12 +40,12 @@
 
 mod events;
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 
 use crate::alloc;
 use crate::block::{Block, CACHED, COUNT_MASK};
 use crate::error::{ensure_arg, ensure_invariant, Result};
-use crate::hash::BlockHash;
+use crate::hash::{BlockHash, ByHash};
 use crate::manager::{BlockCounts, BlockManager, BlockManagerImpl, ManagerConfig};
 use crate::prefix_cache::{CacheEvent, ExtraKey};
 
@@ -116,7 +116,7 @@ pub struct SlidingWindowBlockManager {
 
 /// Chain hash -> block id of published window blocks (entries hold no reference).
 struct WindowIndex {
-    index: HashMap<u128, u32>,
+    index: ByHash<u32>,
     /// The hash each id is published under, if any (cleared when the id is handed out).
     published: Vec<Option<BlockHash>>,
     tokens: Vec<u32>,
@@ -137,7 +137,7 @@ impl SlidingWindowBlockManager {
         let inner = BlockManagerImpl::new(config)?;
         let sharing = match enable_sharing {
             true => Some(WindowIndex {
-                index: HashMap::new(),
+                index: ByHash::default(),
                 published: alloc::filled(num_blocks, "num_blocks", || None)?,
                 tokens: alloc::filled(num_blocks * block_size, "num_blocks", || 0)?,
             }),

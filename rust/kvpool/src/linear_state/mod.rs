@@ -27,12 +27,10 @@
 
 mod check;
 
-use std::collections::HashMap;
-
 use crate::alloc;
 use crate::block::Block;
 use crate::error::{ensure_arg, KvPoolError, Result};
-use crate::hash::BlockHash;
+use crate::hash::{BlockHash, ByHash};
 use crate::manager::{BlockManager, SingleBlockManager};
 
 const NIL: u32 = u32::MAX;
@@ -71,7 +69,7 @@ pub struct LinearStatePrefixCache {
     /// Pending slots that a pool's save plan reserved (see the module doc).
     planned: Vec<bool>,
     /// Pending and committed checkpoints by prefix hash.
-    index: HashMap<u128, u32>,
+    index: ByHash<u32>,
     prev: Vec<u32>,
     next: Vec<u32>,
     /// Oldest unpinned committed checkpoint.
@@ -99,7 +97,7 @@ impl LinearStatePrefixCache {
             hash_of: alloc::filled(num_slots, name, BlockHash::default)?,
             pins: alloc::filled(num_slots, name, || 0)?,
             planned: alloc::filled(num_slots, name, || false)?,
-            index: HashMap::new(),
+            index: ByHash::default(),
             prev: alloc::filled(num_slots, name, || NIL)?,
             next: alloc::filled(num_slots, name, || NIL)?,
             head: NIL,

@@ -21,10 +21,8 @@
 //! - events are queued in the order they happened, consecutive published blocks of one chain
 //!   in one "stored" event whose parent is the hash before the first.
 
-use std::collections::HashMap;
-
 use crate::error::{ensure_invariant, Result};
-use crate::hash::BlockHash;
+use crate::hash::{BlockHash, ByHash};
 use crate::prefix_cache::{CacheEvent, ExtraKey};
 
 /// What the group announced of one hash.
@@ -36,7 +34,7 @@ struct Announced {
 /// The event state of one sliding-window group.
 #[derive(Default)]
 pub(crate) struct WindowEvents {
-    announced: HashMap<u128, Announced>,
+    announced: ByHash<Announced>,
     pending: Vec<CacheEvent>,
 }
 
