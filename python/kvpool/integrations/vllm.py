@@ -222,6 +222,9 @@ class KVCacheManager:
         own (they never hit). Multimodal inputs root the whole chain (vLLM keys each block by the
         inputs it overlaps): such requests share blocks only with identical inputs, never more.
         """
+        if (not request.lora_request and not request.mm_features and not request.cache_salt
+                and request.prompt_embeds is None and not request.skip_reading_prefix_cache):
+            return None  # the common case: the plain chain
         parts: list[Any] = []
         lora = request.lora_request.lora_name if request.lora_request else None
         if lora is not None:
@@ -334,6 +337,16 @@ class KVCacheManager:
         NotImplementedError
             ``num_external_computed_tokens`` (KV connectors).
         """
+        entry = self._seqs.get(request.request_id)
+        if entry is not None and entry.capacity and num_new_tokens and not (
+                num_new_computed_tokens or num_external_computed_tokens):
+            # a running request whose table has room (most decode steps): nothing to call
+            computed = request.num_computed_tokens
+            end = computed + num_new_tokens
+            if end + num_lookahead_tokens <= entry.capacity:
+                if end // self.block_size > computed // self.block_size:
+                    self._unpublished[request.request_id] = (request, entry)  # a block fills
+                return self.empty_kv_cache_blocks
         if num_new_tokens == 0 and num_new_computed_tokens == 0 and num_external_computed_tokens == 0:
             raise ValueError("num_new_tokens: must be > 0 when nothing is computed")
         if num_external_computed_tokens:
@@ -341,7 +354,6 @@ class KVCacheManager:
         computed = request.num_computed_tokens + num_new_computed_tokens
         end = computed + num_new_tokens
         need = min(end + num_lookahead_tokens, self.max_model_len)
-        entry = self._seqs.get(request.request_id)
         if entry is not None and entry.capacity:
             # running (the decode path): tokens are synced only when the pool is called
             if need <= entry.capacity:
@@ -366,9 +378,11 @@ class KVCacheManager:
             ok = self.pool.may_append(seq, need - entry.length)
         if not ok:
             return None
-        entry.capacity = seq.num_blocks * self.block_size
+        new = seq.block_table[old:].tolist()
+        entry.ids += new  # the mirror grows in place, as vLLM's own table lists do
+        entry.capacity = len(entry.ids) * self.block_size
         self._usage = None
-        return PoolBlocks(seq.block_table[old:].tolist())
+        return PoolBlocks(new)
 
     def _admit(self, request: Request, entry: _Entry, need: int, hit_tokens: int,
                hit: KVCacheBlocks | None, must_fit: bool, reserved_blocks: int,
@@ -407,9 +421,10 @@ class KVCacheManager:
             self.pool.deallocate(seq)
             raise ValueError(f"num_new_computed_tokens: {hit_tokens} is not the hit of "
                              f"get_computed_blocks for {request.request_id!r} ({got} tokens now)")
-        entry.capacity = seq.num_blocks * self.block_size
+        ids = entry.ids = seq.block_table.tolist()
+        entry.capacity = len(ids) * self.block_size
         entry.computed = got
-        return PoolBlocks(seq.block_table[got // self.block_size:].tolist())
+        return PoolBlocks(ids[got // self.block_size:])
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Publish the request's full blocks within ``num_computed_tokens`` (the async Scheduler
@@ -438,7 +453,7 @@ class KVCacheManager:
         entry = self._seqs.get(request_id)
         if entry is None or not entry.capacity:
             return self.empty_kv_cache_blocks
-        return PoolBlocks(entry.seq.block_table.tolist())
+        return PoolBlocks(entry.ids)  # get_block_ids copies, as vLLM's
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         """The request's block ids, one list per group."""
@@ -611,8 +626,9 @@ class KVCacheManager:
         for rid, entry in self._seqs.items():
             seq = entry.seq
             table = seq.block_table.tolist()
-            mirror = (entry.length, entry.capacity, entry.computed if entry.capacity else 0)
-            actual = (len(seq), len(table) * self.block_size, seq.num_computed_tokens)
+            mirror = (entry.length, entry.capacity, entry.computed if entry.capacity else 0,
+                      entry.ids if entry.capacity else [])
+            actual = (len(seq), len(table) * self.block_size, seq.num_computed_tokens, table)
             if mirror != actual or (entry.capacity == 0) == seq.is_allocated or 0 in table \
                     or entry.computed > entry.capacity:
                 raise InvariantError(f"request {rid!r}: entry (length, capacity, computed) "
