@@ -441,7 +441,13 @@ class KVCacheManager:
             return
         if entry.capacity:
             self._entry(request)
-            self._publish(entry, request.num_computed_tokens - request.num_in_flight_tokens)
+            computed = request.num_computed_tokens - request.num_in_flight_tokens
+            if self.enable_kv_cache_events:
+                self._publish(entry, computed)  # its BlockStored batch before the release's
+            else:  # deallocate publishes them itself (R18): one call, the same cache after
+                n = min(computed, entry.length, entry.capacity)
+                if n > entry.computed and self.enable_caching:
+                    entry.seq.num_computed_tokens = n
             self.pool.deallocate(entry.seq)
             self._usage = None
         del self._seqs[request.request_id]
