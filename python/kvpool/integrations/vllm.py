@@ -13,8 +13,9 @@ kvpool.integrations.vllm.Scheduler`` (``AsyncScheduler`` with async scheduling).
 Invariants this module keeps:
 
 - One kvpool ``Sequence`` per request the Scheduler has looked up or allocated, keyed by
-  ``request_id``; its tokens are the request's tokens (synced before every pool call, so a decode
-  step that needs no block syncs nothing; a request never loses tokens). ``free`` drops it, so
+  ``request_id``; its tokens are the request's tokens (synced before every pool call that hashes
+  or looks up: ``plan``, an admission, ``cache``, ``deallocate``; a decode step that needs no
+  block, or only a new one, syncs nothing; a request never loses tokens). ``free`` drops it, so
   nothing outlives its request.
 - Block ids are the pool's ids, which are the ids vLLM's workers index: vLLM's null block 0 is
   kvpool's padding block 0 and never appears in a table; ``kv_cache_config.num_blocks`` counts it
@@ -86,6 +87,11 @@ __all__ = ["REQUIRED_VLLM", "KVCacheManager", "PoolBlocks", "Scheduler", "AsyncS
 
 _MEDIUM = "GPU"
 _KIND = "full_attention"
+
+
+def _no_events() -> list[Any]:
+    """``take_events`` of a manager built without KV events."""
+    return []
 
 
 def _unsupported(what: str) -> NotImplementedError:
@@ -213,6 +219,8 @@ class KVCacheManager:
         self._int_hashes = bool(envs.VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES)
         self._chain_keys: dict[bytes, tuple[str | None, str | None]] = {}
         self._usage: float | None = None  # None: blocks were taken or released since the read
+        if not enable_kv_cache_events:  # the Scheduler asks every step: no method binding
+            self.take_events = _no_events  # type: ignore[method-assign]
 
     # ------------------------------------------------------------------------------ requests
     def _extra_key(self, request: Request) -> bytes | None:
@@ -359,7 +367,7 @@ class KVCacheManager:
             if need <= entry.capacity:
                 blocks = self.empty_kv_cache_blocks
             else:
-                blocks = self._grow(self._entry(request), need)
+                blocks = self._grow(entry, need)  # a count only: the tokens can wait
         else:
             entry = self._entry(request)
             blocks = self._admit(request, entry, need, num_new_computed_tokens, new_computed_blocks,
@@ -370,6 +378,9 @@ class KVCacheManager:
         return blocks
 
     def _grow(self, entry: _Entry, need: int) -> KVCacheBlocks | None:
+        """The table grown to ``need`` tokens. Either call grows it the same way (the core's
+        ``grow(seq, need)``): the sequence may lag behind the request's tokens, which only
+        hashing reads."""
         seq = entry.seq
         old = entry.capacity // self.block_size
         if need <= entry.length:
