@@ -39,7 +39,9 @@ class PoolBlocks(KVCacheBlocks):
         return ([KVCacheBlock(i) for i in self.block_ids],)
 
     def get_block_ids(self, allow_none: bool = False, *, group_ids: Sequence[int] | None = None):  # type: ignore[override]
-        groups = (0,) if group_ids is None else tuple(group_ids)
+        if group_ids is None:  # what the Scheduler asks: a fresh list, as vLLM's
+            return None if allow_none and not self.block_ids else (self.block_ids[:],)
+        groups = tuple(group_ids)
         if any(g != 0 for g in groups):
             raise IndexError(f"group_ids: the KV cache has one group (0), got {list(groups)}")
         if allow_none and (not self.block_ids or not groups):
@@ -52,7 +54,9 @@ class _EmptyBlocks(KVCacheBlocks):
     ``get_block_ids`` without a walk: what most decode steps return."""
 
     def get_block_ids(self, allow_none: bool = False, *, group_ids: Sequence[int] | None = None):  # type: ignore[override]
-        if group_ids is not None and any(g != 0 for g in group_ids):
+        if group_ids is None:
+            return None if allow_none else ([],)
+        if any(g != 0 for g in group_ids):
             raise IndexError(f"group_ids: the KV cache has one group (0), got {list(group_ids)}")
         return None if allow_none else ([],)
 
@@ -84,15 +88,18 @@ class _Entry:
     """A request's kvpool sequence and a Python mirror of what the hot path reads of it (pyo3
     property reads cost more than the rest of a decode step): ``length`` = ``len(seq)``,
     ``capacity`` = tokens its table holds (0: holds no blocks), ``computed`` =
-    ``seq.num_computed_tokens``. ``KVCacheManager.check`` compares them."""
+    ``seq.num_computed_tokens``, ``ids`` = ``seq.block_table`` as a list while it holds blocks
+    (grown in place: ``get_blocks`` hands it out, ``get_block_ids`` copies it).
+    ``KVCacheManager.check`` compares them."""
 
-    __slots__ = ("seq", "length", "capacity", "computed")
+    __slots__ = ("seq", "length", "capacity", "computed", "ids")
 
     def __init__(self, seq: PoolSequence, length: int) -> None:
         self.seq = seq
         self.length = length
         self.capacity = 0
         self.computed = 0
+        self.ids: list[int] = []
 
 
 class _GroupView:

@@ -13,8 +13,9 @@ kvpool.integrations.vllm.Scheduler`` (``AsyncScheduler`` with async scheduling).
 Invariants this module keeps:
 
 - One kvpool ``Sequence`` per request the Scheduler has looked up or allocated, keyed by
-  ``request_id``; its tokens are the request's tokens (synced before every pool call, so a decode
-  step that needs no block syncs nothing; a request never loses tokens). ``free`` drops it, so
+  ``request_id``; its tokens are the request's tokens (synced before every pool call that hashes
+  or looks up: ``plan``, an admission, ``cache``, ``deallocate``; a decode step that needs no
+  block, or only a new one, syncs nothing; a request never loses tokens). ``free`` drops it, so
   nothing outlives its request.
 - Block ids are the pool's ids, which are the ids vLLM's workers index: vLLM's null block 0 is
   kvpool's padding block 0 and never appears in a table; ``kv_cache_config.num_blocks`` counts it
@@ -86,6 +87,11 @@ __all__ = ["REQUIRED_VLLM", "KVCacheManager", "PoolBlocks", "Scheduler", "AsyncS
 
 _MEDIUM = "GPU"
 _KIND = "full_attention"
+
+
+def _no_events() -> list[Any]:
+    """``take_events`` of a manager built without KV events."""
+    return []
 
 
 def _unsupported(what: str) -> NotImplementedError:
@@ -213,6 +219,8 @@ class KVCacheManager:
         self._int_hashes = bool(envs.VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES)
         self._chain_keys: dict[bytes, tuple[str | None, str | None]] = {}
         self._usage: float | None = None  # None: blocks were taken or released since the read
+        if not enable_kv_cache_events:  # the Scheduler asks every step: no method binding
+            self.take_events = _no_events  # type: ignore[method-assign]
 
     # ------------------------------------------------------------------------------ requests
     def _extra_key(self, request: Request) -> bytes | None:
@@ -222,6 +230,9 @@ class KVCacheManager:
         own (they never hit). Multimodal inputs root the whole chain (vLLM keys each block by the
         inputs it overlaps): such requests share blocks only with identical inputs, never more.
         """
+        if (not request.lora_request and not request.mm_features and not request.cache_salt
+                and request.prompt_embeds is None and not request.skip_reading_prefix_cache):
+            return None  # the common case: the plain chain
         parts: list[Any] = []
         lora = request.lora_request.lora_name if request.lora_request else None
         if lora is not None:
@@ -334,6 +345,16 @@ class KVCacheManager:
         NotImplementedError
             ``num_external_computed_tokens`` (KV connectors).
         """
+        entry = self._seqs.get(request.request_id)
+        if entry is not None and entry.capacity and num_new_tokens and not (
+                num_new_computed_tokens or num_external_computed_tokens):
+            # a running request whose table has room (most decode steps): nothing to call
+            computed = request.num_computed_tokens
+            end = computed + num_new_tokens
+            if end + num_lookahead_tokens <= entry.capacity:
+                if end // self.block_size > computed // self.block_size:
+                    self._unpublished[request.request_id] = (request, entry)  # a block fills
+                return self.empty_kv_cache_blocks
         if num_new_tokens == 0 and num_new_computed_tokens == 0 and num_external_computed_tokens == 0:
             raise ValueError("num_new_tokens: must be > 0 when nothing is computed")
         if num_external_computed_tokens:
@@ -341,13 +362,12 @@ class KVCacheManager:
         computed = request.num_computed_tokens + num_new_computed_tokens
         end = computed + num_new_tokens
         need = min(end + num_lookahead_tokens, self.max_model_len)
-        entry = self._seqs.get(request.request_id)
         if entry is not None and entry.capacity:
             # running (the decode path): tokens are synced only when the pool is called
             if need <= entry.capacity:
                 blocks = self.empty_kv_cache_blocks
             else:
-                blocks = self._grow(self._entry(request), need)
+                blocks = self._grow(entry, need)  # a count only: the tokens can wait
         else:
             entry = self._entry(request)
             blocks = self._admit(request, entry, need, num_new_computed_tokens, new_computed_blocks,
@@ -358,6 +378,9 @@ class KVCacheManager:
         return blocks
 
     def _grow(self, entry: _Entry, need: int) -> KVCacheBlocks | None:
+        """The table grown to ``need`` tokens. Either call grows it the same way (the core's
+        ``grow(seq, need)``): the sequence may lag behind the request's tokens, which only
+        hashing reads."""
         seq = entry.seq
         old = entry.capacity // self.block_size
         if need <= entry.length:
@@ -366,9 +389,11 @@ class KVCacheManager:
             ok = self.pool.may_append(seq, need - entry.length)
         if not ok:
             return None
-        entry.capacity = seq.num_blocks * self.block_size
+        new = seq.block_table[old:].tolist()
+        entry.ids += new  # the mirror grows in place, as vLLM's own table lists do
+        entry.capacity = len(entry.ids) * self.block_size
         self._usage = None
-        return PoolBlocks(seq.block_table[old:].tolist())
+        return PoolBlocks(new)
 
     def _admit(self, request: Request, entry: _Entry, need: int, hit_tokens: int,
                hit: KVCacheBlocks | None, must_fit: bool, reserved_blocks: int,
@@ -407,9 +432,10 @@ class KVCacheManager:
             self.pool.deallocate(seq)
             raise ValueError(f"num_new_computed_tokens: {hit_tokens} is not the hit of "
                              f"get_computed_blocks for {request.request_id!r} ({got} tokens now)")
-        entry.capacity = seq.num_blocks * self.block_size
+        ids = entry.ids = seq.block_table.tolist()
+        entry.capacity = len(ids) * self.block_size
         entry.computed = got
-        return PoolBlocks(seq.block_table[got // self.block_size:].tolist())
+        return PoolBlocks(ids[got // self.block_size:])
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Publish the request's full blocks within ``num_computed_tokens`` (the async Scheduler
@@ -426,7 +452,13 @@ class KVCacheManager:
             return
         if entry.capacity:
             self._entry(request)
-            self._publish(entry, request.num_computed_tokens - request.num_in_flight_tokens)
+            computed = request.num_computed_tokens - request.num_in_flight_tokens
+            if self.enable_kv_cache_events:
+                self._publish(entry, computed)  # its BlockStored batch before the release's
+            else:  # deallocate publishes them itself (R18): one call, the same cache after
+                n = min(computed, entry.length, entry.capacity)
+                if n > entry.computed and self.enable_caching:
+                    entry.seq.num_computed_tokens = n
             self.pool.deallocate(entry.seq)
             self._usage = None
         del self._seqs[request.request_id]
@@ -438,7 +470,7 @@ class KVCacheManager:
         entry = self._seqs.get(request_id)
         if entry is None or not entry.capacity:
             return self.empty_kv_cache_blocks
-        return PoolBlocks(entry.seq.block_table.tolist())
+        return PoolBlocks(entry.ids)  # get_block_ids copies, as vLLM's
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         """The request's block ids, one list per group."""
@@ -611,8 +643,9 @@ class KVCacheManager:
         for rid, entry in self._seqs.items():
             seq = entry.seq
             table = seq.block_table.tolist()
-            mirror = (entry.length, entry.capacity, entry.computed if entry.capacity else 0)
-            actual = (len(seq), len(table) * self.block_size, seq.num_computed_tokens)
+            mirror = (entry.length, entry.capacity, entry.computed if entry.capacity else 0,
+                      entry.ids if entry.capacity else [])
+            actual = (len(seq), len(table) * self.block_size, seq.num_computed_tokens, table)
             if mirror != actual or (entry.capacity == 0) == seq.is_allocated or 0 in table \
                     or entry.computed > entry.capacity:
                 raise InvariantError(f"request {rid!r}: entry (length, capacity, computed) "

@@ -201,6 +201,45 @@ impl BlockStore {
         }
     }
 
+    /// `release`'s state-word transition alone, for [`crate::release::release_all`], which
+    /// makes the pushes and the cache-only count update of a whole run of ids at once. The same
+    /// CAS loop and orderings as `release` (see there); returns what `release` would then do.
+    #[inline]
+    pub(crate) fn release_transition(&self, id: u32) -> Released {
+        let state = &self.states[id as usize];
+        // Relaxed: the CAS below re-validates.
+        let mut current = state.load(Ordering::Relaxed);
+        loop {
+            let count = current & COUNT_MASK;
+            debug_assert!(count >= 1, "release of block {id} with no handle");
+            let to_cache_only = current & CACHED != 0 && count == 2;
+            let mut new = current - 1;
+            if to_cache_only {
+                new |= QUEUED;
+            }
+            // AcqRel, Relaxed on failure: as in `release` (this handle's uses happen-before
+            // whoever frees or evicts the block next; the last dropper sees the others' uses).
+            match state.compare_exchange_weak(current, new, Ordering::AcqRel, Ordering::Relaxed) {
+                Ok(_) if count == 1 => return Released::Freed,
+                Ok(_) if to_cache_only => {
+                    return Released::CacheOnly {
+                        queue: current & QUEUED == 0,
+                    }
+                }
+                Ok(_) => return Released::Held,
+                Err(actual) => current = actual,
+            }
+        }
+    }
+
+    /// Adds `n` to the cache-only count: the `+1`s of `n` transitions `CACHED|2 -> CACHED|1`
+    /// made by [`Self::release_transition`].
+    #[inline]
+    pub(crate) fn add_cache_only(&self, n: usize) {
+        // Relaxed: a statistic made exact by the state transitions (see `num_cache_only`).
+        self.cache_only.fetch_add(n, Ordering::Relaxed);
+    }
+
     /// A new handle of `id` if someone still holds it (count > 0), like `Weak::upgrade`; `None`
     /// once the last handle is gone. Used by the sliding-window index, whose entries hold no
     /// reference. Only for stores without a prefix cache (never `CACHED`, so the cache-only
@@ -291,6 +330,18 @@ impl BlockStore {
     }
 }
 
+/// What dropping one handle did to its id ([`BlockStore::release_transition`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Released {
+    /// The last handle: the id goes back to the free list.
+    Freed,
+    /// Only the prefix cache holds it now (cache-only count +1); `queue`: it goes on the
+    /// `released` stack (it was not queued already).
+    CacheOnly { queue: bool },
+    /// Others still hold it.
+    Held,
+}
+
 /// Shared ownership of one physical KV block (R4).
 ///
 /// `Clone` shares it (the reference count rises); dropping the last handle returns the id to
@@ -326,6 +377,18 @@ impl Block {
     /// The block's chained hash (R6) while it is in the prefix cache.
     pub fn hash(&self) -> Option<BlockHash> {
         self.is_cached().then(|| self.store.hash_of(self.id))
+    }
+
+    /// The handle's store reference and id, without dropping the handle: the caller now owns
+    /// that reference and must release the id's handle itself ([`crate::release::release_all`]).
+    #[inline]
+    pub(crate) fn into_parts(self) -> (Arc<BlockStore>, u32) {
+        let block = std::mem::ManuallyDrop::new(self);
+        // SAFETY: `block` is never used or dropped again (`ManuallyDrop`, and it goes out of
+        // scope here), so reading its `store` out moves that one `Arc` reference to the caller
+        // exactly once: the strong count stays right and nothing is freed twice.
+        let store = unsafe { std::ptr::read(&block.store) };
+        (store, block.id)
     }
 
     /// Whether this handle was handed out by the manager that owns `store`.

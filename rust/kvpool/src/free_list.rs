@@ -146,6 +146,40 @@ impl FreeList {
         }
     }
 
+    /// Puts back every id of `ids` with one CAS, leaving the list as pushing them one by one
+    /// in that order would (the last on top). The caller guarantees none of them is in the list
+    /// and that they are distinct.
+    pub(crate) fn push_run(&self, ids: &[u32]) {
+        let (Some(&first), Some(&last)) = (ids.first(), ids.last()) else {
+            return;
+        };
+        // The run's own links, each id above the one before it. Relaxed: published by the
+        // Release CAS below, like `push`'s link; nobody reads these ids' links before it.
+        for pair in ids.windows(2) {
+            debug_assert!((pair[1] as usize) < self.next.len());
+            self.next[pair[1] as usize].store(pair[0], Ordering::Relaxed);
+        }
+        // Relaxed: raised before the ids are published (module doc), as in `push`.
+        self.len.fetch_add(ids.len(), Ordering::Relaxed);
+        // Relaxed: the CAS re-checks the head; a stale value only costs a retry.
+        let mut head = self.head.load(Ordering::Relaxed);
+        loop {
+            // Relaxed: published by the Release CAS that installs `last` as the top.
+            self.next[first as usize].store(top_of(head), Ordering::Relaxed);
+            // Release on success: a pop that acquires this head sees every link of the run and
+            // everything the releasing thread did with the blocks before. Relaxed on failure.
+            match self.head.compare_exchange_weak(
+                head,
+                pack(tag_of(head).wrapping_add(1), last),
+                Ordering::Release,
+                Ordering::Relaxed,
+            ) {
+                Ok(_) => return,
+                Err(current) => head = current,
+            }
+        }
+    }
+
     /// Takes the most recently pushed id, or `None` when empty.
     #[inline]
     pub(crate) fn pop(&self) -> Option<u32> {
@@ -290,6 +324,23 @@ mod tests {
             (1, Some(3)),
             "usable after a take"
         );
+    }
+
+    #[test]
+    fn push_run_is_pushing_one_by_one() {
+        let one = FreeList::with_ids(8, [5u32, 6].into_iter());
+        let run = FreeList::with_ids(8, [5u32, 6].into_iter());
+        for id in [1u32, 3, 2] {
+            one.push(id);
+        }
+        run.push_run(&[1, 3, 2]);
+        run.push_run(&[]);
+        assert_eq!(run.snapshot(), one.snapshot());
+        assert_eq!(run.snapshot(), vec![2, 3, 1, 5, 6]);
+        assert_eq!(run.len(), 5);
+        let empty = FreeList::new(4);
+        empty.push_run(&[0]);
+        assert_eq!((empty.len(), empty.pop(), empty.pop()), (1, Some(0), None));
     }
 
     #[test]

@@ -25,6 +25,7 @@ mod linear_state;
 mod manager;
 mod pool;
 mod prefix_cache;
+mod release;
 mod sequence;
 mod sliding_window;
 mod sync;

@@ -100,7 +100,8 @@ impl Drop for Allocation {
     /// before its head, so its place on the LRU is older (R10, R11). Dropping a sequence without
     /// `deallocate` gives its blocks their LRU place at this moment (F9).
     fn drop(&mut self) {
-        while self.blocks.pop().is_some() {}
+        // Tail first, with the shared pushes batched per run of blocks (release.rs).
+        crate::release::release_all(&mut self.blocks);
     }
 }
 
