@@ -95,19 +95,19 @@ pub(crate) struct Sources {
 }
 
 impl Sources {
-    #[cfg(test)]
+    #[cfg(all(test, not(kvpool_loom)))]
     pub(crate) fn len(&self) -> usize {
         self.map.len()
     }
 
     /// The verdict on an event numbered `sequence` of (`instance`, `dp_rank`); records it.
-    #[cfg(test)]
+    #[cfg(all(test, not(kvpool_loom)))]
     pub(crate) fn admit(&mut self, instance: u64, dp_rank: u32, sequence: u64) -> Verdict {
         self.admit_tracked(instance, dp_rank, sequence).0
     }
 
     /// [`Sources::admit`], with the source's new state if it changed.
-    #[cfg(test)]
+    #[cfg(all(test, not(kvpool_loom)))]
     pub(crate) fn admit_tracked(
         &mut self,
         instance: u64,
