@@ -53,6 +53,41 @@ pub(crate) enum Verdict {
     Dropped(Option<Gap>),
 }
 
+/// One source's state, read once for a run of its events in a batch ([`Sources::open`]) and
+/// written back at the run's end ([`Sources::close`]): one map look-up per run, not per event.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Cursor {
+    pub(crate) dp_rank: u32,
+    instance: u64,
+    /// (last, stalled), as the map keeps them.
+    state: (u64, Option<u64>),
+    /// The map's value when opened (`None`: a new source).
+    before: Option<(u64, Option<u64>)>,
+}
+
+impl Cursor {
+    /// The verdict on the source's event numbered `sequence` (see the module doc); records it.
+    #[inline]
+    pub(crate) fn admit(&mut self, sequence: u64) -> Verdict {
+        let (last, stalled) = self.state;
+        if sequence < last {
+            Verdict::Duplicate
+        } else if sequence <= last.saturating_add(1) {
+            self.state = (sequence, None);
+            Verdict::Apply
+        } else {
+            let gap = stalled.is_none().then_some(Gap {
+                instance: self.instance,
+                dp_rank: self.dp_rank,
+                expected: last + 1,
+                got: sequence,
+            });
+            self.state.1 = Some(stalled.unwrap_or(sequence));
+            Verdict::Dropped(gap)
+        }
+    }
+}
+
 /// Every source's last number.
 #[derive(Clone, Debug, Default)]
 pub(crate) struct Sources {
@@ -60,54 +95,57 @@ pub(crate) struct Sources {
 }
 
 impl Sources {
-    #[cfg(test)]
+    #[cfg(all(test, not(kvpool_loom)))]
     pub(crate) fn len(&self) -> usize {
         self.map.len()
     }
 
     /// The verdict on an event numbered `sequence` of (`instance`, `dp_rank`); records it.
-    #[cfg(test)]
+    #[cfg(all(test, not(kvpool_loom)))]
     pub(crate) fn admit(&mut self, instance: u64, dp_rank: u32, sequence: u64) -> Verdict {
         self.admit_tracked(instance, dp_rank, sequence).0
     }
 
     /// [`Sources::admit`], with the source's new state if it changed.
-    #[inline]
+    #[cfg(all(test, not(kvpool_loom)))]
     pub(crate) fn admit_tracked(
         &mut self,
         instance: u64,
         dp_rank: u32,
         sequence: u64,
     ) -> (Verdict, Option<SourceState>) {
-        let mut new = false;
-        let state = self.map.entry((instance, dp_rank)).or_insert_with(|| {
-            new = true;
-            (sequence, None)
-        });
-        let before = *state;
-        let (last, stalled) = before;
-        let verdict = if sequence < last {
-            Verdict::Duplicate
-        } else if sequence <= last.saturating_add(1) {
-            *state = (sequence, None);
-            Verdict::Apply
-        } else {
-            let gap = stalled.is_none().then_some(Gap {
-                instance,
-                dp_rank,
-                expected: last + 1,
-                got: sequence,
-            });
-            state.1 = Some(stalled.unwrap_or(sequence));
-            Verdict::Dropped(gap)
-        };
-        let changed = (new || *state != before).then_some(SourceState {
+        let mut cursor = self.open(instance, dp_rank, sequence);
+        let verdict = cursor.admit(sequence);
+        (verdict, self.close(cursor))
+    }
+
+    /// A cursor on (`instance`, `dp_rank`) for a run of its events, `sequence` being the
+    /// first one's number (a new source starts from it).
+    #[inline]
+    pub(crate) fn open(&self, instance: u64, dp_rank: u32, sequence: u64) -> Cursor {
+        let before = self.map.get(&(instance, dp_rank)).copied();
+        Cursor {
             instance,
             dp_rank,
-            last: state.0,
-            stalled: state.1,
-        });
-        (verdict, changed)
+            state: before.unwrap_or((sequence, None)),
+            before,
+        }
+    }
+
+    /// Writes `cursor`'s state back; returns it if it changed (or the source is new).
+    #[inline]
+    pub(crate) fn close(&mut self, cursor: Cursor) -> Option<SourceState> {
+        if cursor.before == Some(cursor.state) {
+            return None;
+        }
+        self.map
+            .insert((cursor.instance, cursor.dp_rank), cursor.state);
+        Some(SourceState {
+            instance: cursor.instance,
+            dp_rank: cursor.dp_rank,
+            last: cursor.state.0,
+            stalled: cursor.state.1,
+        })
     }
 
     /// Forgets the number of (`instance`, `dp_rank`), or of every rank of `instance`.

@@ -19,7 +19,7 @@ use crate::hash::{BlockHash, BlockHasher};
 use crate::index::event::{EventKind, GroupKind, IndexEvent, Medium};
 use crate::index::expiry::{Due, Expiry};
 use crate::index::location::{FixedState, LocationKey, Locations};
-use crate::index::sequence::{Gap, SourceState, Sources, Verdict};
+use crate::index::sequence::{Cursor, Gap, SourceState, Sources, Verdict};
 use crate::index::tree::{Parent, Tree, SPECULATIVE};
 
 /// Settings of an index.
@@ -282,24 +282,21 @@ impl IndexState {
         }
         let mut report = ApplyReport::default();
         let mut last: Resolved = None;
-        // The last state of the source that changed last: only a source's final state goes to
-        // the journal (a batch is mostly one source's).
-        let mut source: Option<SourceState> = None;
+        // The source of the events in turn, its state read once per run of its events (a
+        // batch is mostly one source's): only a run's final state goes to the journal.
+        let mut cursor: Option<Cursor> = None;
         for event in events {
             if let Some(sequence) = event.sequence {
-                let (verdict, changed) =
-                    self.sources
-                        .admit_tracked(instance, event.dp_rank, sequence);
-                if let Some(state) = changed {
-                    match source {
-                        Some(s) if s.dp_rank != state.dp_rank => {
-                            journal.steps.push(Step::Source(s));
-                        }
-                        _ => {}
-                    }
-                    source = Some(state);
+                if let Some(done) = cursor.filter(|c| c.dp_rank != event.dp_rank) {
+                    journal
+                        .steps
+                        .extend(self.sources.close(done).map(Step::Source));
+                    cursor = None;
                 }
-                match verdict {
+                let sources = &self.sources;
+                let run =
+                    cursor.get_or_insert_with(|| sources.open(instance, event.dp_rank, sequence));
+                match run.admit(sequence) {
                     Verdict::Apply => {}
                     Verdict::Duplicate => {
                         report.duplicates += 1;
@@ -315,8 +312,10 @@ impl IndexState {
             self.apply_one(instance, event, journal, &mut last)?;
             report.applied += 1;
         }
-        if let Some(state) = source {
-            journal.steps.push(Step::Source(state));
+        if let Some(done) = cursor {
+            journal
+                .steps
+                .extend(self.sources.close(done).map(Step::Source));
         }
         report.evicted = self.evict_to_bound();
         let c = &mut self.counters;

@@ -34,14 +34,19 @@ const TOMBSTONE: u64 = 1;
 /// The fewest slots of a table.
 const MIN_SLOTS: usize = 16;
 
-/// The slot a hash probes first, and its tag (shifted into place). Block hashes are uniform
-/// already (XXH3-128), so a fold of their halves spreads them; hand-made ones (small integers
-/// in tests) get distinct homes and share a tag, which the validation tells apart.
+/// The slot a hash probes first, and its tag (shifted into place): both from one folded
+/// multiply of the hash's halves (each output bit depends on every input bit), the home from
+/// its low bits, the tag from bits 32-63 (independent of the home for tables of up to 2^32
+/// slots), so that hand-made hashes (small integers in tests, or halves that repeat) spread
+/// too. The tag's low bit is set, so that no entry is 0 or 1.
 #[inline]
 fn home_and_tag(hash: u128) -> (usize, u64) {
+    const MIX_LOW: u64 = 0x9E37_79B9_7F4A_7C15;
+    const MIX_HIGH: u64 = 0xD6E8_FEB8_6659_FD93;
     let (low, high) = (hash as u64, (hash >> 64) as u64);
-    let tag = (high ^ low) >> 32;
-    ((low ^ high) as usize, (tag | 1) << 32)
+    let product = u128::from(low ^ MIX_LOW) * u128::from(high ^ MIX_HIGH);
+    let mixed = (product as u64) ^ ((product >> 64) as u64);
+    (mixed as usize, ((mixed >> 32) | 1) << 32)
 }
 
 /// Adds `delta` to one of the writer's own counts: a load and a store, not a locked

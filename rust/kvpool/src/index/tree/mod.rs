@@ -247,13 +247,23 @@ impl Tree {
                 node.written = 0;
             }
         }
+        // This copy's nodes are cold (the other copy was written last): ask for them all
+        // before copying into any, so that their misses overlap.
+        for &id in &c.nodes {
+            if let Some(node) = self.nodes.get(id as usize) {
+                crate::index::table::prefetch(node);
+            }
+        }
         let old = c.nodes_start;
         self.nodes.extend_from_slice(&source.nodes[old..]);
         for &id in &c.nodes {
             let i = id as usize;
             let had_extras = self.nodes[i].has_extras();
-            self.nodes[i] = source.nodes[i];
-            self.level_node(source, i, had_extras);
+            let node = source.nodes[i];
+            self.nodes[i] = node;
+            if had_extras || node.has_extras() || node.holders.slot().is_some() {
+                self.level_node(source, i, had_extras);
+            }
         }
         for i in old..self.nodes.len() {
             if source.nodes[i].holders.slot().is_some() || source.nodes[i].has_extras() {
