@@ -40,7 +40,7 @@ pub use hash::{BlockHash, BlockHasher, DEFAULT_HASH_SEED};
 pub use index::wire::{decode_batch as decode_index_events, encode_batch as encode_index_events};
 pub use index::{
     ApplyReport, EventKind, Gap, GroupKind, IndexConfig, IndexCounters, IndexEvent, IndexStats,
-    KVIndex, LocationKey, Match, Matches, Medium, Row, SourceState, MAX_GROUPS,
+    KVIndex, LocationKey, Match, Matches, Medium, Row, Snapshot, SourceState, MAX_GROUPS,
 };
 pub use linear_state::{LinearStatePrefixCache, LinearStateStats};
 pub use manager::{
