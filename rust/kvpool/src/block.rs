@@ -204,6 +204,8 @@ impl BlockStore {
     /// `release`'s state-word transition alone, for [`crate::release::release_all`], which
     /// makes the pushes and the cache-only count update of a whole run of ids at once. The same
     /// CAS loop and orderings as `release` (see there); returns what `release` would then do.
+    /// (`release` keeps its own copy of the loop: written as this call and a `match`, the
+    /// single drop costs 6-7 more instructions, valgrind-counted on the allocate/free cells.)
     #[inline]
     pub(crate) fn release_transition(&self, id: u32) -> Released {
         let state = &self.states[id as usize];
