@@ -13,7 +13,7 @@
 use crate::block::Block;
 use crate::hash::BlockHash;
 
-use super::{CacheEvent, ExtraKey, PrefixCache, NIL};
+use super::{CacheEvent, ExtraKey, PrefixCache};
 
 /// One table entry switched to the cached copy: (position in the table, old id, new id).
 pub(crate) type Switch = (usize, u32, u32);
@@ -33,17 +33,10 @@ impl PrefixCache {
         extra_key: Option<&ExtraKey>,
         switches: &mut Vec<Switch>,
     ) -> (usize, usize) {
-        self.drain_released();
+        let Some((end, mut parent)) = self.resume_chain(hashes, tokens, blocks, start) else {
+            return (0, start);
+        };
         let bs = self.block_size;
-        let end = hashes.len().min(blocks.len()).min(tokens.len() / bs);
-        let mut parent = NIL;
-        if start > 0 && start <= end {
-            let previous = &blocks[start - 1];
-            if self.index.get(&hashes[start - 1].0) != Some(&previous.id()) {
-                return (0, start);
-            }
-            parent = previous.id();
-        }
         let key = extra_key.map(|k| &**k);
         let mut newly = 0;
         // The run of blocks stored since the last switch (one "stored" event per run).

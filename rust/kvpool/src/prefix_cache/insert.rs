@@ -16,6 +16,31 @@ use crate::hash::BlockHash;
 use super::{CacheEvent, Entry, ExtraKey, PrefixCache, NIL};
 
 impl PrefixCache {
+    /// Where a publication of blocks `start..` of a chain resumes, after draining the
+    /// `released` stack: the end of what can be published (the shortest of `hashes`, `blocks`
+    /// and the full blocks of `tokens`) and the parent entry of block `start` (`NIL` at the
+    /// chain's root); `None` when block `start - 1` is not cached as this chain's previous
+    /// position, so nothing past it can be (the cached set stays closed under prefix).
+    #[inline]
+    pub(super) fn resume_chain(
+        &mut self,
+        hashes: &[BlockHash],
+        tokens: &[u32],
+        blocks: &[Block],
+        start: usize,
+    ) -> Option<(usize, u32)> {
+        self.drain_released();
+        let end = hashes
+            .len()
+            .min(blocks.len())
+            .min(tokens.len() / self.block_size);
+        if start == 0 || start > end {
+            return Some((end, NIL));
+        }
+        let previous = blocks[start - 1].id();
+        (self.index.get(&hashes[start - 1].0) == Some(&previous)).then_some((end, previous))
+    }
+
     /// Records block `id` as the chain position `hash` under `parent` with `tokens`.
     #[inline]
     pub(super) fn add_entry(
@@ -86,19 +111,9 @@ impl PrefixCache {
         extra_key: Option<&ExtraKey>,
         releasing: bool,
     ) -> (usize, usize) {
-        self.drain_released();
-        let end = hashes
-            .len()
-            .min(blocks.len())
-            .min(tokens.len() / self.block_size);
-        let mut parent = NIL;
-        if start > 0 && start <= end {
-            let previous = &blocks[start - 1];
-            if self.index.get(&hashes[start - 1].0) != Some(&previous.id()) {
-                return (0, start);
-            }
-            parent = previous.id();
-        }
+        let Some((end, mut parent)) = self.resume_chain(hashes, tokens, blocks, start) else {
+            return (0, start);
+        };
         let mut newly = 0;
         let mut stored_from = None;
         // Whether the chain continues under a cached original (a skipped duplicate).
