@@ -50,15 +50,18 @@ pub(crate) struct Sets {
     pub free_bits: Vec<u32>,
 }
 
+/// A slot of the slab `slots` for a new set: the last one freed (its vector keeps its
+/// capacity; the caller clears it), or a new one at the end.
+fn take_slot<T>(slots: &mut Vec<Vec<T>>, free: &mut Vec<u32>) -> u32 {
+    free.pop().unwrap_or_else(|| {
+        slots.push(Vec::new());
+        (slots.len() - 1) as u32
+    })
+}
+
 impl Sets {
     fn new_list(&mut self, ids: &[u32]) -> u32 {
-        let at = match self.free_lists.pop() {
-            Some(at) => at,
-            None => {
-                self.lists.push(Vec::new());
-                (self.lists.len() - 1) as u32
-            }
-        };
+        let at = take_slot(&mut self.lists, &mut self.free_lists);
         let list = &mut self.lists[at as usize];
         list.clear();
         list.extend_from_slice(ids);
@@ -66,13 +69,7 @@ impl Sets {
     }
 
     fn new_bits(&mut self, words: usize) -> u32 {
-        let at = match self.free_bits.pop() {
-            Some(at) => at,
-            None => {
-                self.bits.push(Vec::new());
-                (self.bits.len() - 1) as u32
-            }
-        };
+        let at = take_slot(&mut self.bits, &mut self.free_bits);
         let bits = &mut self.bits[at as usize];
         bits.clear();
         bits.resize(words, 0);
