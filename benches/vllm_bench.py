@@ -8,7 +8,12 @@ Two measurements, each round interleaving the managers (the fastest round of eac
   1)``; every step ``new_step_starts``, the three ``take_*``, ``take_events``,
   ``make_prefix_cache_stats``, ``usage``; ``free``), with the block hashing vLLM's engine does per
   request (``Request`` construction and ``append_output_token_ids``; sha256, the default, or
-  xxhash). kvpool hashes in its own calls: its Requests get no vLLM hasher.
+  xxhash). kvpool hashes in its own calls: its Requests get no vLLM hasher, as under
+  ``--scheduler-cls kvpool.integrations.vllm.Scheduler``, whose engine core hashes nothing for
+  vLLM (nothing reads those hashes). The ratio the issue sets its target on ("with its default
+  sha256 block hashing") is "calls + hashing": each manager's time less the null manager's
+  (the driving loop and a plain ``Request``), so vLLM's hashing counts for vLLM and kvpool's for
+  kvpool; "calls" leaves vLLM's hashing out.
 - ``scheduler``: vLLM's real ``Scheduler`` step (``schedule`` + ``update_from_output``) on CPU,
   fake model outputs (tests/vllm/vllm_harness.py), per step and per request.
 
@@ -175,18 +180,23 @@ def main() -> None:
             for kind, algo in peers:
                 rounds[(kind, algo)].append(manager_round(kind, trace, a.num_blocks, a.budget, algo))
         # the loop's own cost without the Request construction, which manager_us excludes
+        null = best(rounds[("null", None)], "us")
         loop = best(rounds[("null", None)], "manager_us")["manager_us"]
         ours = best(rounds[("kvpool", None)], "us")
-        print("\nmanager calls alone, one request at a time (us per request; 'calls' excludes the "
-              f"driving loop, {loop:.0f} us, measured with a manager that does nothing)")
-        print(f"{'manager':<22} {'total':>8} {'hashing':>8} {'calls':>8} {'hit tokens':>11} "
-              f"{'kvpool is (total)':>18} {'(calls)':>8}")
+        print("\nmanager calls alone, one request at a time (us per request). 'calls' excludes the "
+              f"driving loop ({loop:.0f} us, a manager that does nothing) and the Request construction; "
+              "'calls + hashing' adds vLLM's block hashing of the request, what vLLM's manager needs "
+              "and kvpool's does itself (total minus the null manager's total, "
+              f"{null['us']:.0f} us; the issue's accounting)")
+        print(f"{'manager':<18} {'total':>7} {'hashing':>8} {'calls':>7} {'calls + hashing':>16} "
+              f"{'hit tokens':>11} {'kvpool is (calls + hashing)':>28} {'(calls)':>8}")
         for kind, algo in peers[:3]:
             r = best(rounds[(kind, algo)], "us")
             name = f"{kind} ({algo})" if algo else "kvpool"
-            print(f"{name:<22} {r['us']:>8.0f} {r['hash_us']:>8.0f} {r['manager_us'] - loop:>8.0f} "
-                  f"{r['hits']:>11} {r['us'] / ours['us']:>17.1f}x "
-                  f"{(r['manager_us'] - loop) / (ours['manager_us'] - loop):>7.1f}x")
+            calls, with_hashing = r["manager_us"] - loop, r["us"] - null["us"]
+            print(f"{name:<18} {r['us']:>7.0f} {r['hash_us']:>8.0f} {calls:>7.0f} {with_hashing:>16.0f} "
+                  f"{r['hits']:>11} {with_hashing / (ours['us'] - null['us']):>27.1f}x "
+                  f"{calls / (ours['manager_us'] - loop):>7.1f}x")
     if "scheduler" in a.only:
         peers = [("vllm", "sha256"), ("vllm", "xxhash"), ("kvpool", "sha256")]
         rounds = {peer: [] for peer in peers}

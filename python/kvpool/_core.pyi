@@ -727,6 +727,21 @@ class Sequence:
     def append_tokens(self, token_ids: _TokenIds) -> None:
         """Append several tokens."""
 
+    def extend_to(self, token_ids: _TokenIds) -> None:
+        """Append the items of ``token_ids`` past ``len(self)``.
+
+        ``token_ids`` is the request's whole token list, as an engine grows it: its first
+        ``len(self)`` items are this sequence's tokens (not read again). A list is read from
+        there on without a slice, so a per-step sync costs the new tokens only.
+
+        Raises
+        ------
+        ValueError
+            ``token_ids`` is shorter than the sequence, or a token is out of ``[0, 2**32)``.
+        TypeError
+            ``token_ids`` is not a sequence of ints or a 1-D integer array.
+        """
+
     @property
     def block_table(self) -> NDArray[np.int32]:
         """The block table: int32 array of shape ``[num_blocks]``, one physical id per logical

@@ -52,6 +52,40 @@ def test_sequence_basics():
     assert len(s) == 10
 
 
+def test_sequence_extend_to_appends_only_the_tail():
+    """extend_to(tokens): the request's whole token list; only the items past len(seq) are read
+    (an engine's growing list, synced per step without a slice)."""
+    s = kvpool.Sequence(toks(5))
+    whole = toks(5) + [99]
+    s.extend_to(whole)
+    assert list(s.token_ids) == whole
+    s.extend_to(whole)  # nothing new: nothing appended
+    assert len(s) == 6
+    whole += [100, 101, 102]
+    s.extend_to(whole)
+    assert list(s.token_ids) == whole
+    # the prefix is not read again: the sequence keeps its own tokens
+    s.extend_to([7] * 9 + [103])
+    assert list(s.token_ids) == whole + [103]
+    s.extend_to(np.array(list(range(10)) + [5, 6], dtype=np.int64))  # any token container
+    assert list(s.token_ids)[-2:] == [5, 6] and len(s) == 12
+
+
+@pytest.mark.parametrize("bad, error", [
+    ([1, 2], ValueError),  # shorter than the sequence
+    ([0] * 5 + [True], TypeError),  # a bool is not a token id (F10)
+    ([0] * 5 + ["x"], TypeError),
+    ([0] * 5 + [2**32], ValueError),
+    ([0] * 5 + [-1], ValueError),
+    ("abcdefg", TypeError),
+])
+def test_sequence_extend_to_bad_input_changes_nothing(bad, error):
+    s = kvpool.Sequence(toks(5))
+    with pytest.raises(error, match="token_ids"):
+        s.extend_to(bad)
+    assert list(s.token_ids) == toks(5)
+
+
 def test_sequence_accepts_numpy_tokens():
     s = kvpool.Sequence(np.arange(9, dtype=np.int32))
     assert list(s.token_ids) == list(range(9))

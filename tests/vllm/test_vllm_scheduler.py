@@ -132,3 +132,37 @@ def test_install_puts_kvpool_under_every_scheduler_built_after(monkeypatch):
     assert isinstance(scheduler.kv_cache_manager, kv_vllm.KVCacheManager)
     trace = h.chat_trace(20, seed=7)
     assert h.run_scheduler(scheduler, config, trace, arrival_scale=0.5).finished == len(trace)
+
+
+def test_kvpool_scheduler_spares_the_engine_core_vllms_unused_hashing(hasher):
+    """kvpool's Scheduler turns off vLLM's block hashing in the engine core that builds it
+    (nothing reads ``request.block_hashes`` under kvpool's manager without a KV connector);
+    an engine core on vLLM's own Scheduler, and any other caller, still get vLLM's hasher."""
+    import vllm.v1.engine.core as engine_core
+    from kvpool.integrations import vllm as kv_vllm
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.request import Request
+
+    class EngineCore:  # EngineCore.__init__'s order: the Scheduler, then the hasher
+        def __init__(self, kind):
+            self.scheduler, self.config = h.build_scheduler(kind, 1024)
+            self.request_block_hasher = engine_core.get_request_block_hasher(
+                16, get_hash_fn_by_name("sha256"), 0)
+
+    prompt = list(range(100, 164))  # 4 full blocks
+    params = SamplingParams(max_tokens=4)
+    ours, theirs = EngineCore("kvpool"), EngineCore("vllm")  # kvpool's first: the switch is on
+    assert engine_core.get_request_block_hasher is kv_vllm._request_block_hasher
+    assert Request("a", prompt, params, None, block_hasher=ours.request_block_hasher).block_hashes == []
+    theirs_hashes = Request("b", prompt, params, None, block_hasher=theirs.request_block_hasher).block_hashes
+    assert theirs_hashes == Request("c", prompt, params, None, block_hasher=hasher).block_hashes
+    assert len(theirs_hashes) == 4
+    # not called from an engine core: vLLM's own factory
+    plain = engine_core.get_request_block_hasher(16, get_hash_fn_by_name("sha256"), 0)
+    assert len(Request("d", prompt, params, None, block_hasher=plain).block_hashes) == 4
+    # kvpool's Scheduler still schedules and hits with requests that carry no vLLM hashes
+    trace = h.chat_trace(12, seed=3)
+    run = h.run_scheduler(ours.scheduler, ours.config, trace, arrival_scale=0.5,
+                          hasher=ours.request_block_hasher)
+    assert run.finished == len(trace) and run.hits > 0

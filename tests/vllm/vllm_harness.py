@@ -410,6 +410,7 @@ def run_scheduler(scheduler, config, trace: list[Item], *, arrival_scale: float 
     run = Run()
     clock = time.perf_counter_ns
     step = 0
+    idle = 0  # steps in a row that scheduled nothing with requests waiting
     while pending or scheduler.has_requests() or queue:
         while pending and pending[0].arrival * arrival_scale <= step:
             it = pending.popleft()
@@ -448,6 +449,8 @@ def run_scheduler(scheduler, config, trace: list[Item], *, arrival_scale: float 
                 tuple(sorted(so.preempted_req_ids or ())),
             ))
             run.preemptions += len(so.preempted_req_ids or ())
+            idle = 0 if so.total_num_scheduled_tokens else idle + 1
+            assert idle < 1000, "no progress in 1,000 steps: a request that can never fit the KV cache?"
             queue.appendleft((so, mro))
             if len(queue) < queue_size and (so.total_num_scheduled_tokens > 0 or scheduler.has_requests()):
                 step += 1

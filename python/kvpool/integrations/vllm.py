@@ -45,6 +45,7 @@ hash lookahead, DCP/PCP, KV connectors (external tokens, ``pop_blocks_for_free``
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -260,15 +261,12 @@ class KVCacheManager:
                 prompt = request.all_token_ids[: request.num_prompt_tokens]
             seq = PoolSequence(prompt, extra_key=self._extra_key(request))
             entry = self._seqs[request.request_id] = _Entry(seq, len(prompt))
-        want = request.num_tokens
+        tokens = request._all_token_ids  # the plain list behind all_token_ids (vLLM 0.33.0)
+        want = len(tokens)
         if want != entry.length:
             if want < entry.length:
                 raise _unsupported(f"request {request.request_id!r} losing tokens ({entry.length} -> {want})")
-            tokens = request.all_token_ids
-            if want == entry.length + 1:
-                entry.seq.append_token(tokens[entry.length])
-            else:
-                entry.seq.append_tokens(tokens[entry.length:])
+            entry.seq.extend_to(tokens)  # reads the new tokens only, no slice
             entry.length = want
         return entry
 
@@ -661,8 +659,48 @@ def install() -> None:
     _sched_module.KVCacheManager = KVCacheManager  # type: ignore[attr-defined]
 
 
+def _no_block_hashes(request: Request) -> list[Any]:
+    """vLLM's per-request block hashes under kvpool's manager: none (kvpool hashes itself, R6)."""
+    return []
+
+
+_vllm_request_block_hasher: Any = None  # vLLM's own factory, once _skip_unused_hashing replaced it
+
+
+def _request_block_hasher(*args: Any, **kwargs: Any) -> Any:
+    """The engine core's factory of request block hashers, as kvpool's ``Scheduler`` installs it.
+
+    vLLM's ``EngineCore.__init__`` builds its Scheduler, then its hasher with this function
+    (``vllm.v1.engine.core.get_request_block_hasher``), and every request's blocks are hashed
+    with it as the request arrives (sha256 by default). Under kvpool's manager nothing reads
+    those hashes unless a KV connector does, so an engine core whose Scheduler is kvpool's and
+    has no connector gets a hasher that hashes nothing; any other caller gets vLLM's own.
+    """
+    engine = sys._getframe(1).f_locals.get("self")  # the EngineCore being built, if that is the caller
+    scheduler = getattr(engine, "scheduler", None)
+    if isinstance(scheduler, Scheduler) and scheduler.get_kv_connector() is None:
+        return _no_block_hashes
+    return _vllm_request_block_hasher(*args, **kwargs)
+
+
+def _skip_unused_hashing() -> None:
+    """Route the engine core's hasher factory through ``_request_block_hasher`` (idempotent)."""
+    global _vllm_request_block_hasher
+    import vllm.v1.engine.core as engine_core
+
+    if engine_core.get_request_block_hasher is not _request_block_hasher:
+        _vllm_request_block_hasher = engine_core.get_request_block_hasher
+        engine_core.get_request_block_hasher = _request_block_hasher  # type: ignore[assignment]
+
+
 class Scheduler(_VllmScheduler):
-    """vLLM's ``Scheduler`` on kvpool's manager: ``--scheduler-cls kvpool.integrations.vllm.Scheduler``."""
+    """vLLM's ``Scheduler`` on kvpool's manager: ``--scheduler-cls kvpool.integrations.vllm.Scheduler``.
+
+    Also spares the engine core vLLM's own block hashing of every request, which nothing reads
+    under kvpool's manager (kvpool hashes the tokens itself): the engine core that builds this
+    Scheduler without a KV connector gives its requests no vLLM block hashes
+    (``_request_block_hasher``); with a connector, vLLM hashes as usual.
+    """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         saved = _sched_module.KVCacheManager  # type: ignore[attr-defined]
@@ -671,6 +709,7 @@ class Scheduler(_VllmScheduler):
             super().__init__(*args, **kwargs)
         finally:
             _sched_module.KVCacheManager = saved  # type: ignore[attr-defined]
+        _skip_unused_hashing()
 
 
 class AsyncScheduler(_VllmAsyncScheduler, Scheduler):

@@ -68,7 +68,7 @@ fn from_array<T: TokenElement>(obj: &Bound<'_, PyAny>, name: &str) -> Option<PyR
 pub fn tokens(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<u32>> {
     // Lists first: the common case. A list of Python ints is read item by item.
     if let Ok(list) = obj.cast::<PyList>() {
-        if let Some(tokens) = tokens_from_list(list) {
+        if let Some(tokens) = tokens_from_list(list, 0) {
             return Ok(tokens);
         }
         return tokens_fallback(obj, name);
@@ -107,14 +107,41 @@ pub fn tokens(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<u32>> {
     tokens_fallback(obj, name)
 }
 
-/// The ints of `list` if every item is an int (not a bool) in the u32 range, else `None` (the
-/// caller then finds which error to raise). This loop runs once per token of every batch call,
-/// so it reads the list through the C API directly instead of pyo3's iterator and `extract`.
-fn tokens_from_list(list: &Bound<'_, PyList>) -> Option<Vec<u32>> {
+/// The token ids of `obj` (as [`tokens`] reads them) from index `start` on: a list is read
+/// from `start` only (an engine's growing token list, synced without a slice); `obj` shorter
+/// than `start` is a `ValueError` naming `name`.
+pub fn tokens_from(obj: &Bound<'_, PyAny>, start: usize, name: &str) -> PyResult<Vec<u32>> {
+    let short = |len: usize| {
+        value_error(
+            name,
+            format!("must hold at least the sequence's {start} tokens, got {len}"),
+        )
+    };
+    if let Ok(list) = obj.cast::<PyList>() {
+        if list.len() < start {
+            return Err(short(list.len()));
+        }
+        if let Some(tokens) = tokens_from_list(list, start) {
+            return Ok(tokens);
+        }
+    }
+    let mut all = tokens(obj, name)?;
+    if all.len() < start {
+        return Err(short(all.len()));
+    }
+    all.drain(..start);
+    Ok(all)
+}
+
+/// The ints of `list` from index `start` on if every one is an int (not a bool) in the u32
+/// range, else `None` (the caller then finds which error to raise). This loop runs once per
+/// token of every batch call, so it reads the list through the C API directly instead of
+/// pyo3's iterator and `extract`.
+fn tokens_from_list(list: &Bound<'_, PyList>, start: usize) -> Option<Vec<u32>> {
     let py = list.py();
     let len = list.len();
-    let mut out = Vec::with_capacity(len);
-    for i in 0..len {
+    let mut out = Vec::with_capacity(len.saturating_sub(start));
+    for i in start..len {
         // SAFETY: the GIL is held (`Bound`) and `i < len(list)`: nothing in this loop runs
         // Python code (PyLong_AsUnsignedLong reads an int's digits and never calls `__index__`;
         // on a non-int it only sets TypeError), so the list cannot change under us and the

@@ -89,6 +89,25 @@ impl PySequence {
         Ok(())
     }
 
+    /// Appends the items of `token_ids` past the sequence's length: `token_ids` is the whole
+    /// token list of the request (its first `len(self)` items are this sequence's tokens, as
+    /// an engine's growing list is; they are not read again). A list is read from there on,
+    /// without a slice; shorter than the sequence is a ValueError.
+    fn extend_to(&self, token_ids: &Bound<'_, PyAny>) -> PyResult<()> {
+        let start = self.inner.lock().len();
+        // Converted without the lock held: a non-list iterable runs Python code.
+        let tokens = convert::tokens_from(token_ids, start, "token_ids")?;
+        let mut seq = self.inner.lock();
+        if seq.len() != start {
+            return Err(value_error(
+                "token_ids",
+                "the sequence grew while its tokens were being read",
+            ));
+        }
+        seq.append_tokens(&tokens);
+        Ok(())
+    }
+
     /// The block table: int32 array of physical block ids, one per logical block.
     #[getter]
     fn block_table<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i32>> {

@@ -125,6 +125,12 @@ impl BlockStore {
         (raw.max(0) as usize).min(self.states.len())
     }
 
+    /// Asks the cache for block `id`'s state word (a hint before a walk reads it).
+    #[inline]
+    pub(crate) fn prefetch_state(&self, id: u32) {
+        crate::prefetch::prefetch(&self.states[id as usize]);
+    }
+
     #[inline]
     pub(crate) fn state(&self, id: u32) -> u32 {
         // Acquire: pairs with the Release of `mark_cached` so a reader that sees CACHED sees the

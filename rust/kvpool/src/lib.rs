@@ -24,6 +24,7 @@ mod index;
 mod linear_state;
 mod manager;
 mod pool;
+mod prefetch;
 mod prefix_cache;
 mod release;
 mod sequence;

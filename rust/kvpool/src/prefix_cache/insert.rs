@@ -65,7 +65,7 @@ impl PrefixCache {
         tokens: &[u32],
         extra_key: Option<&ExtraKey>,
     ) {
-        let at = id as usize * self.block_size;
+        let at = self.token_start(id);
         self.tokens[at..at + self.block_size].copy_from_slice(tokens);
         let depth = if parent == NIL {
             0

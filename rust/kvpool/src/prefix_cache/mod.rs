@@ -36,6 +36,7 @@ use crate::alloc;
 use crate::block::{Block, BlockStore, CACHED, COUNT_MASK};
 use crate::error::Result;
 use crate::hash::{BlockHash, BlockHasher};
+use crate::prefetch::prefetch;
 use crate::sync::Arc;
 // std, not the loom shim: a debug counter, outside every loom model.
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -49,7 +50,9 @@ const NIL: u32 = u32::MAX;
 /// `std::sync::Arc`, also under loom (see `sync.rs`).
 pub type ExtraKey = std::sync::Arc<[u8]>;
 
+/// One cache line per entry (64-byte aligned: a walk's read of an entry is one miss, not two).
 #[derive(Clone)]
+#[repr(align(64))]
 struct Entry {
     hash: BlockHash,
     parent: u32,
@@ -80,6 +83,14 @@ impl Default for Entry {
         }
     }
 }
+
+const _: () = assert!(
+    std::mem::size_of::<Entry>() == 64,
+    "an entry is one cache line"
+);
+
+/// Token ids per cache line: blocks' tokens start on a line boundary (`PrefixCache::token_base`).
+const TOKENS_PER_LINE: usize = 64 / std::mem::size_of::<u32>();
 
 /// What happened in the cache, for KV events (R21).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -135,7 +146,10 @@ pub struct PrefixCache {
     block_size: usize,
     index: HashIndex,
     entries: Vec<Entry>,
+    /// Every entry's tokens, `block_size` per block from `token_base`, the index of the first
+    /// item on a cache-line boundary (so a 16-token block is exactly one line).
     tokens: Vec<u32>,
+    token_base: usize,
     oldest: u32,
     newest: u32,
     lru_len: usize,
@@ -165,13 +179,17 @@ impl PrefixCache {
     pub(crate) fn new(store: Arc<BlockStore>, hasher: BlockHasher) -> Result<Self> {
         let n = store.num_blocks();
         let block_size = store.block_size as usize;
+        let tokens = alloc::filled(n * block_size + TOKENS_PER_LINE - 1, "num_blocks", || 0)?;
+        let misalignment = tokens.as_ptr() as usize % 64 / std::mem::size_of::<u32>();
+        let token_base = (TOKENS_PER_LINE - misalignment) % TOKENS_PER_LINE;
         Ok(Self {
             store,
             hasher,
             block_size,
             index: HashIndex::default(),
             entries: alloc::filled(n, "num_blocks", Entry::default)?,
-            tokens: alloc::filled(n * block_size, "num_blocks", || 0)?,
+            tokens,
+            token_base,
             oldest: NIL,
             newest: NIL,
             lru_len: 0,
@@ -235,8 +253,13 @@ impl PrefixCache {
         self.index.contains_key(&hash.0)
     }
 
+    /// Where block `id`'s tokens start in `tokens`.
+    fn token_start(&self, id: u32) -> usize {
+        self.token_base + id as usize * self.block_size
+    }
+
     fn block_tokens(&self, id: u32) -> &[u32] {
-        let start = id as usize * self.block_size;
+        let start = self.token_start(id);
         &self.tokens[start..start + self.block_size]
     }
 
@@ -288,15 +311,34 @@ impl PrefixCache {
     ) {
         // Relaxed: a debug counter.
         self.walks.fetch_add(1, Ordering::Relaxed);
-        let mut parent = NIL;
-        for (i, &hash) in hashes.iter().enumerate().take(max_blocks) {
-            let block = &tokens[i * self.block_size..(i + 1) * self.block_size];
-            let Some(id) = self.find(hash, parent, extra_key, block) else {
+        // Two passes, so that the misses of a long chain overlap (each block's index slot,
+        // entry, tokens and state word are usually cold): first the index look-ups, which do
+        // not depend on one another, each asking for its entry's lines; then the checks in
+        // chain order (R7), cut at the first block that fails. Same answer as one pass.
+        let start = out.len();
+        for &hash in hashes.iter().take(max_blocks) {
+            let Some(&id) = self.index.get(&hash.0) else {
                 break;
             };
+            prefetch(&self.entries[id as usize]);
+            prefetch(&self.tokens[self.token_start(id)]);
+            self.store.prefetch_state(id);
+            out.push(id);
+        }
+        let mut parent = NIL;
+        for i in 0..out.len() - start {
+            let id = out[start + i];
+            let entry = &self.entries[id as usize];
+            let block = &tokens[i * self.block_size..(i + 1) * self.block_size];
+            let same_parent = entry.parent == parent
+                && (parent != NIL || entry.extra_key.as_deref() == extra_key);
+            if !(same_parent && same_tokens(self.block_tokens(id), block)) {
+                out.truncate(start + i);
+                break;
+            }
             let state = self.store.state(id);
             let cache_only = state & (CACHED | COUNT_MASK) == CACHED | 1;
-            out.push(id | if cache_only { CACHE_ONLY_BIT } else { 0 });
+            out[start + i] = id | if cache_only { CACHE_ONLY_BIT } else { 0 };
             parent = id;
         }
     }
