@@ -273,8 +273,10 @@ fn read_input(w: &Workload) -> Duration {
 /// do per block, once (one copy): an open-addressing table (hash -> node, pre-sized, linear
 /// probing) and a 64-byte node per new block holding one location; a removal clears it
 /// (no LRU, parents, sequence numbers, second copy, concurrent readers or memory reuse).
+/// With `prefetch`, each batch first asks the cache for its blocks' home slots (as the
+/// index's apply does), so that their misses overlap.
 #[inline(never)]
-fn replay_floor(w: &Workload) -> Duration {
+fn replay_floor(w: &Workload, prefetch: bool) -> Duration {
     #[derive(Clone, Copy, Default)]
     #[repr(align(64))]
     struct Node {
@@ -309,6 +311,14 @@ fn replay_floor(w: &Workload) -> Duration {
         let Step::Apply(instance, batch) = step else {
             continue;
         };
+        if prefetch {
+            for e in batch {
+                for h in &e.block_hashes {
+                    let at = (h.0 as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) as usize & mask;
+                    prefetch_at(&table[at]);
+                }
+            }
+        }
         for e in batch {
             for h in &e.block_hashes {
                 let mut at = (h.0 as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) as usize & mask;
@@ -340,6 +350,20 @@ fn replay_floor(w: &Workload) -> Duration {
     let time = start.elapsed();
     std::hint::black_box(&nodes);
     time
+}
+
+/// Asks the cache for the line holding `value` (a hint; never faults).
+#[inline]
+fn prefetch_at<T>(value: &T) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: a prefetch is a hint that never faults and reads nothing the program sees.
+    unsafe {
+        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
+            (value as *const T).cast(),
+        )
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = value;
 }
 
 /// The instance counts to run: `KVPOOL_INDEX_INSTANCES` (comma-separated) or [`INSTANCES`].
@@ -442,7 +466,7 @@ fn workloads() -> Vec<Workload> {
     }
 }
 
-/// `KVPOOL_INDEX_PROFILE=apply|mixed|matches|plain` (with `KVPOOL_INDEX_REPEAT`, default 1): only
+/// `KVPOOL_INDEX_PROFILE=apply|mixed|matches|read|floor|floor_prefetch|plain` (with `KVPOOL_INDEX_REPEAT`, default 1): only
 /// that replay of each workload, timed, for a profiler (`valgrind --tool=callgrind
 /// --toggle-collect=index::replay_on`,
 /// or `index::replay_plain`); no criterion run, no summary.
@@ -461,7 +485,8 @@ fn profile(workloads: &[Workload]) -> bool {
                 "mixed" => replay(w, Lookups::Compact, false).0,
                 "matches" => replay(w, Lookups::Matches, false).0,
                 "read" => read_input(w),
-                "floor" => replay_floor(w),
+                "floor" => replay_floor(w, false),
+                "floor_prefetch" => replay_floor(w, true),
                 _ => replay_plain(w).1,
             };
             println!(

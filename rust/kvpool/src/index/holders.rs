@@ -239,7 +239,20 @@ impl Holders {
     }
 
     /// Removes `id`; returns whether it was there.
+    #[inline]
     pub(crate) fn remove(&mut self, id: u32, width: usize, sets: &mut Sets) -> bool {
+        if let Self::Inline { len: len @ 1, ids } = self {
+            // The common case: a block's only holder goes (as the general path leaves it).
+            if ids[0] != id {
+                return false;
+            }
+            *len = 0;
+            return true;
+        }
+        self.remove_slow(id, width, sets)
+    }
+
+    fn remove_slow(&mut self, id: u32, width: usize, sets: &mut Sets) -> bool {
         match *self {
             Self::Inline { len, mut ids } => {
                 let n = len as usize;

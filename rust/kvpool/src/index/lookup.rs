@@ -28,8 +28,11 @@ use crate::index::location::Kind;
 use crate::index::state::IndexState;
 use crate::index::tree::{Entry, Node, PLAIN, SPECULATIVE};
 
-/// Blocks whose table slots a walk asks for before it starts.
-const PREFETCH: usize = 32;
+/// How many blocks ahead of itself a walk asks for table slots (the first ones before it
+/// starts, then one more per block walked): enough for the misses to overlap, few enough
+/// that a walk that stops early (most stop within a dozen blocks) asks for little it never
+/// reads.
+const PREFETCH: usize = 8;
 
 /// One location's matched prefix.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -273,14 +276,16 @@ impl IndexState {
 
     /// The fast path (see the module doc) for the plain locations `eligible` (a bitset).
     fn walk_plain(&self, chain: &[BlockHash], now: f64, eligible: &[u64], m: &mut Matches) {
-        // The table slots of the blocks the walk may reach first, then, one block ahead, the
-        // node the table names: the walk's cache misses overlap instead of coming in turn.
+        // The table slots of the blocks the walk may reach first (then `PREFETCH` blocks
+        // ahead), and, one block ahead, the node the table names: the walk's cache misses
+        // overlap instead of coming in turn.
         for hash in &chain[..chain.len().min(PREFETCH)] {
             self.tree.prefetch_slot(hash.0);
         }
-        if let Some(next) = chain.get(1) {
-            self.tree.prefetch_candidate(next.0);
-        }
+        // The node the table names for the next block, kept as a hint for its look-up.
+        let mut hint = chain
+            .get(1)
+            .and_then(|next| self.tree.prefetch_candidate(next.0));
         let Some((id, first)) = self.tree.get(chain[0].0) else {
             return;
         };
@@ -317,14 +322,15 @@ impl IndexState {
         }
         let mut depth = 1;
         while depth < chain.len() {
-            if let Some(next) = chain.get(depth + 1) {
-                if depth + 1 >= PREFETCH {
-                    self.tree.prefetch_slot(next.0);
-                }
-                self.tree.prefetch_candidate(next.0);
+            if let Some(far) = chain.get(depth + PREFETCH) {
+                self.tree.prefetch_slot(far.0);
             }
+            let here = hint;
+            hint = chain
+                .get(depth + 1)
+                .and_then(|next| self.tree.prefetch_candidate(next.0));
             if dense {
-                let Some((id, node)) = self.tree.get(chain[depth].0) else {
+                let Some((id, node)) = self.tree.get_hinted(chain[depth].0, here) else {
                     break;
                 };
                 // Speculative holders still matching stay in.
@@ -388,7 +394,7 @@ impl IndexState {
                 if m.sparse.is_empty() {
                     return;
                 }
-                let Some((id, node)) = self.tree.get(chain[depth].0) else {
+                let Some((id, node)) = self.tree.get_hinted(chain[depth].0, here) else {
                     break;
                 };
                 m.next.clear();

@@ -269,12 +269,12 @@ impl IndexState {
             match event.kind {
                 EventKind::Removed => {
                     for hash in &event.block_hashes {
-                        self.tree.prefetch_candidate(hash.0);
+                        let _ = self.tree.prefetch_candidate(hash.0);
                     }
                 }
                 EventKind::Stored => {
                     if let Some(parent) = event.parent_hash {
-                        self.tree.prefetch_candidate(parent.0);
+                        let _ = self.tree.prefetch_candidate(parent.0);
                     }
                 }
                 EventKind::Cleared => {}

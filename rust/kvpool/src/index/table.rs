@@ -79,10 +79,18 @@ pub(crate) fn prefetch_at<T>(at: *const T) {
     let _ = at;
 }
 
+/// Where an insert of a hash goes: the slot [`Table::probe`] found for it and the hash's tag
+/// (computed once, for [`Table::insert_at`]).
+#[derive(Clone, Copy)]
+pub(crate) struct Vacant {
+    slot: usize,
+    tag: u64,
+}
+
 /// What [`Table::probe`] found.
 pub(crate) enum Probe {
     Found(u32),
-    Vacant(usize),
+    Vacant(Vacant),
 }
 
 /// The table (see the module doc).
@@ -186,7 +194,10 @@ impl Table {
             // Relaxed: only the writer stores, so it reads its own latest values.
             let value = self.slots[at].load(Ordering::Relaxed);
             if value == EMPTY {
-                return Probe::Vacant(vacant.unwrap_or(at));
+                return Probe::Vacant(Vacant {
+                    slot: vacant.unwrap_or(at),
+                    tag,
+                });
             }
             if value == TOMBSTONE {
                 vacant.get_or_insert(at);
@@ -197,11 +208,11 @@ impl Table {
         }
     }
 
-    /// Stores `hash -> id` in `slot`, which [`Table::probe`] gave for `hash` (the writer only,
-    /// with no store in between; room was made with `needs_room_for` before the probe).
+    /// Stores `id` where [`Table::probe`] said its hash goes (the writer only, with no store
+    /// in between; room was made with `needs_room_for` before the probe).
     #[inline]
-    pub(crate) fn insert_at(&self, slot: usize, hash: u128, id: u32) {
-        let (_, tag) = home_and_tag(hash);
+    pub(crate) fn insert_at(&self, vacant: Vacant, id: u32) {
+        let Vacant { slot, tag } = vacant;
         // Relaxed: the writer reads its own stores.
         let was = self.slots[slot].load(Ordering::Relaxed);
         // Relaxed: readers of the copy holding this node load that copy after its
@@ -216,8 +227,8 @@ impl Table {
     /// Stores `hash -> id` (the writer only; the caller made room with `needs_room_for` first and
     /// knows no confirmed entry of `hash` exists).
     pub(crate) fn insert(&self, hash: u128, id: u32) {
-        if let Probe::Vacant(slot) = self.probe(hash, |_| false) {
-            self.insert_at(slot, hash, id);
+        if let Probe::Vacant(vacant) = self.probe(hash, |_| false) {
+            self.insert_at(vacant, id);
         }
     }
 

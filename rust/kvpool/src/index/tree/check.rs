@@ -18,12 +18,12 @@ impl Tree {
         tree.width = width;
         let mut parents = Vec::with_capacity(nodes.len());
         for (hash, parent, entries) in nodes {
-            let Probe::Vacant(slot) = tree.probe(hash) else {
+            let Probe::Vacant(vacant) = tree.probe(hash) else {
                 return Err(crate::KvPoolError::Invariant(format!(
                     "hash {hash:032x} twice"
                 )));
             };
-            let id = tree.alloc_at(slot, hash);
+            let id = tree.alloc_at(vacant, hash);
             ensure_invariant!(
                 entries.windows(2).all(|p| p[0].location < p[1].location),
                 "node {id}: entries not sorted by location"

@@ -37,6 +37,7 @@ impl Tree {
         node.holders.insert(location, self.width, &mut self.sets)
     }
 
+    #[inline]
     pub(super) fn remove_holder(&mut self, id: u32, location: u32) -> bool {
         self.mark(id);
         let node = &mut self.nodes[id as usize];
@@ -117,6 +118,7 @@ impl Tree {
     /// an entry left with no bit is dropped, and the node collected if emptied. With
     /// `only_expiring == Some(t)` the speculative bit is cleared only if it lapses at `t`.
     /// Returns the bits cleared.
+    #[inline]
     pub(crate) fn clear_bits(
         &mut self,
         id: u32,
@@ -125,12 +127,24 @@ impl Tree {
         only_expiring: Option<f64>,
     ) -> u32 {
         if bits & PLAIN != 0 && self.remove_holder(id, location) {
+            // The common case: a holder goes (a removed event of a plain location).
             self.entries -= 1;
             if !self.nodes[id as usize].has_entries() {
                 self.collect(id);
             }
             return PLAIN;
         }
+        self.clear_extra_bits(id, location, bits, only_expiring)
+    }
+
+    /// [`Tree::clear_bits`] of an entry that is not a holder (an extra).
+    fn clear_extra_bits(
+        &mut self,
+        id: u32,
+        location: u32,
+        bits: u32,
+        only_expiring: Option<f64>,
+    ) -> u32 {
         let Ok(i) = self
             .extras(id)
             .binary_search_by_key(&location, |e| e.location)

@@ -12,7 +12,7 @@ impl Tree {
     }
 
     /// [`Tree::touch`] without the compaction check (the caller makes it).
-    #[inline]
+    #[inline(always)]
     pub(super) fn stamp(&mut self, id: u32) {
         self.tick += 1;
         let tick = self.tick;

@@ -36,7 +36,7 @@ use std::sync::Arc;
 
 use crate::index::holders::{Holders, Sets, View};
 use crate::index::location::FixedState;
-use crate::index::table::{Probe, Table};
+use crate::index::table::{Probe, Table, Vacant};
 
 pub(crate) const NIL: u32 = u32::MAX;
 
@@ -459,15 +459,22 @@ impl Tree {
     }
 
     /// Asks for the node the table names for `hash` without confirming it (see
-    /// [`Table::candidate`]).
+    /// [`Table::candidate`]); returns its id, a hint for [`Tree::get_hinted`].
     #[inline]
-    pub(crate) fn prefetch_candidate(&self, hash: u128) {
-        if let Some(node) = self
-            .table
-            .candidate(hash)
-            .and_then(|id| self.nodes.get(id as usize))
-        {
-            crate::index::table::prefetch(node);
+    pub(crate) fn prefetch_candidate(&self, hash: u128) -> Option<u32> {
+        let id = self.table.candidate(hash)?;
+        crate::index::table::prefetch(self.nodes.get(id as usize)?);
+        Some(id)
+    }
+
+    /// [`Tree::get`], trying `hint` (a [`Tree::prefetch_candidate`] of `hash`, taken any time
+    /// before on this copy) first: a live node of this copy with that hash is the one node of
+    /// `hash` here, whatever the table holds now; otherwise the table is probed.
+    #[inline]
+    pub(crate) fn get_hinted(&self, hash: u128, hint: Option<u32>) -> Option<(u32, &Node)> {
+        match hint {
+            Some(id) if self.valid(id, hash) => Some((id, &self.nodes[id as usize])),
+            _ => self.get(hash),
         }
     }
 
@@ -489,6 +496,8 @@ impl Tree {
         if self.table.needs_room_for(hashes.len() + 1) {
             self.rebuild_table(REBUILD_ROOM * (self.live + hashes.len() + 1));
         }
+        ids.reserve(hashes.len());
+        self.lru.reserve(hashes.len());
         let mut up = parent.map_or(Parent::Root, Parent::Hash);
         for hash in hashes {
             let hash = hash.0;
@@ -500,18 +509,44 @@ impl Tree {
                     self.add_groups(id, location, bits);
                     id
                 }
-                Probe::Vacant(slot) => {
-                    let id = self.alloc_at(slot, hash);
-                    if bits == PLAIN {
-                        // A new node's first holder.
-                        self.nodes[id as usize].holders = Holders::one(location);
+                Probe::Vacant(vacant) => match up {
+                    // The common case: a new block of a plain location under the run's
+                    // previous block (or at a chain's root), its node written whole at once.
+                    Parent::Node(_) | Parent::Root if bits == PLAIN => {
+                        let parent = match up {
+                            Parent::Node(p) => p,
+                            _ => NIL,
+                        };
+                        let id = self.alloc_node(
+                            vacant,
+                            Node {
+                                hash,
+                                written: self.write,
+                                flags: LIVE | PARENT_KNOWN,
+                                parent,
+                                holders: Holders::one(location),
+                                ..BLANK
+                            },
+                        );
                         self.entries += 1;
-                    } else {
-                        self.add_groups(id, location, bits);
+                        if parent != NIL {
+                            self.node_mut(parent).children += 1;
+                        }
+                        id
                     }
-                    self.link_new(id, up);
-                    id
-                }
+                    _ => {
+                        let id = self.alloc_at(vacant, hash);
+                        if bits == PLAIN {
+                            // A new node's first holder.
+                            self.nodes[id as usize].holders = Holders::one(location);
+                            self.entries += 1;
+                        } else {
+                            self.add_groups(id, location, bits);
+                        }
+                        self.link_new(id, up);
+                        id
+                    }
+                },
             };
             ids.push(id);
             up = Parent::Node(id);
@@ -533,8 +568,8 @@ impl Tree {
                 }
                 id
             }
-            Probe::Vacant(slot) => {
-                let id = self.alloc_at(slot, hash);
+            Probe::Vacant(vacant) => {
+                let id = self.alloc_at(vacant, hash);
                 self.link_new(id, parent);
                 id
             }
@@ -553,7 +588,7 @@ impl Tree {
             Parent::Node(p) => p,
             Parent::Hash(p) => match self.probe(p) {
                 Probe::Found(p) => p,
-                Probe::Vacant(slot) => self.alloc_at(slot, p),
+                Probe::Vacant(vacant) => self.alloc_at(vacant, p),
             },
         };
         let node = &mut self.nodes[id as usize];
@@ -592,7 +627,7 @@ impl Tree {
         }
         let parent_id = match (found, parent) {
             (Probe::Found(p), _) => p,
-            (Probe::Vacant(slot), Parent::Hash(p)) => self.alloc_at(slot, p),
+            (Probe::Vacant(vacant), Parent::Hash(p)) => self.alloc_at(vacant, p),
             (Probe::Vacant(_), _) => return,
         };
         let node = self.node_mut(id);
@@ -601,15 +636,22 @@ impl Tree {
         self.node_mut(parent_id).children += 1;
     }
 
-    /// A new node for `hash`, entered in the table at `slot` (from a probe just made).
+    /// A new node for `hash`, entered in the table where a probe just made said.
     #[inline(always)]
-    fn alloc_at(&mut self, slot: usize, hash: u128) -> u32 {
+    fn alloc_at(&mut self, vacant: Vacant, hash: u128) -> u32 {
         let node = Node {
             hash,
             written: self.write,
             flags: LIVE,
             ..BLANK
         };
+        self.alloc_node(vacant, node)
+    }
+
+    /// A new node `node` (live, `written` by this write), entered in the table where a probe
+    /// of its hash just made said.
+    #[inline(always)]
+    fn alloc_node(&mut self, vacant: Vacant, node: Node) -> u32 {
         let id = match self.free.pop() {
             Some(id) => {
                 self.changes.free_low = self.changes.free_low.min(self.free.len());
@@ -625,7 +667,7 @@ impl Tree {
             }
         };
         self.live += 1;
-        self.table.insert_at(slot, hash, id);
+        self.table.insert_at(vacant, id);
         id
     }
 
