@@ -8,13 +8,7 @@
 /// Asks the cache for the line holding `value` (the caller reads it soon).
 #[inline]
 pub(crate) fn prefetch<T>(value: &T) {
-    prefetch_at(value as *const T);
-}
-
-/// [`prefetch`] of an address that may hold nothing yet (a vector's spare capacity, about to
-/// be written).
-#[inline]
-pub(crate) fn prefetch_at<T>(at: *const T) {
+    let at = value as *const T;
     #[cfg(target_arch = "x86_64")]
     // SAFETY: a prefetch is a hint that never faults and reads nothing the program sees, at
     // any address.

@@ -58,26 +58,7 @@ fn bump(count: &AtomicUsize, delta: isize) {
     count.store(value.wrapping_add_signed(delta), Ordering::Relaxed);
 }
 
-/// Asks the cache for the line holding `value` (a hint: the caller reads it soon, and the
-/// misses of several such reads overlap).
-#[inline]
-pub(crate) fn prefetch<T>(value: &T) {
-    prefetch_at(value as *const T);
-}
-
-/// [`prefetch`] of an address that may hold nothing yet (a vector's spare capacity, about
-/// to be written).
-#[inline]
-pub(crate) fn prefetch_at<T>(at: *const T) {
-    #[cfg(target_arch = "x86_64")]
-    // SAFETY: a prefetch is a hint that never faults and reads nothing the program sees, at
-    // any address.
-    unsafe {
-        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(at.cast())
-    };
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = at;
-}
+pub(crate) use crate::prefetch::prefetch;
 
 /// Where an insert of a hash goes: the slot [`Table::probe`] found for it and the hash's tag
 /// (computed once, for [`Table::insert_at`]).
