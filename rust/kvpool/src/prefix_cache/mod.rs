@@ -274,10 +274,17 @@ impl PrefixCache {
         tokens: &[u32],
     ) -> Option<u32> {
         let &id = self.index.get(&hash.0)?;
+        self.verified(id, parent, extra_key, tokens).then_some(id)
+    }
+
+    /// Whether entry `id` (found under a block's hash) is that block: same parent entry (or
+    /// same extra key for a chain's first block) and same tokens (R7).
+    #[inline]
+    fn verified(&self, id: u32, parent: u32, extra_key: Option<&[u8]>, tokens: &[u32]) -> bool {
         let entry = &self.entries[id as usize];
         let same_parent =
             entry.parent == parent && (parent != NIL || entry.extra_key.as_deref() == extra_key);
-        (same_parent && same_tokens(self.block_tokens(id), tokens)).then_some(id)
+        same_parent && same_tokens(self.block_tokens(id), tokens)
     }
 
     /// Counts the leading blocks of a chain that would hit, without any side effect.
@@ -328,11 +335,8 @@ impl PrefixCache {
         let mut parent = NIL;
         for i in 0..out.len() - start {
             let id = out[start + i];
-            let entry = &self.entries[id as usize];
             let block = &tokens[i * self.block_size..(i + 1) * self.block_size];
-            let same_parent = entry.parent == parent
-                && (parent != NIL || entry.extra_key.as_deref() == extra_key);
-            if !(same_parent && same_tokens(self.block_tokens(id), block)) {
+            if !self.verified(id, parent, extra_key, block) {
                 out.truncate(start + i);
                 break;
             }
