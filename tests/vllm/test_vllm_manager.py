@@ -304,3 +304,43 @@ def test_by_design_differences_on_a_crafted_trace(hasher):
     # vLLM publishing after compute also hits b; once B is freed, D hits P+b in both.
     assert _scenario("vllm-r17", hasher)[1:] == (80, 80)
     assert _scenario("kvpool", hasher)[1:] == (64, 80)
+
+
+@pytest.mark.parametrize("events", [False, True])
+def test_blocks_a_decode_fills_are_published_before_the_next_lookup(events):
+    """R17 as the manager publishes: a running request's filled block is published once its KV
+    exists and before the next lookup, whether or not a lookup ran in the step that scheduled
+    it (that lookup must neither see it nor forget it); with KV events, at the step's start."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request, RequestStatus
+
+    manager = h.make_manager("kvpool", 64, BS, events=events)
+    sp = SamplingParams(max_tokens=8)
+    prompt = list(range(100, 130))  # 30 tokens: block 1 fills at the 32nd
+    running = Request("run", prompt, sp, None)
+    manager.new_step_starts()
+    blocks, hit, _ = manager.get_computed_blocks(running)
+    assert manager.allocate_slots(running, 30, hit, blocks) is not None
+    running.status, running.num_computed_tokens = RequestStatus.RUNNING, 30
+    running.append_output_token_ids(7)  # the prefill's sampled token: 31 tokens
+    manager.take_events()
+    step = 0
+    while running.num_tokens < 33:  # decode steps; the one scheduling token 32 fills block 1
+        manager.new_step_starts()
+        assert manager.allocate_slots(running, 1) is not None
+        # a lookup in the step under way: the block's KV does not exist yet
+        probe = Request(f"probe{step}", prompt + [7, 8, 9], sp, None)
+        assert manager.get_computed_blocks(probe)[1] == 16
+        manager.free(probe)
+        running.num_computed_tokens += 1  # the forward pass returns
+        running.append_output_token_ids(8 + step)
+        step += 1
+    manager.new_step_starts()
+    stored = [e for e in manager.take_events() if type(e).__name__ == "BlockStored"]
+    assert bool(stored) == events  # with events: published at the step's start, events out
+    later = Request("later", prompt + [7, 8, 9], sp, None)
+    assert manager.get_computed_blocks(later)[1] == 32  # both blocks: block 1's KV exists
+    manager.check()
+    manager.free(later)
+    manager.free(running)
+    manager.check()

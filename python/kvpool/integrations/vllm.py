@@ -22,14 +22,19 @@ Invariants this module keeps:
   in both. An id handed out in ``NewRequestData`` or ``new_block_ids`` stays in the request's
   table until ``free``: the pool runs first-writer-wins publication (R9, ``dedup=False``), so
   a table only grows, as vLLM's workers assume.
-- Blocks are published when their KV exists (R17): ``seq.num_computed_tokens`` follows
-  ``request.num_computed_tokens - request.num_in_flight_tokens`` (the Scheduler's count of
-  tokens whose forward pass has returned) at the ``new_step_starts`` after a step filled a
-  block, at the async Scheduler's ``cache_blocks`` and at ``free``. vLLM publishes at allocation
-  instead, so a request admitted in the step that another schedules the same prefix shares it
-  in vLLM only (by design; docs/integrations.md).
-- ``get_computed_blocks`` changes nothing (``BlockManagerPool.plan``): the Scheduler calls it
-  again every step for a blocked waiting request. ``allocate_slots`` is all or nothing: None
+- Blocks are published when their KV exists (R17), and before anything reads the cache:
+  ``seq.num_computed_tokens`` follows ``request.num_computed_tokens -
+  request.num_in_flight_tokens`` (the Scheduler's count of tokens whose forward pass has
+  returned) for every request whose scheduled tokens filled a block, before the next lookup
+  (``get_computed_blocks``, an admission), at the async Scheduler's ``cache_blocks`` and at
+  ``free``; with KV events on, at the next ``new_step_starts`` already (its ``BlockStored``
+  events then come in the step after the KV). KV only comes into existence between steps, so
+  a lookup sees exactly the blocks it would see had each been published at its step's start;
+  a decode that fills block after block between two lookups publishes them in one call.
+  vLLM publishes at allocation instead, so a request admitted in the step that another
+  schedules the same prefix shares it in vLLM only (by design; docs/integrations.md).
+- ``get_computed_blocks`` changes nothing but that publication (``BlockManagerPool.plan``):
+  the Scheduler calls it again every step for a blocked waiting request. ``allocate_slots`` is all or nothing: None
   leaves the pool and the request as they were.
 
 Covered: one full-attention group (``FullAttentionSpec`` and its subclasses, MLA included),
@@ -90,9 +95,7 @@ _MEDIUM = "GPU"
 _KIND = "full_attention"
 
 
-def _no_events() -> list[Any]:
-    """``take_events`` of a manager built without KV events."""
-    return []
+_NO_COPIES: tuple[tuple[()], tuple[()]] = ((), ())  # take_kv_cache_block_copies: nothing to copy
 
 
 def _unsupported(what: str) -> NotImplementedError:
@@ -215,13 +218,19 @@ class KVCacheManager:
         self.kv_cache_event_metadata = [(_KIND, None)]
         self.empty_kv_cache_blocks: KVCacheBlocks = _EmptyBlocks(((),))
         self._seqs: dict[str, _Entry] = {}
-        # requests whose scheduled tokens fill a block: published at the next step's start
-        self._unpublished: dict[str, tuple[Request, _Entry]] = {}
+        # requests whose scheduled tokens fill a block, with the end of those tokens: kept until
+        # their full blocks are published (their KV exists then)
+        self._unpublished: dict[str, tuple[Request, _Entry, int]] = {}
         self._int_hashes = bool(envs.VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES)
         self._chain_keys: dict[bytes, tuple[str | None, str | None]] = {}
-        self._usage: float | None = None  # None: blocks were taken or released since the read
-        if not enable_kv_cache_events:  # the Scheduler asks every step: no method binding
-            self.take_events = _no_events  # type: ignore[method-assign]
+        # Used blocks over usable ones (cached-only blocks count as free, as vLLM's): a plain
+        # attribute, which the Scheduler reads every step, set after each allocation or release
+        # (nothing else changes which blocks are held).
+        self.usage = 0.0
+        if enable_kv_cache_events:  # the class's methods (no events) are the cheaper calls
+            self.take_events = self._take_vllm_events  # type: ignore[method-assign]
+            self.new_step_starts = self._publish_computed  # type: ignore[method-assign]
+        self._usable_blocks = num_blocks - 1  # the null block is never handed out
 
     # ------------------------------------------------------------------------------ requests
     def _extra_key(self, request: Request) -> bytes | None:
@@ -262,17 +271,28 @@ class KVCacheManager:
             seq = PoolSequence(prompt, extra_key=self._extra_key(request))
             entry = self._seqs[request.request_id] = _Entry(seq, len(prompt))
         tokens = request._all_token_ids  # the plain list behind all_token_ids (vLLM 0.33.0)
-        want = len(tokens)
-        if want != entry.length:
-            if want < entry.length:
-                raise _unsupported(f"request {request.request_id!r} losing tokens ({entry.length} -> {want})")
-            entry.seq.extend_to(tokens)  # reads the new tokens only, no slice
-            entry.length = want
+        if len(tokens) != entry.length:
+            self._sync(request, entry, tokens)
         return entry
 
-    def _publish(self, entry: _Entry, num_computed_tokens: int) -> None:
-        """Publish the full blocks within ``num_computed_tokens`` (tokens whose KV exists, R17)."""
-        n = min(num_computed_tokens, entry.length, entry.capacity)
+    @staticmethod
+    def _sync(request: Request, entry: _Entry, tokens: list[int]) -> None:
+        """Appends the request's new tokens to its sequence (``tokens``: ``_all_token_ids``)."""
+        want = len(tokens)
+        if want < entry.length:
+            raise _unsupported(f"request {request.request_id!r} losing tokens ({entry.length} -> {want})")
+        entry.seq.extend_to(tokens)  # reads the new tokens only, no slice
+        entry.length = want
+
+    def _publish(self, request: Request, entry: _Entry, num_computed_tokens: int) -> None:
+        """Publish the request's full blocks within ``num_computed_tokens`` (tokens whose KV
+        exists, R17), its sequence's tokens brought up to date first (only hashing reads them)."""
+        tokens = request._all_token_ids
+        if len(tokens) != entry.length:
+            self._sync(request, entry, tokens)
+        n = num_computed_tokens if num_computed_tokens < entry.capacity else entry.capacity
+        if n > entry.length:
+            n = entry.length
         if n > entry.computed and self.enable_caching:
             entry.seq.num_computed_tokens = entry.computed = n
             self.pool.cache(entry.seq)
@@ -284,7 +304,8 @@ class KVCacheManager:
 
     def get_computed_blocks(self, request: Request, max_cache_hit_length: int | None = None
                             ) -> tuple[KVCacheBlocks, int, int]:
-        """The prefix hit of a waiting request, with no side effect of any kind.
+        """The prefix hit of a waiting request; no side effect but publishing the blocks whose
+        KV exists and that are not published yet (module doc), which the hit may use.
 
         Returns
         -------
@@ -294,6 +315,8 @@ class KVCacheManager:
         """
         if max_cache_hit_length is not None and max_cache_hit_length < request.num_tokens - 1:
             raise _unsupported("max_cache_hit_length (aux output connectors)")
+        if self._unpublished:  # the lookup sees every block whose KV exists (module doc)
+            self._publish_computed()
         entry = self._entry(request)
         if entry.capacity:
             raise ValueError(f"request: {request.request_id!r} already holds blocks")
@@ -303,7 +326,7 @@ class KVCacheManager:
         else:  # the whole sequence does not fit now: the hit alone, for the Scheduler's budget
             small = self.pool.plan(entry.seq, 1)
             hit = small.num_cached_tokens if small is not None else 0
-        if not self.prefix_cache_lookup_enabled(request):
+        if request.skip_reading_prefix_cache:  # (its own chain key never hits anyway, _extra_key)
             hit = 0
         return _Hit(plan, plan is not None, hit, entry.length), hit, 0
 
@@ -328,8 +351,8 @@ class KVCacheManager:
 
         A waiting request gets its prefix hit (the one ``get_computed_blocks`` reported) and new
         blocks for the first chunk; with ``full_sequence_must_fit`` only if its whole sequence
-        fits. A running request grows its table; the blocks a step fills are published at the
-        next ``new_step_starts`` (R17).
+        fits. A running request grows its table; the blocks a step fills are published once
+        their KV exists, before the next lookup (R17, module doc).
 
         Returns
         -------
@@ -344,14 +367,15 @@ class KVCacheManager:
             ``num_external_computed_tokens`` (KV connectors).
         """
         entry = self._seqs.get(request.request_id)
-        if entry is not None and entry.capacity and num_new_tokens and not (
+        if entry is not None and num_new_tokens and not (
                 num_new_computed_tokens or num_external_computed_tokens):
             # a running request whose table has room (most decode steps): nothing to call
+            # (a request holding no blocks has capacity 0, below any end)
             computed = request.num_computed_tokens
             end = computed + num_new_tokens
             if end + num_lookahead_tokens <= entry.capacity:
                 if end // self.block_size > computed // self.block_size:
-                    self._unpublished[request.request_id] = (request, entry)  # a block fills
+                    self._unpublished[request.request_id] = (request, entry, end)  # a block fills
                 return self.empty_kv_cache_blocks
         if num_new_tokens == 0 and num_new_computed_tokens == 0 and num_external_computed_tokens == 0:
             raise ValueError("num_new_tokens: must be > 0 when nothing is computed")
@@ -372,30 +396,33 @@ class KVCacheManager:
                                  full_sequence_must_fit, reserved_blocks, has_scheduled_reqs)
         bs = self.block_size
         if blocks is not None and end // bs > computed // bs:
-            self._unpublished[request.request_id] = (request, entry)  # a block fills this step
+            self._unpublished[request.request_id] = (request, entry, end)  # a block fills this step
         return blocks
 
     def _grow(self, entry: _Entry, need: int) -> KVCacheBlocks | None:
         """The table grown to ``need`` tokens. Either call grows it the same way (the core's
         ``grow(seq, need)``): the sequence may lag behind the request's tokens, which only
         hashing reads."""
-        seq = entry.seq
-        old = entry.capacity // self.block_size
+        seq, bs = entry.seq, self.block_size
+        old = entry.capacity // bs
         if need <= entry.length:
             ok = self.pool.allocate(seq, need)
         else:
             ok = self.pool.may_append(seq, need - entry.length)
         if not ok:
             return None
-        new = seq.block_table[old:].tolist()
+        blocks = -(-need // bs)  # both grow the table to hold `need` tokens
+        new = [seq.last_block_id] if blocks == old + 1 else seq.block_ids()[old:]  # decode: one
         entry.ids += new  # the mirror grows in place, as vLLM's own table lists do
-        entry.capacity = len(entry.ids) * self.block_size
-        self._usage = None
+        entry.capacity = blocks * bs
+        self._held_blocks_changed()
         return PoolBlocks(new)
 
     def _admit(self, request: Request, entry: _Entry, need: int, hit_tokens: int,
                hit: KVCacheBlocks | None, must_fit: bool, reserved_blocks: int,
                has_scheduled_reqs: bool) -> KVCacheBlocks | None:
+        if self._unpublished:  # an admission's walk sees every block whose KV exists
+            self._publish_computed()  # (publishes nothing right after get_computed_blocks)
         seq, length = entry.seq, entry.length
         fresh = isinstance(hit, _Hit) and hit.seq_len == length  # planned at this length
         if must_fit:  # the whole sequence must fit, not only the first chunk (vLLM's gate)
@@ -406,8 +433,10 @@ class KVCacheManager:
                 fits = self.pool.plan(seq, whole) is not None
             if not fits:
                 return None
-        watermark = self.watermark_blocks if has_scheduled_reqs and request.status in (
-            RequestStatus.WAITING, RequestStatus.PREEMPTED) else 0
+        watermark = self.watermark_blocks
+        if watermark and not (has_scheduled_reqs and request.status in (
+                RequestStatus.WAITING, RequestStatus.PREEMPTED)):
+            watermark = 0
         if watermark or reserved_blocks:
             wanted = self.pool.plan(seq, min(need, length))
             if wanted is None or (wanted.num_new_blocks + watermark + reserved_blocks
@@ -424,24 +453,25 @@ class KVCacheManager:
                 ok = False
         if not ok:
             return None
-        self._usage = None
+        self._held_blocks_changed()
         got = seq.num_cached_tokens
         if got != hit_tokens and self.prefix_cache_lookup_enabled(request):
             self.pool.deallocate(seq)
+            self._held_blocks_changed()
             raise ValueError(f"num_new_computed_tokens: {hit_tokens} is not the hit of "
                              f"get_computed_blocks for {request.request_id!r} ({got} tokens now)")
-        ids = entry.ids = seq.block_table.tolist()
-        entry.capacity = len(ids) * self.block_size
+        ids = entry.ids = seq.block_ids()
+        bs = self.block_size
+        entry.capacity = len(ids) * bs
         entry.computed = got
-        return PoolBlocks(ids[got // self.block_size:])
+        return PoolBlocks(ids[got // bs:])
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Publish the request's full blocks within ``num_computed_tokens`` (the async Scheduler
         passes tokens whose KV exists, R17)."""
         entry = self._seqs.get(request.request_id)
         if entry is not None and entry.capacity:
-            self._entry(request)
-            self._publish(entry, num_computed_tokens)
+            self._publish(request, entry, num_computed_tokens)
 
     def free(self, request: Request) -> None:
         """Publish what the request computed, then release its blocks (R18); unknown ids are a no-op."""
@@ -449,16 +479,17 @@ class KVCacheManager:
         if entry is None:
             return
         if entry.capacity:
-            self._entry(request)
             computed = request.num_computed_tokens - request.num_in_flight_tokens
             if self.enable_kv_cache_events:
-                self._publish(entry, computed)  # its BlockStored batch before the release's
-            else:  # deallocate publishes them itself (R18): one call, the same cache after
+                self._publish(request, entry, computed)  # its BlockStored batch before the release's
+            elif self.enable_caching and computed > entry.computed:
+                # deallocate publishes them itself (R18): one call, the same cache after
+                self._entry(request)
                 n = min(computed, entry.length, entry.capacity)
-                if n > entry.computed and self.enable_caching:
+                if n > entry.computed:
                     entry.seq.num_computed_tokens = n
             self.pool.deallocate(entry.seq)
-            self._usage = None
+            self._held_blocks_changed()
         del self._seqs[request.request_id]
         self._unpublished.pop(request.request_id, None)
 
@@ -497,32 +528,33 @@ class KVCacheManager:
         """Deprecated in vLLM 0.33.0: zeros, one per group."""
         return [0]
 
-    @property
-    def usage(self) -> float:
-        """Used blocks over usable ones (cached-only blocks count as free, as vLLM's).
-
-        Read from the pool's counters only after an allocation or a release since the last
-        read (nothing else changes which blocks are held): the Scheduler reads it every step.
-        """
-        if self._usage is None:
-            self._usage = self.block_pool.get_usage()
-        return self._usage
+    def _held_blocks_changed(self) -> None:
+        """Sets ``usage`` from the pool's counters (after an allocation or a release)."""
+        self.usage = self.pool.num_used_blocks / self._usable_blocks
 
     # -------------------------------------------------------------------- per-step no-ops
     def new_step_starts(self) -> None:
-        """Publish the blocks the last steps filled, now that their KV exists (R17).
+        """Nothing: the blocks the last steps filled are published before the next lookup
+        (module doc). A manager built with KV events has ``_publish_computed`` here instead,
+        so that their ``BlockStored`` events come in the step after their KV."""
 
-        The Scheduler calls it first thing in ``schedule()``, after ``update_from_output`` of
-        the steps that computed them (tokens still in flight wait for a later step)."""
+    def _publish_computed(self) -> None:
+        """Publish the blocks the last steps filled whose KV exists now (R17).
+
+        Runs first thing in ``schedule()`` (``new_step_starts``, with KV events) or at the
+        step's first lookup, after ``update_from_output`` of the steps that computed them;
+        tokens still in flight wait for a later step."""
         if not self._unpublished:
             return
-        waiting: dict[str, tuple[Request, _Entry]] = {}
-        for rid, (request, entry) in self._unpublished.items():
+        waiting: dict[str, tuple[Request, _Entry, int]] = {}
+        bs = self.block_size
+        for rid, pending in self._unpublished.items():
+            request, entry, end = pending
             if entry.capacity:
-                self._entry(request)
-                self._publish(entry, request.num_computed_tokens - request.num_in_flight_tokens)
-                if request.num_in_flight_tokens:
-                    waiting[rid] = (request, entry)
+                self._publish(request, entry, request.num_computed_tokens - request.num_in_flight_tokens)
+                # scheduled, not computed yet (in flight, or scheduled in the step under way)
+                if entry.computed < end - end % bs and self.enable_caching:
+                    waiting[rid] = pending
         self._unpublished = waiting
 
     def take_new_block_ids(self) -> list[int]:
@@ -530,8 +562,9 @@ class KVCacheManager:
         return []
 
     def take_kv_cache_block_copies(self) -> tuple[list[Any], list[KVCacheBlock]]:
-        """Copy-on-write of partial hits: none (hits are whole blocks)."""
-        return [], []
+        """Copy-on-write of partial hits: none (hits are whole blocks). The Scheduler reads the
+        pair every step and only tests it, so it is one shared pair of empty tuples."""
+        return _NO_COPIES  # type: ignore[return-value]
 
     def take_boundary_state_offloads(self) -> dict[str, list[Any]]:
         """Mamba "align" state offloads: none."""
@@ -593,8 +626,9 @@ class KVCacheManager:
 
     def take_events(self) -> list[Any]:
         """The pool's KV events since the last call as vLLM's events ([] unless enabled)."""
-        if not self.enable_kv_cache_events:
-            return []
+        return []  # a manager built with KV events has _take_vllm_events as its take_events
+
+    def _take_vllm_events(self) -> list[Any]:
         return [self._vllm_event(e) for e in self.pool.drain_events()]
 
     def _external_hash(self, h: bytes) -> int | bytes:
@@ -631,7 +665,7 @@ class KVCacheManager:
         """
         self.pool.check()
         stats = self.pool.stats()
-        counted = (self.usage, self.block_pool.get_num_free_blocks())
+        counted = (self.usage, self.block_pool.get_num_free_blocks())  # usage: set at the last change
         if counted != (stats["usage"], stats["num_free_blocks"] + stats["num_cached_blocks"]):
             raise InvariantError(f"usage and free blocks {counted} disagree with the pool's stats {stats}")
         recorded = self.prefix_cache_stats
@@ -648,7 +682,7 @@ class KVCacheManager:
                     or entry.computed > entry.capacity:
                 raise InvariantError(f"request {rid!r}: entry (length, capacity, computed) "
                                      f"{mirror}, sequence {actual}, table {table}")
-        for rid, (_, entry) in self._unpublished.items():
+        for rid, (_, entry, _end) in self._unpublished.items():
             if self._seqs.get(rid) is not entry:
                 raise InvariantError(f"request {rid!r}: awaits publication but is not tracked")
 

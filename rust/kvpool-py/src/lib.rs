@@ -10,6 +10,7 @@ mod elastic; // the pool's xtensor option
 mod errors;
 mod events;
 mod hierarchy;
+mod id_list; // block-id lists of shared ints
 mod index; // prefix index over KV events
 mod linear_state;
 mod manager;

@@ -165,7 +165,7 @@ impl PySequence {
     /// The block table as a Python list of int (for engines that keep tables as lists).
     fn block_ids<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         let ids: Vec<u32> = self.inner.lock().block_ids().collect();
-        PyList::new(py, ids)
+        crate::id_list::id_list(py, &ids)
     }
 
     /// Tokens whose KV came from the prefix cache at allocation.

@@ -47,10 +47,15 @@
 use crossbeam_utils::CachePadded;
 
 use crate::alloc;
+use crate::bulk_arc::{BulkArc, Reserved};
 use crate::error::Result;
 use crate::free_list::FreeList;
 use crate::hash::BlockHash;
-use crate::sync::{Arc, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use crate::sync::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
+
+/// What a [`Block`] holds of its store: `Arc<BlockStore>` whose references a table of handles
+/// can make and give up in bulk (bulk_arc.rs).
+pub(crate) type StoreRef = BulkArc<BlockStore>;
 
 pub(crate) const COUNT_MASK: u32 = (1 << 30) - 1;
 pub(crate) const QUEUED: u32 = 1 << 30;
@@ -138,9 +143,10 @@ impl BlockStore {
         self.states[id as usize].load(Ordering::Acquire)
     }
 
-    /// Turns a freshly popped free id into its first handle.
+    /// Turns a freshly popped free id's state into its first handle's (the caller makes the
+    /// handle: [`StoreRef::take`], [`Reserved::take_block`]).
     #[inline]
-    pub(crate) fn take(self: &Arc<Self>, id: u32) -> Block {
+    fn take_state(&self, id: u32) {
         let state = &self.states[id as usize];
         // Relaxed, both: the id came out of the free list through an Acquire pop, which already
         // orders everything its previous owner did; only the count itself changes here.
@@ -155,10 +161,6 @@ impl BlockStore {
             state.store(1, Ordering::Relaxed);
         } else {
             state.fetch_add(1, Ordering::Relaxed);
-        }
-        Block {
-            store: Arc::clone(self),
-            id,
         }
     }
 
@@ -248,17 +250,15 @@ impl BlockStore {
         self.cache_only.fetch_add(n, Ordering::Relaxed);
     }
 
-    /// A new handle of `id` if someone still holds it (count > 0), like `Weak::upgrade`; `None`
-    /// once the last handle is gone. Used by the sliding-window index, whose entries hold no
-    /// reference. Only for stores without a prefix cache (never `CACHED`, so the cache-only
-    /// count is not involved).
-    pub(crate) fn try_retain(self: &Arc<Self>, id: u32) -> Option<Block> {
+    /// `try_retain`'s state transition: whether `id` got one more handle (it had one).
+    #[inline]
+    fn try_retain_state(&self, id: u32) -> bool {
         let state = &self.states[id as usize];
         // Relaxed: the CAS below re-validates.
         let mut current = state.load(Ordering::Relaxed);
         loop {
             if current & COUNT_MASK == 0 {
-                return None;
+                return false;
             }
             // Acquire on success: like `Weak::upgrade`, see what the other holders published
             // before their handles were made. Relaxed on failure: retry with the fresh value.
@@ -268,29 +268,29 @@ impl BlockStore {
                 Ordering::Acquire,
                 Ordering::Relaxed,
             ) {
-                Ok(_) => {
-                    return Some(Block {
-                        store: Arc::clone(self),
-                        id,
-                    })
-                }
+                Ok(_) => return true,
                 Err(actual) => current = actual,
             }
         }
     }
 
-    /// Called by the prefix cache to hand out a new handle of a cached block.
+    /// One more handle of a cached block, for the prefix cache; returns whether it was
+    /// cache-only until now (the caller then takes it out of the cache-only count:
+    /// [`Self::sub_cache_only`], once for a whole run).
     #[inline]
-    pub(crate) fn retain_cached(self: &Arc<Self>, id: u32) -> Block {
+    fn retain_cached_state(&self, id: u32) -> bool {
         let previous = self.retain(id);
         debug_assert!(previous & CACHED != 0);
-        if previous & COUNT_MASK == 1 {
-            // Relaxed: see `release`.
-            self.cache_only.fetch_sub(1, Ordering::Relaxed);
-        }
-        Block {
-            store: Arc::clone(self),
-            id,
+        previous & COUNT_MASK == 1
+    }
+
+    /// Takes `n` from the cache-only count: the `-1`s of `n` transitions `CACHED|1 -> CACHED|2`
+    /// made by [`Reserved::retain_cached`].
+    #[inline]
+    pub(crate) fn sub_cache_only(&self, n: usize) {
+        if n > 0 {
+            // Relaxed: a statistic made exact by the state transitions (see `num_cache_only`).
+            self.cache_only.fetch_sub(n, Ordering::Relaxed);
         }
     }
 
@@ -356,8 +356,68 @@ pub(crate) enum Released {
 /// the free list of the manager that handed it out. Managers take handles back by value in
 /// `deallocate`, so a handle cannot be released twice.
 pub struct Block {
-    store: Arc<BlockStore>,
+    store: StoreRef,
     id: u32,
+}
+
+impl BulkArc<BlockStore> {
+    /// The first handle of a freshly popped free id.
+    #[inline]
+    pub(crate) fn take(&self, id: u32) -> Block {
+        self.take_state(id);
+        Block {
+            store: self.clone(),
+            id,
+        }
+    }
+
+    /// A new handle of `id` if someone still holds it (count > 0), like `Weak::upgrade`; `None`
+    /// once the last handle is gone. Used by the sliding-window index, whose entries hold no
+    /// reference. Only for stores without a prefix cache (never `CACHED`, so the cache-only
+    /// count is not involved).
+    pub(crate) fn try_retain(&self, id: u32) -> Option<Block> {
+        self.try_retain_state(id).then(|| Block {
+            store: self.clone(),
+            id,
+        })
+    }
+
+    /// Called by the prefix cache to hand out a new handle of a cached block.
+    #[inline]
+    pub(crate) fn retain_cached(&self, id: u32) -> Block {
+        if self.retain_cached_state(id) {
+            self.sub_cache_only(1);
+        }
+        Block {
+            store: self.clone(),
+            id,
+        }
+    }
+}
+
+impl Reserved<BlockStore> {
+    /// [`StoreRef::take`] with a reserved store reference (no count update).
+    #[inline]
+    pub(crate) fn take_block(&mut self, id: u32) -> Block {
+        self.owner().take_state(id);
+        Block {
+            store: self.next_ref(),
+            id,
+        }
+    }
+
+    /// [`StoreRef::retain_cached`] with a reserved store reference, and without the cache-only
+    /// count's update: returns whether the block was cache-only, for the caller to take the
+    /// run's total out of the count at once ([`BlockStore::sub_cache_only`]).
+    #[inline]
+    pub(crate) fn retain_cached(&mut self, id: u32) -> (Block, bool) {
+        let was_cache_only = self.owner().retain_cached_state(id);
+        let block = Block {
+            store: self.next_ref(),
+            id,
+        };
+        (block, was_cache_only)
+    }
 }
 
 impl Block {
@@ -390,10 +450,10 @@ impl Block {
     /// The handle's store reference and id, without dropping the handle: the caller now owns
     /// that reference and must release the id's handle itself ([`crate::release::release_all`]).
     #[inline]
-    pub(crate) fn into_parts(self) -> (Arc<BlockStore>, u32) {
+    pub(crate) fn into_parts(self) -> (StoreRef, u32) {
         let block = std::mem::ManuallyDrop::new(self);
         // SAFETY: `block` is never used or dropped again (`ManuallyDrop`, and it goes out of
-        // scope here), so reading its `store` out moves that one `Arc` reference to the caller
+        // scope here), so reading its `store` out moves that one store reference to the caller
         // exactly once: the strong count stays right and nothing is freed twice.
         let store = unsafe { std::ptr::read(&block.store) };
         (store, block.id)
@@ -401,8 +461,8 @@ impl Block {
 
     /// Whether this handle was handed out by the manager that owns `store`.
     #[inline]
-    pub(crate) fn belongs_to(&self, store: &Arc<BlockStore>) -> bool {
-        Arc::ptr_eq(&self.store, store)
+    pub(crate) fn belongs_to(&self, store: &StoreRef) -> bool {
+        StoreRef::ptr_eq(&self.store, store)
     }
 }
 
@@ -411,7 +471,7 @@ impl Clone for Block {
     fn clone(&self) -> Self {
         self.store.retain(self.id);
         Self {
-            store: Arc::clone(&self.store),
+            store: self.store.clone(),
             id: self.id,
         }
     }
@@ -437,7 +497,7 @@ impl std::fmt::Debug for Block {
 impl PartialEq for Block {
     /// Two handles are equal when they share the same physical block of the same manager.
     fn eq(&self, other: &Self) -> bool {
-        self.id == other.id && Arc::ptr_eq(&self.store, &other.store)
+        self.id == other.id && StoreRef::ptr_eq(&self.store, &other.store)
     }
 }
 
@@ -445,11 +505,7 @@ impl Eq for Block {}
 
 /// An argument error naming `name` unless every block in `blocks` is an id of `store` (a handle
 /// of another manager would corrupt this one's counts).
-pub(crate) fn check_owned(
-    store: &Arc<BlockStore>,
-    blocks: &[Block],
-    name: &'static str,
-) -> Result<()> {
+pub(crate) fn check_owned(store: &StoreRef, blocks: &[Block], name: &'static str) -> Result<()> {
     for block in blocks {
         crate::error::ensure_arg!(
             block.belongs_to(store),

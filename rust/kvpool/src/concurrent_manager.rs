@@ -38,12 +38,13 @@
 //!   the lock; a drop racing with either is one CAS on the state word, and the cache re-reads the
 //!   word under the lock before acting (see the "Concurrency" section of `block.rs`).
 
-use crate::block::{Block, BlockStore};
+use crate::block::Block;
+use crate::block::StoreRef;
 use crate::error::{KvPoolError, Result};
 use crate::hash::BlockHasher;
 use crate::manager::{BlockCounts, BlockManager, BlockManagerImpl, ManagerConfig};
 use crate::prefix_cache::{CacheStats, ExtraKey, PrefixCache};
-use crate::sync::{Arc, Mutex};
+use crate::sync::Mutex;
 
 /// Thread-safe block allocator with a prefix cache: lock-free allocate (when the free list
 /// suffices) and handle drops, prefix cache behind one lock (R27).
@@ -74,7 +75,7 @@ use crate::sync::{Arc, Mutex};
 /// ```
 pub struct ConcurrentBlockManager {
     /// The same store as `inner`'s: used with no lock on the fast paths.
-    store: Arc<BlockStore>,
+    store: StoreRef,
     hasher: BlockHasher,
     block_size: usize,
     cache_enabled: bool,
@@ -95,7 +96,7 @@ impl ConcurrentBlockManager {
     pub fn new(config: ManagerConfig) -> Result<Self> {
         let inner = BlockManagerImpl::new(config)?;
         Ok(Self {
-            store: Arc::clone(inner.store()),
+            store: inner.store().clone(),
             hasher: config.hasher,
             block_size: config.block_size,
             cache_enabled: config.enable_prefix_cache,
@@ -180,9 +181,11 @@ impl ConcurrentBlockManager {
     /// Pops free ids into handles until `out` holds `n`; whether it got there.
     #[inline]
     fn pop_into(&self, n: usize, out: &mut Vec<Block>) -> bool {
+        // the handles' store references in one count update (bulk_arc.rs)
+        let mut refs = self.store.reserve(n.saturating_sub(out.len()));
         while out.len() < n {
             match self.store.free.pop() {
-                Some(id) => out.push(self.store.take(id)),
+                Some(id) => out.push(refs.take_block(id)),
                 None => return false,
             }
         }

@@ -13,6 +13,7 @@
 
 mod alloc;
 mod block;
+mod bulk_arc;
 mod composite;
 mod concurrent_manager;
 mod counters;

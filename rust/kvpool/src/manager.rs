@@ -10,11 +10,11 @@
 //!   last handle (maybe the cache's) goes (R4, R5).
 
 use crate::alloc;
+use crate::block::StoreRef;
 use crate::block::{Block, BlockStore, CACHED, COUNT_MASK};
 use crate::error::{ensure_arg, ensure_invariant, KvPoolError, Result};
 use crate::hash::{BlockHash, BlockHasher};
 use crate::prefix_cache::PrefixCache;
-use crate::sync::Arc;
 
 /// Most blocks one manager may own (ids are u32 with two bits of the state word reserved).
 pub const MAX_BLOCKS: usize = 1 << 30;
@@ -182,7 +182,7 @@ impl ManagerConfig {
 /// Plain allocator with an optional prefix cache and the padding block (the seed's
 /// `BlockManagerImpl`).
 pub struct BlockManagerImpl {
-    pub(crate) store: Arc<BlockStore>,
+    pub(crate) store: StoreRef,
     cache: Option<PrefixCache>,
     hasher: BlockHasher,
 }
@@ -192,13 +192,13 @@ impl BlockManagerImpl {
     pub fn new(config: ManagerConfig) -> Result<Self> {
         config.validate()?;
         alloc::probe(config.footprint(), "num_blocks")?;
-        let store = Arc::new(BlockStore::new(
+        let store = StoreRef::new(BlockStore::new(
             config.num_blocks,
             config.block_size as u32,
             "num_blocks",
         )?);
         let cache = match config.enable_prefix_cache {
-            true => Some(PrefixCache::new(Arc::clone(&store), config.hasher)?),
+            true => Some(PrefixCache::new(store.clone(), config.hasher)?),
             false => None,
         };
         Ok(Self {
@@ -225,7 +225,7 @@ impl BlockManagerImpl {
 
     /// The slab behind this manager's handles (shared with `ConcurrentBlockManager`'s lock-free
     /// paths).
-    pub(crate) fn store(&self) -> &Arc<BlockStore> {
+    pub(crate) fn store(&self) -> &StoreRef {
         &self.store
     }
 
@@ -256,9 +256,11 @@ impl BlockManagerImpl {
             }
         }
         out.reserve(n);
+        // the handles' store references in one count update (bulk_arc.rs)
+        let mut refs = self.store.reserve(n);
         for taken in 0..n {
             match self.store.free.pop() {
-                Some(id) => out.push(self.store.take(id)),
+                Some(id) => out.push(refs.take_block(id)),
                 None => {
                     // Only reachable when cached blocks could not be evicted because the caller
                     // holds descendants of them (released a chain's head, kept its tail).

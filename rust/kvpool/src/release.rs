@@ -1,13 +1,14 @@
 //! Releasing a whole table of handles at once (`release_all`): what dropping each handle does,
 //! with the per-block shared work batched.
 //!
-//! Dropping a [`Block`] makes four atomic updates besides its `Arc`'s: the CAS on the id's
-//! state word, then the push of the id on the free list (its last handle) or the cache-only
-//! count's `+1` and the push on the `released` stack (only the cache holds it now). A request
-//! that frees a table of a few hundred blocks pays them per block. `release_all` makes the
-//! state-word CAS of each id (that cannot be shared) and collects the ids; each run of up to
-//! `RUN` ids of one store then goes on the free list and on the `released` stack with one CAS
-//! each ([`FreeList::push_run`]) and into the cache-only count with one add.
+//! Dropping a [`Block`] makes four atomic updates besides its store reference's: the CAS on the
+//! id's state word, then the push of the id on the free list (its last handle) or the
+//! cache-only count's `+1` and the push on the `released` stack (only the cache holds it now).
+//! A request that frees a table of a few hundred blocks pays them per block. `release_all`
+//! makes the state-word CAS of each id (that cannot be shared) and collects the ids; each run of
+//! up to `RUN` ids of one store then goes on the free list and on the `released` stack with one
+//! CAS each ([`FreeList::push_run`]) and into the cache-only count with one add, and the
+//! handles' store references go back with one count update per store ([`Absorbed`]).
 //!
 //! Invariants kept (block.rs's, unchanged): every transition of a state word is the one
 //! dropping that handle makes, in the same order (the table's last block first, as
@@ -19,15 +20,17 @@
 //! in the free list; the count's `+1` after the transition), and block.rs's races are argued
 //! for any length of it; nothing runs between the CASes and the flush on this thread.
 
+use crate::block::StoreRef;
 use crate::block::{Block, BlockStore, Released};
-use crate::sync::Arc;
+use crate::bulk_arc::Absorbed;
 
 /// Ids collected per kind before a flush (bounded on the stack, no allocation).
 const RUN: usize = 64;
 
 /// The ids of one store released since the last flush, not yet pushed.
 struct Run {
-    store: Arc<BlockStore>,
+    /// The store, and the references of the run's handles, given back when the run ends.
+    store: Absorbed<BlockStore>,
     freed: [u32; RUN],
     num_freed: usize,
     queued: [u32; RUN],
@@ -36,9 +39,9 @@ struct Run {
 }
 
 impl Run {
-    fn new(store: Arc<BlockStore>) -> Self {
+    fn new(store: StoreRef) -> Self {
         Self {
-            store,
+            store: store.into_absorber(),
             freed: [0; RUN],
             num_freed: 0,
             queued: [0; RUN],
@@ -49,13 +52,12 @@ impl Run {
 
     /// Makes the pushes and the count update of the ids collected so far.
     fn flush(&mut self) {
+        let store = self.store.owner();
         if self.cache_only > 0 {
-            self.store.add_cache_only(self.cache_only);
+            store.add_cache_only(self.cache_only);
         }
-        self.store.free.push_run(&self.freed[..self.num_freed]);
-        self.store
-            .released
-            .push_run(&self.queued[..self.num_queued]);
+        store.free.push_run(&self.freed[..self.num_freed]);
+        store.released.push_run(&self.queued[..self.num_queued]);
         self.num_freed = 0;
         self.num_queued = 0;
         self.cache_only = 0;
@@ -63,7 +65,7 @@ impl Run {
 
     /// Drops the handle of `id` (whose store reference the caller gave up).
     fn release(&mut self, id: u32) {
-        match self.store.release_transition(id) {
+        match self.store.owner().release_transition(id) {
             Released::Freed => {
                 self.freed[self.num_freed] = id;
                 self.num_freed += 1;
@@ -93,17 +95,19 @@ pub(crate) fn release_all(blocks: &mut Vec<Block>) {
         return;
     };
     // The run keeps the first handle's store reference until the end, so the store outlives
-    // the loop (dropping it last, as the one-by-one drops would, if it is the store's last).
+    // the loop (dropping it last, as the one-by-one drops would, if it is the store's last);
+    // the other handles' references of that store go back with it, in one count update.
     let (store, id) = first.into_parts();
     let mut run = Run::new(store);
     run.release(id);
     while let Some(block) = blocks.pop() {
         let (store, id) = block.into_parts();
-        if Arc::ptr_eq(&store, &run.store) {
-            drop(store); // the handle's own reference (the run holds another)
+        if run.store.is_for(&store) {
+            run.store.absorb(store); // the handle's own reference, given back with the run's
         } else {
             run.flush();
-            drop(std::mem::replace(&mut run.store, store));
+            // the old store's references go back (and its last, if it is) before the new run
+            drop(std::mem::replace(&mut run.store, store.into_absorber()));
         }
         run.release(id);
     }
@@ -117,8 +121,8 @@ mod tests {
     use crate::hash::BlockHash;
 
     /// A store of `n` ids and `k` fresh handles out of it.
-    fn store_with(n: usize, k: usize) -> (Arc<BlockStore>, Vec<Block>) {
-        let store = Arc::new(BlockStore::new(n, 1, "num_blocks").unwrap());
+    fn store_with(n: usize, k: usize) -> (StoreRef, Vec<Block>) {
+        let store = StoreRef::new(BlockStore::new(n, 1, "num_blocks").unwrap());
         let blocks = (0..k)
             .map(|_| {
                 let id = store.free.pop().unwrap();
@@ -191,8 +195,8 @@ mod tests {
         release_all(&mut mixed);
         assert_eq!(a.free.len(), 7);
         assert_eq!(b.free.len(), 7);
-        assert_eq!(Arc::strong_count(&a), 1);
-        assert_eq!(Arc::strong_count(&b), 1);
+        assert_eq!(StoreRef::count(&a), 1);
+        assert_eq!(StoreRef::count(&b), 1);
         release_all(&mut mixed); // empty: nothing
     }
 }
@@ -206,7 +210,7 @@ mod loom_tests {
     use crate::hash::BlockHash;
     use loom::thread;
 
-    fn take(store: &Arc<BlockStore>) -> Block {
+    fn take(store: &StoreRef) -> Block {
         let id = store.free.pop().unwrap();
         store.take(id)
     }
@@ -217,7 +221,7 @@ mod loom_tests {
     #[test]
     fn release_all_racing_with_drops() {
         loom::model(|| {
-            let store = Arc::new(BlockStore::new(3, 1, "num_blocks").unwrap());
+            let store = StoreRef::new(BlockStore::new(3, 1, "num_blocks").unwrap());
             let (a, b) = (take(&store), take(&store));
             store.mark_cached(b.id(), BlockHash(7));
             let (a2, b2) = (a.clone(), b.clone());
@@ -241,9 +245,9 @@ mod loom_tests {
     #[test]
     fn release_all_racing_with_allocation() {
         loom::model(|| {
-            let store = Arc::new(BlockStore::new(4, 1, "num_blocks").unwrap());
+            let store = StoreRef::new(BlockStore::new(4, 1, "num_blocks").unwrap());
             let mut table = vec![take(&store), take(&store)];
-            let other = Arc::clone(&store);
+            let other = store.clone();
             let t = thread::spawn(move || {
                 if let Some(id) = other.free.pop() {
                     drop(other.take(id));

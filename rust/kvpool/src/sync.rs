@@ -5,17 +5,18 @@
 //! of [`crate::ConcurrentBlockManager`] then come from loom, which explores their
 //! interleavings. Nothing else in the crate names `std::sync::atomic` for those paths.
 //!
-//! `Arc` is always `std::sync::Arc`: it only keeps the block store (and extra keys) alive, and
+//! `Arc` is always `std::sync::Arc`: it only keeps extra keys and the index's tables alive, and
 //! its own orderings are std's, so loom has nothing to explore there; loom's `Arc` also lacks
-//! unsized payloads (`Arc<[u8]>`) and `self: &Arc<Self>` receivers, which the core uses.
+//! unsized payloads (`Arc<[u8]>`), which the core uses. The block store's own reference count
+//! (`crate::bulk_arc`) uses the atomics and `fence` below, so loom explores it.
 
 pub(crate) use std::sync::Arc;
 
 #[cfg(kvpool_loom)]
-pub(crate) use loom::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
+pub(crate) use loom::sync::atomic::{fence, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 
 #[cfg(not(kvpool_loom))]
-pub(crate) use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
+pub(crate) use std::sync::atomic::{fence, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 
 /// A mutex with `parking_lot`'s interface (`lock()` returns the guard: no poisoning), backed by
 /// `parking_lot::Mutex`, or by `loom::sync::Mutex` under loom so that the models explore the

@@ -33,11 +33,11 @@ mod keys;
 mod physical;
 
 use crate::alloc;
-use crate::block::{Block, BlockStore, CACHED, COUNT_MASK};
+use crate::block::StoreRef;
+use crate::block::{Block, CACHED, COUNT_MASK};
 use crate::error::Result;
 use crate::hash::{BlockHash, BlockHasher};
 use crate::prefetch::prefetch;
-use crate::sync::Arc;
 // std, not the loom shim: a debug counter, outside every loom model.
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -141,7 +141,7 @@ pub struct Probe {
 
 /// Hash-keyed prefix cache over the blocks of one [`BlockStore`].
 pub struct PrefixCache {
-    store: Arc<BlockStore>,
+    store: StoreRef,
     hasher: BlockHasher,
     block_size: usize,
     index: HashIndex,
@@ -176,7 +176,7 @@ impl PrefixCache {
 
     /// The cache of `store`'s blocks; an error naming `num_blocks` if its per-block arrays
     /// cannot be allocated (F1).
-    pub(crate) fn new(store: Arc<BlockStore>, hasher: BlockHasher) -> Result<Self> {
+    pub(crate) fn new(store: StoreRef, hasher: BlockHasher) -> Result<Self> {
         let n = store.num_blocks();
         let block_size = store.block_size as usize;
         let tokens = alloc::filled(n * block_size + TOKENS_PER_LINE - 1, "num_blocks", || 0)?;
@@ -353,6 +353,9 @@ impl PrefixCache {
     pub(crate) fn retain(&mut self, ids: &[u32], out: &mut Vec<Block>) {
         self.drain_released();
         out.reserve(ids.len());
+        // The handles' store references, and the cache-only count's `-1`s, each in one update.
+        let mut refs = self.store.reserve(ids.len());
+        let mut were_cache_only = 0;
         for &flagged in ids {
             let id = flagged & !CACHE_ONLY_BIT;
             debug_assert!(
@@ -362,8 +365,11 @@ impl PrefixCache {
             if self.entries[id as usize].in_lru {
                 self.lru_unlink(id);
             }
-            out.push(self.store.retain_cached(id));
+            let (block, was_cache_only) = refs.retain_cached(id);
+            were_cache_only += usize::from(was_cache_only);
+            out.push(block);
         }
+        self.store.sub_cache_only(were_cache_only);
     }
 
     /// Chain walks so far (probes, walks and matches): a debug counter.

@@ -34,12 +34,12 @@
 //! is lowered, or `evict`), eviction frees whole pages first ([`super::reclaim`]).
 
 use crate::alloc;
+use crate::block::StoreRef;
 use crate::block::{Block, BlockStore};
 use crate::error::{KvPoolError, Result};
 use crate::hash::{BlockHash, BlockHasher};
 use crate::manager::{BlockCounts, BlockManager};
 use crate::prefix_cache::PrefixCache;
-use crate::sync::Arc;
 use crate::xtensor::backend::{backend_error, AccountingBackend, PageBackend, PageError};
 use crate::xtensor::pages::PageTable;
 
@@ -49,7 +49,7 @@ use crate::xtensor::config::{MemoryLimitReport, PageStats, XTensorConfig};
 
 /// The elastic allocator (module doc).
 pub struct XTensorBlockManager {
-    pub(crate) store: Arc<BlockStore>,
+    pub(crate) store: StoreRef,
     pub(crate) cache: Option<PrefixCache>,
     hasher: BlockHasher,
     pub(crate) pages: PageTable,
@@ -85,13 +85,13 @@ impl XTensorBlockManager {
     pub fn with_backend(config: XTensorConfig, backend: Box<dyn PageBackend>) -> Result<Self> {
         config.validate()?;
         alloc::probe(config.footprint(), "num_blocks")?;
-        let store = Arc::new(BlockStore::with_empty_free_list(
+        let store = StoreRef::new(BlockStore::with_empty_free_list(
             config.num_blocks,
             config.block_size as u32,
             "num_blocks",
         )?);
         let cache = match config.enable_prefix_cache {
-            true => Some(PrefixCache::new(Arc::clone(&store), config.hasher)?),
+            true => Some(PrefixCache::new(store.clone(), config.hasher)?),
             false => None,
         };
         let pages = PageTable::new(config.num_blocks, config.blocks_per_page)?;
