@@ -34,8 +34,8 @@ Invariants this module keeps:
   vLLM publishes at allocation instead, so a request admitted in the step that another
   schedules the same prefix shares it in vLLM only (by design; docs/integrations.md).
 - ``get_computed_blocks`` changes nothing but that publication (``BlockManagerPool.plan``):
-  the Scheduler calls it again every step for a blocked waiting request. ``allocate_slots`` is all or nothing: None
-  leaves the pool and the request as they were.
+  the Scheduler calls it again every step for a blocked waiting request. ``allocate_slots`` is
+  all or nothing: None leaves the pool and the request as they were.
 
 Covered: one full-attention group (``FullAttentionSpec`` and its subclasses, MLA included),
 prefix caching on or off, cache salts and LoRA (they root the hash chain, R6), KV events, prefix
