@@ -230,7 +230,6 @@ class KVCacheManager:
         if enable_kv_cache_events:  # the class's methods (no events) are the cheaper calls
             self.take_events = self._take_vllm_events  # type: ignore[method-assign]
             self.new_step_starts = self._publish_computed  # type: ignore[method-assign]
-        self._usable_blocks = num_blocks - 1  # the null block is never handed out
 
     # ------------------------------------------------------------------------------ requests
     def _extra_key(self, request: Request) -> bytes | None:
@@ -530,7 +529,7 @@ class KVCacheManager:
 
     def _held_blocks_changed(self) -> None:
         """Sets ``usage`` from the pool's counters (after an allocation or a release)."""
-        self.usage = self.pool.num_used_blocks / self._usable_blocks
+        self.usage = self.block_pool.get_usage()
 
     # -------------------------------------------------------------------- per-step no-ops
     def new_step_starts(self) -> None:

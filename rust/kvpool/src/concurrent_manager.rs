@@ -38,8 +38,7 @@
 //!   the lock; a drop racing with either is one CAS on the state word, and the cache re-reads the
 //!   word under the lock before acting (see the "Concurrency" section of `block.rs`).
 
-use crate::block::Block;
-use crate::block::StoreRef;
+use crate::block::{Block, StoreRef};
 use crate::error::{KvPoolError, Result};
 use crate::hash::BlockHasher;
 use crate::manager::{BlockCounts, BlockManager, BlockManagerImpl, ManagerConfig};

@@ -10,8 +10,7 @@
 //!   last handle (maybe the cache's) goes (R4, R5).
 
 use crate::alloc;
-use crate::block::StoreRef;
-use crate::block::{Block, BlockStore, CACHED, COUNT_MASK};
+use crate::block::{Block, BlockStore, StoreRef, CACHED, COUNT_MASK};
 use crate::error::{ensure_arg, ensure_invariant, KvPoolError, Result};
 use crate::hash::{BlockHash, BlockHasher};
 use crate::prefix_cache::PrefixCache;

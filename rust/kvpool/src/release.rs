@@ -20,8 +20,7 @@
 //! in the free list; the count's `+1` after the transition), and block.rs's races are argued
 //! for any length of it; nothing runs between the CASes and the flush on this thread.
 
-use crate::block::StoreRef;
-use crate::block::{Block, BlockStore, Released};
+use crate::block::{Block, BlockStore, Released, StoreRef};
 use crate::bulk_arc::Absorbed;
 
 /// Ids collected per kind before a flush (bounded on the stack, no allocation).

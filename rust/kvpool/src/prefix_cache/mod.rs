@@ -33,8 +33,7 @@ mod keys;
 mod physical;
 
 use crate::alloc;
-use crate::block::StoreRef;
-use crate::block::{Block, CACHED, COUNT_MASK};
+use crate::block::{Block, StoreRef, CACHED, COUNT_MASK};
 use crate::error::Result;
 use crate::hash::{BlockHash, BlockHasher};
 use crate::prefetch::prefetch;

@@ -34,8 +34,7 @@
 //! is lowered, or `evict`), eviction frees whole pages first ([`super::reclaim`]).
 
 use crate::alloc;
-use crate::block::StoreRef;
-use crate::block::{Block, BlockStore};
+use crate::block::{Block, BlockStore, StoreRef};
 use crate::error::{KvPoolError, Result};
 use crate::hash::{BlockHash, BlockHasher};
 use crate::manager::{BlockCounts, BlockManager};
