@@ -2015,6 +2015,10 @@ class KVIndex:
     def expire(self, now: float) -> int:
         """Drop the speculative entries lapsing at or before ``now``; returns how many."""
 
+    def can_apply(self, instance: int, sequence: int, *, dp_rank: int = 0) -> bool:
+        """Whether ``apply`` would now apply an event of (instance, dp rank) numbered
+        ``sequence``: not a duplicate, not dropped by a gap or a stall. Changes nothing."""
+
     def resync(self, instance: int, dp_rank: int = 0) -> int:
         """Drop every entry of (instance, dp rank) and forget its sequence number."""
 

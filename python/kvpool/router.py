@@ -19,7 +19,6 @@ the first one before its instance's stored events arrive.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -104,8 +103,8 @@ class Router:
         self.speculative_ttl = speculative_ttl
         self.load = np.zeros(len(ids), dtype=np.float64)  # outstanding prompt tokens
         self.active: dict[Any, tuple[int, int]] = {}  # request id -> (position, tokens)
-        self._next = 0
-        self._ids = itertools.count()
+        self._next = 0  # round robin: the next turn
+        self._auto = 0  # the next request id given when the caller gives none
 
     # ------------------------------------------------------------------------------ cost
     def cached(self, token_ids: Sequence[int], *, extra_key: bytes | str | None = None,
@@ -143,15 +142,16 @@ class Router:
     def route(self, token_ids: Sequence[int], *, extra_key: bytes | str | None = None,
               now: float = 0.0, request_id: Any = None) -> Decision:
         """Picks an instance for a request of ``token_ids`` arriving at ``now``; it counts in
-        that instance's load until ``finish(request_id)``."""
+        that instance's load until ``finish(request_id)``. A rejected request (a ValueError or
+        TypeError) changes nothing: no round-robin turn, no id, no load, no speculative entry."""
         prompt = len(token_ids)
-        request_id = next(self._ids) if request_id is None else request_id
+        auto = request_id is None
+        request_id = self._auto if auto else request_id
         if request_id in self.active:
             raise ValueError(f"request_id: {request_id!r} is already routed")
         cached = None
         if self.policy == "round_robin":
             k, cost = self._next % len(self.instances), 0.0
-            self._next += 1
         elif self.policy == "least_loaded":
             k = int(np.argmin(self.load))
             cost = float(self.load[k])
@@ -162,8 +162,13 @@ class Router:
             cost = float(costs[k])
         instance = self.instances[k]
         if self.index is not None and self.speculative_ttl is not None and prompt >= self.block_size:
+            # the one step that may still refuse the request (its tokens): before any change
             self.index.insert_speculative(instance, token_ids, block_size=self.block_size, now=now,
                                           ttl=self.speculative_ttl, extra_key=extra_key)
+        if self.policy == "round_robin":
+            self._next += 1
+        if auto:
+            self._auto += 1
         self.load[k] += prompt
         self.active[request_id] = (k, prompt)
         held = {} if cached is None else dict(zip(("device", "host", "remote"), (int(x) for x in cached[k]), strict=True))

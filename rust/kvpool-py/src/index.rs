@@ -452,6 +452,21 @@ impl PyKVIndex {
         Ok(py.detach(|| self.inner.resync(instance, dp_rank)))
     }
 
+    /// Whether `apply` would now apply an event of (`instance`, `dp_rank`) numbered
+    /// `sequence`: not a duplicate, not dropped by a gap or a stall. Changes nothing.
+    #[pyo3(signature = (instance, sequence, *, dp_rank = 0))]
+    fn can_apply(
+        &self,
+        instance: &Bound<'_, PyAny>,
+        sequence: &Bound<'_, PyAny>,
+        dp_rank: i128,
+    ) -> PyResult<bool> {
+        let instance = unsigned(instance, "instance", u64::MAX)?;
+        let sequence = unsigned(sequence, "sequence", u64::MAX)?;
+        let dp_rank = in_range(dp_rank, "dp_rank", u64::from(u32::MAX))? as u32;
+        Ok(self.inner.can_apply(instance, dp_rank, sequence))
+    }
+
     /// Drops every entry and source of `instance`. Returns the entries dropped.
     fn remove_instance(&self, py: Python<'_>, instance: &Bound<'_, PyAny>) -> PyResult<usize> {
         let instance = unsigned(instance, "instance", u64::MAX)?;
