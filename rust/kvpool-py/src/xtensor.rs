@@ -197,7 +197,7 @@ pub(crate) fn report_dict<'py>(
 impl PyXTensorBlockManager {
     #[new]
     #[pyo3(
-        signature = (num_blocks, block_size, *, blocks_per_page, page_bytes = None, spare_pages = None, memory_limit = None, backend = None, enable_prefix_cache = None, hash_seed = None, debug_hash_bits = None),
+        signature = (num_blocks, block_size, *, blocks_per_page, page_bytes = None, spare_pages = convert::Given::Missing, memory_limit = None, backend = None, enable_prefix_cache = convert::Given::Missing, hash_seed = None, debug_hash_bits = None),
         text_signature = "(num_blocks, block_size, *, blocks_per_page, page_bytes=None, spare_pages=1, memory_limit=None, backend=None, enable_prefix_cache=True, hash_seed=None, debug_hash_bits=None)"
     )]
     #[allow(clippy::too_many_arguments)]
@@ -207,10 +207,10 @@ impl PyXTensorBlockManager {
         block_size: &Bound<'_, PyAny>,
         blocks_per_page: &Bound<'_, PyAny>,
         page_bytes: Option<&Bound<'_, PyAny>>,
-        spare_pages: Option<&Bound<'_, PyAny>>,
+        spare_pages: convert::Given<'_>,
         memory_limit: Option<&Bound<'_, PyAny>>,
         backend: Option<&Bound<'_, PyAny>>,
-        enable_prefix_cache: Option<&Bound<'_, PyAny>>,
+        enable_prefix_cache: convert::Given<'_>,
         hash_seed: Option<&Bound<'_, PyAny>>,
         debug_hash_bits: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
@@ -219,9 +219,8 @@ impl PyXTensorBlockManager {
             convert::count(block_size, "block_size")?,
             convert::count(blocks_per_page, "blocks_per_page")?,
         );
-        config.enable_prefix_cache =
-            convert::flag(enable_prefix_cache, "enable_prefix_cache", true)?;
-        config.spare_pages = convert::optional_count(spare_pages, "spare_pages")?.unwrap_or(1);
+        config.enable_prefix_cache = enable_prefix_cache.flag("enable_prefix_cache", true)?;
+        config.spare_pages = spare_pages.count("spare_pages", 1)?;
         config.memory_limit = optional_bytes(memory_limit, "memory_limit")?;
         config.hasher = hasher(hash_seed, debug_hash_bits)?;
         let backend = backend.filter(|b| !b.is_none());
