@@ -25,8 +25,10 @@ import kvpool.kernels as kernels
 import numpy as np
 import pytest
 from kvpool.integrations.nanovllm import BlockManager as NanoBlockManager
+from kvpool.remote import RedisEventPublisher, RedisRemoteTier, make_namespace, read_events
 from kvpool.router import Router
 from kvpool.tiers.memory import MemoryRemoteTier
+from kvpool.transfer import NumpyTransferExecutor
 from kvpool.xtensor import CudaPageBackend
 
 COUNT = "count"  # an int (a count, an id, a rank, a size, a seed): no bool, no float
@@ -302,6 +304,23 @@ TABLE: dict[str, tuple[Callable, dict[str, str]]] = {
             NanoBlockManager(8, 4), _NanoSeq()),
         {"num_cached_blocks": COUNT}),
     "kvpool.tiers.memory.MemoryRemoteTier.__init__": (MemoryRemoteTier, {"capacity": COUNT}),
+    "kvpool.remote.make_namespace": (
+        _with({"model": "m", "dtype": "float16", "num_kv_heads": 1, "head_dim": 8, "block_size": 4,
+               "num_layers": 1}, make_namespace),
+        {"num_kv_heads": COUNT, "head_dim": COUNT, "block_size": COUNT, "num_layers": COUNT, "hash_seed": COUNT}),
+    # no connection is made by these calls (redis-py connects on the first command)
+    "kvpool.remote.RedisRemoteTier.__init__": (
+        _with({"url": "redis://127.0.0.1:1", "namespace": "ns"}, RedisRemoteTier),
+        {"cluster": FLAG, "ttl_s": COUNT}),
+    "kvpool.remote.RedisEventPublisher.__init__": (
+        _with({"url": "redis://127.0.0.1:1", "instance_id": "a"}, RedisEventPublisher), {"maxlen": COUNT}),
+    "kvpool.remote.read_events": (
+        _with({"url": "redis://127.0.0.1:1", "max_entries": 0}, read_events),
+        {"count": COUNT, "max_entries": COUNT}),
+    "kvpool.transfer.TransferExecutor.transfer": (
+        _with({"plans": [], "to_device": True},
+              lambda **kw: NumpyTransferExecutor(np.zeros((2, 4)), np.zeros((2, 4))).transfer(**kw)),
+        {"to_device": FLAG}),
     "kvpool.xtensor.CudaPageBackend.__init__": (
         _with({"num_blocks": 8, "block_size": 4, "num_kv_heads": 1, "head_dim": 8, "driver": _Driver()},
               CudaPageBackend),
@@ -337,10 +356,18 @@ EXEMPT = {
     "kvpool.xtensor.CudaPageBackend.unmap_page": "the PageBackend protocol: the manager passes its pages",
     "kvpool.xtensor.CudaPageBackend.tensor_address": "needs a mapped device range",
     "kvpool.xtensor.CudaPageBackend.kv_cache": "needs CuPy and a device",
+    "kvpool.remote.RemoteTier.note": "a tier's own statistics counter (called by the tier)",
+    "kvpool.remote.HostBlockIO.*": "the protocol RemoteTransfer calls with the pool's ranks",
+    "kvpool.transfer.TransferExecutor.host_block_spec": "HostBlockIO: RemoteTransfer passes the pool's ranks",
+    "kvpool.transfer.TransferExecutor.host_block_nbytes": "HostBlockIO: RemoteTransfer passes the pool's ranks",
+    "kvpool.transfer.TransferExecutor.read_host_blocks": "HostBlockIO: RemoteTransfer passes the pool's ranks",
+    "kvpool.transfer.TransferExecutor.write_host_blocks": "HostBlockIO: RemoteTransfer passes the pool's ranks",
+    "kvpool.remote.PrefixIndex.admits": "the write-behind admission's own query",
+    "kvpool.remote.decode_payload": "the wire codec: body_len is the length the reply carries",
 }
 
 SCANNED = ["kvpool.router", "kvpool.integrations.nanovllm", "kvpool.integrations.vllm",
-           "kvpool.tiers.memory", "kvpool.xtensor"]
+           "kvpool.tiers.memory", "kvpool.xtensor", "kvpool.remote", "kvpool.transfer"]
 
 
 # A property setter's value is named by the property in messages.
