@@ -116,7 +116,7 @@ class _RankStats(_BlockCounts):
     host: _HostStats | None
 
 class _MappedMemoryStats(TypedDict):
-    """Mapped memory of one rank of a pool on elastic pages, or the sum over the ranks (issue 17)."""
+    """Mapped memory of one rank of a pool on elastic pages, or the sum over the ranks."""
 
     num_pages: int
     mapped_pages: int
@@ -1017,13 +1017,15 @@ class BlockManagerPool:
         Truncate hashes to this many bits (1..128) to force collisions in tests.
     xtensor : dict or None
         Every rank's full-attention blocks on elastic virtual-memory pages (an
-        ``XTensorBlockManager`` per rank, the seed's ``enable_xtensor``; docs/xtensor.md):
+        ``XTensorBlockManager`` per rank, xLLM's ``enable_xtensor``; docs/xtensor.md):
         ``{"blocks_per_page": int, "page_bytes": int = 2 MiB, "spare_pages": int = 1,
         "memory_limit": int | None = None, "backend": "accounting" | "host" | [object per rank]
         = "accounting"}``, ``memory_limit`` in bytes per rank. Backend objects have
         ``map_page(page)`` / ``unmap_page(page)`` (``kvpool.xtensor.CudaPageBackend``); the pool
-        then releases the GIL in every call, and an exception a backend raises propagates from
-        the call it was raised in. Errors name ``xtensor.<key>``.
+        then releases the GIL in every call, and an exception a backend raises is raised as
+        itself by a call that has done nothing of its own (one met while settling after a
+        call's work is retried, and raised, by the rank's next call that may map, evict or
+        allocate; docs/xtensor.md, "A failing backend"). Errors name ``xtensor.<key>``.
     dedup : bool
         Dedup on publish (R9 revised): a computed full block whose chain position is already
         cached with another block switches the sequence's table entry to the cached block and
@@ -2055,7 +2057,7 @@ def encode_events(events: Iterable[_IndexEvent | Any]) -> bytes:
 def decode_events(data: bytes) -> list[_IndexEvent]:
     """The events of a msgpack batch, as dicts with every field."""
 
-# --- elastic pages: XTensorBlockManager (issue 17) -------------------------------------------
+# --- elastic pages: XTensorBlockManager ----------------------------------------------------
 
 __all__ += ["XTensorBlockManager"]
 
@@ -2090,7 +2092,7 @@ class _MemoryLimitReport(TypedDict):
 
 @final
 class XTensorBlockManager:
-    """Elastic block allocator on virtual-memory pages (the seed's XTensorBlockManagerImpl),
+    """Elastic block allocator on virtual-memory pages (xLLM's XTensorBlockManagerImpl),
     with the prefix cache on top (docs/xtensor.md).
 
     Ids are grouped into pages of ``blocks_per_page``; a page's memory is mapped (by the
@@ -2122,8 +2124,11 @@ class XTensorBlockManager:
         anonymous mapping of the process (resident memory follows the mapped pages).
         An object with ``map_page(page)`` and ``unmap_page(page)`` (e.g.
         :class:`kvpool.xtensor.CudaPageBackend`), called with the GIL; ``MemoryError`` from
-        ``map_page`` means the device has no memory for it now; other exceptions propagate.
-        Optional attributes ``page_bytes``, ``blocks_per_page``, ``num_pages`` are checked.
+        ``map_page`` means the device has no memory for it now; other exceptions are raised by
+        a call that has done nothing of its own: one met while settling after a call's work
+        (a release, an allocation) is retried first, and raised, by the next call that may map,
+        evict or allocate (docs/xtensor.md, "A failing backend"). Optional attributes
+        ``page_bytes``, ``blocks_per_page``, ``num_pages`` are checked.
     enable_prefix_cache, hash_seed, debug_hash_bits
         As for :class:`BlockManager`.
 

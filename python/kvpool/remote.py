@@ -44,6 +44,7 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
 
+import numpy as np
 import xxhash
 
 __all__ = [
@@ -105,10 +106,19 @@ def make_namespace(model: str, *, dtype: str, num_kv_heads: int, head_dim: int, 
         raise ValueError("model: must be a non-empty str")
     for name, v in (("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
                     ("block_size", block_size), ("num_layers", num_layers)):
-        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-            raise ValueError(f"{name}: must be an int > 0, got {v!r}")
+        _check_int(name, v, low=1)
+    if hash_seed is not None:
+        _check_int("hash_seed", hash_seed, low=0)
     return (f"{model}|{dtype}|kvh{num_kv_heads}|hd{head_dim}|bs{block_size}|L{num_layers}|"
             f"{layout}|seed{hash_seed}")
+
+
+def _check_int(name: str, value: Any, *, low: int) -> None:
+    """R29: an int (a bool is none: TypeError naming ``name``), at least ``low`` (ValueError)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}: must be an int, got {type(value).__name__}")
+    if value < low:
+        raise ValueError(f"{name}: must be >= {low}, got {value!r}")
 
 
 def _key_prefix(namespace: str) -> bytes:
@@ -289,10 +299,12 @@ class RedisRemoteTier(RemoteTier):
             raise ImportError("kvpool.remote needs redis-py: pip install 'kvpool[remote]'") from e
         if not isinstance(url, str) or not url.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"url: must be a redis:// URL, got {url!r}")
+        if not isinstance(cluster, (bool, np.bool_)):
+            raise TypeError(f"cluster: must be a bool, got {type(cluster).__name__}")
         if not timeout_ms > 0:
             raise ValueError(f"timeout_ms: must be > 0, got {timeout_ms!r}")
-        if ttl_s is not None and (not isinstance(ttl_s, int) or ttl_s <= 0):
-            raise ValueError(f"ttl_s: must be an int > 0 or None, got {ttl_s!r}")
+        if ttl_s is not None:
+            _check_int("ttl_s", ttl_s, low=1)
         self.url = url
         self.namespace = namespace
         self.prefix = _key_prefix(namespace)
@@ -772,8 +784,7 @@ class RedisEventPublisher:
 
         if not instance_id or not isinstance(instance_id, str):
             raise ValueError("instance_id: must be a non-empty str")
-        if not isinstance(maxlen, int) or maxlen <= 0:
-            raise ValueError(f"maxlen: must be an int > 0, got {maxlen!r}")
+        _check_int("maxlen", maxlen, low=1)
         t = timeout_ms / 1000.0
         self.client = redis.Redis.from_url(url, socket_timeout=t, socket_connect_timeout=t,
                                            retry=Retry(NoBackoff(), 0))
@@ -813,6 +824,8 @@ def read_events(url: str, *, stream: str = "kvpool:events", index: PrefixIndex |
     ``kvpool.KVIndex``) every entry's events are applied to it as well, the instance named by
     ``instance_ids`` (instance name -> int id; new names get the next free id, added to it).
     """
+    _check_int("count", count, low=1)
+    _check_int("max_entries", max_entries, low=0)
     ids = instance_ids if instance_ids is not None else {}
     import redis
 

@@ -33,6 +33,22 @@ POLICIES = ("round_robin", "least_loaded", "kv_aware")
 MEDIUM_WEIGHTS = {"device": 1.0, "host": 0.8, "remote": 0.5}
 
 
+def _is_int(x: Any) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def _instance_ids(instances: Any) -> list[int]:
+    """``instances`` as a list of ids: ``range(n)`` for a count, else the ids given (ints)."""
+    if _is_int(instances):
+        return list(range(int(instances)))
+    if isinstance(instances, (str, bytes)) or not hasattr(instances, "__iter__"):
+        raise TypeError(f"instances: must be an int or a sequence of int ids, got {instances!r}")
+    ids = list(instances)
+    if not all(_is_int(i) for i in ids):
+        raise TypeError(f"instances: the ids must be ints, got {instances!r}")
+    return [int(i) for i in ids]
+
+
 @dataclass(frozen=True)
 class Decision:
     """Where a request went, and why.
@@ -76,15 +92,20 @@ class Router:
                  index: KVIndex | None = None, block_size: int = 16,
                  medium_weights: dict[str, float] | None = None, load_weight: float = 1.0,
                  shared_remote: bool = True, speculative_ttl: float | None = 2.0) -> None:
-        ids = list(range(instances)) if isinstance(instances, int) else [int(i) for i in instances]
+        # R29: a bool is no count or id, a flag is a bool (a TypeError naming the argument)
+        ids = _instance_ids(instances)
+        if isinstance(block_size, (bool, np.bool_)) or not isinstance(block_size, (int, np.integer)):
+            raise TypeError(f"block_size: must be an int, got {type(block_size).__name__}")
+        if not isinstance(shared_remote, (bool, np.bool_)):
+            raise TypeError(f"shared_remote: must be a bool, got {type(shared_remote).__name__}")
         if not ids or len(set(ids)) != len(ids) or min(ids) < 0:
             raise ValueError(f"instances: must be distinct ids >= 0, at least one, got {instances!r}")
         if policy not in POLICIES:
             raise ValueError(f"policy: must be one of {POLICIES}, got {policy!r}")
         if policy == "kv_aware" and index is None:
             raise ValueError("index: kv_aware needs a KVIndex")
-        if not isinstance(block_size, int) or block_size < 1:
-            raise ValueError(f"block_size: must be an int >= 1, got {block_size!r}")
+        if block_size < 1:
+            raise ValueError(f"block_size: must be >= 1, got {block_size!r}")
         weights = dict(MEDIUM_WEIGHTS, **(medium_weights or {}))
         if set(weights) != set(MEDIUM_WEIGHTS) or not all(0.0 <= w <= 1.0 for w in weights.values()):
             raise ValueError(f"medium_weights: device/host/remote in [0, 1], got {medium_weights!r}")

@@ -274,6 +274,7 @@ impl BlockManagerPool {
     ) -> Result<bool> {
         let n = Self::validate_num_tokens(seq, num_tokens)?;
         let owned = self.take_seq(seq)?;
+        self.retry_pending()?;
         let current = plan.filter(|p| self.is_current(p, seq, n));
         self.generation += 1;
         if owned {

@@ -397,10 +397,15 @@ impl BlockManagerPool {
             ok = ok && group.grow(table, entries);
         }
         if !ok {
-            // Unreachable: `growth` counted every group's blocks after the slide.
+            // `growth` counted every group's blocks after the slide: only a page backend that
+            // refuses a page (elastic memory) gets here. Nothing changes.
             alloc.blocks.truncate(before);
+            rank.full.drain();
         }
-        debug_assert!(ok, "growth() promised {need} blocks");
+        debug_assert!(
+            ok || rank.full.elastic_manager().is_some(),
+            "growth() promised {need} blocks"
+        );
         self.collect_events(rank_index);
         ok
     }
@@ -600,6 +605,7 @@ impl KvCacheManager for BlockManagerPool {
             "sequence {} is not allocated in this pool",
             seq.seq_id()
         );
+        self.retry_pending()?;
         self.generation += 1;
         Ok(appended_len(seq, lookahead).is_some_and(|tokens| self.grow(seq, tokens)))
     }
