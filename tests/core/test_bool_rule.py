@@ -290,6 +290,9 @@ TABLE: dict[str, tuple[Callable, dict[str, str]]] = {
         {"block_size": COUNT}),
     "KVIndex.resync": (_with({"instance": 1}, lambda **kw: kvpool.KVIndex().resync(**kw)),
                        {"instance": COUNT, "dp_rank": COUNT}),
+    "KVIndex.can_apply": (
+        _with({"instance": 1, "sequence": 1}, lambda **kw: kvpool.KVIndex().can_apply(**kw)),
+        {"instance": COUNT, "sequence": COUNT, "dp_rank": COUNT}),
     "KVIndex.remove_instance": (
         _with({"instance": 1}, lambda **kw: kvpool.KVIndex().remove_instance(**kw)), {"instance": COUNT}),
     "KVIndex.load": (_with({"data": kvpool.KVIndex().dump()}, kvpool.KVIndex.load), {"max_entries": COUNT}),

@@ -479,16 +479,19 @@ impl PyKVIndex {
 
     /// Whether `apply` would now apply an event of (`instance`, `dp_rank`) numbered
     /// `sequence`: not a duplicate, not dropped by a gap or a stall. Changes nothing.
-    #[pyo3(signature = (instance, sequence, *, dp_rank = 0))]
+    #[pyo3(
+        signature = (instance, sequence, *, dp_rank = convert::Given::Missing),
+        text_signature = "(self, instance, sequence, *, dp_rank=0)"
+    )]
     fn can_apply(
         &self,
         instance: &Bound<'_, PyAny>,
         sequence: &Bound<'_, PyAny>,
-        dp_rank: i128,
+        dp_rank: convert::Given<'_>,
     ) -> PyResult<bool> {
         let instance = unsigned(instance, "instance", u64::MAX)?;
         let sequence = unsigned(sequence, "sequence", u64::MAX)?;
-        let dp_rank = in_range(dp_rank, "dp_rank", u64::from(u32::MAX))? as u32;
+        let dp_rank = rank(&dp_rank)?;
         Ok(self.inner.can_apply(instance, dp_rank, sequence))
     }
 
