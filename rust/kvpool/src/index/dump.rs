@@ -27,7 +27,7 @@ use crate::index::expiry::Due;
 use crate::index::location::LocationKey;
 use crate::index::sequence::SourceState;
 use crate::index::state::{IndexConfig, IndexCounters, IndexState};
-use crate::index::tree::{Entry, SPECULATIVE};
+use crate::index::tree::{Entry, Links, Tree, SPECULATIVE};
 
 const MAGIC: &[u8; 8] = b"KVPIDX\0\0";
 /// The format's version; a dump of another version is refused.
@@ -36,8 +36,8 @@ const NO_PARENT: u8 = 0;
 const UNKNOWN_PARENT: u8 = 1;
 const KNOWN_PARENT: u8 = 2;
 
-/// The dump of `state`.
-pub(crate) fn encode(state: &IndexState) -> Vec<u8> {
+/// The dump of `state`, `links` being its tree's.
+pub(crate) fn encode(state: &IndexState, links: &Links) -> Vec<u8> {
     let mut out = Vec::with_capacity(64 + state.tree.entries * 8 + state.tree.len() * 25);
     out.extend_from_slice(MAGIC);
     put_u32(&mut out, VERSION);
@@ -77,22 +77,21 @@ pub(crate) fn encode(state: &IndexState) -> Vec<u8> {
         out.push(u8::from(source.stalled.is_some()));
         put_u64(&mut out, source.stalled.unwrap_or(0));
     }
-    let order = state.tree.ids_in_order();
+    let order = links.ids_in_order(&state.tree);
     let mut position = vec![u32::MAX; order.iter().map(|&id| id as usize + 1).max().unwrap_or(0)];
     for (i, &id) in order.iter().enumerate() {
         position[id as usize] = i as u32;
     }
     put_u32(&mut out, order.len() as u32);
     for &id in &order {
-        let node = state.tree.node(id);
-        out.extend_from_slice(&node.hash.to_be_bytes());
-        if !node.parent_known() {
-            out.push(UNKNOWN_PARENT);
-        } else if node.parent == u32::MAX {
-            out.push(NO_PARENT);
-        } else {
-            out.push(KNOWN_PARENT);
-            put_u32(&mut out, position[node.parent as usize]);
+        out.extend_from_slice(&state.tree.rec(id).hash().to_be_bytes());
+        match links.parent(id) {
+            None => out.push(UNKNOWN_PARENT),
+            Some(None) => out.push(NO_PARENT),
+            Some(Some(parent)) => {
+                out.push(KNOWN_PARENT);
+                put_u32(&mut out, position[parent as usize]);
+            }
         }
         let entries = state.tree.entries_of(id);
         put_u32(&mut out, entries.len() as u32);
@@ -167,8 +166,8 @@ impl<'a> Reader<'a> {
     }
 }
 
-/// The state a dump holds.
-pub(crate) fn decode(data: &[u8]) -> Result<IndexState> {
+/// The state a dump holds, with its tree's links.
+pub(crate) fn decode(data: &[u8]) -> Result<(IndexState, Links)> {
     if data.len() < MAGIC.len() + 4 + 8 || &data[..MAGIC.len()] != MAGIC {
         return Err(bad("not a kvpool index dump"));
     }
@@ -190,13 +189,10 @@ pub(crate) fn decode(data: &[u8]) -> Result<IndexState> {
     }
     let hash_seed = r.u64()?;
     let max_entries = usize::try_from(r.u64()?).map_err(|_| bad("max_entries too large"))?;
-    let mut state = IndexState::new(
-        IndexConfig {
-            max_entries,
-            hash_seed,
-        },
-        0,
-    )
+    let mut state = IndexState::new(IndexConfig {
+        max_entries,
+        hash_seed,
+    })
     .map_err(|e| bad(e.to_string()))?;
     let mut counters = [0u64; 7];
     for value in &mut counters {
@@ -296,10 +292,11 @@ pub(crate) fn decode(data: &[u8]) -> Result<IndexState> {
     if r.at != body.len() {
         return Err(bad(format!("{} trailing bytes", body.len() - r.at)));
     }
-    state.tree = crate::index::tree::Tree::restore(nodes, state.locations.width())
-        .map_err(|e| bad(e.to_string()))?;
+    let (tree, links) =
+        Tree::restore(nodes, state.locations.width()).map_err(|e| bad(e.to_string()))?;
+    state.tree = tree;
     let live: Vec<Due> = state.speculative_due();
     state.expiry.rebuild(live);
-    state.check().map_err(|e| bad(e.to_string()))?;
-    Ok(state)
+    state.check(&links).map_err(|e| bad(e.to_string()))?;
+    Ok((state, links))
 }

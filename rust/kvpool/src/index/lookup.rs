@@ -23,10 +23,10 @@ use std::collections::HashMap;
 
 use crate::hash::BlockHash;
 use crate::index::event::{GroupKind, Medium};
-use crate::index::holders::View;
+use crate::index::holders::Form;
 use crate::index::location::Kind;
 use crate::index::state::IndexState;
-use crate::index::tree::{Entry, Node, PLAIN, SPECULATIVE};
+use crate::index::tree::{Entry, Rec, PLAIN, SPECULATIVE};
 
 /// How many blocks ahead of itself a walk asks for table slots (the first ones before it
 /// starts, then one more per block walked): enough for the misses to overlap, few enough
@@ -259,7 +259,7 @@ impl IndexState {
     fn speculative_holders<'a>(
         &'a self,
         id: u32,
-        node: &Node,
+        node: &Rec,
         eligible: &'a [u64],
         now: f64,
     ) -> impl Iterator<Item = u32> + 'a {
@@ -296,8 +296,8 @@ impl IndexState {
             m.width = width;
         }
         let mut dense = false;
-        match self.tree.holders(first) {
-            View::Bits(words) => {
+        match self.tree.holders(first).form() {
+            Form::Bits(words) => {
                 m.dense.clear();
                 m.dense.extend((0..width).map(|i| {
                     words.get(i).copied().unwrap_or(0) & eligible.get(i).copied().unwrap_or(0)
@@ -309,7 +309,7 @@ impl IndexState {
                     }
                 }
             }
-            View::Sorted(ids) => {
+            Form::Sorted(ids) => {
                 m.sparse.clear();
                 m.sparse
                     .extend(ids.iter().copied().filter(|&l| bit(eligible, l)));
@@ -346,8 +346,8 @@ impl IndexState {
                 m.words.extend_from_slice(&m.dense);
                 let layer = &mut m.words[at..];
                 let mut left = 0u64;
-                match self.tree.holders(node) {
-                    View::Bits(words) => {
+                match self.tree.holders(node).form() {
+                    Form::Bits(words) => {
                         for (i, (a, d)) in m.dense.iter_mut().zip(layer.iter_mut()).enumerate() {
                             let n = *a & words.get(i).copied().unwrap_or(0);
                             *d = *a & !n;
@@ -360,7 +360,7 @@ impl IndexState {
                             left = 1;
                         }
                     }
-                    View::Sorted(ids) => {
+                    Form::Sorted(ids) => {
                         // The set becomes small: list the survivors, the rest is a layer.
                         m.sparse.clear();
                         for &l in ids {
@@ -403,10 +403,10 @@ impl IndexState {
                 } else {
                     &[]
                 };
-                let holds = |l: u32, view: &View<'_>, j: &mut usize| -> bool {
+                let holds = |l: u32, view: &Form<'_>, j: &mut usize| -> bool {
                     let real = match view {
-                        View::Bits(words) => bit(words, l),
-                        View::Sorted(ids) => {
+                        Form::Bits(words) => bit(words, l),
+                        Form::Sorted(ids) => {
                             while *j < ids.len() && ids[*j] < l {
                                 *j += 1;
                             }
@@ -417,7 +417,8 @@ impl IndexState {
                         .binary_search_by_key(&l, |e| e.location)
                         .is_ok_and(|i| extras[i].speculative_at(now))
                 };
-                let view = self.tree.holders(node);
+                let holders = self.tree.holders(node);
+                let view = holders.form();
                 let mut j = 0;
                 for &l in &m.sparse {
                     if holds(l, &view, &mut j) {
@@ -526,15 +527,15 @@ impl IndexState {
             let Some((id, node)) = self.tree.get(hash.0) else {
                 continue;
             };
-            match self.tree.holders(node) {
-                View::Sorted(ids) => {
+            match self.tree.holders(node).form() {
+                Form::Sorted(ids) => {
                     for &l in ids {
                         if bit(gapped, l) {
                             note(l, PLAIN, false, i);
                         }
                     }
                 }
-                View::Bits(bits) => {
+                Form::Bits(bits) => {
                     for (w, (&a, &g)) in bits.iter().zip(gapped).enumerate() {
                         let mut x = a & g;
                         while x != 0 {

@@ -12,28 +12,39 @@
 //!
 //! # Concurrency: reads never wait for the writer, nor the writer for reads
 //!
-//! The state lives in two copies behind an [`arc_swap::ArcSwap`] (an RCU of immutable
+//! What readers read lives in two copies behind an [`arc_swap::ArcSwap`] (an RCU of immutable
 //! snapshots with a recycled second copy, as `left-right` does): readers load the published
 //! copy (lock-free) and walk it; the one writer (a mutex orders writers among themselves)
 //! brings the other copy level with the published one, applies the new write there, and
 //! publishes it with one atomic swap. A reader thus sees the state after some whole write,
-//! never a torn one. Bringing a copy level is cheap: it copies the nodes the previous write
-//! changed from the published copy (which the writer may read: it is immutable) and replays
-//! that write's few steps outside the tree (`state.rs`), so no validation, sequence check or
-//! hash probe is done twice; and the hash -> node table is one for both copies (`table.rs`):
-//! the writer stores a new node there once, and tombstones a deleted one only once the other
-//! copy is level too, so that each copy finds exactly its own nodes in it. The writer needs the unpublished copy to itself: readers that loaded it
-//! before the last swap usually left long ago (a lookup takes microseconds); if one still
-//! holds it after a short spin the writer deep-copies the published state (with a table of its
-//! own, leaving the old one to the copies readers hold) rather than wait. Costs: two copies of
-//! the nodes in memory, every node a write changes copied once more. The table's atomics are explained in
-//! `table.rs` (with a loom model there); `arc-swap` and `Arc` provide the publication's
-//! orderings; the stress test in `tests/index.rs` checks coherence (every answer equals the
-//! answer of some published state).
+//! never a torn one.
 //!
-//! Invariants: both copies are equal after each replay (`check` compares their dumps); those
-//! of [`IndexState::check`] on each.
+//! Only what a lookup reads is in the copies: per block a 24-byte record (its hash, its holder
+//! set packed in one word with two flags; `tree/mod.rs`), the holder sets too large to be
+//! inline, the few other entries (more groups, speculative ones), and the locations, sources
+//! and expiry records. The hash -> node table is one for both copies (`table.rs`): the writer
+//! stores a new node there once, and tombstones a deleted one only once the other copy is
+//! level too, so that each copy finds exactly its own nodes in it. What only the writer reads
+//! (a block's parent, its count of children, its place in the LRU list, the free ids: 16
+//! bytes a block) is one, the writer's, outside the copies. So a block costs about 64 bytes
+//! (two records, its links and its table slots) where two full copies cost four times that,
+//! and the arrays grow in fixed chunks (`chunked.rs`), never copying what they hold.
+//!
+//! Bringing a copy level is cheap: it copies the records the previous write changed from the
+//! published copy (which the writer may read: it is immutable) and replays that write's few
+//! steps outside the tree (`state.rs`), so no validation, sequence check or hash probe is
+//! done twice. The writer needs the unpublished copy to itself: readers that loaded it before
+//! the last swap usually left long ago (a lookup takes microseconds); if one still holds it
+//! after a short spin the writer deep-copies the published state (with a table of its own,
+//! leaving the old one to the copies readers hold) rather than wait. The table's atomics are
+//! explained in `table.rs` (with a loom model there); `arc-swap` and `Arc` provide the
+//! publication's orderings; the stress test in `tests/index.rs` checks coherence (every answer
+//! equals the answer of some published state).
+//!
+//! Invariants: both copies are equal after each replay (`check` compares them record for
+//! record and their dumps); those of [`IndexState::check`] on each, with the writer's links.
 
+mod chunked;
 mod dump;
 mod event;
 mod expiry;
@@ -60,6 +71,7 @@ pub use state::{ApplyReport, IndexConfig, IndexCounters};
 use crate::error::{ensure_invariant, KvPoolError, Result};
 use crate::hash::BlockHash;
 use state::{IndexState, Journal};
+use tree::Links;
 
 /// Spins (yielding) this many times for a reader to leave the unpublished copy before the
 /// writer copies the published one instead.
@@ -91,13 +103,12 @@ struct Writer {
     spare: Arc<IndexState>,
     /// The published copy (the writer's own reference: it reads it to level the spare one).
     current: Arc<IndexState>,
-    /// The last write's journal (replayed on `spare` when `pending`).
+    /// The tree's links (parents, children, LRU, free ids): the writer's alone, one for both
+    /// copies, always those of the published copy.
+    links: Links,
+    /// The last write's journal (replayed on `spare` when `pending`, with the links' changes).
     journal: Journal,
     pending: bool,
-    /// A write failed after changing the spare copy: copy the published one instead.
-    dirty: bool,
-    /// Nodes each copy reserves room for.
-    capacity: usize,
     /// Writes that found the spare copy held by a reader and copied the published one.
     copies: u64,
 }
@@ -182,28 +193,29 @@ impl Snapshot {
 impl KVIndex {
     /// An empty index; `Err` if `config.max_entries == 0`.
     pub fn new(config: IndexConfig) -> Result<Self> {
-        Self::with_capacity(config, 0)
+        Ok(Self::from_state(IndexState::new(config)?, Links::default()))
     }
 
-    /// An empty index with room for `blocks` block hashes reserved (and its pages touched) in
-    /// both copies, so that it does not grow (rehash, fault pages in) until it holds more.
+    /// [`KVIndex::new`]; `blocks`, a hint of how many block hashes the index will hold, sizes
+    /// its hash table up front (its other storage grows as blocks come, so an index holds
+    /// memory for what it holds, not for what it may hold).
     pub fn with_capacity(config: IndexConfig, blocks: usize) -> Result<Self> {
-        Ok(Self::from_state(IndexState::new(config, blocks)?, blocks))
+        let mut state = IndexState::new(config)?;
+        state.tree.rebuild_table(blocks);
+        Ok(Self::from_state(state, Links::default()))
     }
 
-    fn from_state(state: IndexState, capacity: usize) -> Self {
-        let mut spare = state.clone(); // the same table: both copies are equal
-        spare.tree.reserve(capacity);
+    fn from_state(state: IndexState, links: Links) -> Self {
+        let spare = state.clone(); // the same table: both copies are equal
         let current = Arc::new(state);
         Self {
             published: ArcSwap::new(Arc::clone(&current)),
             writer: Mutex::new(Writer {
                 current,
                 spare: Arc::new(spare),
+                links,
                 journal: Journal::default(),
                 pending: false,
-                dirty: false,
-                capacity,
                 copies: 0,
             }),
         }
@@ -220,10 +232,13 @@ impl KVIndex {
     }
 
     /// Runs one write: brings the spare copy level, applies `write` to it (recording its
-    /// journal) and publishes it.
+    /// journal and the links' changes) and publishes it. A write validates before it changes
+    /// anything, so an `Err` normally changed nothing and publishes nothing; should one have
+    /// changed the copy, what it did is published with the error, so that the copies and
+    /// the links stay one state.
     fn write<T>(
         &self,
-        write: impl FnOnce(&mut IndexState, &mut Journal) -> Result<T>,
+        write: impl FnOnce(&mut IndexState, &mut Links, &mut Journal) -> Result<T>,
     ) -> Result<T> {
         let mut guard = self.writer.lock();
         let writer = &mut *guard;
@@ -231,25 +246,20 @@ impl KVIndex {
         writer.journal.clear();
         let state = Arc::get_mut(&mut writer.spare)
             .ok_or_else(|| KvPoolError::Invariant("the spare copy is shared".into()))?;
-        state.tree.begin_write();
-        let before = state.tree.changed();
-        match write(state, &mut writer.journal) {
-            Ok(value) => {
-                let next = Arc::clone(&writer.spare);
-                // The old published copy comes back as the spare one; the writer's own
-                // reference moves to the new one.
-                writer.current = Arc::clone(&next);
-                writer.spare = self.published.swap(next);
-                writer.pending = true;
-                Ok(value)
-            }
-            Err(e) => {
-                // Validation comes first, so a failed write normally changed nothing.
-                let state = &writer.spare;
-                writer.dirty |= !writer.journal.steps.is_empty() || state.tree.changed() != before;
-                Err(e)
-            }
+        writer.links.begin_write();
+        let result = write(state, &mut writer.links, &mut writer.journal);
+        let changed = !writer.journal.steps.is_empty()
+            || writer.journal.expiry_rebuilt
+            || writer.links.changed() != 0;
+        if result.is_ok() || changed {
+            let next = Arc::clone(&writer.spare);
+            // The old published copy comes back as the spare one; the writer's own
+            // reference moves to the new one.
+            writer.current = Arc::clone(&next);
+            writer.spare = self.published.swap(next);
+            writer.pending = true;
         }
+        result
     }
 
     /// Makes the spare copy the writer's alone and equal to the published one.
@@ -259,15 +269,13 @@ impl KVIndex {
             std::thread::yield_now();
             spins += 1;
         }
-        if writer.dirty || Arc::get_mut(&mut writer.spare).is_none() {
+        if Arc::get_mut(&mut writer.spare).is_none() {
             // A reader still holds it: start from a copy of the published state, with a
             // table of its own (the old one stays as it is for the copies readers hold).
             let mut copy = IndexState::clone(&writer.current);
-            copy.tree.reserve(writer.capacity);
-            copy.tree.rebuild_table(2 * (copy.tree.len() + 1));
+            copy.tree.rebuild_table(copy.tree.len() + 1);
             writer.spare = Arc::new(copy);
             writer.pending = false;
-            writer.dirty = false;
             writer.copies += 1;
             return Ok(());
         }
@@ -278,9 +286,9 @@ impl KVIndex {
         let state = Arc::get_mut(&mut writer.spare)
             .ok_or_else(|| KvPoolError::Invariant("the spare copy is shared".into()))?;
         let published = &writer.current;
-        state.level_with(published, &writer.journal)?;
+        state.level_with(published, &writer.journal, writer.links.changes())?;
         // Neither copy holds the nodes the write deleted now (unless it made them again).
-        state.tree.drop_deleted(published.tree.deleted());
+        state.tree.drop_deleted(writer.links.deleted());
         Ok(())
     }
 
@@ -288,7 +296,7 @@ impl KVIndex {
     /// nothing. See `sequence.rs` for what gaps and duplicates do.
     pub fn apply(&self, instance: u64, events: impl AsRef<[IndexEvent]>) -> Result<ApplyReport> {
         let events = events.as_ref();
-        self.write(|state, journal| state.apply(instance, events, journal))
+        self.write(|state, links, journal| state.apply(links, instance, events, journal))
     }
 
     /// Marks `chain` (a request's hashes from its first block) as held on the device of
@@ -303,8 +311,10 @@ impl KVIndex {
         now: f64,
         ttl: f64,
     ) -> Result<usize> {
-        self.write(|state, journal| {
-            state.speculate(instance, dp_rank, block_size, &chain, now, ttl, journal)
+        self.write(|state, links, journal| {
+            state.speculate(
+                links, instance, dp_rank, block_size, &chain, now, ttl, journal,
+            )
         })
     }
 
@@ -331,20 +341,20 @@ impl KVIndex {
 
     /// Drops the speculative entries that lapse at or before `now`; returns how many.
     pub fn expire(&self, now: f64) -> Result<usize> {
-        self.write(|state, journal| state.expire(now, journal))
+        self.write(|state, links, journal| state.expire(links, now, journal))
     }
 
     /// Drops every entry of (`instance`, `dp_rank`) on every medium and forgets its sequence
     /// number, so that its next event starts it afresh (after a gap the replay buffer cannot
     /// fill). Returns the entries dropped.
     pub fn resync(&self, instance: u64, dp_rank: u32) -> usize {
-        self.write(|state, journal| state.forget(instance, Some(dp_rank), journal))
+        self.write(|state, links, journal| state.forget(links, instance, Some(dp_rank), journal))
             .unwrap_or(0)
     }
 
     /// Drops every entry and source of `instance` (it left the fleet). Returns the entries.
     pub fn remove_instance(&self, instance: u64) -> usize {
-        self.write(|state, journal| state.forget(instance, None, journal))
+        self.write(|state, links, journal| state.forget(links, instance, None, journal))
             .unwrap_or(0)
     }
 
@@ -397,6 +407,25 @@ impl KVIndex {
         }
     }
 
+    /// Bytes the index holds by part (capacities, not lengths; a rough account for memory
+    /// studies): each copy's records, holder sets and extras, the shared table, the links.
+    #[doc(hidden)]
+    pub fn heap_bytes(&self) -> Vec<(String, usize)> {
+        let writer = self.writer.lock();
+        let mut out = Vec::new();
+        for (copy, state) in [("published", &writer.current), ("spare", &writer.spare)] {
+            for (part, bytes) in state.tree.bytes() {
+                if copy == "spare" && part == "table" && Arc::ptr_eq(&writer.current, &writer.spare)
+                {
+                    continue;
+                }
+                out.push((format!("{copy} {part}"), bytes));
+            }
+        }
+        out.push(("links".to_string(), writer.links.bytes()));
+        out
+    }
+
     /// How many writes found the spare copy held by a reader and copied instead of waiting.
     pub fn spare_copies(&self) -> u64 {
         self.writer.lock().copies
@@ -404,20 +433,23 @@ impl KVIndex {
 
     /// The compact binary dump of the published state (see `dump.rs`).
     pub fn dump(&self) -> Vec<u8> {
-        dump::encode(&self.published.load())
+        let writer = self.writer.lock();
+        dump::encode(&writer.current, &writer.links)
     }
 
     /// An index from a [`KVIndex::dump`]; `max_entries` overrides the dumped bound (the
     /// loaded index is then evicted down to it). `Err(InvalidArgument "data")` for a
     /// truncated, corrupt or unknown-version dump.
     pub fn load(data: &[u8], max_entries: Option<usize>) -> Result<Self> {
-        let mut state = dump::decode(data)?;
         if let Some(max) = max_entries {
             crate::error::ensure_arg!(max >= 1, "max_entries", "must be >= 1, got 0");
-            state.config.max_entries = max;
-            state.enforce_bound();
         }
-        Ok(Self::from_state(state, 0))
+        let (mut state, mut links) = dump::decode(data)?;
+        if let Some(max) = max_entries {
+            state.config.max_entries = max;
+            state.enforce_bound(&mut links);
+        }
+        Ok(Self::from_state(state, links))
     }
 
     /// Checks every invariant: each copy's, and that the two are equal once levelled.
@@ -426,11 +458,15 @@ impl KVIndex {
         self.level_spare(&mut writer)?;
         let spare = &writer.spare;
         let published = self.published.load();
-        published.check()?;
-        spare.check()?;
+        ensure_invariant!(
+            Arc::ptr_eq(&published, &writer.current),
+            "the writer's published copy is not the published one"
+        );
+        published.check(&writer.links)?;
+        spare.check(&writer.links)?;
         spare.tree.check_same_as(&published.tree)?;
         ensure_invariant!(
-            dump::encode(spare) == dump::encode(&published),
+            dump::encode(spare, &writer.links) == dump::encode(&published, &writer.links),
             "the two copies differ after the replay"
         );
         Ok(())

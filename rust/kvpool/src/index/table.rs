@@ -12,8 +12,8 @@
 //! set so that no entry is 0 or 1). Readers probe while the writer stores; no slot on an
 //! entry's probe path (from its home slot to it) is ever empty: a slot goes back to empty
 //! only as a tombstone followed by an empty slot, which no path crosses. A probe ends at an
-//! empty slot (the writer keeps at least half the slots empty, rebuilding into a new table
-//! before) or after one lap.
+//! empty slot (the writer keeps at least a quarter of the slots empty, rebuilding into a new
+//! table before) or after one lap.
 //!
 //! What makes the relaxed orderings enough (the invariant the writer keeps, see `mod.rs`): a
 //! node's entry is stored before the copy holding the node is published (the `ArcSwap`
@@ -86,8 +86,7 @@ pub(crate) struct Table {
 }
 
 impl Table {
-    /// An empty table with room for `capacity` entries before it needs to grow. Every slot is
-    /// written here, so that the pages are touched up front and not during the first writes.
+    /// An empty table where `capacity` entries take at most half the slots.
     pub(crate) fn with_capacity(capacity: usize) -> Self {
         let slots = (capacity.saturating_mul(2))
             .max(MIN_SLOTS)
@@ -108,11 +107,16 @@ impl Table {
         self.entries.load(Ordering::Relaxed)
     }
 
-    /// Whether `inserts` more would leave fewer than half the slots empty.
+    /// Bytes of the slots.
+    pub(crate) fn bytes(&self) -> usize {
+        self.slots.len() * 8
+    }
+
+    /// Whether `inserts` more would leave fewer than a quarter of the slots empty.
     #[inline]
     pub(crate) fn needs_room_for(&self, inserts: usize) -> bool {
         // Relaxed: the writer's own count.
-        (self.used.load(Ordering::Relaxed) + inserts) * 2 > self.slots.len()
+        (self.used.load(Ordering::Relaxed) + inserts) * 4 > self.slots.len() * 3
     }
 
     /// The id stored for `hash` that `valid` confirms, if any. `valid` is the caller's copy
