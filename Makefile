@@ -9,7 +9,7 @@ PIP := $(PY) -m pip install -q --disable-pip-version-check
 export VIRTUAL_ENV := $(abspath $(VENV))
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: run test build wheel wheel-from-sdist test-deps redis-server test-rust test-loom test-python test-vllm lint bench clean
+.PHONY: run test build wheel wheel-from-sdist test-deps redis-server test-rust test-loom test-python test-vllm lint bench bench-index-peers clean
 
 $(PY):
 	@$(PYTHON) -m venv $(VENV)
@@ -118,6 +118,13 @@ lint: $(DEPS) build
 
 bench:
 	cargo bench -p kvpool
+
+# KVIndex beside the routers' own indexes (Dynamo's dynamo-kv-router, SGLang's smg-radix-tree and
+# kv-index, from crates.io) on one recorded Mooncake stream: benches/index_peers, its own workspace
+# and Cargo.lock, so that neither build, lint nor CI compiles the peers. ARGS="--instances 1000
+# --rounds 3" narrows a run (see benches/index_peers/src/main.rs); benches/RESULTS.md has the table.
+bench-index-peers:
+	cd benches/index_peers && cargo run --release --quiet -- $(ARGS)
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) target dist
