@@ -271,7 +271,7 @@ TABLE: dict[str, tuple[Callable, dict[str, str]]] = {
     "HierarchyBlockManagerPool.allocate_with_remote": (
         lambda **kw: _hier().allocate_with_remote(kvpool.Sequence(TOKENS), **kw), {"num_tokens": COUNT}),
     # --- the index
-    "KVIndex.__new__": (kvpool.KVIndex, {"max_entries": COUNT, "hash_seed": COUNT}),
+    "KVIndex.__new__": (kvpool.KVIndex, {"max_entries": COUNT, "hash_seed": COUNT, "writers": COUNT}),
     "KVIndex.apply": (_with({"instance": 1, "events": []}, lambda **kw: kvpool.KVIndex().apply(**kw)),
                       {"instance": COUNT}),
     "KVIndex.apply_msgpack": (
@@ -280,7 +280,9 @@ TABLE: dict[str, tuple[Callable, dict[str, str]]] = {
         {"instance": COUNT}),
     "KVIndex.lookup": (
         lambda **kw: kvpool.KVIndex().lookup(**{"block_hashes": _hashes(), "block_size": 4, **kw}),
-        {"block_size": COUNT}),
+        {"block_size": COUNT, "depths": FLAG}),
+    "KVIndex.writer_of": (_with({"instance": 1}, lambda **kw: kvpool.KVIndex().writer_of(**kw)),
+                          {"instance": COUNT}),
     "KVIndex.insert_speculative": (
         _with({"instance": 1, "token_ids": TOKENS, "block_size": 4, "now": 0.0, "ttl": 1.0},
               lambda **kw: kvpool.KVIndex().insert_speculative(**kw)),

@@ -32,6 +32,10 @@ pub struct IndexConfig {
     pub max_entries: usize,
     /// Seed of the chained hashes that token-id lookups compute (R6); must be the pools'.
     pub hash_seed: u64,
+    /// Writers: the index is split by instance into this many shards, each with its own
+    /// writer, so that batches of instances of different shards apply concurrently (1: one
+    /// writer). `max_entries` is split evenly among them, each evicting from its own LRU.
+    pub writers: usize,
 }
 
 impl Default for IndexConfig {
@@ -39,6 +43,7 @@ impl Default for IndexConfig {
         Self {
             max_entries: 1 << 24,
             hash_seed: crate::DEFAULT_HASH_SEED,
+            writers: 1,
         }
     }
 }
@@ -75,6 +80,19 @@ pub struct IndexCounters {
     pub expired_entries: u64,
     /// Speculative entries inserted.
     pub speculative_inserted: u64,
+}
+
+impl IndexCounters {
+    /// Adds `other`'s counts to these.
+    pub(crate) fn add(&mut self, other: &IndexCounters) {
+        self.events_applied += other.events_applied;
+        self.duplicates += other.duplicates;
+        self.dropped += other.dropped;
+        self.gaps += other.gaps;
+        self.evicted_entries += other.evicted_entries;
+        self.expired_entries += other.expired_entries;
+        self.speculative_inserted += other.speculative_inserted;
+    }
 }
 
 /// A step of a write outside the tree, as the journal keeps it for the other copy.
@@ -224,7 +242,7 @@ impl IndexState {
         let mut known: Option<(LocationKey, u32, GroupKind)> = None;
         for event in events {
             event.validate()?;
-            if event.kind != EventKind::Stored {
+            if !matches!(event.kind, EventKind::Stored | EventKind::Group) {
                 continue;
             }
             let key = location_key(instance, event);
@@ -294,7 +312,7 @@ impl IndexState {
                         let _ = self.tree.prefetch_candidate(parent.0);
                     }
                 }
-                EventKind::Cleared => {}
+                EventKind::Cleared | EventKind::Group => {}
             }
         }
         let mut report = ApplyReport::default();
@@ -410,6 +428,10 @@ impl IndexState {
                     self.locations
                         .matching(instance, Some(event.dp_rank), Some(event.medium));
                 self.drop_locations(links, &ids);
+            }
+            EventKind::Group => {
+                let location = self.location_id(key, journal);
+                self.group_bit(location, event.group, event.group_kind, journal)?;
             }
         }
         Ok(())

@@ -238,6 +238,11 @@ impl Nodes {
         ]
     }
 
+    /// The hash table (shared with the other copy while both are level).
+    pub(crate) fn table(&self) -> &Arc<Table> {
+        &self.table
+    }
+
     /// The ids of the live nodes.
     pub(crate) fn ids(&self) -> impl Iterator<Item = u32> + '_ {
         (0..self.recs.len() as u32).filter(|&id| self.recs[id as usize].live())
