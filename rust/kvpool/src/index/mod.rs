@@ -14,7 +14,7 @@
 //!
 //! What readers read lives in two copies behind an [`arc_swap::ArcSwap`] (an RCU of immutable
 //! snapshots with a recycled second copy, as `left-right` does): readers load the published
-//! copy (lock-free) and walk it; the one writer (a mutex orders writers among themselves)
+//! copy (lock-free) and walk it; the one writer of a shard (a mutex orders its writers)
 //! brings the other copy level with the published one, applies the new write there, and
 //! publishes it with one atomic swap. A reader thus sees the state after some whole write,
 //! never a torn one.
@@ -41,8 +41,23 @@
 //! publication's orderings; the stress test in `tests/index.rs` checks coherence (every answer
 //! equals the answer of some published state).
 //!
+//! # Several writers: shards by instance
+//!
+//! `IndexConfig::writers = n` splits the index into `n` shards (`shard.rs`), an instance's
+//! events all going to shard `writer_of(instance)` (a multiply-mixed hash of the id). Each
+//! shard is the scheme above on its own: its two copies, its table, its links, its writer
+//! lock, its share of `max_entries` and its own LRU. Shards share no memory, so writes to
+//! different shards run at once with no new atomics anywhere; a reader loads each shard's
+//! published copy in turn (a [`Snapshot`] holds one per shard) and walks each, a row's
+//! location id in the answer being `id in its shard * n + shard`. An answer is per shard the
+//! state after some whole write of that shard; across shards there is no order to keep (their
+//! writes are concurrent). The loom model `shards_publish_independently` (`table.rs`) and the
+//! threaded property test `threaded_writers_match_the_model` (`tests/index.rs`, against the
+//! single-threaded model) cover it.
+//!
 //! Invariants: both copies are equal after each replay (`check` compares them record for
-//! record and their dumps); those of [`IndexState::check`] on each, with the writer's links.
+//! record and their dumps); those of [`IndexState::check`] on each, with the writer's links;
+//! each shard holds only the instances `writer_of` gives it, and its share of `max_entries`.
 
 mod chunked;
 mod dump;
