@@ -13,11 +13,14 @@
 //!
 //! Usage: `index_peers [--instances 100,1000,7000] [--rounds 5] [--indexes a,b] [--sample 10]
 //! [--no-memory]`; `index_peers memory <index> <stream file>` is the child, `index_peers save
-//! <instances> <stream file>` writes a stream for it.
+//! <instances> <stream file>` writes a stream for it; `index_peers writers [--instances ..]
+//! [--threads 1,2] [--rounds 5] [--no-peers]` measures apply with several writer threads
+//! (`writers.rs`).
 
 mod peers;
 mod reference;
 mod workload;
+mod writers;
 
 use std::time::Instant;
 
@@ -30,6 +33,8 @@ struct Args {
     indexes: Vec<String>,
     sample: usize,
     memory: bool,
+    threads: Vec<usize>,
+    peers: bool,
 }
 
 fn parse_args(args: &[String]) -> Result<Args, String> {
@@ -39,6 +44,8 @@ fn parse_args(args: &[String]) -> Result<Args, String> {
         indexes: peers::NAMES.iter().map(|s| s.to_string()).collect(),
         sample: 10,
         memory: true,
+        threads: vec![1, 2],
+        peers: true,
     };
     let mut i = 0;
     while i < args.len() {
@@ -68,6 +75,14 @@ fn parse_args(args: &[String]) -> Result<Args, String> {
                 i += 1;
             }
             "--no-memory" => a.memory = false,
+            "--no-peers" => a.peers = false,
+            "--threads" => {
+                a.threads = value(i)?
+                    .split(',')
+                    .map(|x| x.trim().parse().map_err(|e| format!("--threads: {e}")))
+                    .collect::<Result<_, _>>()?;
+                i += 1;
+            }
             other => return Err(format!("unknown argument {other:?}")),
         }
         i += 1;
@@ -378,6 +393,15 @@ fn main() {
                 )
                 .map_err(|e| e.to_string())
             })
+    } else if args.first().map(String::as_str) == Some("writers") {
+        parse_args(&args[1..]).and_then(|a| {
+            let trace = workload::load_trace(&workload::trace_path())?;
+            for &n in &a.instances {
+                let w = workload::generate(&trace, n);
+                writers::run(&w, &a.threads, a.rounds, a.peers);
+            }
+            Ok(())
+        })
     } else {
         parse_args(&args).and_then(run)
     };
