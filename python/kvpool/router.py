@@ -121,6 +121,8 @@ class Router:
             raise ValueError(f"load_weight: must be >= 0, got {load_weight!r}")
         if speculative_ttl is not None and not speculative_ttl > 0.0:
             raise ValueError(f"speculative_ttl: must be > 0 or None, got {speculative_ttl!r}")
+        if not isinstance(recompute_weight, (int, float, np.integer, np.floating)):
+            raise TypeError(f"recompute_weight: must be a number, got {type(recompute_weight).__name__}")
         if isinstance(recompute_weight, (bool, np.bool_)) or not 0.0 <= recompute_weight <= 1.0:
             raise ValueError(f"recompute_weight: must be in [0, 1], got {recompute_weight!r}")
         self.instances = ids
@@ -158,8 +160,8 @@ class Router:
         for row in self.index.lookup(token_ids, extra_key=extra_key, now=now, depths=depths):
             instance, _rank, medium, _blocks, tokens = row[:5]
             k = self.position.get(instance)
-            if depths and k is not None and medium == "device":
-                past[k] = max(past[k], row[6] - tokens)
+            if len(row) == 7 and k is not None and medium == "device":  # depths=True rows
+                past[k] = max(past[k], row[-1] - tokens)
             if medium == "remote" and self.shared_remote:
                 remote = max(remote, tokens)
             if k is None:

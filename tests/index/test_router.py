@@ -150,3 +150,6 @@ def test_recompute_weight_costs_kv_past_the_checkpoint():
     for bad in (-0.1, 1.5, True):
         with pytest.raises(ValueError, match="recompute_weight"):
             Router(2, "kv_aware", index=idx, recompute_weight=bad)
+    for bad in ("0.5", None):
+        with pytest.raises(TypeError, match="recompute_weight"):
+            Router(2, "kv_aware", index=idx, recompute_weight=bad)
