@@ -151,6 +151,37 @@ impl Matches {
         local * self.shards.max(1) + shard
     }
 
+    /// Every location matched, in [`Matches::iter`]'s order, as its shard and its row with the
+    /// location's id within that shard (what a snapshot resolves, without dividing ids).
+    #[inline]
+    pub(crate) fn for_each_local(&self, mut f: impl FnMut(u32, Row)) {
+        let shards = self.shards.max(1);
+        for &row in &self.rows {
+            let (shard, location) = if shards == 1 {
+                (0, row.location)
+            } else {
+                (row.location % shards, row.location / shards)
+            };
+            f(shard, Row { location, ..row });
+        }
+        for layer in &self.layers {
+            let words = &self.words[layer.at as usize..(layer.at + layer.width) as usize];
+            for (w, &word) in words.iter().enumerate() {
+                let mut bits = word;
+                while bits != 0 {
+                    let b = bits.trailing_zeros();
+                    bits &= bits - 1;
+                    let row = Row {
+                        location: (w * 64) as u32 + b,
+                        blocks: layer.blocks,
+                        kv_blocks: layer.blocks,
+                    };
+                    f(layer.shard, row);
+                }
+            }
+        }
+    }
+
     /// Every location matched (in no particular order), as rows.
     pub fn iter(&self) -> impl Iterator<Item = Row> + '_ {
         let layers = self.layers.iter().flat_map(move |layer| {
@@ -278,6 +309,12 @@ impl IndexState {
             tokens: u64::from(row.blocks) * u64::from(key.block_size),
             kv_blocks: row.kv_blocks,
         }
+    }
+
+    /// The [`Match`] of a row, `None` for a location id this state never gave.
+    #[inline]
+    pub(crate) fn try_to_match(&self, row: Row) -> Option<Match> {
+        ((row.location as usize) < self.locations.len()).then(|| self.to_match(row))
     }
 
     /// The location of a row.

@@ -210,7 +210,11 @@ impl Snapshot {
     /// Every row of `m` (a lookup of this snapshot) as a [`Match`].
     pub fn matches(&self, m: &Matches) -> Vec<Match> {
         let mut out = Vec::with_capacity(m.len());
-        out.extend(m.iter().filter_map(|r| self.to_match(r)));
+        m.for_each_local(|shard, row| {
+            if let Some(found) = self.0.get(shard as usize).and_then(|s| s.try_to_match(row)) {
+                out.push(found);
+            }
+        });
         out
     }
 
@@ -231,6 +235,9 @@ impl Snapshot {
     #[inline]
     fn split(&self, id: u32) -> (&IndexState, u32) {
         let shards = self.shards();
+        if shards == 1 {
+            return (&self.0[0], id);
+        }
         (&self.0[(id % shards) as usize], id / shards)
     }
 
@@ -242,13 +249,8 @@ impl Snapshot {
 
     /// The [`Match`] of a row of this snapshot.
     pub fn to_match(&self, row: Row) -> Option<Match> {
-        let (state, local) = self.split(row.location);
-        state.location(local).map(|_| {
-            state.to_match(Row {
-                location: local,
-                ..row
-            })
-        })
+        let (state, location) = self.split(row.location);
+        state.try_to_match(Row { location, ..row })
     }
 }
 
