@@ -50,7 +50,10 @@ impl<T: Copy + Default> Chunked<T> {
         let chunks = len.div_ceil(CHUNK);
         self.chunks.truncate(chunks);
         if let Some(last) = self.chunks.last_mut() {
-            last[len - (chunks - 1) * CHUNK..].fill(T::default());
+            // Past the old length the elements are defaults already (the invariant): only
+            // what is dropped is cleared, not the whole chunk's tail at every call.
+            let start = (chunks - 1) * CHUNK;
+            last[len - start..(self.len - start).min(CHUNK)].fill(T::default());
         }
         self.len = len;
     }
@@ -68,11 +71,8 @@ impl<T: Copy + Default> Chunked<T> {
             }
             self.len = ((c + 1) * CHUNK).min(source.len);
         }
-        // A whole chunk copied may hold the source's elements past its length: defaults.
-        let (chunks, len) = (self.chunks.len(), self.len);
-        if let Some(last) = self.chunks.last_mut() {
-            last[len - (chunks - 1) * CHUNK..].fill(T::default());
-        }
+        // Nothing to clear past the new length: a whole chunk copied holds the source's
+        // defaults past its length, a part copied leaves this array's own (the invariant).
     }
 
     /// The elements in order.
@@ -108,6 +108,15 @@ impl<T> std::ops::IndexMut<usize> for Chunked<T> {
 mod tests {
     use super::*;
 
+    /// The invariant: the elements past `len` in the last chunk are defaults.
+    fn tail_is_default(a: &Chunked<u32>) -> bool {
+        a.chunks.last().is_none_or(|last| {
+            last[a.len - (a.chunks.len() - 1) * CHUNK..]
+                .iter()
+                .all(|&x| x == 0)
+        })
+    }
+
     #[test]
     fn behaves_as_a_vec() {
         let mut a: Chunked<u32> = Chunked::default();
@@ -131,10 +140,12 @@ mod tests {
                 }
                 b.extend_from(&a);
                 assert!(b.iter().eq(model.iter()));
+                assert!(tail_is_default(&b), "step {step}");
                 assert_eq!(b.chunks.len(), b.len.div_ceil(CHUNK));
             }
             assert_eq!(a.len(), model.len());
             assert_eq!(a.chunks.len(), a.len.div_ceil(CHUNK));
+            assert!(tail_is_default(&a), "step {step}");
         }
         assert!(a.iter().eq(model.iter()));
         assert_eq!(a.get(model.len()), None);
