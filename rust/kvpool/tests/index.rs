@@ -1513,11 +1513,14 @@ proptest! {
     /// as `writer_of` says) while two readers look up: every answer a reader sees for an
     /// instance is that instance's state after some prefix of its batches, never an older one
     /// after a newer one, and the index ends as the model does (instances are independent in
-    /// the model, so any interleaving of different instances' batches ends the same).
+    /// the model, so any interleaving of different instances' batches ends the same). With
+    /// `shared`, one thread more than writers takes instances round robin instead, so that
+    /// threads also take turns on one writer (its lock).
     #[test]
     fn threaded_writers_match_the_model(
         streams in proptest::collection::vec(proptest::collection::vec(instance_op(), 1..14), 6),
         writers in 2usize..4,
+        shared in any::<bool>(),
     ) {
         let instances = streams.len() as u64;
         // Each instance's expected rows for each document after each of its batches.
@@ -1564,12 +1567,20 @@ proptest! {
             })
             .collect();
         let streams = Arc::new(streams);
-        let writers_threads: Vec<_> = (0..writers)
+        let threads = writers + usize::from(shared);
+        let writers_threads: Vec<_> = (0..threads)
             .map(|t| {
                 let (idx, streams) = (idx.clone(), streams.clone());
                 std::thread::spawn(move || {
-                    let mine: Vec<u64> =
-                        (0..instances).filter(|&i| idx.writer_of(i) == t).collect();
+                    let mine: Vec<u64> = (0..instances)
+                        .filter(|&i| {
+                            if shared {
+                                i as usize % threads == t
+                            } else {
+                                idx.writer_of(i) == t
+                            }
+                        })
+                        .collect();
                     let longest = mine.iter().map(|&i| streams[i as usize].len()).max().unwrap_or(0);
                     for k in 0..longest {
                         for &i in &mine {
