@@ -67,7 +67,8 @@ test-rust:
 	cargo test -p kvpool --release
 
 # loom models of the lock-free paths (rust/kvpool/tests/loom.rs, and the index's shared table in
-# rust/kvpool/src/index/table.rs, the batched release in rust/kvpool/src/release.rs, the block store's
+# rust/kvpool/src/index/table.rs, its shards' copies in rust/kvpool/src/index/shard.rs, the
+# batched release in rust/kvpool/src/release.rs, the block store's
 # bulk reference count in rust/kvpool/src/bulk_arc.rs); own target dir so the cfg flag
 # does not invalidate the normal build; debug assertions on, so the state-word checks of
 # block.rs run in every explored interleaving.
@@ -78,6 +79,9 @@ test-loom:
 	RUSTFLAGS="--cfg kvpool_loom" LOOM_MAX_PREEMPTIONS=3 CARGO_TARGET_DIR=target/loom \
 		CARGO_PROFILE_RELEASE_DEBUG_ASSERTIONS=true \
 		cargo test -p kvpool --release --lib index::table
+	RUSTFLAGS="--cfg kvpool_loom" LOOM_MAX_PREEMPTIONS=3 CARGO_TARGET_DIR=target/loom \
+		CARGO_PROFILE_RELEASE_DEBUG_ASSERTIONS=true \
+		cargo test -p kvpool --release --lib index::shard
 	RUSTFLAGS="--cfg kvpool_loom" LOOM_MAX_PREEMPTIONS=3 CARGO_TARGET_DIR=target/loom \
 		CARGO_PROFILE_RELEASE_DEBUG_ASSERTIONS=true \
 		cargo test -p kvpool --release --lib release::

@@ -51,9 +51,11 @@
 //! published copy in turn (a [`Snapshot`] holds one per shard) and walks each, a row's
 //! location id in the answer being `id in its shard * n + shard`. An answer is per shard the
 //! state after some whole write of that shard; across shards there is no order to keep (their
-//! writes are concurrent). The loom model `shards_publish_independently` (`table.rs`) and the
-//! threaded property test `threaded_writers_match_the_model` (`tests/index.rs`, against the
-//! single-threaded model) cover it.
+//! writes are concurrent). The loom model of `shard.rs` (two shards' writers and a slow
+//! reader; `publish.rs` makes the copies' publication loom's), the one of `table.rs`
+//! (`shards_publish_independently`) and the threaded property test
+//! `threaded_writers_match_the_model` (`tests/index.rs`, against the single-threaded model)
+//! cover it.
 //!
 //! Invariants: both copies are equal after each replay (`check` compares them record for
 //! record and their dumps); those of [`IndexState::check`] on each, with the writer's links;
@@ -66,6 +68,7 @@ mod expiry;
 mod holders;
 mod location;
 mod lookup;
+mod publish;
 mod sequence;
 mod shard;
 mod state;
@@ -73,9 +76,6 @@ mod table;
 mod tree;
 pub(crate) mod wire;
 
-use std::sync::Arc;
-
-use arc_swap::Guard;
 use smallvec::SmallVec;
 
 pub use event::{EventKind, GroupKind, IndexEvent, Medium, MAX_GROUPS};
@@ -123,7 +123,7 @@ pub struct KVIndex {
 
 /// A consistent view of an index for several reads: one published copy of each shard, held
 /// alive (each the state after some whole write of that shard).
-pub struct Snapshot(SmallVec<[Guard<Arc<IndexState>>; 2]>);
+pub struct Snapshot(SmallVec<[publish::Loaded<IndexState>; 2]>);
 
 /// The shard (writer) of `instance` among `shards`: a multiply-mixed hash, so that ids in
 /// any pattern spread.
