@@ -50,9 +50,10 @@ pub use manager::{
 };
 pub use pool::{
     AllocationPlan, BlockManagerPool, DebugCounters, HierarchyBlockManagerPool, HierarchyConfig,
-    HierarchyStats, KvCacheManager, KvEvent, KvEventKind, LinearStateMatch, LinearStatePlan,
-    LinearStateSave, PageBackendKind, PoolConfig, PoolStats, RankStats, XTensorOptions,
-    XTensorRankStats, DEFAULT_EVENT_REPLAY,
+    HierarchyStats, KvCacheManager, KvEvent, KvEventKind, LinearStateMatch, LinearStatePlan, Miss,
+    MissReason,
+    LinearStateSave, PageBackendKind, PoolConfig, PoolStats, RankMemory, RankStats, XTensorOptions,
+    XTensorRankStats, DEFAULT_EVENT_REPLAY, DEFAULT_TAIL_RETENTION_TOKENS,
 };
 pub use prefix_cache::{CacheEvent, CacheStats, ExtraKey, PrefixCache, Probe};
 pub use sequence::Sequence;

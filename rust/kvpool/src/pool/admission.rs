@@ -18,11 +18,12 @@
 //! everything back. With a host part, the load is attached to the fresh table entries.
 
 use crate::error::{ensure_arg, Result};
-use crate::groups::{Group, Walk};
+use crate::groups::{Chain, Group, Walk};
 use crate::hash::BlockHash;
 use crate::sequence::{Allocation, Sequence};
 use crate::tiers::{ChainRef, HostPart, HostTier, RemoteHits};
 
+use super::misses::{Miss, MissReason};
 use super::BlockManagerPool;
 
 /// Chain walks of a pool's caches so far (debug counters; not part of `stats`).
@@ -79,6 +80,8 @@ struct Decision {
     entries: usize,
     /// Prefix hash of the checkpoint the linear state is restored from.
     restore: Option<BlockHash>,
+    /// The group that cut the hit short of the prompt, and why.
+    miss: Option<Miss>,
 }
 
 impl AllocationPlan {
@@ -164,6 +167,13 @@ impl AllocationPlan {
     /// The prefix hash of the checkpoint the linear state is restored from (R23), if any.
     pub fn restore_checkpoint(&self) -> Option<BlockHash> {
         self.decision().and_then(|d| d.restore)
+    }
+
+    /// Why the hit stops short of the prompt: the group that cut it and the reason
+    /// (docs/hybrid.md "Why no hit"); `None` for a full hit, a growth, or a pool without a
+    /// prefix cache.
+    pub fn miss(&self) -> Option<Miss> {
+        self.decision().and_then(|d| d.miss)
     }
 
     /// The full blocks looked up and how far the device and host walks reached.
@@ -379,25 +389,59 @@ impl BlockManagerPool {
         let r = &self.ranks[rank];
         let hashes = seq.hashes(survey.query);
         let tokens = seq.tokens();
+        let chain = Chain {
+            hashes,
+            tokens,
+            full: &r.full,
+            walk: &survey.device,
+        };
         // The fold of the groups' limits, until it no longer moves.
         let narrow = |limit: usize| {
             let mut k = limit;
             loop {
                 let before = k;
                 for group in &r.groups {
-                    k = group.hit_limit(hashes, tokens, k);
+                    k = group.hit_limit(chain, k);
                 }
                 if k == before || k == 0 {
                     return k;
                 }
             }
         };
+        // The full-attention group's store also gives the shared groups their blocks.
         let fits = |k: usize, device_hit: usize, entries: usize| {
-            r.full.fits(&survey.device, device_hit, entries)
-                && r.groups.iter().all(|g| g.fits(hashes, tokens, k, entries))
+            let shared: usize = r.groups.iter().map(|g| g.demand(chain, k, entries)).sum();
+            r.full.fits(&survey.device, device_hit, entries, shared)
+                && r.groups.iter().all(|g| g.fits(chain, k, entries))
         };
         let linear = r.groups.iter().any(|g| matches!(g, Group::Linear(_)));
         let restore = |k: usize| (linear && k > 0).then(|| hashes[k - 1]);
+        // Why no hit past `hit` when the full-attention chain reached `reach`.
+        let miss = |hit: usize, reach: usize| -> Option<Miss> {
+            let cache = r.full.cache()?;
+            if survey.query == 0 {
+                return Some(Miss {
+                    group: 0,
+                    reason: MissReason::ShorterThanBlock,
+                });
+            }
+            if hit >= survey.query {
+                return None;
+            }
+            if hit < reach {
+                return r.groups.iter().enumerate().find_map(|(i, g)| {
+                    (g.hit_limit(chain, reach) < reach).then(|| Miss {
+                        group: i + 1,
+                        reason: g.miss_reason(),
+                    })
+                });
+            }
+            let reason = match cache.was_evicted(hashes[reach]) {
+                true => MissReason::Evicted,
+                false => MissReason::NoSharedPrefix,
+            };
+            Some(Miss { group: 0, reason })
+        };
         let d = survey.device.len();
         let kd = narrow(d);
         let entries = if shared {
@@ -414,6 +458,7 @@ impl BlockManagerPool {
             host: None,
             entries,
             restore: restore(kd),
+            miss: miss(kd, d.max(survey.host.as_ref().map_or(0, Walk::len))),
         };
         let (Some(host), Some(walk), false) = (&self.host, &survey.host, shared) else {
             return Some(device_only);
@@ -442,6 +487,7 @@ impl BlockManagerPool {
                     }),
                     entries: table,
                     restore: restore(k),
+                    miss: miss(k, reach),
                 });
             }
             k = narrow(k - 1);
@@ -476,7 +522,7 @@ impl BlockManagerPool {
         let mut tables = Vec::with_capacity(r.groups.len());
         let mut ok = true;
         for group in &mut r.groups {
-            match group.take_hit(hashes, tokens, decision.hit) {
+            match group.take_hit(&mut r.full, hashes, tokens, &survey.device, decision.hit) {
                 Some(table) => tables.push(table),
                 None => {
                     ok = false;
@@ -492,7 +538,7 @@ impl BlockManagerPool {
         let need = decision.entries.saturating_sub(blocks.len());
         ok = ok && r.full.grow(&mut blocks, need);
         for (group, table) in r.groups.iter_mut().zip(tables.iter_mut()) {
-            ok = ok && group.grow(table, decision.entries);
+            ok = ok && group.grow(&mut r.full, table, decision.entries);
         }
         let Some(single) = single.filter(|_| ok) else {
             for (group, table) in r.groups.iter_mut().zip(tables) {
@@ -504,6 +550,9 @@ impl BlockManagerPool {
         };
         r.query_tokens += (survey.query * bs) as u64;
         r.hit_tokens += (decision.device_hit * bs) as u64;
+        if let Some(miss) = decision.miss {
+            r.misses[miss.reason.index()] += 1;
+        }
         for (group, table) in r.groups.iter_mut().zip(tables.iter_mut()) {
             group.admitted(table, ledger);
         }

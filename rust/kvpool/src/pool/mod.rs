@@ -25,6 +25,7 @@ mod elastic;
 mod events;
 mod hierarchy;
 mod linear_plans;
+mod misses;
 mod stats;
 mod tiers;
 
@@ -41,12 +42,13 @@ use crate::sliding_window::SlidingWindowBlockManager;
 use crate::tiers::HostTier;
 
 pub use admission::{AllocationPlan, DebugCounters};
-pub use config::{LinearStateMatch, LinearStateSave, PoolConfig};
+pub use config::{LinearStateMatch, LinearStateSave, PoolConfig, DEFAULT_TAIL_RETENTION_TOKENS};
 pub use elastic::{PageBackendKind, XTensorOptions, XTensorRankStats};
 pub use events::{KvEvent, KvEventKind, DEFAULT_EVENT_REPLAY};
 pub use hierarchy::{HierarchyBlockManagerPool, HierarchyConfig, HierarchyStats};
 pub use linear_plans::LinearStatePlan;
-pub use stats::{PoolStats, RankStats};
+pub use misses::{Miss, MissReason};
+pub use stats::{PoolStats, RankMemory, RankStats};
 
 static NEXT_POOL_ID: AtomicU64 = AtomicU64::new(1);
 
@@ -77,6 +79,8 @@ pub(crate) struct Rank {
     pub(crate) groups: Vec<Group>,
     pub(crate) query_tokens: u64,
     pub(crate) hit_tokens: u64,
+    /// Admissions whose hit a group cut, per reason (docs/hybrid.md "Why no hit").
+    pub(crate) misses: misses::MissCounts,
 }
 
 impl Rank {
@@ -360,6 +364,19 @@ impl BlockManagerPool {
             return None;
         }
         let computed = seq.num_computed_tokens(); // a confirmed load counts (R16 exactness)
+        let entries = alloc.blocks.len() + need;
+        // The groups of the shared store draw from the full-attention group's blocks, after
+        // their slide gave some back.
+        let (shared, releasable) = rank.groups.iter().zip(&alloc.groups).fold(
+            (0, 0),
+            |(shared, releasable), (g, t)| {
+                let (s, r) = g.shared_growth(&rank.full, t, computed, entries);
+                (shared + s, releasable + r)
+            },
+        );
+        if need + shared > rank.full.num_available() + releasable {
+            return None;
+        }
         let room = rank
             .groups
             .iter()
@@ -394,7 +411,7 @@ impl BlockManagerPool {
         let before = alloc.blocks.len();
         let mut ok = rank.full.grow(&mut alloc.blocks, need);
         for (group, table) in rank.groups.iter_mut().zip(alloc.groups.iter_mut()) {
-            ok = ok && group.grow(table, entries);
+            ok = ok && group.grow(&mut rank.full, table, entries);
         }
         if !ok {
             // Unreachable: `growth` counted every group's blocks after the slide.
@@ -495,7 +512,7 @@ impl BlockManagerPool {
                     raw_key,
                     full * block_size,
                 );
-                group.publish(table, hashes, tokens, full, key);
+                group.publish(attention, table, hashes, tokens, &alloc.blocks, full, key);
             }
             group.slide(table, computed);
             if step && group.steps() {
@@ -535,7 +552,7 @@ impl BlockManagerPool {
                     raw_key,
                     full * block_size,
                 );
-                group.publish(table, hashes, tokens, full, key);
+                group.publish(attention, table, hashes, tokens, &alloc.blocks, full, key);
             }
             group.slide(table, computed);
         }
@@ -546,12 +563,19 @@ impl BlockManagerPool {
     /// be skipped and the rest of the chain published (see `PrefixCache::insert`).
     fn release(&mut self, seq: &mut Sequence, all_released: bool) {
         self.publish(seq, Publish::Release { all_released });
+        let full_computed = seq.computed() / self.config.block_size;
         let Some(mut alloc) = seq.detach() else {
             return;
         };
         let rank = &mut self.ranks[alloc.rank];
+        // The block of the last computed full block: its node gets a shared group's end mark.
+        let end = full_computed
+            .checked_sub(1)
+            .and_then(|i| alloc.blocks.get(i))
+            .map(|b| b.id());
         for (group, table) in rank.groups.iter_mut().zip(alloc.groups.iter_mut()) {
-            group.release(table, &mut self.ledger); // R24 cancels, R25 keeps the window's tail
+            // R24 cancels, R25 keeps the window's tail (its hit points, with the shared store)
+            group.release(&mut rank.full, table, &mut self.ledger, end);
         }
         drop(alloc); // the table tail first (`Allocation`'s `Drop`)
         rank.full.drain();
