@@ -1058,7 +1058,8 @@ class BlockManagerPool:
         store").
     shared_blocks : bool or None
         Whether the sliding-window group shares the full-attention group's store; None: shared
-        unless ``swa_num_blocks`` or ``xtensor`` is given.
+        unless ``swa_num_blocks``, ``xtensor`` or a host tier is given (with a host tier, a
+        window store of its own keeps the runs of chains whose blocks went to the host).
     tail_retention_tokens : int
         With a shared store: a released sequence's window runs are kept (evicted last) for the
         boundaries in its last ``tail_retention_tokens`` computed tokens (where the next turn of

@@ -57,7 +57,8 @@ pub struct PoolConfig {
     /// free list and id space, `num_blocks` ids in all), unless `shared_blocks` says otherwise.
     pub swa_num_blocks: Option<usize>,
     /// Whether the sliding-window group shares the full-attention group's store (R25, docs/hybrid.md
-    /// "One block store"); `None`: shared unless `swa_num_blocks` or `xtensor` is given.
+    /// "One block store"); `None`: shared unless `swa_num_blocks`, `xtensor` or a host tier is
+    /// given.
     pub shared_blocks: Option<bool>,
     /// With a shared store: the tokens before a released sequence's last computed full block
     /// whose boundaries keep their window runs (the retention rule, docs/hybrid.md).
@@ -115,12 +116,15 @@ impl PoolConfig {
         self.swa_num_blocks.unwrap_or(self.num_blocks)
     }
 
-    /// Whether the sliding-window group draws from the full-attention group's store.
+    /// Whether the sliding-window group draws from the full-attention group's store: by
+    /// default when nothing sizes or places the window group on its own (`swa_num_blocks`,
+    /// `xtensor`) and there is no host tier (with one, a window store of its own keeps the runs
+    /// of the chains whose full-attention blocks went to the host: docs/host_tier.md).
     pub fn shares_window_store(&self) -> bool {
         self.sliding_window.is_some()
-            && self
-                .shared_blocks
-                .unwrap_or(self.swa_num_blocks.is_none() && self.xtensor.is_none())
+            && self.shared_blocks.unwrap_or(
+                self.swa_num_blocks.is_none() && self.xtensor.is_none() && self.host.is_none(),
+            )
     }
 
     /// Checks every option (each error names its argument) and the footprint of every rank in

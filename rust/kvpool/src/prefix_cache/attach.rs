@@ -394,6 +394,12 @@ impl PrefixCache {
     pub(super) fn child_added(&mut self, node: u32) {
         let entry = &mut self.entries[node as usize];
         entry.children += 1;
+        if entry.list == List::Low as u8 {
+            // A cache-only leaf that was no hit point got a child (a release publishing under
+            // a cached original, R9): no longer a leaf, it takes its place among the nodes.
+            self.list_move(node, List::Main);
+            return;
+        }
         if entry.children == 2 && self.attach.groups() > 0 && entry.marks & JUNCTION == 0 {
             entry.marks |= JUNCTION;
             self.attach.pending.push(node);
