@@ -1060,10 +1060,11 @@ class BlockManagerPool:
         Whether the sliding-window group shares the full-attention group's store; None: shared
         unless ``swa_num_blocks``, ``xtensor`` or a host tier is given (with a host tier, a
         window store of its own keeps the runs of chains whose blocks went to the host).
-    tail_retention_tokens : int
-        With a shared store: a released sequence's window runs are kept (evicted last) for the
-        boundaries in its last ``tail_retention_tokens`` computed tokens (where the next turn of
-        a conversation diverges; default 512).
+    retention_tokens : int
+        With a shared store, the window runs kept longest (evicted last): those of the
+        boundaries in the first ``retention_tokens`` tokens of every chain (where system prompts
+        end) and in the last ``retention_tokens`` computed tokens of each released sequence
+        (where the next turn of a conversation diverges); default 512.
     linear_state_save : {"copy", "promote"}
         Save a checkpoint by copying the live state into a pending slot, or by promoting the
         live slot (zero-copy; the sequence continues in a fresh slot) (R22).
@@ -1114,7 +1115,7 @@ class BlockManagerPool:
         sliding_window: int | None = None,
         swa_num_blocks: int | None = None,
         shared_blocks: bool | None = None,
-        tail_retention_tokens: int = 512,
+        retention_tokens: int = 512,
         linear_state_save: _LinearStateSave = "copy",
         debug_hash_bits: int | None = None,
         xtensor: _XTensorOption | None = None,
@@ -1498,6 +1499,11 @@ class AllocationPlan:
         """Prefix hash (16 bytes) of the checkpoint the linear state is restored from (R23)."""
 
     @property
+    def kv_hit_tokens(self) -> int:
+        """Tokens of the prefix the full-attention caches hold (device and host, R8 applied):
+        the hit the full-attention group alone could serve, before the other groups' limits."""
+
+    @property
     def miss_group(self) -> int | None:
         """The group that cut the hit short of the prompt (0 full attention, then the pool's
         other groups in table order); None for a full hit (docs/hybrid.md "Why no hit")."""
@@ -1841,7 +1847,7 @@ class HierarchyBlockManagerPool(BlockManagerPool):
         sliding_window: int | None = None,
         swa_num_blocks: int | None = None,
         shared_blocks: bool | None = None,
-        tail_retention_tokens: int = 512,
+        retention_tokens: int = 512,
         debug_hash_bits: int | None = None,
         dedup: bool = True,
         remote: Any = None,

@@ -138,7 +138,7 @@ def _workload(seed: int, steps: int, **options) -> dict[str, int]:
         {"sliding_window": 8, "debug_hash_bits": 3},
         {"sliding_window": 8, "dedup": False},
         {"sliding_window": 8, "linear_state_slots": 12, "checkpoint_interval": 8},
-        {"sliding_window": 8, "tail_retention_tokens": 0, "num_blocks": 28},
+        {"sliding_window": 8, "retention_tokens": 0, "num_blocks": 28},
     ],
     ids=["window", "tight", "collisions", "no-dedup", "with-linear", "no-tail"],
 )
@@ -197,7 +197,7 @@ def test_eviction_takes_what_no_hit_point_can_use_first():
     """Under pressure the low-value blocks go first: window blocks off every kept boundary and
     leaves that are no hit point. The end of a released conversation (its hit point for the
     next turn) survives a stream of unrelated prompts that a plain LRU would let evict it."""
-    pool = kvpool.BlockManagerPool(60, BS, sliding_window=8, tail_retention_tokens=8)
+    pool = kvpool.BlockManagerPool(60, BS, sliding_window=8, retention_tokens=8)
     turn = list(range(100, 140))
     seq = kvpool.Sequence(turn)
     assert pool.allocate(seq)
@@ -241,8 +241,8 @@ def test_why_no_hit_per_group_in_plan_and_stats():
 
 @pytest.mark.parametrize("bad", [True, 1.5, "2", -1])
 def test_bad_shared_options_are_rejected(bad):
-    with pytest.raises((TypeError, ValueError, OverflowError), match="tail_retention_tokens"):
-        kvpool.BlockManagerPool(16, BS, sliding_window=8, tail_retention_tokens=bad)
+    with pytest.raises((TypeError, ValueError, OverflowError), match="retention_tokens"):
+        kvpool.BlockManagerPool(16, BS, sliding_window=8, retention_tokens=bad)
 
 
 def test_shared_blocks_conflicts_are_named():

@@ -27,7 +27,7 @@ pub(crate) const POOL_OPTIONS: &[&str] = &[
     "sliding_window",
     "swa_num_blocks",
     "shared_blocks",
-    "tail_retention_tokens",
+    "retention_tokens",
     "debug_hash_bits",
     "dedup",
 ];
@@ -127,9 +127,9 @@ impl<'py> Options<'py> {
                 None => None,
                 Some(value) => Some(convert::flag(Some(&value), "shared_blocks", false)?),
             },
-            tail_retention_tokens: self
-                .count("tail_retention_tokens")?
-                .unwrap_or(kvpool::DEFAULT_TAIL_RETENTION_TOKENS),
+            retention_tokens: self
+                .count("retention_tokens")?
+                .unwrap_or(kvpool::DEFAULT_RETENTION_TOKENS),
             host: None,
             xtensor: crate::elastic::xtensor_option(self.get("xtensor")?.as_ref())?,
             dedup: self.flag("dedup", true)?,

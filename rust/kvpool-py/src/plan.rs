@@ -97,6 +97,12 @@ impl PyAllocationPlan {
             .restore_checkpoint()
             .map(|h| PyBytes::new(py, &h.to_bytes()))
     }
+    /// Tokens of the prefix the full-attention caches hold (device and host): the hit the
+    /// full-attention group alone could serve, before the other groups' limits.
+    #[getter]
+    fn kv_hit_tokens(&self) -> usize {
+        self.plan.num_kv_hit_blocks() * self.block_size
+    }
     /// The group that cut the hit short of the prompt (0 full attention, then the pool's other
     /// groups in table order), or None (docs/hybrid.md "Why no hit").
     #[getter]

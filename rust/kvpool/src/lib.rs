@@ -53,7 +53,7 @@ pub use pool::{
     HierarchyStats, KvCacheManager, KvEvent, KvEventKind, LinearStateMatch, LinearStatePlan, Miss,
     MissReason,
     LinearStateSave, PageBackendKind, PoolConfig, PoolStats, RankMemory, RankStats, XTensorOptions,
-    XTensorRankStats, DEFAULT_EVENT_REPLAY, DEFAULT_TAIL_RETENTION_TOKENS,
+    XTensorRankStats, DEFAULT_EVENT_REPLAY, DEFAULT_RETENTION_TOKENS,
 };
 pub use prefix_cache::{CacheEvent, CacheStats, ExtraKey, PrefixCache, Probe};
 pub use sequence::Sequence;

@@ -20,6 +20,7 @@
 
 pub(crate) mod full;
 pub(crate) mod linear;
+pub(crate) mod misses;
 pub(crate) mod shared_window;
 pub(crate) mod window;
 
@@ -32,6 +33,7 @@ use crate::sliding_window::WindowTable;
 pub(crate) use full::{FullGroup, Walk};
 pub(crate) use linear::{Ledger, LinearGroup, LinearTable, OpKind};
 pub use linear::{LinearStateMatch, LinearStateSave};
+pub use misses::{Miss, MissReason};
 pub(crate) use shared_window::SharedWindowGroup;
 pub(crate) use window::WindowGroup;
 
@@ -129,10 +131,10 @@ impl Group {
     }
 
     /// Why this group cuts a hit (docs/hybrid.md "Why no hit").
-    pub(crate) fn miss_reason(&self) -> crate::pool::MissReason {
+    pub(crate) fn miss_reason(&self) -> MissReason {
         match self {
-            Self::Window(_) | Self::SharedWindow(_) => crate::pool::MissReason::WindowBlocksGone,
-            Self::Linear(_) => crate::pool::MissReason::NoCheckpoint,
+            Self::Window(_) | Self::SharedWindow(_) => MissReason::WindowBlocksGone,
+            Self::Linear(_) => MissReason::NoCheckpoint,
         }
     }
 

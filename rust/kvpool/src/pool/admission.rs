@@ -23,7 +23,7 @@ use crate::hash::BlockHash;
 use crate::sequence::{Allocation, Sequence};
 use crate::tiers::{ChainRef, HostPart, HostTier, RemoteHits};
 
-use super::misses::{Miss, MissReason};
+use crate::groups::{Miss, MissReason};
 use super::BlockManagerPool;
 
 /// Chain walks of a pool's caches so far (debug counters; not part of `stats`).
@@ -136,6 +136,13 @@ impl AllocationPlan {
             }
             _ => (0, 0),
         }
+    }
+
+    /// Blocks of the prefix the full-attention caches hold (device and host walks, R8
+    /// applied): the hit the full-attention group alone could serve, before the other groups'
+    /// limits (what the groups cost, docs/hybrid.md "Why no hit"); 0 for a growth.
+    pub fn num_kv_hit_blocks(&self) -> usize {
+        self.local_reach().map_or(0, |(_, reach)| reach)
     }
 
     /// Hit blocks loaded from the host tier.

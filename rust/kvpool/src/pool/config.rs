@@ -15,9 +15,10 @@ use crate::xtensor::{PageBackend, XTensorBlockManager};
 
 pub use crate::groups::{LinearStateMatch, LinearStateSave};
 
-/// Default of [`PoolConfig::tail_retention_tokens`]: a conversation's next turn resends it and
-/// diverges within its last few hundred tokens (its last, re-templated message).
-pub const DEFAULT_TAIL_RETENTION_TOKENS: usize = 512;
+/// Default of [`PoolConfig::retention_tokens`]: a conversation's next turn resends it and
+/// diverges within its last few hundred tokens (its last, re-templated message); requests part
+/// after their system prompt, within the first few hundred.
+pub const DEFAULT_RETENTION_TOKENS: usize = 512;
 
 use super::elastic::{PageBackendKind, XTensorOptions};
 use super::Rank;
@@ -60,9 +61,10 @@ pub struct PoolConfig {
     /// "One block store"); `None`: shared unless `swa_num_blocks`, `xtensor` or a host tier is
     /// given.
     pub shared_blocks: Option<bool>,
-    /// With a shared store: the tokens before a released sequence's last computed full block
-    /// whose boundaries keep their window runs (the retention rule, docs/hybrid.md).
-    pub tail_retention_tokens: usize,
+    /// With a shared store: the tokens at the head of every chain and before a released
+    /// sequence's last computed full block whose boundaries keep their window runs longest
+    /// (the retention rule, docs/hybrid.md).
+    pub retention_tokens: usize,
     /// A host tier per rank (R26); `None`: the device only.
     pub host: Option<HostTierConfig>,
     /// Full-attention blocks of every rank on elastic pages (`XTensorBlockManager`, the seed's
@@ -92,7 +94,7 @@ impl PoolConfig {
             sliding_window: None,
             swa_num_blocks: None,
             shared_blocks: None,
-            tail_retention_tokens: DEFAULT_TAIL_RETENTION_TOKENS,
+            retention_tokens: DEFAULT_RETENTION_TOKENS,
             host: None,
             xtensor: None,
             dedup: true,
@@ -237,7 +239,7 @@ impl PoolConfig {
                         {
                             cache.enable_attachments(AttachConfig {
                                 windows: vec![window],
-                                tail_tokens: self.tail_retention_tokens,
+                                retention_tokens: self.retention_tokens,
                             })?;
                             cache.set_record_attach_events(self.enable_events);
                         }

@@ -25,7 +25,6 @@ mod elastic;
 mod events;
 mod hierarchy;
 mod linear_plans;
-mod misses;
 mod stats;
 mod tiers;
 
@@ -42,12 +41,12 @@ use crate::sliding_window::SlidingWindowBlockManager;
 use crate::tiers::HostTier;
 
 pub use admission::{AllocationPlan, DebugCounters};
-pub use config::{LinearStateMatch, LinearStateSave, PoolConfig, DEFAULT_TAIL_RETENTION_TOKENS};
+pub use config::{LinearStateMatch, LinearStateSave, PoolConfig, DEFAULT_RETENTION_TOKENS};
 pub use elastic::{PageBackendKind, XTensorOptions, XTensorRankStats};
 pub use events::{KvEvent, KvEventKind, DEFAULT_EVENT_REPLAY};
 pub use hierarchy::{HierarchyBlockManagerPool, HierarchyConfig, HierarchyStats};
 pub use linear_plans::LinearStatePlan;
-pub use misses::{Miss, MissReason};
+pub use crate::groups::{Miss, MissReason};
 pub use stats::{PoolStats, RankMemory, RankStats};
 
 static NEXT_POOL_ID: AtomicU64 = AtomicU64::new(1);
@@ -80,7 +79,7 @@ pub(crate) struct Rank {
     pub(crate) query_tokens: u64,
     pub(crate) hit_tokens: u64,
     /// Admissions whose hit a group cut, per reason (docs/hybrid.md "Why no hit").
-    pub(crate) misses: misses::MissCounts,
+    pub(crate) misses: crate::groups::misses::MissCounts,
 }
 
 impl Rank {

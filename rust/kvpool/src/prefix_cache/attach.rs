@@ -16,12 +16,15 @@
 //!   point (some group's run before their boundary is incomplete), so a chain whose last hit
 //!   point went is dropped back to the previous one as a whole;
 //! - **main**: the nodes, least recently used leaves first (R10, R11);
-//! - **keep** (evicted last): attachments a mark protects. Two marks: a node where the prefix
-//!   tree branches (a **junction**: two or more children) protects its boundary's run; the node
-//!   of a released sequence's last computed full block (its **end**) protects the runs of the
-//!   boundaries in the last `tail_tokens` tokens before it, where the next turn of a
-//!   conversation, which resends it, diverges. A mark lives as long as its node (a junction
-//!   as long as it branches); its protection ends with it.
+//! - **keep** (evicted last): attachments a mark protects, and those of a chain's **head**. Two
+//!   marks: a node where the prefix tree branches (a **junction**: two or more children)
+//!   protects its boundary's run; the node of a released sequence's last computed full block
+//!   (its **end**) protects the runs of the boundaries in the last `retention_tokens` tokens
+//!   before it, where the next turn of a conversation, which resends it, diverges. A mark
+//!   lives as long as its node (a junction as long as it branches); its protection ends with
+//!   it. The head, the blocks in the first `retention_tokens` tokens of every chain (where
+//!   system prompts end and unrelated requests part: a junction before the tree knows it), is
+//!   protected for as long as it is attached.
 //!
 //! Marks and protections are counted (an attachment's protect count is the number of marks
 //! whose runs hold it); an attachment that comes after a mark is not counted by it, which only
@@ -46,6 +49,9 @@ const END: u8 = 1;
 /// A node's mark: two or more children.
 const JUNCTION: u8 = 2;
 
+/// Protected attachments [`PrefixCache::keep_victim`] looks at (bounds an eviction's cost).
+const KEEP_SCAN: usize = 64;
+
 /// Attachment groups a cache can have.
 pub(crate) const MAX_ATTACH_GROUPS: usize = 8;
 
@@ -55,7 +61,7 @@ pub(crate) struct AttachConfig {
     /// The sliding window, in tokens, of each attaching group (`g` = its position).
     pub(crate) windows: Vec<usize>,
     /// The tokens before a released sequence's end whose boundaries' runs its end mark keeps.
-    pub(crate) tail_tokens: usize,
+    pub(crate) retention_tokens: usize,
 }
 
 /// What happened to an attachment, for the KV events of its group (R21).
@@ -73,7 +79,7 @@ pub(super) struct Attachments {
     config: AttachConfig,
     /// Blocks of the runs: `ceil((window - 1) / block_size)` per group.
     runs: Vec<usize>,
-    /// Boundaries of an end mark's tail.
+    /// Boundaries of an end mark's tail, and positions of a chain's protected head.
     tail_blocks: usize,
     /// Node id * groups + g -> the attachment's id, or NIL.
     slots: Vec<u32>,
@@ -102,7 +108,7 @@ impl PrefixCache {
             .iter()
             .map(|&w| w.saturating_sub(1).div_ceil(bs))
             .collect();
-        self.attach.tail_blocks = config.tail_tokens.div_ceil(bs);
+        self.attach.tail_blocks = config.retention_tokens.div_ceil(bs);
         self.attach.slots = alloc::filled(self.entries.len() * groups, "num_blocks", || NIL)?;
         self.attach.config = config;
         Ok(())
@@ -208,6 +214,8 @@ impl PrefixCache {
             hash,
             parent: node,
             depth,
+            // The head of a chain is protected while it is attached (module doc).
+            children: u32::from((depth as usize) < self.attach.tail_blocks),
             live: true,
             kind: 1 + g as u8,
             ..Entry::default()
@@ -480,6 +488,25 @@ impl PrefixCache {
             },
         );
         self.store.unmark_cached(att)
+    }
+
+    /// The protected attachment to evict when nothing else is left: the oldest whose node no
+    /// sequence holds (a held node's hit point stays servable on the full-attention side, so
+    /// its run is worth the most), looking at the oldest [`KEEP_SCAN`]; else the oldest.
+    pub(super) fn keep_victim(&self) -> Option<u32> {
+        let oldest = self.lists.get(List::Keep).oldest;
+        let mut id = oldest;
+        for _ in 0..KEEP_SCAN {
+            if id == NIL {
+                break;
+            }
+            let node = self.entries[id as usize].parent;
+            if self.store.state(node) & (CACHED | COUNT_MASK) == CACHED | 1 {
+                return Some(id);
+            }
+            id = self.entries[id as usize].next;
+        }
+        (oldest != NIL).then_some(oldest)
     }
 
     /// Evicts a listed (cache-only) attachment.

@@ -471,10 +471,9 @@ impl PrefixCache {
                 cursor = self.lists.get(List::Main).oldest;
             }
             if cursor == NIL {
-                let keep = self.lists.get(List::Keep).oldest;
-                if keep == NIL {
+                let Some(keep) = self.keep_victim() else {
                     break;
-                }
+                };
                 evicted += self.evict_entry(keep, &mut removed, &mut cursor);
                 continue;
             }
