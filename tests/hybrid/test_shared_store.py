@@ -21,6 +21,26 @@ class Worker:
 
     def __init__(self) -> None:
         self.kv: dict[tuple[int, int], tuple[int, ...]] = {}
+        self.host: dict[int, tuple[int, ...]] = {}
+
+    def transfers(self, pool) -> None:
+        """Runs and confirms the pool's plans: the linear-state copies (R24; their content is
+        the concern of tests/hybrid's linear-state shadows) and the host tier's transfers (R26):
+        offloads copy device blocks to host blocks, loads copy them back into the
+        full-attention group's device blocks."""
+        pool.commit_linear_state_plan(pool.take_linear_state_plan())
+        if not isinstance(pool, kvpool.HierarchyBlockManagerPool):
+            return
+        offloads = pool.take_offload_plans()
+        for plan in offloads:
+            for src, dst in zip(plan.src.tolist(), plan.dst.tolist(), strict=True):
+                self.host[dst] = self.kv[(0, src)]
+        pool.complete_offloads(offloads)
+        loads = pool.take_load_plans()
+        for plan in loads:
+            for src, dst in zip(plan.src.tolist(), plan.dst.tolist(), strict=True):
+                self.kv[(0, dst)] = self.host[src]
+        pool.complete_loads(loads)
 
     @staticmethod
     def tables(seq: kvpool.Sequence, groups: int) -> list[list[int]]:
@@ -56,7 +76,12 @@ class Worker:
 def _workload(seed: int, steps: int, **options) -> dict[str, int]:
     rng = random.Random(seed)
     window = options.get("sliding_window")
-    pool = kvpool.BlockManagerPool(options.pop("num_blocks", 40), BS, **options)
+    num_blocks = options.pop("num_blocks", 40)
+    host = options.pop("host_num_blocks", None)
+    if host is None:
+        pool = kvpool.BlockManagerPool(num_blocks, BS, **options)
+    else:
+        pool = kvpool.HierarchyBlockManagerPool(num_blocks, host, BS, **options)
     groups = pool.num_groups
     worker = Worker()
     systems = [[rng.randrange(6) for _ in range(rng.randrange(3, 14))] for _ in range(3)]
@@ -80,6 +105,7 @@ def _workload(seed: int, steps: int, **options) -> dict[str, int]:
             ok = pool.allocate(seq, chunk, plan=plan if rng.random() < 0.5 else None)
             assert ok == (plan is not None), "R15: the plan answers what allocate does"
             if ok:
+                worker.transfers(pool)  # loads run before the step that needs them
                 hit = seq.num_cached_tokens
                 if hit:
                     seen["hits"] += 1
@@ -91,6 +117,7 @@ def _workload(seed: int, steps: int, **options) -> dict[str, int]:
             if seq.num_computed_tokens < len(seq):
                 worker.compute(seq, min(len(seq), held), groups)
                 pool.cache(seq)
+                worker.transfers(pool)
                 seen["checked"] += worker.verify(seq, groups, window, seq.num_computed_tokens)
             else:
                 seq.append_token(rng.randrange(6))
@@ -99,6 +126,7 @@ def _workload(seed: int, steps: int, **options) -> dict[str, int]:
                 assert pool.may_append(seq, lookahead) == can, "R16: can_append predicts"
                 if not can:
                     pool.deallocate(seq)  # a recompute preemption
+                    worker.transfers(pool)
                     running.remove(seq)
                     seen["preemptions"] += 1
             if seq in running and seq.num_computed_tokens < len(seq) and rng.random() < 0.5:
@@ -114,12 +142,14 @@ def _workload(seed: int, steps: int, **options) -> dict[str, int]:
                 del seq  # dropped without deallocate: its handles go lock-free (R4)
             else:
                 pool.deallocate(seq)
+                worker.transfers(pool)
         elif op < 0.95:
             pool.reset_prefix_cache()
         pool.check()
     for seq in running:
         pool.deallocate(seq)
     running.clear()
+    worker.transfers(pool)
     pool.reset_prefix_cache()
     pool.check()
     stats = pool.stats()
@@ -139,8 +169,12 @@ def _workload(seed: int, steps: int, **options) -> dict[str, int]:
         {"sliding_window": 8, "dedup": False},
         {"sliding_window": 8, "linear_state_slots": 12, "checkpoint_interval": 8},
         {"sliding_window": 8, "retention_tokens": 0, "num_blocks": 28},
+        {"sliding_window": 8, "shared_blocks": True, "host_num_blocks": 24, "num_blocks": 30},
+        {"sliding_window": 8, "shared_blocks": True, "host_num_blocks": 24, "linear_state_slots": 10,
+         "checkpoint_interval": 8, "debug_hash_bits": 4},
     ],
-    ids=["window", "tight", "collisions", "no-dedup", "with-linear", "no-tail"],
+    ids=["window", "tight", "collisions", "no-dedup", "with-linear", "no-retention", "host",
+         "host-linear-collisions"],
 )
 def test_shared_store_workload_keeps_every_rule(seed, options):
     seen = _workload(seed, 260, **options)
