@@ -6,7 +6,6 @@ serving-workload simulator built on the pool. The rules cited as "R<n>" are thos
 contract (docs/contract.md).
 """
 
-from kvpool import router  # noqa: E402  (policies on KVIndex; imports _core)
 from kvpool._core import (
     DEFAULT_HASH_SEED,
     AllocationPlan,
@@ -35,6 +34,7 @@ from kvpool._core import (
     encode_events,
     hash_blocks,
 )
+from kvpool.index import router
 
 __all__ = [
     "DEFAULT_HASH_SEED",

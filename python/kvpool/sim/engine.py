@@ -269,7 +269,7 @@ def _import_kvpool() -> Any:
 def make_pool(cfg: SimConfig, remote_tier: Any = None) -> Any:
     """The pool of ``cfg``: a ``HierarchyBlockManagerPool`` with a host tier (which composes with
     dp ranks, linear state and sliding windows: docs/host_tier.md), else a ``BlockManagerPool``.
-    ``remote_tier`` (a ``kvpool.remote.RemoteTier``) replaces the one ``cfg.remote`` names (the
+    ``remote_tier`` (a ``kvpool.tiers.base.RemoteTier``) replaces the one ``cfg.remote`` names (the
     fleet simulation shares one among its instances)."""
     kvpool = _import_kvpool()
     kw = cfg.pool_kwargs()
@@ -282,7 +282,7 @@ def make_pool(cfg: SimConfig, remote_tier: Any = None) -> Any:
 
                 kw["remote"] = MemoryRemoteTier()
             elif cfg.remote is not None:
-                from kvpool.remote import RedisRemoteTier
+                from kvpool.tiers.redis import RedisRemoteTier
 
                 ns = f"kvpool-sim|bs{cfg.block_size}|seed{cfg.hash_seed}"
                 kw["remote"] = RedisRemoteTier(cfg.remote, ns, timeout_ms=1000)
@@ -341,7 +341,7 @@ class Simulator:
         self.hier = bool(cfg.host_num_blocks)
         self.remote: Any = None
         if cfg.remote is not None:
-            from kvpool.remote import RemoteTransfer
+            from kvpool.tiers.remote_transfer import RemoteTransfer
 
             self.remote = RemoteTransfer(self.pool, _SimBlocks())
         self.linear = bool(cfg.linear_state_slots)
@@ -1107,7 +1107,7 @@ def _weighted_percentile(values: np.ndarray, weights: np.ndarray, p: float) -> f
 
 
 class _SimBlocks:
-    """``kvpool.remote.HostBlockIO`` of a simulation without KV data: a block's body is a
+    """``kvpool.tiers.remote_transfer.HostBlockIO`` of a simulation without KV data: a block's body is a
     fixed 64-byte stand-in (the header and checksum are still real and verified)."""
 
     def host_block_spec(self, rank: int) -> str:

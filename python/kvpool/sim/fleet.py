@@ -2,7 +2,7 @@
 
 N :class:`~kvpool.sim.engine.Simulator` instances (one pool each, KV events on) share one
 simulated clock, in seconds. A request is routed when the clock reaches its arrival: a
-:class:`kvpool.router.Router` (``round_robin``, ``least_loaded`` or ``kv_aware``) picks the
+:class:`kvpool.index.router.Router` (``round_robin``, ``least_loaded`` or ``kv_aware``) picks the
 instance, asking one :class:`kvpool.KVIndex` that every instance's event stream feeds. The
 driver is a discrete-event loop:
 
@@ -89,17 +89,17 @@ def run_fleet(cfg: SimConfig, requests: Sequence[Request], instances: int, polic
     instances : int
         Number of instances (>= 1).
     policy : str
-        A policy of :mod:`kvpool.router`.
+        A policy of :mod:`kvpool.index.router`.
     remote : str or None
         None (local caches), ``"memory"`` (one in-process remote tier shared by the fleet) or a
         ``redis://`` URL; a remote tier needs the host tier (``cfg.host_num_blocks``).
     load_weight, speculative_ttl, medium_weights
-        The router's options (:class:`kvpool.router.Router`).
+        The router's options (:class:`kvpool.index.router.Router`).
     on_progress : callable, optional
         Called with the number of requests routed so far.
     """
     import kvpool
-    from kvpool.router import POLICIES, Router
+    from kvpool.index.router import POLICIES, Router
 
     if instances < 1:
         raise SimError(f"--instances must be >= 1, got {instances}")

@@ -50,7 +50,7 @@ def _remotes(spec: str | None) -> list[str | None]:
 
 def run(args: argparse.Namespace, reqs: list[Any], wl: dict[str, Any], console: Any, show: bool) -> int:
     """Runs every (policy, remote) combination and prints the table (or JSON)."""
-    from kvpool.router import POLICIES
+    from kvpool.index.router import POLICIES
     from kvpool.sim.cli import UsageError, make_config
     from kvpool.sim.fleet import run_fleet
 

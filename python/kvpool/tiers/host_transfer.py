@@ -18,9 +18,9 @@ Loads and offloads never name the same block, so their order does not matter. Wi
 the ``run_*`` methods only copy; confirm with ``pool.complete_loads(plans)`` yourself.
 
 With a remote tier (``pool.remote``), ``step(pool)`` also runs the remote side through
-``kvpool.remote.RemoteTransfer``: offloaded host blocks go to the remote tier per
+``kvpool.tiers.remote_transfer.RemoteTransfer``: offloaded host blocks go to the remote tier per
 ``pool.remote_policy``, fetch plans are fetched, verified and written into host staging blocks
-(``complete_fetches``) before the loads run. Executors implement ``kvpool.remote.HostBlockIO``
+(``complete_fetches``) before the loads run. Executors implement ``kvpool.tiers.remote_transfer.HostBlockIO``
 (a block's payload body is the block of every host cache array, in order, concatenated).
 
 - ``NumpyTransferExecutor``: NumPy arrays on the CPU (synchronous; tests, simulation).
@@ -170,22 +170,22 @@ class TransferExecutor:
         return off, on
 
     def remote_transfer(self, pool: Any) -> Any:
-        """The ``kvpool.remote.RemoteTransfer`` of ``pool`` over these host caches, or None
+        """The ``kvpool.tiers.remote_transfer.RemoteTransfer`` of ``pool`` over these host caches, or None
         when the pool has no remote tier."""
         if getattr(pool, "remote", None) is None:
             return None
         cached = getattr(self, "_remote", None)
         if cached is None or cached.pool is not pool:
-            from kvpool.remote import RemoteTransfer
+            from kvpool.tiers.remote_transfer import RemoteTransfer
 
             cached = RemoteTransfer(pool, self)
             self._remote = cached
         return cached
 
-    # ------------------------------------------------------------------ kvpool.remote.HostBlockIO
+    # ------------------------------------------------------------------ remote_transfer.HostBlockIO
     def host_block_spec(self, rank: int) -> str:
         """Dtype and block shape of every host cache array of ``rank``."""
-        from kvpool.remote import block_spec
+        from kvpool.tiers.payload import block_spec
 
         return block_spec(self.host[rank])
 

@@ -26,6 +26,8 @@ import threading
 import time
 from typing import Any
 
+__all__ = ["DEFAULT_BUDGET_MS", "POLICIES", "RemoteLookup", "lookup_for"]
+
 POLICIES = ("write_through", "on_host_evict")
 DEFAULT_BUDGET_MS = 50.0
 _TIER_METHODS = ("exists_many", "get_many", "put_many")
@@ -44,7 +46,7 @@ def lookup_for(remote: Any, remote_policy: Any = None,
     if remote is not None:
         for method in _TIER_METHODS:
             if not hasattr(remote, method):
-                raise TypeError(f"remote: must be a kvpool.remote.RemoteTier (no {method} method)")
+                raise TypeError(f"remote: must be a kvpool.tiers.base.RemoteTier (no {method} method)")
     if remote_policy is None:
         policy = POLICIES[0]
     elif not isinstance(remote_policy, str):

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from kvpool.remote import RemoteTier
+from kvpool.tiers.base import RemoteTier
 
 __all__ = ["MemoryRemoteTier"]
 
