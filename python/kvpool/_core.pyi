@@ -186,10 +186,19 @@ class _DebugCounters(TypedDict):
 
 class _HierarchyPoolStats(_HierarchyRankStats, total=False):
     """``HierarchyBlockManagerPool.stats()``: totals plus ``ranks``, one dict per rank; with a
-    remote tier, ``remote`` (lookups, hit/miss/fetched/failed blocks, the tier's counters)."""
+    remote tier (``kvpool.HierarchyBlockManagerPool``, python/kvpool/tiers/hierarchy.py),
+    ``remote`` (lookups, hit/miss/fetched/failed blocks, the tier's counters)."""
 
     ranks: list[_HierarchyRankStats]
     remote: dict[str, Any]
+
+class _RemoteCounters(TypedDict):
+    """The core's part of ``stats()["remote"]``, totals over ranks (R26)."""
+
+    hit_blocks: int
+    fetched_blocks: int
+    failed_fetch_blocks: int
+    pending_fetch_blocks: int
 
 _OffloadPolicy: TypeAlias = Literal["on_deallocate", "on_evict"]
 
@@ -1704,9 +1713,14 @@ class TransferPlan:
 
     def __len__(self) -> int: ...
 
-@final
+@disjoint_base
 class HierarchyBlockManagerPool(BlockManagerPool):
     """A ``BlockManagerPool`` with a host-memory KV tier per dp rank (R26).
+
+    Subclassable: ``kvpool.HierarchyBlockManagerPool`` (python/kvpool/tiers/hierarchy.py) is the
+    Python subclass that adds a remote tier (``remote=``, ``remote_policy=``,
+    ``remote_budget_ms=``): it runs the remote lookup with ``remote_query`` and
+    ``allocate_with_remote``. This class does no I/O.
 
     Each rank has a host manager (ids ``1..host_num_blocks-1``) with its own prefix cache beside
     the device groups. ``allocate`` continues the device prefix match in the host cache and
@@ -1734,14 +1748,6 @@ class HierarchyBlockManagerPool(BlockManagerPool):
         holder releases it.
     dp_size, enable_prefix_cache, num_single_blocks, linear_state_slots, checkpoint_interval, linear_state_match, linear_state_save, concurrent, enable_events, event_replay, hash_seed, sliding_window, swa_num_blocks, debug_hash_bits
         As for ``BlockManagerPool``. Without the device prefix cache the host tier stays idle.
-    remote : kvpool.remote.RemoteTier or None
-        A shared remote tier (issue 10): ``allocate`` makes one ``exists_many`` call past the
-        device+host reach (``kvpool.tiers.remote.RemoteLookup``); remote hits get host staging
-        blocks and fetch plans. Only ranks of full attention alone take remote hits.
-    remote_policy : {"write_through", "on_host_evict"}
-        When the executor sends offloaded host blocks to the remote tier.
-    remote_budget_ms : float
-        Timeout passed to the lookup (``timeout=`` seconds); failures and timeouts are misses.
 
     Raises
     ------
@@ -1773,22 +1779,7 @@ class HierarchyBlockManagerPool(BlockManagerPool):
         swa_num_blocks: int | None = None,
         debug_hash_bits: int | None = None,
         dedup: bool = True,
-        remote: Any = None,
-        remote_policy: Literal["write_through", "on_host_evict"] = "write_through",
-        remote_budget_ms: float = 50.0,
-    ) -> HierarchyBlockManagerPool: ...
-    @property
-    def remote(self) -> Any:
-        """The remote tier, or None."""
-
-    @property
-    def remote_policy(self) -> Literal["write_through", "on_host_evict"]:
-        """When offloaded host blocks go to the remote tier."""
-
-    @property
-    def remote_budget_ms(self) -> float:
-        """Scheduler budget of the one remote lookup per allocate, in milliseconds."""
-
+    ) -> Self: ...
     @property
     def host_num_blocks(self) -> int:
         """Host block ids per rank, padding block included."""
@@ -1803,8 +1794,7 @@ class HierarchyBlockManagerPool(BlockManagerPool):
 
         Host hits get fresh device blocks (their table entries) and a load plan; they are
         trimmed to what the device can hold and to the boundary every group can serve, so
-        success is decided exactly as for ``BlockManagerPool``. With a remote tier, one lookup
-        of the chain past the local reach extends the hit. On a sequence that holds blocks,
+        success is decided exactly as for ``BlockManagerPool``. On a sequence that holds blocks,
         grows its table.
 
         Returns
@@ -1877,6 +1867,10 @@ class HierarchyBlockManagerPool(BlockManagerPool):
     def stats(self) -> _HierarchyPoolStats:  # type: ignore[override]
         """Device statistics (R20) with ``host`` (host counts and transfers), totals and per rank;
         with a remote tier, ``remote`` (lookups, hit/miss/fetched/failed blocks, the tier's own)."""
+
+    def stats_with_remote(self) -> tuple[_HierarchyPoolStats, _RemoteCounters]:
+        """``stats()`` and the core's remote counters, from one snapshot: what the Python
+        subclass merges with its lookup's counters into ``stats()["remote"]``."""
 
 # --- prefix index over KV events (issue "Beyond one instance") --------------------------------
 

@@ -4,6 +4,7 @@ The host tier is part of the core pool (``kvpool.HierarchyBlockManagerPool``, a
 ``kvpool.BlockManagerPool`` built with one); a remote tier is a Python object the pool asks
 once per admission (``lookup``). The modules, each one job (docs/architecture.md):
 
+- ``hierarchy``: ``HierarchyBlockManagerPool``, the core's host-tier pool with a remote tier;
 - ``base``: ``RemoteTier``, the interface of a remote tier, and ``RemoteTierError``;
 - ``memory``: ``MemoryRemoteTier``, a remote tier in this process's memory;
 - ``redis``: ``RedisRemoteTier``, a remote tier on Redis / Valkey / Redis Cluster;
@@ -18,7 +19,8 @@ This package imports what ``import kvpool`` needs and nothing more: ``payload``,
 """
 
 from kvpool.tiers.base import RemoteTier, RemoteTierError
+from kvpool.tiers.hierarchy import HierarchyBlockManagerPool
 from kvpool.tiers.lookup import RemoteLookup, lookup_for
 from kvpool.tiers.memory import MemoryRemoteTier
 
-__all__ = ["MemoryRemoteTier", "RemoteLookup", "RemoteTier", "RemoteTierError", "lookup_for"]
+__all__ = ["HierarchyBlockManagerPool", "MemoryRemoteTier", "RemoteLookup", "RemoteTier", "RemoteTierError", "lookup_for"]
