@@ -23,6 +23,7 @@ import numpy as np
 
 import kvpool.kernels as K
 from kvpool.kernels._backend import ENV, gpu_available
+from kvpool.sim.config import SimError, UnavailableError
 
 __all__ = ["Executor"]
 
@@ -34,8 +35,6 @@ class _Kernels:
     module (NumPy or CuPy) its caches live in."""
 
     def __init__(self, backend: str) -> None:
-        from kvpool.sim.engine import UnavailableError
-
         if backend == "auto":
             # a replay on a CPU takes the NumPy reference: the emulated CUDA is for checking the
             # kernels themselves and is much slower (--backend emulated still picks it)
@@ -82,12 +81,8 @@ class Executor:
         try:
             qh, kvh = (int(x) for x in heads.split("/"))
         except ValueError:
-            from kvpool.sim.engine import SimError
-
             raise SimError(f"--exec-heads wants Q/KV, e.g. 4/2, got {heads!r}") from None
         if qh < 1 or kvh < 1 or qh % kvh:
-            from kvpool.sim.engine import SimError
-
             raise SimError(f"--exec-heads {heads}: query heads must be a positive multiple of KV heads")
         self.cfg = cfg
         self.k = _Kernels(backend)
@@ -176,8 +171,6 @@ class Executor:
         except (ValueError, TypeError) as e:
             if os.environ.get("KVPOOL_DEBUG"):
                 raise
-            from kvpool.sim.engine import SimError
-
             raise SimError(f"--execute: the {self.k.name} kernels rejected the step: {e}") from None
         if check:
             self.checked_steps += 1

@@ -37,8 +37,12 @@ from typing import Any
 
 import numpy as np
 
-from kvpool.sim.engine import SimConfig, SimError, Simulator
-from kvpool.sim.workloads import Request
+import kvpool
+from kvpool.index.router import POLICIES, Router
+from kvpool.sim.config import SimConfig, SimError, check_fits
+from kvpool.sim.engine import Simulator
+from kvpool.sim.request import Request
+from kvpool.tiers.memory import MemoryRemoteTier
 
 __all__ = ["FleetResult", "run_fleet"]
 
@@ -98,9 +102,6 @@ def run_fleet(cfg: SimConfig, requests: Sequence[Request], instances: int, polic
     on_progress : callable, optional
         Called with the number of requests routed so far.
     """
-    import kvpool
-    from kvpool.index.router import POLICIES, Router
-
     if instances < 1:
         raise SimError(f"--instances must be >= 1, got {instances}")
     if policy not in POLICIES:
@@ -112,14 +113,10 @@ def run_fleet(cfg: SimConfig, requests: Sequence[Request], instances: int, polic
         raise SimError("a remote tier needs the host tier (--host-blocks N): remote hits land in host blocks")
     shared = None
     if remote == "memory":
-        from kvpool.tiers.memory import MemoryRemoteTier
-
         shared = MemoryRemoteTier()
     icfg = dataclasses.replace(cfg, remote=remote, enable_events=True)
     reqs = _seconds_clock(requests, cfg.step_ms)
     if reqs:
-        from kvpool.sim.engine import check_fits
-
         check_fits(icfg, reqs)
     sims = []
     for _ in range(instances):

@@ -8,6 +8,11 @@ import argparse
 import json
 from typing import Any
 
+from kvpool.index.router import POLICIES
+from kvpool.sim.configure import UsageError, make_config
+from kvpool.sim.fleet import run_fleet
+from kvpool.sim.request import Request
+
 __all__ = ["add_arguments", "fleet_requested", "run"]
 
 
@@ -48,12 +53,8 @@ def _remotes(spec: str | None) -> list[str | None]:
     return out
 
 
-def run(args: argparse.Namespace, reqs: list[Any], wl: dict[str, Any], console: Any, show: bool) -> int:
+def run(args: argparse.Namespace, reqs: list[Request], wl: dict[str, Any], console: Any, show: bool) -> int:
     """Runs every (policy, remote) combination and prints the table (or JSON)."""
-    from kvpool.index.router import POLICIES
-    from kvpool.sim.cli import UsageError, make_config
-    from kvpool.sim.fleet import run_fleet
-
     if args.sweep:
         raise UsageError("--sweep and --instances do not combine: give the routers to --router")
     if args.execute or args.plot or args.timeline:

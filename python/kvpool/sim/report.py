@@ -10,6 +10,8 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+from kvpool.sim.config import SimError
+
 __all__ = ["comparison_table", "plot", "plot_capacity", "require_matplotlib", "summary_table"]
 
 
@@ -18,8 +20,6 @@ def require_matplotlib() -> None:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        from kvpool.sim.engine import SimError
-
         raise SimError("--plot needs matplotlib, which is not installed: pip install matplotlib "
                        "(or pip install 'kvpool[sim]')") from None
 
@@ -235,11 +235,11 @@ def comparison_table(labels: Sequence[str], results: Sequence[Any]) -> Any:
         t.add_column(name, justify="right")
     for label, r in zip(labels, results, strict=False):
         s = r.summary
-        t.add_row(label, _short(r.config["capacity_tokens_per_rank"]), *(f(s) for _, f in columns))
+        t.add_row(label, short(r.config["capacity_tokens_per_rank"]), *(f(s) for _, f in columns))
     return t
 
 
-def _short(n: float) -> str:
+def short(n: float) -> str:
     for unit, v in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
         if n >= v:
             return f"{n / v:.3g}{unit}"

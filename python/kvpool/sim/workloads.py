@@ -24,12 +24,12 @@ import json
 import math
 import os
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from kvpool.sim.traces import HashedPrompt
+from kvpool.sim import traces
+from kvpool.sim.request import VOCAB_SIZE, Request, TraceError
 
 __all__ = [
     "KINDS",
@@ -42,7 +42,6 @@ __all__ = [
     "save_trace",
 ]
 
-VOCAB_SIZE = 32000
 MIN_PROMPT_LEN = 64
 MAX_PROMPT_LEN = 8192
 KINDS = ("system_prompt", "chat", "few_shot", "rag", "random", "mixed")
@@ -51,54 +50,6 @@ MIXED_WEIGHTS = {"system_prompt": 0.3, "chat": 0.3, "few_shot": 0.15, "rag": 0.1
 # Prefix groups of different kinds in "mixed" never collide: kind i uses [i * 10**6, ...).
 _GROUP_STRIDE = 1_000_000
 _CHUNK = 256  # prefix_group_tokens generates group text in chunks of this many tokens
-
-
-class TraceError(ValueError):
-    """A trace file that cannot be read; the message names the file and line."""
-
-
-@dataclass
-class Request:
-    """One request of a workload.
-
-    ``arrival`` is the engine step at which the request enters the waiting queue (a float:
-    it is admitted at the first step >= arrival). ``arrival_s``, when set, is the arrival in
-    seconds on the trace's clock: a workload whose requests all have one is replayed on that
-    clock (the step-time model advances it), else on the step count. ``prompt`` is a list or an
-    array of token ids, or a :class:`~kvpool.sim.traces.HashedPrompt` (trace hash ids expanded on
-    demand: use :meth:`prompt_tokens`). ``output`` optionally fixes the tokens the engine
-    "samples" (multi-turn chat uses it so that the next turn's prompt contains the answer
-    verbatim); when None the simulator draws them from the request id. ``session`` keeps the
-    Qwen-Bailian session fields (:class:`~kvpool.sim.traces.Session`).
-    """
-
-    request_id: int
-    arrival: float
-    prompt: Any
-    output_len: int
-    extra_key: bytes | None = None
-    prefix_group: int | None = None
-    output: list[int] | np.ndarray | None = field(default=None, repr=False)
-    arrival_s: float | None = None
-    session: Any = None
-
-    @property
-    def prompt_len(self) -> int:
-        return len(self.prompt)
-
-    @property
-    def hashed(self) -> bool:
-        """Whether the prompt comes from trace hash ids (its sampled tokens use the upper token range)."""
-        return isinstance(self.prompt, HashedPrompt)
-
-    def prompt_tokens(self) -> np.ndarray:
-        """The prompt as a 1-D integer array (expanded from hash ids for trace prompts)."""
-        p = self.prompt
-        if isinstance(p, np.ndarray):
-            return p
-        if isinstance(p, HashedPrompt):
-            return p.tokens()
-        return np.asarray(p, dtype=np.int64)
 
 
 # --------------------------------------------------------------------------- helpers
@@ -452,8 +403,6 @@ def load_trace(path: str | os.PathLike[str], *, step_seconds: float = 0.02, seed
     sets ``arrival_s`` and, with ``step_seconds`` per engine step, ``arrival``. Raises
     :class:`TraceError` naming the file and line for anything it cannot read.
     """
-    from kvpool.sim import traces
-
     if step_seconds <= 0:
         raise ValueError("step_seconds must be > 0")
     if fmt not in traces.FORMATS:
