@@ -13,8 +13,6 @@ from typing import (
     Any,
     Final,
     Literal,
-    Required,
-    Self,
     SupportsIndex,
     TypeAlias,
     TypedDict,
@@ -23,7 +21,7 @@ from typing import (
 
 import numpy as np
 from numpy.typing import NDArray
-from typing_extensions import disjoint_base
+from typing_extensions import Required, Self, disjoint_base
 
 __all__ = [
     "__version__",

@@ -69,10 +69,10 @@ def _request(pool: kvpool.BlockManagerPool, block_size: int) -> dict[str, Any]:
             "can_append": can, "may_append": may, "b_len": len(b), "free_after": free(), "total": total}
 
 
-def seed_003() -> tuple[dict[int, list[Row]], dict[str, Any]]:
+def seed_003() -> tuple[dict[int, list[Row]], dict[int, Any]]:
     """Seed 003 at block sizes 4 and 8 (prefix cache off: the seed's allocator has none)."""
     out: dict[int, list[Row]] = {}
-    facts: dict[str, Any] = {}
+    facts: dict[int, Any] = {}
     for bs in (4, 8):
         r = _request(kvpool.BlockManagerPool(16, bs, enable_prefix_cache=False), bs)
         out[bs] = r.pop("rows")

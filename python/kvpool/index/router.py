@@ -32,6 +32,7 @@ __all__ = ["POLICIES", "MEDIUM_WEIGHTS", "Decision", "Router"]
 
 POLICIES = ("round_robin", "least_loaded", "kv_aware")
 MEDIUM_WEIGHTS = {"device": 1.0, "host": 0.8, "remote": 0.5}
+TokenIds = Sequence[int] | np.ndarray  # a prompt's token ids
 
 
 @dataclass(frozen=True)
@@ -108,7 +109,7 @@ class Router:
         self._ids = itertools.count()
 
     # ------------------------------------------------------------------------------ cost
-    def cached(self, token_ids: Sequence[int], *, extra_key: bytes | str | None = None,
+    def cached(self, token_ids: TokenIds, *, extra_key: bytes | str | None = None,
                now: float = 0.0) -> np.ndarray:
         """Prompt tokens each instance holds per medium: float64 ``[len(instances), 3]``
         (device, device-or-host, any medium: nested prefixes)."""
@@ -128,7 +129,7 @@ class Router:
         out[:, 2] = np.maximum(np.maximum(out[:, 2], out[:, 1]), remote)
         return out
 
-    def costs(self, token_ids: Sequence[int], *, extra_key: bytes | str | None = None,
+    def costs(self, token_ids: TokenIds, *, extra_key: bytes | str | None = None,
               now: float = 0.0) -> np.ndarray:
         """``kv_aware``'s cost of each instance (float64 ``[len(instances)]``)."""
         return self._costs(len(token_ids), self.cached(token_ids, extra_key=extra_key, now=now))
@@ -140,7 +141,7 @@ class Router:
         return (prompt - saved) + self.load_weight * self.load
 
     # ----------------------------------------------------------------------------- route
-    def route(self, token_ids: Sequence[int], *, extra_key: bytes | str | None = None,
+    def route(self, token_ids: TokenIds, *, extra_key: bytes | str | None = None,
               now: float = 0.0, request_id: Any = None) -> Decision:
         """Picks an instance for a request of ``token_ids`` arriving at ``now``; it counts in
         that instance's load until ``finish(request_id)``."""

@@ -72,8 +72,8 @@ class PrefixIndex:
         if kind == "cleared":
             self._drop(holder, self.by_holder.get(holder, set()))
             self.by_holder.pop(holder, None)
-            for group in self.groups.get(holder, {}).values():
-                group[3].clear()
+            for state in self.groups.get(holder, {}).values():
+                state[3].clear()
             return
         if kind not in ("stored", "removed"):
             raise ValueError(f"event: unknown kind {kind!r}")
@@ -186,7 +186,7 @@ class RedisEventPublisher:
         self.published = 0
         self.errors = 0
 
-    def publish(self, events: Iterable[Any]) -> bytes | None:
+    def publish(self, events: Iterable[Any]) -> bytes | str | None:
         """XADDs one entry holding ``events`` (``kvpool.KVEvent`` or dicts); returns its id."""
         batch = [e if isinstance(e, dict) else event_to_dict(e) for e in events]
         if not batch:
@@ -226,7 +226,7 @@ def read_events(url: str, *, stream: str = "kvpool:events", index: PrefixIndex |
     try:
         while seen < max_entries:
             start = "-" if last_id in ("0", b"0") else b"(" + (last_id if isinstance(last_id, bytes) else last_id.encode())
-            page = client.xrange(stream, min=start, max="+", count=min(count, max_entries - seen))
+            page: Any = client.xrange(stream, min=start, max="+", count=min(count, max_entries - seen))
             if not page:
                 break
             for entry_id, fields in page:

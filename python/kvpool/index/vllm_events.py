@@ -30,8 +30,8 @@ none) full attention, which asks the most of a hit and so never claims one that 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from typing import Any
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Literal
 
 import msgpack
 
@@ -69,7 +69,7 @@ def _hash_bytes(h: int | bytes) -> bytes:
 
 
 # the fields an event leaves out, with their defaults (docs/events.md)
-_DEFAULTS = (("medium", "device"), ("dp_rank", 0), ("group", 0), ("group_kind", "full_attention"),
+_DEFAULTS: tuple[tuple[str, Any], ...] = (("medium", "device"), ("dp_rank", 0), ("group", 0), ("group_kind", "full_attention"),
              ("sliding_window", None), ("extra_key", None), ("parent_hash", None), ("block_hashes", []),
              ("token_ids", None))
 
@@ -148,7 +148,7 @@ class VllmEventReader:
                 event.setdefault(key, default)
         return out
 
-    def apply(self, instance: int, payload: bytes, *, sequence: int | None = None) -> dict[str, Any]:
+    def apply(self, instance: int, payload: bytes, *, sequence: int | None = None) -> Mapping[str, Any]:
         """Reads one batch and applies it to the index; returns ``KVIndex.apply``'s report."""
         return self.index.apply(instance, self.read(instance, payload, sequence=sequence))
 
@@ -200,7 +200,7 @@ class VllmEventReader:
                 "token_ids": tokens or None}
 
     @staticmethod
-    def _salt(extras: Iterable[Any] | None, lora: str | None) -> str | None | bool:
+    def _salt(extras: Iterable[Any] | None, lora: str | None) -> str | None | Literal[False]:
         """The cache salt among a block's extra keys: None if none, False if they hold
         anything a token chain cannot express (multimodal identifiers, embedding digests)."""
         items = list(extras or [])

@@ -19,6 +19,7 @@ import subprocess
 import tempfile
 import threading
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -138,6 +139,7 @@ class EmulatedKernel:
             raise TypeError(f"{self.name}: {len(args)} arguments for {len(self.arg_sizes)}")
         boxed = []
         for i, (a, size) in enumerate(zip(args, self.arg_sizes, strict=True)):
+            c: Any
             if isinstance(a, np.ndarray):
                 c = ctypes.c_void_p(a.ctypes.data)
             elif isinstance(a, np.generic) and a.dtype in self._CT:

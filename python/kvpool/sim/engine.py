@@ -67,11 +67,17 @@ __all__ = [
     "Simulator",
     "StepRecord",
     "UnavailableError",
+    "arrival_seconds",
     "check_fits",
     "run_simulation",
 ]
 
 Chunk = tuple[Live, int, int]  # a prefill chunk scheduled this step: (request, start, end)
+
+
+def arrival_seconds(req: Request) -> float:
+    """``req.arrival_s`` on the seconds clock, where every request has one."""
+    return float(req.arrival_s)  # type: ignore[arg-type]
 
 
 class Simulator:
@@ -219,9 +225,9 @@ class Simulator:
         pending = self.pending
         if self.seconds_clock:
             now = self.now_s
-            while pending and pending[0].arrival_s <= now:
+            while pending and arrival_seconds(pending[0]) <= now:
                 r = pending.popleft()
-                self.waiting.append(Live(r, float(r.arrival_s), step))
+                self.waiting.append(Live(r, arrival_seconds(r), step))
         else:
             while pending and pending[0].arrival <= step:
                 self.waiting.append(Live(pending.popleft(), self.now_s, step))
@@ -232,7 +238,7 @@ class Simulator:
         step = self.step_no
         # 1. arrivals
         pending = self.pending
-        if pending and (pending[0].arrival_s <= self.now_s if self.seconds_clock else pending[0].arrival <= step):
+        if pending and (arrival_seconds(pending[0]) <= self.now_s if self.seconds_clock else pending[0].arrival <= step):
             self._arrivals(step)
         preempted = False
         # whether a pool call other than the decode batch's advance ran (the counts may have changed)
@@ -376,7 +382,7 @@ class Simulator:
         if not self.pending:
             return False
         if self.seconds_clock:
-            return self.pending[0].arrival_s > self.now_s
+            return arrival_seconds(self.pending[0]) > self.now_s
         return self.pending[0].arrival > step
 
     def _admit(self, step: int, budget: list[int], scheduled: list[Chunk]) -> None:
@@ -555,7 +561,7 @@ class Simulator:
             if not self.running and not self.waiting and self.pending:
                 # idle: jump to the next arrival
                 if self.seconds_clock:
-                    self.now_s = max(self.now_s, float(self.pending[0].arrival_s))
+                    self.now_s = max(self.now_s, arrival_seconds(self.pending[0]))
                 else:
                     nxt = int(math.ceil(self.pending[0].arrival))
                     if nxt > self.step_no:

@@ -40,7 +40,7 @@ import numpy as np
 import kvpool
 from kvpool.index.router import POLICIES, Router
 from kvpool.sim.config import SimConfig, SimError, check_fits
-from kvpool.sim.engine import Simulator
+from kvpool.sim.engine import Simulator, arrival_seconds
 from kvpool.sim.request import Request
 from kvpool.tiers.memory import MemoryRemoteTier
 
@@ -139,7 +139,7 @@ def run_fleet(cfg: SimConfig, requests: Sequence[Request], instances: int, polic
         busy = [k for k, s in enumerate(sims) if s.pending or s.waiting or s.running]
         k_busy = min(busy, key=lambda k: (sims[k].now_s, k)) if busy else -1
         t_busy = sims[k_busy].now_s if busy else math.inf
-        t_arrival = float(reqs[i].arrival_s) if i < len(reqs) else math.inf
+        t_arrival = arrival_seconds(reqs[i]) if i < len(reqs) else math.inf
         if t_arrival == math.inf and t_busy == math.inf:
             break
         if t_arrival <= t_busy:

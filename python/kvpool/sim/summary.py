@@ -142,16 +142,16 @@ def summarize(sim: Any, wall: float) -> dict[str, Any]:
         out.update(sim.mapped.summary(st, sim.now_s))
     sessions = [lv for lv in fin if lv.req.session is not None]
     if sessions:
-        first = [lv for lv in sessions if lv.req.session.parent_chat_id < 0]
+        first_turns = [lv for lv in sessions if lv.req.session.parent_chat_id < 0]
         follow = [lv for lv in sessions if lv.req.session.parent_chat_id >= 0]
 
         def hit(group: list[Any]) -> float:
             n = sum(lv.prompt_len for lv in group)
             return sum(max(lv.first_cached, 0) for lv in group) / n if n else 0.0
 
-        out.update({"sessions": len(first), "follow_up_turns": len(follow),
+        out.update({"sessions": len(first_turns), "follow_up_turns": len(follow),
                     "max_turn": max(lv.req.session.turn for lv in sessions),
-                    "first_turn_hit_rate": hit(first), "follow_up_hit_rate": hit(follow)})
+                    "first_turn_hit_rate": hit(first_turns), "follow_up_hit_rate": hit(follow)})
     return out
 
 

@@ -53,12 +53,12 @@ def run_sweep(plans: list[tuple[argparse.Namespace, str, bool]], reqs: list[Requ
     n = len(plans)
     jobs = min(n, jobs if jobs is not None else (os.cpu_count() or 1))
     if jobs <= 1:
-        results = []
+        done = []
         for a, label, same in plans:
             r = reqs if same else make_workload(a)[0]
             with Progress(show, len(r), label) as prog:
-                results.append(run_one(a, r, label, prog if show else None))
-        return results
+                done.append(run_one(a, r, label, prog if show else None))
+        return done
     ctx = mp.get_context("spawn")
     q = ctx.Queue() if show else None
     totals = [len(reqs) if same else a.num_requests for a, _, same in plans]
@@ -93,7 +93,7 @@ def run_sweep(plans: list[tuple[argparse.Namespace, str, bool]], reqs: list[Requ
     return results
 
 
-def _drain(q: Any, bar: Any, tasks: list[Any]) -> None:
+def _drain(q: Any, bar: Any, tasks: Any) -> None:
     while True:
         try:
             point, finished, fields = q.get_nowait()

@@ -115,6 +115,7 @@ class Roofline:
             if not 0 < v <= 1:
                 raise ValueError(f"{name} must be in (0, 1], got {v}")
         self.shape, self.gpu, self.tp, self.mfu, self.mbu = shape, gpu, tp, mfu, mbu
+        self.params = shape.params
         self.flops_per_token = 2.0 * shape.params
         self.flops_per_pair = 4.0 * shape.layers * shape.heads * shape.head_dim
         self.weight_bytes = 2.0 * shape.params
@@ -136,5 +137,5 @@ class Roofline:
 
     def describe(self) -> str:
         tp = f"{self.tp} x " if self.tp > 1 else ""
-        return (f"roofline, {tp}{self.gpu.name}, {self.shape.params / 1e9:.1f}B params, "
+        return (f"roofline, {tp}{self.gpu.name}, {self.params / 1e9:.1f}B params, "
                 f"MFU {self.mfu:g}, MBU {self.mbu:g}")

@@ -358,7 +358,8 @@ def _parse_line(obj: Any, lineno: int, step_seconds: float, seed: int) -> Reques
             prefix_len = obj.get("prefix_len", plen)
             if not isinstance(prefix_len, int) or isinstance(prefix_len, bool) or not 0 <= prefix_len <= plen:
                 raise ValueError("prefix_len must be an integer in [0, prompt_len]")
-        head = prefix_group_tokens(group, prefix_len, seed=seed) if prefix_len else np.zeros(0, np.int32)
+        head = (prefix_group_tokens(group, prefix_len, seed=seed) if group is not None and prefix_len
+                else np.zeros(0, np.int32))
         tail = np.random.default_rng([seed, 0x7A11, rid & 0xFFFFFFFF, lineno]).integers(
             0, VOCAB_SIZE, size=plen - prefix_len, dtype=np.int32)
         prompt = np.concatenate([head, tail])

@@ -15,10 +15,13 @@ attribute test.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvpool._core import HierarchyBlockManagerPool as _CoreHierarchyPool
 from kvpool.tiers.lookup import RemoteLookup, lookup_for
+
+if TYPE_CHECKING:
+    from kvpool._core import _HierarchyPoolStats
 
 __all__ = ["HierarchyBlockManagerPool"]
 
@@ -91,7 +94,7 @@ class HierarchyBlockManagerPool(_CoreHierarchyPool):
             return _core_allocate(self, seq, num_tokens, plan=plan)
         return lookup.allocate(self, seq, num_tokens, plan)
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> _HierarchyPoolStats:  # type: ignore[override]  # as the core class's
         """The pool's statistics (R20) with ``host``, and with a remote tier ``remote`` (R26)."""
         lookup = self._lookup
         if lookup is None:

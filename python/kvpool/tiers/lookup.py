@@ -24,6 +24,7 @@ import math
 import numbers
 import threading
 import time
+from collections.abc import Mapping
 from typing import Any
 
 __all__ = ["DEFAULT_BUDGET_MS", "POLICIES", "RemoteLookup", "lookup_for"]
@@ -114,7 +115,7 @@ class RemoteLookup:
             self.failures += failed
         return (start_from, start_from + hits) if hits else None
 
-    def stats(self, core: dict[str, int]) -> dict[str, Any]:
+    def stats(self, core: Mapping[str, Any]) -> dict[str, Any]:
         """The pool's ``stats()["remote"]``: these counters, the core's ``core`` (hit, fetched,
         failed and pending blocks) and the tier's own ``stats()``."""
         with self._lock:
