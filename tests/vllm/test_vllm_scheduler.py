@@ -41,7 +41,7 @@ def _three(trace, hasher, num_blocks, **kw):
         runs[kind] = h.run_scheduler(scheduler, config, trace, arrival_scale=scale,
                                      hasher=None if kind == "kvpool" else hasher)
         assert runs[kind].finished == len(trace)
-    assert managers["kvpool"] == "kvpool.integrations.vllm"
+    assert managers["kvpool"] == "kvpool.integrations._vllm_manager"
     return runs
 
 

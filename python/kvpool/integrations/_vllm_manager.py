@@ -1,85 +1,26 @@
-"""kvpool's pool as the KV cache manager under vLLM 0.33.0's v1 Scheduler.
+"""``KVCacheManager``: kvpool's pool as vLLM 0.33.0's KV cache manager.
 
-``KVCacheManager`` takes the constructor arguments of ``vllm.v1.core.kv_cache_manager.
-KVCacheManager`` and serves every method vLLM 0.33.0's ``Scheduler`` and ``AsyncScheduler`` call
-on it; the bookkeeping runs in one ``kvpool.BlockManagerPool``. Install it under the Scheduler
-with one line (docs/integrations.md, "vLLM")::
-
-    import kvpool.integrations.vllm as kv; kv.install()      # in the process building the Scheduler
-
-or, for ``vllm serve`` / ``LLM(...)`` (the engine-core process), ``--scheduler-cls
-kvpool.integrations.vllm.Scheduler`` (``AsyncScheduler`` with async scheduling).
-
-Invariants this module keeps:
-
-- One kvpool ``Sequence`` per request the Scheduler has looked up or allocated, keyed by
-  ``request_id``; its tokens are the request's tokens (synced before every pool call that hashes
-  or looks up: ``plan``, an admission, ``cache``, ``deallocate``; a decode step that needs no
-  block, or only a new one, syncs nothing; a request never loses tokens). ``free`` drops it, so
-  nothing outlives its request.
-- Block ids are the pool's ids, which are the ids vLLM's workers index: vLLM's null block 0 is
-  kvpool's padding block 0 and never appears in a table; ``kv_cache_config.num_blocks`` counts it
-  in both. An id handed out in ``NewRequestData`` or ``new_block_ids`` stays in the request's
-  table until ``free``: the pool runs first-writer-wins publication (R9, ``dedup=False``), so
-  a table only grows, as vLLM's workers assume.
-- Blocks are published when their KV exists (R17), and before anything reads the cache:
-  ``seq.num_computed_tokens`` follows ``request.num_computed_tokens -
-  request.num_in_flight_tokens`` (the Scheduler's count of tokens whose forward pass has
-  returned) for every request whose scheduled tokens filled a block, before the next lookup
-  (``get_computed_blocks``, an admission), at the async Scheduler's ``cache_blocks`` and at
-  ``free``; with KV events on, at the next ``new_step_starts`` already (its ``BlockStored``
-  events then come in the step after the KV). KV only comes into existence between steps, so
-  a lookup sees exactly the blocks it would see had each been published at its step's start;
-  a decode that fills block after block between two lookups publishes them in one call.
-  vLLM publishes at allocation instead, so a request admitted in the step that another
-  schedules the same prefix shares it in vLLM only (by design; docs/integrations.md).
-- ``get_computed_blocks`` changes nothing but that publication (``BlockManagerPool.plan``):
-  the Scheduler calls it again every step for a blocked waiting request. ``allocate_slots`` is
-  all or nothing: None leaves the pool and the request as they were.
-
-Covered: one full-attention group (``FullAttentionSpec`` and its subclasses, MLA included),
-prefix caching on or off, cache salts and LoRA (they root the hash chain, R6), KV events, prefix
-cache stats, chunked prefill, decode with lookahead (spec decode slots), recompute preemption,
-the async scheduler's ``cache_blocks``. Not covered, each a clear ``NotImplementedError`` at
-construction or call: sliding-window, chunked-local, Mamba, cross-attention and hybrid
-(several-group) configs (kvpool's sliding-window group and linear-state slots keep their own id
-spaces, while vLLM's groups share one block pool and one id space), EAGLE's hit trimming,
-hash lookahead, DCP/PCP, KV connectors (external tokens, ``pop_blocks_for_free``,
-``evict_blocks``), ``max_cache_hit_length`` (aux output) and the KV cache metrics collector.
+The class behind ``kvpool.integrations.vllm``, whose module doc states what it keeps and what
+it covers; that module checks the vLLM version and puts the manager under vLLM's Scheduler
+(``install``, ``Scheduler``). Import ``kvpool.integrations.vllm``, not this module.
 """
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-REQUIRED_VLLM = "0.33.0"
-try:
-    import vllm
-except ImportError as error:  # vLLM missing (or broken): one error naming what is needed
-    raise ImportError(f"kvpool.integrations.vllm needs vllm=={REQUIRED_VLLM} (pip install "
-                      f"'kvpool[vllm]'); importing vllm failed: {error}") from error
-if vllm.__version__.split("+")[0] != REQUIRED_VLLM:
-    raise ImportError(
-        f"kvpool.integrations.vllm supports vllm=={REQUIRED_VLLM} only; found vllm "
-        f"{vllm.__version__} (pip install 'kvpool[vllm]' installs the supported version)"
-    )
+from vllm import envs
+from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+from vllm.v1.core.kv_cache_utils import KVCacheBlock
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig
+from vllm.v1.metrics.stats import PrefixCacheStats
+from vllm.v1.request import Request, RequestStatus
 
-import vllm.v1.core.sched.scheduler as _sched_module  # noqa: E402
-from vllm import envs  # noqa: E402
-from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored  # noqa: E402
-from vllm.v1.core.kv_cache_manager import KVCacheBlocks  # noqa: E402
-from vllm.v1.core.kv_cache_utils import KVCacheBlock  # noqa: E402
-from vllm.v1.core.sched.async_scheduler import AsyncScheduler as _VllmAsyncScheduler  # noqa: E402
-from vllm.v1.core.sched.scheduler import Scheduler as _VllmScheduler  # noqa: E402
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig  # noqa: E402
-from vllm.v1.metrics.stats import PrefixCacheStats  # noqa: E402
-from vllm.v1.request import Request, RequestStatus  # noqa: E402
-
-from kvpool._core import BlockManagerPool, InvariantError, KVEvent  # noqa: E402
-from kvpool._core import Sequence as PoolSequence  # noqa: E402
-from kvpool.integrations._vllm_views import (  # noqa: E402
+from kvpool._core import BlockManagerPool, InvariantError, KVEvent
+from kvpool._core import Sequence as PoolSequence
+from kvpool.integrations._vllm_views import (
     PoolBlocks,
     _BlockPoolView,
     _CoordinatorView,
@@ -89,7 +30,7 @@ from kvpool.integrations._vllm_views import (  # noqa: E402
     _Hit,
 )
 
-__all__ = ["REQUIRED_VLLM", "KVCacheManager", "PoolBlocks", "Scheduler", "AsyncScheduler", "install"]
+__all__ = ["KVCacheManager"]
 
 _MEDIUM = "GPU"
 _KIND = "full_attention"
@@ -411,7 +352,11 @@ class KVCacheManager:
         if not ok:
             return None
         blocks = -(-need // bs)  # both grow the table to hold `need` tokens
-        new = [seq.last_block_id] if blocks == old + 1 else seq.block_ids()[old:]  # decode: one
+        new: list[int]
+        if blocks == old + 1:  # decode: one block, the table's last (set: the table just grew)
+            new = [seq.last_block_id]  # type: ignore[list-item]
+        else:
+            new = seq.block_ids()[old:]
         entry.ids += new  # the mirror grows in place, as vLLM's own table lists do
         entry.capacity = blocks * bs
         self._held_blocks_changed()
@@ -684,66 +629,3 @@ class KVCacheManager:
         for rid, (_, entry, _end) in self._unpublished.items():
             if self._seqs.get(rid) is not entry:
                 raise InvariantError(f"request {rid!r}: awaits publication but is not tracked")
-
-
-# ------------------------------------------------------------------------------ installing
-def install() -> None:
-    """Make every vLLM ``Scheduler`` built from now on in this process use kvpool's manager."""
-    _sched_module.KVCacheManager = KVCacheManager  # type: ignore[attr-defined]
-
-
-def _no_block_hashes(request: Request) -> list[Any]:
-    """vLLM's per-request block hashes under kvpool's manager: none (kvpool hashes itself, R6)."""
-    return []
-
-
-_vllm_request_block_hasher: Any = None  # vLLM's own factory, once _skip_unused_hashing replaced it
-
-
-def _request_block_hasher(*args: Any, **kwargs: Any) -> Any:
-    """The engine core's factory of request block hashers, as kvpool's ``Scheduler`` installs it.
-
-    vLLM's ``EngineCore.__init__`` builds its Scheduler, then its hasher with this function
-    (``vllm.v1.engine.core.get_request_block_hasher``), and every request's blocks are hashed
-    with it as the request arrives (sha256 by default). Under kvpool's manager nothing reads
-    those hashes unless a KV connector does, so an engine core whose Scheduler is kvpool's and
-    has no connector gets a hasher that hashes nothing; any other caller gets vLLM's own.
-    """
-    engine = sys._getframe(1).f_locals.get("self")  # the EngineCore being built, if that is the caller
-    scheduler = getattr(engine, "scheduler", None)
-    if isinstance(scheduler, Scheduler) and scheduler.get_kv_connector() is None:
-        return _no_block_hashes
-    return _vllm_request_block_hasher(*args, **kwargs)
-
-
-def _skip_unused_hashing() -> None:
-    """Route the engine core's hasher factory through ``_request_block_hasher`` (idempotent)."""
-    global _vllm_request_block_hasher
-    import vllm.v1.engine.core as engine_core
-
-    if engine_core.get_request_block_hasher is not _request_block_hasher:
-        _vllm_request_block_hasher = engine_core.get_request_block_hasher
-        engine_core.get_request_block_hasher = _request_block_hasher  # type: ignore[assignment]
-
-
-class Scheduler(_VllmScheduler):
-    """vLLM's ``Scheduler`` on kvpool's manager: ``--scheduler-cls kvpool.integrations.vllm.Scheduler``.
-
-    Also spares the engine core vLLM's own block hashing of every request, which nothing reads
-    under kvpool's manager (kvpool hashes the tokens itself): the engine core that builds this
-    Scheduler without a KV connector gives its requests no vLLM block hashes
-    (``_request_block_hasher``); with a connector, vLLM hashes as usual.
-    """
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        saved = _sched_module.KVCacheManager  # type: ignore[attr-defined]
-        _sched_module.KVCacheManager = KVCacheManager  # type: ignore[attr-defined]
-        try:
-            super().__init__(*args, **kwargs)
-        finally:
-            _sched_module.KVCacheManager = saved  # type: ignore[attr-defined]
-        _skip_unused_hashing()
-
-
-class AsyncScheduler(_VllmAsyncScheduler, Scheduler):
-    """vLLM's ``AsyncScheduler`` on kvpool's manager (``--scheduler-cls`` with async scheduling)."""
