@@ -114,7 +114,7 @@ class _RankStats(_BlockCounts):
     host: _HostStats | None
 
 class _MappedMemoryStats(TypedDict):
-    """Mapped memory of one rank of a pool on elastic pages, or the sum over the ranks (issue 17)."""
+    """Mapped memory of one rank of a pool on elastic pages, or the sum over the ranks (docs/xtensor.md)."""
 
     num_pages: int
     mapped_pages: int
@@ -255,13 +255,13 @@ class Block:
 
 @final
 class BlockManager:
-    """Plain block allocator with a prefix cache (the seed's BlockManagerImpl, R1-R12).
+    """Plain block allocator with a prefix cache (xLLM's BlockManagerImpl, R1-R12).
 
     Parameters
     ----------
     num_blocks : int
         Ids in the pool, padding block 0 included (``num_total_blocks == num_blocks - 1``), at
-        most ``2**30``; ``num_blocks * block_size`` below ``2**40`` (docs/contract_choices.md).
+        most ``2**30``; ``num_blocks * block_size`` below ``2**40`` (docs/contract.md, "Choice: sizes and counts").
     block_size : int
         Tokens per block, at least 1.
     enable_prefix_cache : bool
@@ -398,7 +398,7 @@ class BlockManager:
 
 @final
 class ConcurrentBlockManager:
-    """Thread-safe block allocator with a prefix cache (the seed's ConcurrentBlockManagerImpl).
+    """Thread-safe block allocator with a prefix cache (xLLM's ConcurrentBlockManagerImpl).
 
     The same API and behaviour as :class:`BlockManager` (R1-R12), for many threads at once
     (R27): allocation from the free list and every handle release are lock-free, the prefix
@@ -410,7 +410,7 @@ class ConcurrentBlockManager:
     ----------
     num_blocks : int
         Ids in the pool, padding block 0 included (``num_total_blocks == num_blocks - 1``), at
-        most ``2**30``; ``num_blocks * block_size`` below ``2**40`` (docs/contract_choices.md).
+        most ``2**30``; ``num_blocks * block_size`` below ``2**40`` (docs/contract.md, "Choice: sizes and counts").
     block_size : int
         Tokens per block, at least 1.
     enable_prefix_cache : bool
@@ -989,7 +989,7 @@ class BlockManagerPool:
     num_blocks : int
         Block ids per rank, padding block 0 included; at most ``2**30`` (as are
         ``num_single_blocks``, ``linear_state_slots`` and ``swa_num_blocks``; ``block_size`` at
-        most ``2**16``, ``dp_size`` at most 1024: docs/contract_choices.md).
+        most ``2**16``, ``dp_size`` at most 1024: docs/contract.md, "Choice: sizes and counts").
     block_size : int
         Tokens per block.
     dp_size : int
@@ -1024,7 +1024,7 @@ class BlockManagerPool:
         Truncate hashes to this many bits (1..128) to force collisions in tests.
     xtensor : dict or None
         Every rank's full-attention blocks on elastic virtual-memory pages (an
-        ``XTensorBlockManager`` per rank, the seed's ``enable_xtensor``; docs/xtensor.md):
+        ``XTensorBlockManager`` per rank, xLLM's ``enable_xtensor``; docs/xtensor.md):
         ``{"blocks_per_page": int, "page_bytes": int = 2 MiB, "spare_pages": int = 1,
         "memory_limit": int | None = None, "backend": "accounting" | "host" | [object per rank]
         = "accounting"}``, ``memory_limit`` in bytes per rank. Backend objects have
@@ -1132,7 +1132,7 @@ class BlockManagerPool:
         """
 
     def allocate_shared(self, seq: Sequence) -> bool:
-        """The prefix hit only, into a sequence that holds nothing (the seed's ``allocate_shared``).
+        """The prefix hit only, into a sequence that holds nothing (xLLM's ``allocate_shared``).
 
         Takes the hit's blocks (trimmed as ``allocate`` trims it), the single block and the
         live slot, but no new blocks; ``num_computed_tokens`` is the hit. ``allocate`` then grows
@@ -1336,8 +1336,8 @@ class BlockManagerPool:
     def record_remote_events(self, dp_rank: int, kind: Literal["stored", "removed"],
                              block_hashes: _Sequence[bytes]) -> int:
         """Record the remote tier's stores or removals of rank ``dp_rank``'s blocks as
-        ``"remote"`` events in its stream (``kvpool.remote.RemoteTransfer`` calls it: the pool
-        does no I/O); returns the events recorded (0 without ``enable_events``)."""
+        ``"remote"`` events in its stream (``kvpool.tiers.remote_transfer.RemoteTransfer`` calls
+        it: the pool does no I/O); returns the events recorded (0 without ``enable_events``)."""
 
     def reset_prefix_cache(self) -> None:
         """Drop every cached entry of every rank, every committed checkpoint nothing pins and
@@ -1393,7 +1393,7 @@ class BlockManagerPool:
 
 @final
 class AllocationPlan:
-    """An allocation decided by ``BlockManagerPool.plan``, with no side effect (issue "One pool").
+    """An allocation decided by ``BlockManagerPool.plan``, with no side effect (docs/contract.md, "Plan once").
 
     Hand it to ``allocate(seq, num_tokens, plan=plan)``. Read-only; tokens are multiples of the
     block size. ``num_cached_tokens`` is what ``seq.num_cached_tokens`` becomes once every load
@@ -1683,8 +1683,9 @@ class TransferPlan:
     """Block copies of one dp rank in one direction: copy block ``src[i]`` to block ``dst[i]``.
 
     Made by ``HierarchyBlockManagerPool.take_load_plans`` / ``take_offload_plans``; run it with
-    one ``kvpool.kernels.swap_blocks`` call per cache array (or ``kvpool.transfer``'s executors),
-    then hand it back to ``complete_loads`` / ``complete_offloads``.
+    one ``kvpool.kernels.swap_blocks`` call per cache array (or the executors of
+    ``kvpool.tiers.host_transfer``), then hand it back to ``complete_loads`` /
+    ``complete_offloads``.
     """
 
     @property
@@ -1870,7 +1871,7 @@ class HierarchyBlockManagerPool(BlockManagerPool):
         """``stats()`` and the core's remote counters, from one snapshot: what the Python
         subclass merges with its lookup's counters into ``stats()["remote"]``."""
 
-# --- prefix index over KV events (issue "Beyond one instance") --------------------------------
+# --- prefix index over KV events (docs/events.md) ----------------------------------------------
 
 _Medium: TypeAlias = Literal["device", "host", "remote"]
 _GroupKind: TypeAlias = Literal["full_attention", "sliding_window", "linear_state"]
@@ -2043,7 +2044,7 @@ def encode_events(events: Iterable[_IndexEvent | Any]) -> bytes:
 def decode_events(data: bytes) -> list[_IndexEvent]:
     """The events of a msgpack batch, as dicts with every field."""
 
-# --- elastic pages: XTensorBlockManager (issue 17) -------------------------------------------
+# --- elastic pages: XTensorBlockManager (docs/xtensor.md) -------------------------------------
 
 __all__ += ["XTensorBlockManager"]
 
@@ -2078,7 +2079,7 @@ class _MemoryLimitReport(TypedDict):
 
 @final
 class XTensorBlockManager:
-    """Elastic block allocator on virtual-memory pages (the seed's XTensorBlockManagerImpl),
+    """Elastic block allocator on virtual-memory pages (xLLM's XTensorBlockManagerImpl),
     with the prefix cache on top (docs/xtensor.md).
 
     Ids are grouped into pages of ``blocks_per_page``; a page's memory is mapped (by the

@@ -14,7 +14,8 @@ commands:
   simulate   replay a serving workload (synthetic, or a Mooncake / Qwen-Bailian trace) through
              a scheduler built on BlockManagerPool and report KV-cache usage, prefix hits,
              preemptions, time in seconds (`kvpool simulate --help`; docs/simulate.md)
-  tour       the seeds' scenarios replayed on the library, step by step (a minute's read)
+  tour       two scenarios (nano-vllm's paged blocks, xLLM's request life) replayed on the
+             library, step by step (a minute's read)
 """
 
 

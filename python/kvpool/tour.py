@@ -1,16 +1,16 @@
-"""``kvpool tour``: the seeds' two scenarios replayed on the real library, step by step.
+"""``kvpool tour``: two scenarios replayed on the real library, step by step.
 
-1. Seed 003 (paged KV, ``BlockManager``): block size 4; a request of 11 tokens takes
+1. Paged KV, as nano-vllm's ``BlockManager`` tutorial tells it: block size 4; a request of 11 tokens takes
    ``ceil(11 / 4) = 3`` blocks and leaves 1 empty slot; a full one-block request appends its
    5th token: ``can_append`` checks, ``may_append`` adds one id; releasing both restores the
    free list; then block size 8 beside it, and why the internal fragmentation changes.
-2. Seed 000, section 10.1 (the lifecycle): allocate (dp rank, single block, live slot, prefix
+2. A request's life in xLLM's ``BlockManagerPool`` design: allocate (dp rank, single block, live slot, prefix
    match, new blocks), the worker's block table and slots, the forward, deallocate (cache,
    release, single block and slot back, the partial block to the free list), a second request
    hitting the prefix, and the reference counts falling until an id is free again.
 
 Every number printed is read from the library as the calls run (nothing is hard-coded);
-:func:`seed_003` and :func:`seed_000` return them as ``(rows, facts)`` for tests.
+:func:`paged_blocks` and :func:`request_life` return them as ``(rows, facts)`` for tests.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 
 import kvpool
 
-__all__ = ["main", "seed_000", "seed_003"]
+__all__ = ["main", "paged_blocks", "request_life"]
 
 Row = tuple[str, str, str]
 
@@ -29,7 +29,7 @@ def _ids(table: Any) -> str:
 
 
 def _request(pool: kvpool.BlockManagerPool, block_size: int) -> dict[str, Any]:
-    """Seed 003's experiment at one block size: numbers, and the rows that show them."""
+    """The paged-blocks experiment at one block size: numbers, and the rows that show them."""
     rows: list[Row] = []
     total = pool.stats()["num_total_blocks"]
 
@@ -69,8 +69,8 @@ def _request(pool: kvpool.BlockManagerPool, block_size: int) -> dict[str, Any]:
             "can_append": can, "may_append": may, "b_len": len(b), "free_after": free(), "total": total}
 
 
-def seed_003() -> tuple[dict[int, list[Row]], dict[int, Any]]:
-    """Seed 003 at block sizes 4 and 8 (prefix cache off: the seed's allocator has none)."""
+def paged_blocks() -> tuple[dict[int, list[Row]], dict[int, Any]]:
+    """Paged blocks at block sizes 4 and 8 (prefix cache off: nano-vllm's tutorial allocator has none)."""
     out: dict[int, list[Row]] = {}
     facts: dict[int, Any] = {}
     for bs in (4, 8):
@@ -80,8 +80,8 @@ def seed_003() -> tuple[dict[int, list[Row]], dict[int, Any]]:
     return out, facts
 
 
-def seed_000() -> tuple[list[Row], list[Row], dict[str, Any]]:
-    """Seed 000 section 10.1: the pool lifecycle, then the reference counts of shared blocks."""
+def request_life() -> tuple[list[Row], list[Row], dict[str, Any]]:
+    """A request's life in the pool (xLLM's design), then the reference counts of shared blocks."""
     bs = 4
     pool = kvpool.BlockManagerPool(16, bs, dp_size=2, linear_state_slots=4)
     facts: dict[str, Any] = {}
@@ -182,8 +182,8 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: kvpool tour   (no options: prints the two scenarios)")
         return 0 if argv[0] in ("-h", "--help") else 2
     console = Console()
-    tables, facts = seed_003()
-    console.rule("[bold]Seed 003: paged KV blocks (BlockManagerPool, prefix cache off)")
+    tables, facts = paged_blocks()
+    console.rule("[bold]Paged KV blocks, after nano-vllm's tutorial (BlockManagerPool, prefix cache off)")
     console.print(_table("block size 4", tables[4], ("call", "what the library says", "state")))
     f4, f8 = facts[4], facts[8]
     console.print(_table("block size 8, the same calls", tables[8], ("call", "what the library says", "state")))
@@ -201,8 +201,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"({f4['a_empty']} slot at 4, {f8['a_empty']} at 8 for 11 tokens) and share prefixes only in "
                   "whole blocks; smaller ones mean longer block tables and more appends that need a new id. "
                   "The table maps logical pages to any physical ids: they need not be contiguous.\n")
-    rows, ref, _ = seed_000()
-    console.rule("[bold]Seed 000, section 10.1: a request's life in BlockManagerPool (2 dp ranks, linear state)")
+    rows, ref, _ = request_life()
+    console.rule("[bold]A request's life in BlockManagerPool, after xLLM's design (2 dp ranks, linear state)")
     console.print(_table("allocate -> forward -> deallocate -> a prefix hit", rows, ("step", "what happens", "state")))
     console.print(_table("reference counts (BlockManager, the physical level)", ref,
                          ("call", "ref counts", "state")))

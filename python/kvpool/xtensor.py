@@ -1,6 +1,6 @@
 """Elastic KV memory on CUDA virtual memory: the GPU page backend of ``kvpool.XTensorBlockManager``.
 
-The KV cache is the NHD layout of DESIGN K1, one ``[num_blocks, block_size, num_kv_heads,
+The KV cache is the NHD layout of docs/contract.md's K1, one ``[num_blocks, block_size, num_kv_heads,
 head_dim]`` tensor for K and one for V per layer. :class:`CudaPageBackend` reserves a virtual
 range for each of those ``2 * num_layers`` tensors (``cuMemAddressReserve``) and backs page ``p``
 (blocks ``p * blocks_per_page ..``) with one physical allocation per tensor only while the
@@ -172,7 +172,7 @@ class CudaPageBackend:
     Parameters
     ----------
     num_blocks, block_size : the manager's (block 0, the padding block, included).
-    num_kv_heads, head_dim : the KV layout, DESIGN K1.
+    num_kv_heads, head_dim : the KV layout, docs/contract.md's K1.
     num_layers : layers; each has a K and a V tensor.
     dtype : element type (``"float16"``, ``"bfloat16"``, ``"float32"`` or a NumPy dtype).
     blocks_per_page : blocks per page; default the fewest whose bytes per tensor are a multiple

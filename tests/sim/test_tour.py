@@ -19,13 +19,13 @@ import pytest
 
 pytestmark = pytest.mark.skipif(not hasattr(kvpool, "BlockManagerPool"), reason="pool not built")
 
-from kvpool.tour import seed_000, seed_003  # noqa: E402
+from kvpool.tour import paged_blocks, request_life  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_seed_003_numbers() -> None:
-    _, facts = seed_003()
+    _, facts = paged_blocks()
     four, eight = facts[4], facts[8]
     assert (four["a_blocks"], four["a_empty"]) == (3, 1)  # ceil(11 / 4) = 3, one empty slot
     assert len(four["a_table"]) == 3 and 0 not in four["a_table"]
@@ -36,7 +36,7 @@ def test_seed_003_numbers() -> None:
 
 
 def test_seed_000_lifecycle_numbers() -> None:
-    _, _, f = seed_000()
+    _, _, f = request_life()
     s1 = f["s1"]
     assert s1["dp_rank"] == 0 and s1["single_block"] is not None and s1["live_slot"] is not None
     assert s1["cached"] == 0 and len(s1["table"]) == 3  # 10 tokens, block size 4: 3 new blocks

@@ -1,4 +1,4 @@
-"""Elastic KV memory in the simulator (``kvpool simulate --xtensor``, issue 17).
+"""Elastic KV memory in the simulator (``kvpool simulate --xtensor``, docs/xtensor.md).
 
 The pool runs with ``xtensor=`` (every rank's blocks on virtual-memory pages, accounting backend):
 its cache size is the virtual range, and only the pages holding used or cached blocks (plus the

@@ -4,7 +4,7 @@ A plan (``kvpool.TransferPlan``) says: on dp rank ``plan.dp_rank``, copy block `
 to block ``plan.dst[i]``, host -> device for a load, device -> host for an offload. An executor
 holds, per dp rank, the device caches and the matching host caches: lists of arrays whose first
 axis is the block id, e.g. per layer ``k_cache`` and ``v_cache`` of shape
-``[num_blocks, block_size, num_kv_heads, head_dim]`` (DESIGN K1; host arrays
+``[num_blocks, block_size, num_kv_heads, head_dim]`` (docs/contract.md, K1; host arrays
 ``[host_num_blocks, block_size, num_kv_heads, head_dim]``, same dtype). Each plan is one
 ``kvpool.kernels.swap_blocks`` call per cache array (K4).
 

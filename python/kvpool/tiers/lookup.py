@@ -1,4 +1,4 @@
-"""The remote tier's lookup policy: one batched existence query per admission (issue 10).
+"""The remote tier's lookup policy: one batched existence query per admission (docs/remote_tier.md).
 
 ``HierarchyBlockManagerPool(..., remote=tier)`` hands ``allocate`` to a ``RemoteLookup``:
 plan the allocation (one walk of the chain per local tier), ask the core what lies past the

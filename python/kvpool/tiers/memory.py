@@ -1,4 +1,4 @@
-"""``MemoryRemoteTier``: a remote tier held in this process's memory (issue 21).
+"""``MemoryRemoteTier``: a remote tier held in this process's memory (docs/remote_tier.md).
 
 The stand-in for a shared store (Redis, Mooncake's global pool) where no server is wanted: the
 fleet simulation (``kvpool simulate --instances N --remote memory``) gives one to every

@@ -84,7 +84,7 @@ class RemoteTransfer:
             mac_key = getattr(self.tier, "mac_key", None)
             self.tier.put_many(keys, [encode_payload(k, spec, b, mac_key=mac_key)
                                       for k, b in zip(keys, bodies, strict=True)])
-            self.pool.record_remote_events(rank, "stored", list(keys))  # issue 21: medium "remote"
+            self.pool.record_remote_events(rank, "stored", list(keys))  # medium "remote" (docs/events.md)
             return len(ids)
         except Exception:  # noqa: BLE001 - a failed write is a lost cache entry, never an error
             return 0
@@ -170,7 +170,7 @@ class RemoteTransfer:
                     gone.append(k)
                 continue  # this block fails; the pool cuts its sequence's chain here
             good.append((j, body))
-        if gone:  # issue 21: the tier no longer holds them (evicted, expired): "removed" events
+        if gone:  # the tier no longer holds them (evicted, expired): "removed" events (docs/events.md)
             self.pool.record_remote_events(rank, "removed", gone)
         if not good:
             return ok

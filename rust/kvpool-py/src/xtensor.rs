@@ -1,4 +1,4 @@
-//! `kvpool.XTensorBlockManager`: the elastic allocator on virtual-memory pages (issue 17).
+//! `kvpool.XTensorBlockManager`: the elastic allocator on virtual-memory pages (docs/xtensor.md).
 //! Each method validates, makes one core call and maps the error.
 //!
 //! The page backend is the accounting one (`backend=None`), the host one (`backend="host"`) or
@@ -109,7 +109,7 @@ fn optional_bytes(obj: Option<&Bound<'_, PyAny>>, name: &str) -> PyResult<Option
     }
 }
 
-/// Elastic block allocator on virtual-memory pages (the seed's XTensorBlockManagerImpl).
+/// Elastic block allocator on virtual-memory pages (xLLM's XTensorBlockManagerImpl).
 #[pyclass(frozen, module = "kvpool", name = "XTensorBlockManager")]
 pub struct PyXTensorBlockManager {
     inner: Mutex<XTensorBlockManager>,

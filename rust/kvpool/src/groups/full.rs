@@ -4,7 +4,7 @@
 //! chain ([`FullGroup::walk`]), the other groups narrow it, and [`FullGroup::take_hit`] then
 //! retains exactly the walked blocks (no second walk). Blocks stay in a sequence's table for its
 //! life (no slide). The allocator is an [`Allocator`]: fixed memory (`BlockManagerImpl`) or
-//! elastic pages (`XTensorBlockManager`, the seed's `enable_xtensor`); the pool never asks which.
+//! elastic pages (`XTensorBlockManager`, xLLM's `enable_xtensor`); the pool never asks which.
 //!
 //! Invariants: those of the allocator (R1-R12, `BlockManagerImpl::check`, and for elastic pages
 //! the page rules of `XTensorBlockManager::check`). An elastic allocator is settled (released ids

@@ -1,4 +1,4 @@
-//! Elastic KV memory in the pool (the seed's `enable_xtensor`): [`XTensorOptions`], the pool
+//! Elastic KV memory in the pool (xLLM's `enable_xtensor`): [`XTensorOptions`], the pool
 //! option that gives every dp rank an `XTensorBlockManager` as its full-attention allocator, the
 //! per-rank memory limit ([`BlockManagerPool::set_memory_limit`]) and the mapped-memory figures
 //! ([`XTensorRankStats`]).

@@ -1,4 +1,4 @@
-//! KV events for external KV-aware routers (R21), self-describing (issue "Beyond one instance"):
+//! KV events for external KV-aware routers (R21), self-describing (docs/events.md):
 //! the events of every rank's device cache, of its host cache (R26) and of the remote tier's
 //! stores and removals the caller reports, each numbered in its rank's stream and kept in a
 //! bounded replay buffer.

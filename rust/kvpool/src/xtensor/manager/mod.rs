@@ -1,5 +1,5 @@
 //! `XTensorBlockManager`: a block allocator whose KV memory is mapped page by page, so an
-//! instance's footprint grows and shrinks with its load (the seed's `XTensorBlockManagerImpl`),
+//! instance's footprint grows and shrinks with its load (xLLM's `XTensorBlockManagerImpl`),
 //! with the prefix cache on top.
 //!
 //! Ids are grouped into pages of `blocks_per_page` ([`super::pages`]); a page is backed by
