@@ -1,4 +1,4 @@
-"""The fleet simulation on the Mooncake traces (issue 21): every routing policy, with local caches
+"""The fleet simulation on the Mooncake traces: every routing policy, with local caches
 and with one shared remote tier, as the markdown table of docs/simulate.md and RESULTS.md.
 
     .venv/bin/python benches/fleet_bench.py /work/shared/data/mooncake/conversation_trace.jsonl \

@@ -1,4 +1,4 @@
-"""Remote-tier benchmark (issue 10): put/get throughput of Llama-8B-shaped KV blocks against a
+"""Remote-tier benchmark: put/get throughput of Llama-8B-shaped KV blocks against a
 local Redis, and the scheduler overhead the remote tier adds per request when nothing is found.
 
 Block: 16 tokens x 32 layers x (K, V) x 8 kv heads x 128 head dim x fp16 = 2 MiB per block.
@@ -19,7 +19,8 @@ from pathlib import Path
 
 import kvpool
 import numpy as np
-from kvpool.remote import RedisRemoteTier, decode_payload, encode_payload, make_namespace
+from kvpool.tiers.payload import decode_payload, encode_payload, make_namespace
+from kvpool.tiers.redis import RedisRemoteTier
 
 BS, LAYERS, KVH, HD = 16, 32, 8, 128
 

@@ -1,4 +1,4 @@
-"""``kvpool simulate`` on the whole Mooncake conversation trace: wall time of the command (issue 20).
+"""``kvpool simulate`` on the whole Mooncake conversation trace: wall time of the command.
 
 Runs each command ``--repeat`` times (default 3) as a subprocess and prints, per command, the
 median, min and max of its wall time, the CPU time of its processes (user + system: the machine

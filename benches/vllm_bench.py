@@ -1,4 +1,4 @@
-"""kvpool's vLLM manager against vLLM 0.33.0's own, same trace, same run (issue 19).
+"""kvpool's vLLM manager against vLLM 0.33.0's own, same trace, same run.
 
 Two measurements, each round interleaving the managers (the fastest round of each is kept):
 

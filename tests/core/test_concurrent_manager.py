@@ -1,5 +1,5 @@
 """kvpool.ConcurrentBlockManager: the same API and behaviour as kvpool.BlockManager (R1-R12,
-R29), shareable between Python threads with the GIL released (R27, R28) (issue 5).
+R29), shareable between Python threads with the GIL released (R27, R28).
 
 Same behaviour: every manager-level test of test_block_manager.py, test_prefix_cache.py and
 test_bad_input.py (those that build a ``kvpool.BlockManager`` and no pool or sequence) is

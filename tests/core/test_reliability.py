@@ -1,4 +1,4 @@
-"""Issue 15 ("Reliability"): the findings F1-F13 of an outside differential/fuzz campaign, each
+"""Reliability: the findings F1-F13 of an outside differential/fuzz campaign, each
 as a regression test asserting what the contract requires (the reproducers of
 ``../shared/reliability/`` turned into assertions), plus the checks that would have caught them:
 
@@ -27,15 +27,10 @@ import textwrap
 import kvpool
 import numpy as np
 import pytest
-from kvpool.remote import (
-    RedisRemoteTier,
-    RemoteTier,
-    block_spec,
-    decode_payload,
-    encode_payload,
-    make_namespace,
-)
-from kvpool.transfer import NumpyTransferExecutor
+from kvpool.tiers.base import RemoteTier
+from kvpool.tiers.host_transfer import NumpyTransferExecutor
+from kvpool.tiers.payload import block_spec, decode_payload, encode_payload, make_namespace
+from kvpool.tiers.redis import RedisRemoteTier
 from redis_helpers import RedisServer  # tests/tiers/, on the path through tests/conftest.py
 
 HUGE = [2**31, 2**40, 2**62, 2**63, 2**64 - 1]

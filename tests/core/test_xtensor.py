@@ -1,4 +1,4 @@
-"""kvpool.XTensorBlockManager (issue 17): elastic KV memory on virtual-memory pages.
+"""kvpool.XTensorBlockManager: elastic KV memory on virtual-memory pages.
 
 The BlockManager protocol (R1-R5, R10, R29), the page rules (mapped pages = page 0, pages holding a
 used or cached block, spares), the memory limit, the reservation, page-aware eviction, Python
@@ -343,7 +343,7 @@ def test_host_backend_resident_memory_falls_when_the_load_falls():
 
 
 class XTensorMachine(RuleBasedStateMachine):
-    """Random workloads with check() and the page rules after every step (issue 17)."""
+    """Random workloads with check() and the page rules after every step."""
 
     def __init__(self):
         super().__init__()
@@ -549,7 +549,7 @@ def test_cuda_backend_out_of_memory_rolls_back_the_page():
 
 def test_cuda_backends_drive_the_pool_one_per_rank():
     """BlockManagerPool(..., xtensor={"backend": [CudaPageBackend per rank]}): each rank's device
-    maps exactly its rank's pages (issue 17, the pool option)."""
+    maps exactly its rank's pages (the pool option)."""
     drivers = [FakeDriver(), FakeDriver()]
     backends = [cuda_backend(d) for d in drivers]
     pool = kvpool.BlockManagerPool(256, 16, dp_size=2, xtensor={"blocks_per_page": 64, "backend": backends})

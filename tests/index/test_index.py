@@ -1,4 +1,4 @@
-"""kvpool.KVIndex from Python (issue "Beyond one instance"): events as dicts and objects (the
+"""kvpool.KVIndex from Python: events as dicts and objects (the
 pool's R21 events), the msgpack wire format, vLLM 0.33.0's KV event messages, speculative
 entries, gaps, dump/load, bad input, threads, and a randomized comparison with a plain model."""
 
@@ -12,7 +12,7 @@ import msgpack
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kvpool.vllm_events import VllmEventReader, vllm_extra_key
+from kvpool.index.vllm_events import VllmEventReader, vllm_extra_key
 
 DATA = pathlib.Path(__file__).parent / "data"
 BS = 4

@@ -1,11 +1,11 @@
-"""kvpool.router: round_robin, least_loaded and kv_aware on KVIndex, with speculative entries."""
+"""kvpool.index.router: round_robin, least_loaded and kv_aware on KVIndex, with speculative entries."""
 
 from __future__ import annotations
 
 import kvpool
 import numpy as np
 import pytest
-from kvpool.router import Router
+from kvpool.index.router import Router
 
 BS = 4
 

@@ -1,4 +1,4 @@
-"""BlockManagerPool(concurrent=True) shared by many Python threads (issue 5: R27, R28).
+"""BlockManagerPool(concurrent=True) shared by many Python threads (R27, R28).
 
 Eight threads hammer one pool with random workloads for a bounded time: each thread owns its
 sequences, all share the pool, its prefix cache, its linear-state plans and (through a queue)

@@ -1,4 +1,4 @@
-"""Self-describing KV events (issue 21, item 1; R21): sequence numbers gap-free per pool and dp
+"""Self-describing KV events (R21): sequence numbers gap-free per pool and dp
 rank over every medium, the bounded replay buffer a consumer resyncs from after a gap, device,
 host and remote events of a HierarchyBlockManagerPool, and the same form as vLLM's events."""
 
@@ -9,9 +9,10 @@ import random
 
 import kvpool
 import pytest
-from kvpool.remote import PrefixIndex, RemoteTransfer, event_from_dict, event_to_dict
+from kvpool.index.streams import PrefixIndex, event_from_dict, event_to_dict
+from kvpool.index.vllm_events import VllmEventReader
 from kvpool.tiers.memory import MemoryRemoteTier
-from kvpool.vllm_events import VllmEventReader
+from kvpool.tiers.remote_transfer import RemoteTransfer
 
 BS = 4
 FIELDS = ("sequence", "kind", "medium", "dp_rank", "group", "group_kind", "sliding_window", "block_size",
@@ -20,7 +21,7 @@ DATA = pathlib.Path(__file__).parents[1] / "index" / "data"
 
 
 class NoData:
-    """``kvpool.remote.HostBlockIO`` without KV data (a fixed stand-in body)."""
+    """``kvpool.tiers.remote_transfer.HostBlockIO`` without KV data (a fixed stand-in body)."""
 
     def host_block_spec(self, rank):
         return "test:8"
@@ -345,7 +346,7 @@ def small_index_blocks(small, holder, tokens):
 
 @pytest.mark.parametrize("window", [1, 5, 8, 13])
 def test_sliding_window_group_events_follow_what_the_pool_can_hit(window):
-    """R21, R25, issue 21 item 1: a pool with a sliding-window group records stored events of
+    """R21, R25: a pool with a sliding-window group records stored events of
     its published window blocks (group 1, ``sliding_window``, every field) and removed events
     once they stop being findable (slid out, evicted, last handle dropped without deallocate),
     numbered gap-free with the rest of the rank's stream; after every step of a random workload,

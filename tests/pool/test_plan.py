@@ -1,6 +1,6 @@
-"""Plan once (issue 16): ``pool.plan(seq)`` decides an allocation with no side effect of any
+"""Plan once: ``pool.plan(seq)`` decides an allocation with no side effect of any
 kind, ``allocate(seq, plan=plan)`` carries it out walking the prefix chain once per tier (R14,
-R15), and the seed's fourth KVCacheManager method, ``allocate_shared(seq)``."""
+R15), and xLLM's fourth KVCacheManager method, ``allocate_shared(seq)``."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""kvpool.Sequence / kvpool.BlockManagerPool: rules R8, R13-R20 (issue 3).
+"""kvpool.Sequence / kvpool.BlockManagerPool: rules R8, R13-R20.
 
 Events (R21) are in test_events.py, bad input (R29) in test_bad_input.py and the model-based
 test in test_pool_stateful.py.

@@ -1,4 +1,4 @@
-"""The pool on elastic pages (issue 17, ``BlockManagerPool(..., xtensor={...})``, the seed's
+"""The pool on elastic pages (``BlockManagerPool(..., xtensor={...})``, xLLM's
 ``enable_xtensor``): every dp rank's full-attention blocks on an XTensorBlockManager.
 
 Random workloads through the pool, with the batch API, dp ranks, the prefix cache, events and

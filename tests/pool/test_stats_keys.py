@@ -1,5 +1,5 @@
 """The stats dicts and the stubs name the same keys (R20): the bindings build every dict from
-the core's one field list per struct (``RankStats``/``HostStats`` visitors, issue 16), and this
+the core's one field list per struct (``RankStats``/``HostStats`` visitors), and this
 test compares what they build with the TypedDicts of ``_core.pyi``."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """`kvpool simulate` end to end, through a subprocess (`python -m kvpool`).
 
-With ``--remote``, two simulator processes share one real redis-server on loopback (issue 10;
-tests/tiers/redis_helpers.py, never a mock).
+With ``--remote``, two simulator processes share one real redis-server on loopback
+(tests/tiers/redis_helpers.py, never a mock).
 """
 
 from __future__ import annotations
@@ -154,7 +154,7 @@ def test_unknown_options() -> None:
 
 
 def test_hybrid_and_host_options_run() -> None:
-    """Issue 9's options for hybrid models and the host tier (issues 4 and 6) run end to end."""
+    """The options for hybrid models and the host tier run end to end."""
     cases = [
         (["--linear-state-slots", "64", "--checkpoint-interval", "64", "-w", "chat"], "checkpoint_hits"),
         (["--sliding-window", "256", "-w", "chat"], "prefix_hit_rate"),
@@ -168,7 +168,7 @@ def test_hybrid_and_host_options_run() -> None:
 
 
 def test_a_configuration_the_pool_rejects_fails_cleanly() -> None:
-    # Issue 16: the host tier composes with linear state (tests/sim/test_tier_combinations.py);
+    # The host tier composes with linear state (tests/sim/test_tier_combinations.py);
     # what the pool rejects is still a clean failure naming the option.
     p = run("simulate", *SMALL, "--host-blocks", "1", "--linear-state-slots", "32")
     assert_clean_failure(p, "host_num_blocks")
@@ -182,7 +182,7 @@ def test_help() -> None:
 
 
 def test_two_simulators_share_prefixes_through_a_remote_redis() -> None:
-    """Issue 10: "two simulator processes sharing one Redis show the second one hitting prefixes
+    """The remote tier's promise: "two simulator processes sharing one Redis show the second one hitting prefixes
     the first one computed (reported in its summary)". The second run replays the same workload
     (same seed) after the first exited, so everything it finds remotely was written by the first."""
     server = RedisServer()
@@ -219,7 +219,7 @@ def test_two_simulators_share_prefixes_through_a_remote_redis() -> None:
 
 
 def test_plot_without_matplotlib_is_one_line(tmp_path: Path) -> None:
-    """matplotlib is only for --plot (issue 20): without it the command says how to get it."""
+    """matplotlib is only for --plot: without it the command says how to get it."""
     fake = tmp_path / "site" / "matplotlib"
     fake.mkdir(parents=True)
     (fake / "__init__.py").write_text("raise ImportError('no matplotlib here')\n")

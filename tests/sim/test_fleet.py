@@ -1,4 +1,4 @@
-"""``kvpool simulate --instances N --router POLICY`` (issue 21, item 4): N pools in one process,
+"""``kvpool simulate --instances N --router POLICY``: N pools in one process,
 their events into one KVIndex, a router per request; small workloads only."""
 
 from __future__ import annotations

@@ -110,7 +110,7 @@ def test_exact_fit_request() -> None:
     ],
 )
 def test_hybrid_models_check_every_step(options) -> None:
-    """Issue 4 in the scheduler loop: pool.check() after every step, every request finishes."""
+    """Hybrid models in the scheduler loop: pool.check() after every step, every request finishes."""
     options = dict(options)
     dp = options.pop("dp_size", 1)
     reqs = _small("chat", 40, seed=3)

@@ -1,4 +1,4 @@
-"""Issue 20: kvpool simulate on the production-trace fixtures: request order against an LRU model,
+"""kvpool simulate on the production-trace fixtures: request order against an LRU model,
 exact sharing at kvpool block sizes, capacity in tokens, the parallel sweep and its figure, time
 in seconds, and the batch-API scheduler loop under check mode."""
 

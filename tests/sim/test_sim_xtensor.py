@@ -1,4 +1,4 @@
-"""``kvpool simulate --xtensor`` (issue 17): the pool on elastic pages, mapped memory over time,
+"""``kvpool simulate --xtensor``: the pool on elastic pages, mapped memory over time,
 memory-limit schedules, and their argument errors (R29: each names its argument)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import kvpool
 import pytest
-from kvpool.sim import cli
+from kvpool.sim import cli, configure
 from kvpool.sim.elastic import GIB, default_page_bytes, parse_limit_schedule
 
 pytestmark = pytest.mark.skipif(not hasattr(kvpool, "BlockManagerPool"), reason="pool not built")
@@ -24,8 +24,8 @@ SMALL = ["-n", "60", "--max-prompt-len", "2048", "--output-len", "24", "--model"
 
 def simulate(*argv: str):
     args = cli.build_parser().parse_args(list(argv))
-    reqs, _ = cli.make_workload(args)
-    return cli.run_one(args, reqs, "test")
+    reqs, _ = configure.make_workload(args)
+    return configure.run_one(args, reqs, "test")
 
 
 def test_schedule_syntax():
@@ -122,7 +122,7 @@ def test_xtensor_needs_a_model_shape():
 
 
 def test_limit_bytes_per_rank():
-    cfg, extra = cli.make_config(cli.build_parser().parse_args(SMALL + ["--xtensor", "--memory-limit-gib", "1.5"]))
+    cfg, extra = configure.make_config(cli.build_parser().parse_args(SMALL + ["--xtensor", "--memory-limit-gib", "1.5"]))
     assert cfg.xtensor["memory_limit"] == int(1.5 * GIB) and extra["xtensor_page_mib"] == 128
 
 

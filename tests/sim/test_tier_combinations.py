@@ -1,5 +1,5 @@
-"""`kvpool simulate` with the host tier combined with linear state and sliding windows (issue 16:
-the pools compose, so the simulator accepts every combination and reports host loads, offloads
+"""`kvpool simulate` with the host tier combined with linear state and sliding windows (the
+pools compose, so the simulator accepts every combination and reports host loads, offloads
 and checkpoint hits)."""
 
 from __future__ import annotations

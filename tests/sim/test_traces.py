@@ -1,4 +1,4 @@
-"""Issue 20: the Mooncake and Qwen-Bailian trace readers (kvpool.sim.traces).
+"""The Mooncake and Qwen-Bailian trace readers (kvpool.sim.traces).
 
 Fixtures (tests/sim/fixtures/README.md): the first 300 requests of Mooncake's conversation trace
 (Apache-2.0, verbatim) and a synthetic trace in the public Qwen-Bailian schema.

@@ -1,4 +1,4 @@
-"""A real redis-server on loopback for the remote-tier tests (issue 10): never a mock.
+"""A real redis-server on loopback for the remote-tier tests: never a mock.
 
 ``RedisServer`` starts ``redis-server`` on a free 127.0.0.1 port with no persistence, waits
 (bounded) until it answers PING, and stops it. The binary must be installed (Debian:
@@ -108,7 +108,7 @@ class RedisServer:
 
 
 class RedisClusterServers:
-    """A 3-master Redis Cluster on 127.0.0.1 (no replicas), for the cluster code path (issue 10).
+    """A 3-master Redis Cluster on 127.0.0.1 (no replicas), for the cluster code path.
 
     Each node is a ``RedisServer`` with ``--cluster-enabled yes`` in its own temp dir (its
     ``nodes-PORT.conf`` there); ``start()`` joins them with ``redis-cli --cluster create`` and

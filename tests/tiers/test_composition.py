@@ -1,4 +1,4 @@
-"""One pool (issue 16): the host tier composes with every feature (R13-R26).
+"""One pool: the host tier composes with every feature (R13-R26).
 
 Random workloads with ``check()`` after every step and every id back at the end: host tier x dp
 ranks x the batch API (``SequenceBatch``, ``advance``, ``may_append_all``), with linear state

@@ -1,4 +1,4 @@
-"""kvpool.HierarchyBlockManagerPool and kvpool.transfer (issue 6): the host tier of R26.
+"""kvpool.HierarchyBlockManagerPool and kvpool.tiers.host_transfer: the host tier of R26.
 
 Covers: KV bytes round-tripping device -> host -> device bit-identical through the NumPy
 executor; a host hit after device eviction; plans never naming a block that was freed before
@@ -15,7 +15,7 @@ import random
 import kvpool
 import numpy as np
 import pytest
-from kvpool.transfer import NumpyTransferExecutor
+from kvpool.tiers.host_transfer import NumpyTransferExecutor
 
 BS = 4
 
@@ -355,7 +355,7 @@ def test_bad_input_names_the_argument():
         kvpool.HierarchyBlockManagerPool(16, 8, BS, offload_policy="sometimes")
     with pytest.raises(TypeError, match="offload_policy"):
         kvpool.HierarchyBlockManagerPool(16, 8, BS, offload_policy=1)
-    # Issue 16: linear state composes with the host tier; a bad slot count is still named.
+    # Linear state composes with the host tier; a bad slot count is still named.
     with pytest.raises(ValueError, match="linear_state_slots"):
         kvpool.HierarchyBlockManagerPool(16, 8, BS, linear_state_slots=1)
     pool = kvpool.HierarchyBlockManagerPool(16, 8, BS)
@@ -401,7 +401,7 @@ def _gpu():
 @pytest.mark.skipif(_gpu() is None, reason="needs cupy and a GPU")
 def test_round_trip_on_gpu_with_pinned_host_memory():
     cp = _gpu()
-    from kvpool.transfer import CupyTransferExecutor
+    from kvpool.tiers.host_transfer import CupyTransferExecutor
 
     pool = kvpool.HierarchyBlockManagerPool(16, 16, 16)
     shape = (16, 16, 8, 128)

@@ -1,4 +1,4 @@
-"""The shared remote KV tier and KV events on Redis Streams (issue 10), against a real
+"""The shared remote KV tier and KV events on Redis Streams, against a real
 redis-server on 127.0.0.1 started by the fixtures (never a mock; tests/tiers/redis_helpers.py).
 
 Covers: payload round trip through the tier (and bit-identical KV device -> host -> remote ->
@@ -25,18 +25,10 @@ from pathlib import Path
 import kvpool
 import numpy as np
 import pytest
-from kvpool.remote import (
-    PrefixIndex,
-    RedisEventPublisher,
-    RedisRemoteTier,
-    block_spec,
-    decode_payload,
-    encode_payload,
-    event_to_dict,
-    make_namespace,
-    read_events,
-)
-from kvpool.transfer import NumpyTransferExecutor
+from kvpool.index.streams import PrefixIndex, RedisEventPublisher, event_to_dict, read_events
+from kvpool.tiers.host_transfer import NumpyTransferExecutor
+from kvpool.tiers.payload import block_spec, decode_payload, encode_payload, make_namespace
+from kvpool.tiers.redis import RedisRemoteTier
 from redis_helpers import (  # noqa: F401  (the fixtures are used by name)
     RedisClusterServers,
     RedisServer,
@@ -298,7 +290,7 @@ _WRITER = textwrap.dedent("""
     import sys
     sys.path.insert(0, {tests!r})
     from test_remote import Engine, prompt
-    from kvpool.remote import RedisRemoteTier
+    from kvpool.tiers.redis import RedisRemoteTier
     e = Engine(RedisRemoteTier({url!r}, {ns!r}))
     for i in range(4):
         e.serve(prompt(40 + i, 5))
@@ -354,7 +346,7 @@ def test_event_stream_replays_into_the_index_the_pool_events_imply(server):
 
 
 def test_the_stream_carries_every_field_into_a_kv_index(server):
-    """Issue 21: the published events are self-describing (sequence, medium, group, ...), and
+    """The published events are self-describing (sequence, medium, group, ...), and
     read_events feeds a kvpool.KVIndex with them: device and host media, numbered per rank."""
     e = Engine(RedisRemoteTier(server.url, NS), num_blocks=12, enable_events=True)
     pub = RedisEventPublisher(server.url, "instance-a", stream="kv:fields", maxlen=10_000)
@@ -375,7 +367,7 @@ def test_the_stream_carries_every_field_into_a_kv_index(server):
 
 
 # ------------------------------------------------------------------------------ Redis Cluster
-# Issue 10: "works with a single Redis/Valkey server and with Redis Cluster". Keys are not
+# The remote tier works "with a single Redis/Valkey server and with Redis Cluster". Keys are not
 # hash-tagged, so one request's blocks spread over the slots of every node; the tier's multi-key
 # calls (pipelined EXISTS / SET / DEL, MGET) must be split per node by redis-py.
 def cluster_tier(cluster, namespace: str = NS, **kw) -> RedisRemoteTier:
@@ -475,7 +467,7 @@ def test_cluster_pool_allocate_one_lookup_fetches_bit_identical_kv(redis_cluster
 
 
 def test_cluster_node_killed_mid_run_degrades_to_misses_and_leaks_nothing():
-    """Issue 10 "server killed mid-run", on a cluster: one of three masters dies (no replicas,
+    """A server killed mid-run, on a cluster: one of three masters dies (no replicas,
     so its slots are gone); requests keep being served, failures are counted misses, and no
     exception reaches the scheduler. Its own cluster: the module's one stays whole."""
     cluster = RedisClusterServers()

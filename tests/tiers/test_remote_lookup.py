@@ -1,4 +1,4 @@
-"""The remote tier's lookup policy in Python (issue 16: out of the binding): one existence query
+"""The remote tier's lookup policy in Python (out of the binding): one existence query
 per admission, reusing the plan's walks; failures are counted misses; BaseExceptions propagate
 with the pool unchanged (F12); the remote options are validated by name (R29)."""
 
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import kvpool
 import pytest
-from kvpool.remote import RemoteTier
-from kvpool.tiers.remote import RemoteLookup, lookup_for
+from kvpool.tiers.base import RemoteTier
+from kvpool.tiers.lookup import RemoteLookup, lookup_for
 
 BS = 4
 

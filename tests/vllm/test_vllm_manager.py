@@ -1,4 +1,4 @@
-"""kvpool.integrations.vllm.KVCacheManager against vLLM 0.33.0's own (issue 19, part a).
+"""kvpool.integrations.vllm.KVCacheManager against vLLM 0.33.0's own.
 
 Skipped unless vLLM 0.33.0 is installed (``make test-vllm``). ``vllm_harness.drive`` makes the
 sync Scheduler's exact calls on many requests at once (admission, chunked prefill, decode with

@@ -1,4 +1,4 @@
-"""vLLM 0.33.0's real Scheduler and AsyncScheduler on kvpool's manager, on CPU (issue 19, part b).
+"""vLLM 0.33.0's real Scheduler and AsyncScheduler on kvpool's manager, on CPU.
 
 Skipped unless vLLM 0.33.0 is installed (``make test-vllm``). The Scheduler is built from a
 written config.json (no hub, no weights) and fed fake ``ModelRunnerOutput``s
