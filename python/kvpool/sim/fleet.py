@@ -46,8 +46,6 @@ from kvpool.tiers.memory import MemoryRemoteTier
 
 __all__ = ["FleetResult", "run_fleet"]
 
-REMOTES = (None, "memory")
-
 
 @dataclass
 class FleetResult:

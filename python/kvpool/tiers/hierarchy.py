@@ -9,8 +9,8 @@ adds the remote tier (docs/remote_tier.md): with ``remote=tier``, ``allocate`` r
 a miss) and ``stats()["remote"]`` holds the lookup's, the core's and the tier's counters. So a
 remote hit walks Python -> bindings -> core, as every other call does.
 
-Without a remote tier every call is the compiled class's but ``allocate``, which adds one
-attribute test.
+Without a remote tier every call is the compiled class's but ``allocate`` and ``stats``, which
+add one attribute test each.
 """
 
 from __future__ import annotations
