@@ -22,8 +22,13 @@ MAX_LINES = 800
 # old import paths kept working by re-exports (docs/architecture.md), with their new homes; the
 # shims are exempt from the graph
 NEW_HOMES = {
-    "kvpool.remote": ["kvpool.index.streams", "kvpool.tiers.base", "kvpool.tiers.payload", "kvpool.tiers.redis",
-                      "kvpool.tiers.remote_transfer"],
+    "kvpool.remote": [
+        "kvpool.index.streams",
+        "kvpool.tiers.base",
+        "kvpool.tiers.payload",
+        "kvpool.tiers.redis",
+        "kvpool.tiers.remote_transfer",
+    ],
     "kvpool.router": ["kvpool.index.router"],
     "kvpool.transfer": ["kvpool.tiers.host_transfer"],
     "kvpool.vllm_events": ["kvpool.index.vllm_events"],
@@ -73,7 +78,9 @@ def imported(name: str, path: Path, known: Iterable[str]) -> set[str]:
     enclosing = set(_enclosing(name))
     edges = {t for t in targets if t in known and t != name}
     for target in targets:  # the packages an import runs first, but those running already
-        edges.update(p for p in _enclosing(target) if p in known and p not in enclosing and p != name)
+        edges.update(
+            p for p in _enclosing(target) if p in known and p not in enclosing and p != name
+        )
     return edges
 
 
@@ -81,7 +88,11 @@ def graph(root: Path, exempt: Iterable[str] = ()) -> dict[str, set[str]]:
     """The import graph of the package at ``root``, without the ``exempt`` modules."""
     known = modules(root, stubs=True)
     exempt = set(exempt)
-    return {name: imported(name, path, known) - exempt for name, path in modules(root).items() if name not in exempt}
+    return {
+        name: imported(name, path, known) - exempt
+        for name, path in modules(root).items()
+        if name not in exempt
+    }
 
 
 def find_circle(g: dict[str, set[str]]) -> list[str] | None:
@@ -93,7 +104,7 @@ def find_circle(g: dict[str, set[str]]) -> list[str] | None:
         if state.get(node) == 2:
             return None
         if state.get(node) == 1:
-            return [*path[path.index(node):], node]
+            return [*path[path.index(node) :], node]
         state[node] = 1
         path.append(node)
         for nxt in sorted(g.get(node, ())):
@@ -142,9 +153,12 @@ def test_the_shims_only_re_export():
         assert len(path.read_text().splitlines()) <= SHIM_MAX_LINES, name
         for stmt in ast.parse(path.read_text()).body:
             docstring = isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant)
-            all_list = isinstance(stmt, ast.Assign) and [t.id for t in stmt.targets if isinstance(t, ast.Name)] == [
-                "__all__"]
-            assert docstring or all_list or isinstance(stmt, ast.ImportFrom), f"{name}: {ast.dump(stmt)[:80]}"
+            all_list = isinstance(stmt, ast.Assign) and [
+                t.id for t in stmt.targets if isinstance(t, ast.Name)
+            ] == ["__all__"]
+            assert docstring or all_list or isinstance(stmt, ast.ImportFrom), (
+                f"{name}: {ast.dump(stmt)[:80]}"
+            )
     # nothing of the package imports a shim: every module uses the new homes
     known = modules(PACKAGE, stubs=True)
     for name, path in found.items():
@@ -188,16 +202,25 @@ def _package(tmp_path: Path, files: dict[str, str]) -> Path:
 
 
 def test_the_circle_finder_finds_circles_through_function_imports(tmp_path):
-    root = _package(tmp_path, {
-        "__init__.py": "",
-        "a.py": "from pkg.b import x\n",
-        "b.py": "x = 1\n",
-        "c.py": "def f():\n    from pkg import a  # a submodule: an edge to pkg.a\n",
-        "d.py": "from pkg._ext import f\nfrom pkg import _ext\n",
-        "_ext.pyi": "def f() -> None: ...\n",
-    })
+    root = _package(
+        tmp_path,
+        {
+            "__init__.py": "",
+            "a.py": "from pkg.b import x\n",
+            "b.py": "x = 1\n",
+            "c.py": "def f():\n    from pkg import a  # a submodule: an edge to pkg.a\n",
+            "d.py": "from pkg._ext import f\nfrom pkg import _ext\n",
+            "_ext.pyi": "def f() -> None: ...\n",
+        },
+    )
     g = graph(root)
-    assert g == {"pkg": set(), "pkg.a": {"pkg.b"}, "pkg.b": set(), "pkg.c": {"pkg.a"}, "pkg.d": {"pkg._ext"}}
+    assert g == {
+        "pkg": set(),
+        "pkg.a": {"pkg.b"},
+        "pkg.b": set(),
+        "pkg.c": {"pkg.a"},
+        "pkg.d": {"pkg._ext"},
+    }
     assert find_circle(g) is None
     (root / "b.py").write_text("def g():\n    import pkg.c\n")
     assert find_circle(graph(root)) == ["pkg.a", "pkg.b", "pkg.c", "pkg.a"]
@@ -205,12 +228,15 @@ def test_the_circle_finder_finds_circles_through_function_imports(tmp_path):
 
 
 def test_a_packages_re_exports_are_its_edges(tmp_path):
-    root = _package(tmp_path, {
-        "__init__.py": "from pkg.sub.m import M\n",
-        "sub/__init__.py": "from pkg.sub.n import N\n",
-        "sub/m.py": "M = 1\n",
-        "sub/n.py": "import pkg\nN = 2\n",
-    })
+    root = _package(
+        tmp_path,
+        {
+            "__init__.py": "from pkg.sub.m import M\n",
+            "sub/__init__.py": "from pkg.sub.n import N\n",
+            "sub/m.py": "M = 1\n",
+            "sub/n.py": "import pkg\nN = 2\n",
+        },
+    )
     g = graph(root)
     # pkg imports pkg.sub.m, which runs pkg.sub's __init__ first: pkg -> pkg.sub -> pkg.sub.n -> pkg
     assert g["pkg"] == {"pkg.sub", "pkg.sub.m"} and g["pkg.sub"] == {"pkg.sub.n"}, g
@@ -219,6 +245,8 @@ def test_a_packages_re_exports_are_its_edges(tmp_path):
 
 
 def test_oversized_files_are_found(tmp_path):
-    root = _package(tmp_path, {"__init__.py": "", "small.py": "x = 1\n" * 10, "big.py": "x = 1\n" * 801})
+    root = _package(
+        tmp_path, {"__init__.py": "", "small.py": "x = 1\n" * 10, "big.py": "x = 1\n" * 801}
+    )
     (root / "_core.pyi").write_text("x: int\n" * 5000)
     assert oversized(root) == [("pkg/big.py", 801)]

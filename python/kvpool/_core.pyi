@@ -1149,8 +1149,9 @@ class BlockManagerPool:
             ``seq`` already holds blocks, has no tokens, or holds blocks of another pool.
         """
 
-    def allocate(self, seq: Sequence, num_tokens: int | None = None, *,
-                 plan: AllocationPlan | None = None) -> bool:
+    def allocate(
+        self, seq: Sequence, num_tokens: int | None = None, *, plan: AllocationPlan | None = None
+    ) -> bool:
         """Give ``seq`` blocks for ``num_tokens`` tokens after a prefix-cache match (R8, R13, R14).
 
         On a sequence that holds blocks, grows its table (chunked prefill).
@@ -1333,8 +1334,9 @@ class BlockManagerPool:
         far (the consumer then calls ``KVIndex.resync``). ``sequence`` past the next number is
         a ValueError."""
 
-    def record_remote_events(self, dp_rank: int, kind: Literal["stored", "removed"],
-                             block_hashes: _Sequence[bytes]) -> int:
+    def record_remote_events(
+        self, dp_rank: int, kind: Literal["stored", "removed"], block_hashes: _Sequence[bytes]
+    ) -> int:
         """Record the remote tier's stores or removals of rank ``dp_rank``'s blocks as
         ``"remote"`` events in its stream (``kvpool.tiers.remote_transfer.RemoteTransfer`` calls
         it: the pool does no I/O); returns the events recorded (0 without ``enable_events``)."""
@@ -1348,7 +1350,9 @@ class BlockManagerPool:
         """The ``xtensor`` option with its defaults filled in (``backend`` ``"custom"`` for
         objects), or None (fixed memory)."""
 
-    def set_memory_limit(self, limit: int | None, *, dp_rank: int | None = None) -> list[_MemoryLimitReport]:
+    def set_memory_limit(
+        self, limit: int | None, *, dp_rank: int | None = None
+    ) -> list[_MemoryLimitReport]:
         """Set the memory limit in bytes (None: the whole range) of rank ``dp_rank``, or of every
         rank; one report per rank set. Lowering it unmaps spares, evicts cached blocks page by page
         and unmaps what empties; what sequences hold stays mapped (``excess_bytes``) and returns
@@ -1611,7 +1615,9 @@ class SlidingWindowBlockManager:
         Window in tokens.
     """
 
-    def __new__(cls, num_blocks: int, block_size: int, window: int) -> SlidingWindowBlockManager: ...
+    def __new__(
+        cls, num_blocks: int, block_size: int, window: int
+    ) -> SlidingWindowBlockManager: ...
     @property
     def num_blocks(self) -> int:
         """Ids, padding block included."""
@@ -1787,8 +1793,9 @@ class HierarchyBlockManagerPool(BlockManagerPool):
     def offload_policy(self) -> _OffloadPolicy:
         """``"on_deallocate"`` or ``"on_evict"``."""
 
-    def allocate(self, seq: Sequence, num_tokens: int | None = None, *,
-                 plan: AllocationPlan | None = None) -> bool:
+    def allocate(
+        self, seq: Sequence, num_tokens: int | None = None, *, plan: AllocationPlan | None = None
+    ) -> bool:
         """Device match, host match past it, then new blocks (R8, R13, R14, R26).
 
         Host hits get fresh device blocks (their table entries) and a load plan; they are
@@ -1802,15 +1809,21 @@ class HierarchyBlockManagerPool(BlockManagerPool):
             False if the blocks cannot be had; both tiers and ``seq`` are then unchanged.
         """
 
-    def remote_query(self, seq: Sequence, num_tokens: int | None = None, *,
-                     plan: AllocationPlan | None = None) -> tuple[int, list[bytes]] | None:
+    def remote_query(
+        self, seq: Sequence, num_tokens: int | None = None, *, plan: AllocationPlan | None = None
+    ) -> tuple[int, list[bytes]] | None:
         """What to ask the remote tier before allocating ``seq``: ``(from, keys)``, the chain
         hashes of blocks ``from..`` past the device and host reach (R8), or None when there is
         nothing to ask. With ``plan`` (from ``plan(seq)``), no walk of its own. No side effect."""
 
-    def allocate_with_remote(self, seq: Sequence, num_tokens: int | None = None, *,
-                             remote_hits: tuple[int, int] | None = None,
-                             plan: AllocationPlan | None = None) -> bool:
+    def allocate_with_remote(
+        self,
+        seq: Sequence,
+        num_tokens: int | None = None,
+        *,
+        remote_hits: tuple[int, int] | None = None,
+        plan: AllocationPlan | None = None,
+    ) -> bool:
         """``allocate`` where chain blocks ``remote_hits = (from, to)`` exist on the remote tier
         (the answer to ``remote_query``): the same answer as ``allocate`` (R14, R15); remote hits
         get host staging blocks and a fetch plan (``take_fetch_plans``)."""
@@ -1827,8 +1840,9 @@ class HierarchyBlockManagerPool(BlockManagerPool):
     def take_fetch_plans(self) -> list[TransferPlan]:
         """Fetch plans (remote -> host staging) made since the last call, one per rank that has any."""
 
-    def complete_fetches(self, plans: Iterable[TransferPlan],
-                         arrived: Iterable[Iterable[bool]] | None = None) -> None:
+    def complete_fetches(
+        self, plans: Iterable[TransferPlan], arrived: Iterable[Iterable[bool]] | None = None
+    ) -> None:
         """Report which fetched blocks arrived intact (``arrived[i][j]``; None: all).
 
         Each sequence keeps the leading run of its chain; its load becomes takeable and its

@@ -35,8 +35,11 @@ def main(argv: list[str] | None = None) -> int:
         return tour_main(rest)
     print(USAGE, end="", file=sys.stderr)
     if cmd == "bench":
-        print("kvpool: the comparison with nano-vllm / vLLM runs from a checkout of the repository:"
-              " python benches/compare.py --help", file=sys.stderr)
+        print(
+            "kvpool: the comparison with nano-vllm / vLLM runs from a checkout of the repository:"
+            " python benches/compare.py --help",
+            file=sys.stderr,
+        )
     print(f"kvpool: error: unknown command {cmd!r} (choose from simulate, tour)", file=sys.stderr)
     return 2
 

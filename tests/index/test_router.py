@@ -16,7 +16,9 @@ def prompt(doc, n=32):
 
 def store(idx, instance, tokens, medium="device", n=None):
     hashes = kvpool.hash_blocks(tokens, BS)[:n]
-    idx.apply(instance, [{"kind": "stored", "block_size": BS, "block_hashes": hashes, "medium": medium}])
+    idx.apply(
+        instance, [{"kind": "stored", "block_size": BS, "block_hashes": hashes, "medium": medium}]
+    )
 
 
 def test_round_robin_cycles():
@@ -60,19 +62,22 @@ def test_kv_aware_follows_the_cached_prefix_until_load_outweighs_it():
 def test_kv_aware_weighs_media():
     idx = kvpool.KVIndex()
     p = prompt(3)
-    store(idx, 0, p, medium="host")      # 32 on host: saves 0.8 each
+    store(idx, 0, p, medium="host")  # 32 on host: saves 0.8 each
     store(idx, 1, p, medium="device", n=6)  # 24 on device: saves 1.0 each
     r = Router(2, "kv_aware", index=idx, block_size=BS, speculative_ttl=None)
     assert r.costs(p).tolist() == pytest.approx([32 - 0.8 * 32, 32 - 24.0])
     assert r.route(p).instance == 0  # 6.4 < 8
-    r = Router(2, "kv_aware", index=idx, block_size=BS, speculative_ttl=None,
-               medium_weights={"host": 0.5})
+    r = Router(
+        2, "kv_aware", index=idx, block_size=BS, speculative_ttl=None, medium_weights={"host": 0.5}
+    )
     assert r.route(p).instance == 1  # 16 > 8
     # A shared remote tier counts for every instance; a private one only for its own.
     store(idx, 1, p, medium="remote")
     shared = Router(3, "kv_aware", index=idx, block_size=BS, speculative_ttl=None)
     assert shared.cached(p)[2].tolist() == [0.0, 0.0, 32.0]
-    private = Router(3, "kv_aware", index=idx, block_size=BS, speculative_ttl=None, shared_remote=False)
+    private = Router(
+        3, "kv_aware", index=idx, block_size=BS, speculative_ttl=None, shared_remote=False
+    )
     assert private.cached(p)[2].tolist() == [0.0, 0.0, 0.0]
 
 

@@ -91,16 +91,28 @@ def _snapshot(pool, seqs):
     for rank in range(pool.dp_size):
         lsc = pool.linear_state_cache(rank)
         views.append((lsc.lru_order(), lsc.stats(), lsc.num_free_slots, lsc.num_pinned_checkpoints))
-    seq_state = [(s.block_table.tolist(), s.num_cached_tokens, s.num_computed_tokens, s.dp_rank,
-                  s.is_allocated, s.linear_state_slot) for s in seqs]
+    seq_state = [
+        (
+            s.block_table.tolist(),
+            s.num_cached_tokens,
+            s.num_computed_tokens,
+            s.dp_rank,
+            s.is_allocated,
+            s.linear_state_slot,
+        )
+        for s in seqs
+    ]
     return pool.stats(), views, seq_state
 
 
 @pytest.mark.parametrize("host", [False, True])
 def test_plan_has_no_side_effect_of_any_kind(host):
     options = dict(linear_state_slots=6, checkpoint_interval=8, dp_size=2, enable_events=True)
-    pool = (kvpool.HierarchyBlockManagerPool(24, 32, BS, **options) if host
-            else kvpool.BlockManagerPool(24, BS, **options))
+    pool = (
+        kvpool.HierarchyBlockManagerPool(24, 32, BS, **options)
+        if host
+        else kvpool.BlockManagerPool(24, BS, **options)
+    )
     first = kvpool.Sequence(list(range(22)))
     assert pool.allocate(first)
     for n in (8, 16, 22):

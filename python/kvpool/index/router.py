@@ -74,13 +74,23 @@ class Router:
         TTL of the speculative entries (None: none are inserted).
     """
 
-    def __init__(self, instances: int | Sequence[int], policy: str = "kv_aware", *,
-                 index: KVIndex | None = None, block_size: int = 16,
-                 medium_weights: dict[str, float] | None = None, load_weight: float = 1.0,
-                 shared_remote: bool = True, speculative_ttl: float | None = 2.0) -> None:
+    def __init__(
+        self,
+        instances: int | Sequence[int],
+        policy: str = "kv_aware",
+        *,
+        index: KVIndex | None = None,
+        block_size: int = 16,
+        medium_weights: dict[str, float] | None = None,
+        load_weight: float = 1.0,
+        shared_remote: bool = True,
+        speculative_ttl: float | None = 2.0,
+    ) -> None:
         ids = list(range(instances)) if isinstance(instances, int) else [int(i) for i in instances]
         if not ids or len(set(ids)) != len(ids) or min(ids) < 0:
-            raise ValueError(f"instances: must be distinct ids >= 0, at least one, got {instances!r}")
+            raise ValueError(
+                f"instances: must be distinct ids >= 0, at least one, got {instances!r}"
+            )
         if policy not in POLICIES:
             raise ValueError(f"policy: must be one of {POLICIES}, got {policy!r}")
         if policy == "kv_aware" and index is None:
@@ -88,8 +98,12 @@ class Router:
         if not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size: must be an int >= 1, got {block_size!r}")
         weights = dict(MEDIUM_WEIGHTS, **(medium_weights or {}))
-        if set(weights) != set(MEDIUM_WEIGHTS) or not all(0.0 <= w <= 1.0 for w in weights.values()):
-            raise ValueError(f"medium_weights: device/host/remote in [0, 1], got {medium_weights!r}")
+        if set(weights) != set(MEDIUM_WEIGHTS) or not all(
+            0.0 <= w <= 1.0 for w in weights.values()
+        ):
+            raise ValueError(
+                f"medium_weights: device/host/remote in [0, 1], got {medium_weights!r}"
+            )
         if not load_weight >= 0.0:
             raise ValueError(f"load_weight: must be >= 0, got {load_weight!r}")
         if speculative_ttl is not None and not speculative_ttl > 0.0:
@@ -109,15 +123,18 @@ class Router:
         self._ids = itertools.count()
 
     # ------------------------------------------------------------------------------ cost
-    def cached(self, token_ids: TokenIds, *, extra_key: bytes | str | None = None,
-               now: float = 0.0) -> np.ndarray:
+    def cached(
+        self, token_ids: TokenIds, *, extra_key: bytes | str | None = None, now: float = 0.0
+    ) -> np.ndarray:
         """Prompt tokens each instance holds per medium: float64 ``[len(instances), 3]``
         (device, device-or-host, any medium: nested prefixes)."""
         out = np.zeros((len(self.instances), 3), dtype=np.float64)
         if self.index is None:
             return out
         remote = 0.0
-        for instance, _rank, medium, _blocks, tokens in self.index.lookup(token_ids, extra_key=extra_key, now=now):
+        for instance, _rank, medium, _blocks, tokens in self.index.lookup(
+            token_ids, extra_key=extra_key, now=now
+        ):
             k = self.position.get(instance)
             if medium == "remote" and self.shared_remote:
                 remote = max(remote, tokens)
@@ -129,8 +146,9 @@ class Router:
         out[:, 2] = np.maximum(np.maximum(out[:, 2], out[:, 1]), remote)
         return out
 
-    def costs(self, token_ids: TokenIds, *, extra_key: bytes | str | None = None,
-              now: float = 0.0) -> np.ndarray:
+    def costs(
+        self, token_ids: TokenIds, *, extra_key: bytes | str | None = None, now: float = 0.0
+    ) -> np.ndarray:
         """``kv_aware``'s cost of each instance (float64 ``[len(instances)]``)."""
         return self._costs(len(token_ids), self.cached(token_ids, extra_key=extra_key, now=now))
 
@@ -141,8 +159,14 @@ class Router:
         return (prompt - saved) + self.load_weight * self.load
 
     # ----------------------------------------------------------------------------- route
-    def route(self, token_ids: TokenIds, *, extra_key: bytes | str | None = None,
-              now: float = 0.0, request_id: Any = None) -> Decision:
+    def route(
+        self,
+        token_ids: TokenIds,
+        *,
+        extra_key: bytes | str | None = None,
+        now: float = 0.0,
+        request_id: Any = None,
+    ) -> Decision:
         """Picks an instance for a request of ``token_ids`` arriving at ``now``; it counts in
         that instance's load until ``finish(request_id)``."""
         prompt = len(token_ids)
@@ -162,12 +186,26 @@ class Router:
             k = int(np.argmin(costs))
             cost = float(costs[k])
         instance = self.instances[k]
-        if self.index is not None and self.speculative_ttl is not None and prompt >= self.block_size:
-            self.index.insert_speculative(instance, token_ids, block_size=self.block_size, now=now,
-                                          ttl=self.speculative_ttl, extra_key=extra_key)
+        if (
+            self.index is not None
+            and self.speculative_ttl is not None
+            and prompt >= self.block_size
+        ):
+            self.index.insert_speculative(
+                instance,
+                token_ids,
+                block_size=self.block_size,
+                now=now,
+                ttl=self.speculative_ttl,
+                extra_key=extra_key,
+            )
         self.load[k] += prompt
         self.active[request_id] = (k, prompt)
-        held = {} if cached is None else dict(zip(("device", "host", "remote"), (int(x) for x in cached[k]), strict=True))
+        held = (
+            {}
+            if cached is None
+            else dict(zip(("device", "host", "remote"), (int(x) for x in cached[k]), strict=True))
+        )
         return Decision(request_id, instance, cost, prompt, held)
 
     def finish(self, request_id: Any) -> None:

@@ -84,8 +84,12 @@ class PrefixIndex:
             if entry is None or kind == "stored":
                 window = event.get("sliding_window")
                 held = set() if entry is None else entry[3]
-                entry = known[group] = (event.get("group_kind") or "full_attention",
-                                        None if window is None else int(window), int(event["block_size"]), held)
+                entry = known[group] = (
+                    event.get("group_kind") or "full_attention",
+                    None if window is None else int(window),
+                    int(event["block_size"]),
+                    held,
+                )
             if kind == "stored":
                 entry[3].update(event["block_hashes"])
             else:
@@ -167,8 +171,15 @@ class RedisEventPublisher:
         Socket timeout; a failed publish is counted in ``errors`` and dropped.
     """
 
-    def __init__(self, url: str, instance_id: str, *, stream: str = "kvpool:events",
-                 maxlen: int = 100_000, timeout_ms: float = 1000.0) -> None:
+    def __init__(
+        self,
+        url: str,
+        instance_id: str,
+        *,
+        stream: str = "kvpool:events",
+        maxlen: int = 100_000,
+        timeout_ms: float = 1000.0,
+    ) -> None:
         import redis
         from redis.backoff import NoBackoff
         from redis.retry import Retry
@@ -178,8 +189,9 @@ class RedisEventPublisher:
         if not isinstance(maxlen, int) or maxlen <= 0:
             raise ValueError(f"maxlen: must be an int > 0, got {maxlen!r}")
         t = timeout_ms / 1000.0
-        self.client = redis.Redis.from_url(url, socket_timeout=t, socket_connect_timeout=t,
-                                           retry=Retry(NoBackoff(), 0))
+        self.client = redis.Redis.from_url(
+            url, socket_timeout=t, socket_connect_timeout=t, retry=Retry(NoBackoff(), 0)
+        )
         self.instance_id = instance_id
         self.stream = stream
         self.maxlen = maxlen
@@ -193,8 +205,11 @@ class RedisEventPublisher:
             return None
         try:
             entry_id = self.client.xadd(
-                self.stream, {"instance": self.instance_id, "events": json.dumps(batch)},
-                maxlen=self.maxlen, approximate=True)
+                self.stream,
+                {"instance": self.instance_id, "events": json.dumps(batch)},
+                maxlen=self.maxlen,
+                approximate=True,
+            )
         except Exception:  # noqa: BLE001 - events are advisory; the router catches up later
             self.errors += 1
             return None
@@ -205,10 +220,18 @@ class RedisEventPublisher:
         self.client.close()
 
 
-def read_events(url: str, *, stream: str = "kvpool:events", index: PrefixIndex | None = None,
-                last_id: bytes | str = "0", count: int = 1000, max_entries: int = 1_000_000,
-                timeout_ms: float = 1000.0, kv_index: Any = None,
-                instance_ids: dict[str, int] | None = None) -> tuple[PrefixIndex, bytes | str]:
+def read_events(
+    url: str,
+    *,
+    stream: str = "kvpool:events",
+    index: PrefixIndex | None = None,
+    last_id: bytes | str = "0",
+    count: int = 1000,
+    max_entries: int = 1_000_000,
+    timeout_ms: float = 1000.0,
+    kv_index: Any = None,
+    instance_ids: dict[str, int] | None = None,
+) -> tuple[PrefixIndex, bytes | str]:
     """Replays a stream into a ``PrefixIndex`` (new or ``index``) from after ``last_id``.
 
     Reads in pages of ``count`` entries (XRANGE) until the end or ``max_entries``; returns the
@@ -225,8 +248,14 @@ def read_events(url: str, *, stream: str = "kvpool:events", index: PrefixIndex |
     seen = 0
     try:
         while seen < max_entries:
-            start = "-" if last_id in ("0", b"0") else b"(" + (last_id if isinstance(last_id, bytes) else last_id.encode())
-            page: Any = client.xrange(stream, min=start, max="+", count=min(count, max_entries - seen))
+            start = (
+                "-"
+                if last_id in ("0", b"0")
+                else b"(" + (last_id if isinstance(last_id, bytes) else last_id.encode())
+            )
+            page: Any = client.xrange(
+                stream, min=start, max="+", count=min(count, max_entries - seen)
+            )
             if not page:
                 break
             for entry_id, fields in page:

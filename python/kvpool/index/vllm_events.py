@@ -43,10 +43,23 @@ MEDIA = {None: "device", "GPU": "device", "CPU": "host"}
 _SLIDING = {"sliding_window", "sliding_window_mla"}
 _LINEAR = {"mamba"}
 # Field order of the array form (tagged array_like structs of older vLLM releases).
-_STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
-                  "medium", "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind",
-                  "kv_cache_spec_sliding_window", "locality", "ownership", "session_id",
-                  "lookahead_token_ids")
+_STORED_FIELDS = (
+    "block_hashes",
+    "parent_block_hash",
+    "token_ids",
+    "block_size",
+    "lora_id",
+    "medium",
+    "lora_name",
+    "extra_keys",
+    "group_idx",
+    "kv_cache_spec_kind",
+    "kv_cache_spec_sliding_window",
+    "locality",
+    "ownership",
+    "session_id",
+    "lookahead_token_ids",
+)
 _REMOVED_FIELDS = ("block_hashes", "medium", "group_idx", "locality", "ownership")
 _MARKER = 0xFFFF_FFFF  # no token id: opaque keys never collide with token blocks
 _ORPHAN = b"kvpool/vllm/orph"  # parent key of a block whose parent the reader never saw
@@ -69,9 +82,17 @@ def _hash_bytes(h: int | bytes) -> bytes:
 
 
 # the fields an event leaves out, with their defaults (docs/events.md)
-_DEFAULTS: tuple[tuple[str, Any], ...] = (("medium", "device"), ("dp_rank", 0), ("group", 0), ("group_kind", "full_attention"),
-             ("sliding_window", None), ("extra_key", None), ("parent_hash", None), ("block_hashes", []),
-             ("token_ids", None))
+_DEFAULTS: tuple[tuple[str, Any], ...] = (
+    ("medium", "device"),
+    ("dp_rank", 0),
+    ("group", 0),
+    ("group_kind", "full_attention"),
+    ("sliding_window", None),
+    ("extra_key", None),
+    ("parent_hash", None),
+    ("block_hashes", []),
+    ("token_ids", None),
+)
 
 
 def _event_fields(event: Any) -> tuple[str, dict[str, Any]]:
@@ -80,7 +101,13 @@ def _event_fields(event: Any) -> tuple[str, dict[str, Any]]:
         return str(event.get("type")), event
     if isinstance(event, (list, tuple)) and event:
         tag = str(event[0])
-        names = _STORED_FIELDS if tag == "BlockStored" else _REMOVED_FIELDS if tag == "BlockRemoved" else ()
+        names = (
+            _STORED_FIELDS
+            if tag == "BlockStored"
+            else _REMOVED_FIELDS
+            if tag == "BlockRemoved"
+            else ()
+        )
         return tag, dict(zip(names, event[1:], strict=False))  # trailing defaults may be left out
     raise ValueError(f"event: not a vLLM KV event: {event!r}")
 
@@ -116,7 +143,9 @@ class VllmEventReader:
             raise ValueError(f"frames: expected (topic, seq, payload), got {len(frames)} frames")
         return self.read(instance, frames[2], sequence=int.from_bytes(frames[1], "big"))
 
-    def read(self, instance: int, payload: bytes, *, sequence: int | None = None) -> list[dict[str, Any]]:
+    def read(
+        self, instance: int, payload: bytes, *, sequence: int | None = None
+    ) -> list[dict[str, Any]]:
         """Events of one msgpack ``KVEventBatch`` of ``instance``, numbered ``sequence``.
 
         Returns dicts of the shape ``KVIndex.apply`` takes; a batch whose events all vanish (a
@@ -148,7 +177,9 @@ class VllmEventReader:
                 event.setdefault(key, default)
         return out
 
-    def apply(self, instance: int, payload: bytes, *, sequence: int | None = None) -> Mapping[str, Any]:
+    def apply(
+        self, instance: int, payload: bytes, *, sequence: int | None = None
+    ) -> Mapping[str, Any]:
         """Reads one batch and applies it to the index; returns ``KVIndex.apply``'s report."""
         return self.index.apply(instance, self.read(instance, payload, sequence=sequence))
 
@@ -156,7 +187,9 @@ class VllmEventReader:
     def _stored(self, instance: int, dp_rank: int, f: dict[str, Any]) -> dict[str, Any]:
         block_size = int(f["block_size"])
         group = int(f.get("group_idx") or 0)
-        kind, window = _group_kind(f.get("kv_cache_spec_kind"), f.get("kv_cache_spec_sliding_window"))
+        kind, window = _group_kind(
+            f.get("kv_cache_spec_kind"), f.get("kv_cache_spec_sliding_window")
+        )
         medium = MEDIA.get(f.get("medium"), "remote")
         self.groups[(instance, dp_rank, group)] = (kind, window, block_size)
         keys = self.keys.setdefault((instance, dp_rank), {})
@@ -183,21 +216,33 @@ class VllmEventReader:
         for i, h in enumerate(hashes):
             entry = keys.get(h)
             if entry is None:
-                opaque = opaque or not tokens or (i > 0 and self._salt(extra_keys[i], lora) is not None)
+                opaque = (
+                    opaque or not tokens or (i > 0 and self._salt(extra_keys[i], lora) is not None)
+                )
                 if opaque:
                     key = self._opaque(h, parent)
                 else:
-                    block = tokens[i * block_size:(i + 1) * block_size]
-                    key = self.index.hash_blocks(block, block_size, parent_hash=parent,
-                                                 extra_key=root_key)[0]
+                    block = tokens[i * block_size : (i + 1) * block_size]
+                    key = self.index.hash_blocks(
+                        block, block_size, parent_hash=parent, extra_key=root_key
+                    )[0]
                 entry = keys[h] = [key, set()]
             entry[1].add((medium, group))
             out_hashes.append(entry[0])
             parent = entry[0]
-        return {"kind": "stored", "medium": medium, "dp_rank": dp_rank, "group": group,
-                "group_kind": kind, "sliding_window": window, "block_size": block_size,
-                "extra_key": root_key, "parent_hash": first_parent, "block_hashes": out_hashes,
-                "token_ids": tokens or None}
+        return {
+            "kind": "stored",
+            "medium": medium,
+            "dp_rank": dp_rank,
+            "group": group,
+            "group_kind": kind,
+            "sliding_window": window,
+            "block_size": block_size,
+            "extra_key": root_key,
+            "parent_hash": first_parent,
+            "block_hashes": out_hashes,
+            "token_ids": tokens or None,
+        }
 
     @staticmethod
     def _salt(extras: Iterable[Any] | None, lora: str | None) -> str | None | Literal[False]:
@@ -214,7 +259,9 @@ class VllmEventReader:
 
     def _opaque(self, h: bytes, parent: bytes | None) -> bytes:
         padded = h + b"\0" * (-len(h) % 4)
-        words = [_MARKER, len(h)] + [int.from_bytes(padded[i:i + 4], "big") for i in range(0, len(padded), 4)]
+        words = [_MARKER, len(h)] + [
+            int.from_bytes(padded[i : i + 4], "big") for i in range(0, len(padded), 4)
+        ]
         return self.index.hash_blocks(words, len(words), parent_hash=parent or _ORPHAN)[0]
 
     def _removed(self, instance: int, dp_rank: int, f: dict[str, Any]) -> list[dict[str, Any]]:
@@ -236,9 +283,18 @@ class VllmEventReader:
                 del keys[h]
         if not out_hashes:
             return []
-        return [{"kind": "removed", "medium": medium, "dp_rank": dp_rank, "group": group,
-                 "group_kind": kind, "sliding_window": window, "block_size": block_size,
-                 "block_hashes": out_hashes}]
+        return [
+            {
+                "kind": "removed",
+                "medium": medium,
+                "dp_rank": dp_rank,
+                "group": group,
+                "group_kind": kind,
+                "sliding_window": window,
+                "block_size": block_size,
+                "block_hashes": out_hashes,
+            }
+        ]
 
     def _cleared(self, instance: int, dp_rank: int) -> dict[str, Any]:
         keys = self.keys.get((instance, dp_rank), {})

@@ -108,25 +108,40 @@ class KVCacheManager:
         groups = list(kv_cache_config.kv_cache_groups)
         for i, group in enumerate(groups):
             spec = group.kv_cache_spec
-            if not isinstance(spec, FullAttentionSpec) or spec.sliding_window or spec.attention_chunk_size:
-                raise _unsupported(f"a {type(spec).__name__} KV cache group (group {i}); only "
-                                   "full-attention groups are")
+            if (
+                not isinstance(spec, FullAttentionSpec)
+                or spec.sliding_window
+                or spec.attention_chunk_size
+            ):
+                raise _unsupported(
+                    f"a {type(spec).__name__} KV cache group (group {i}); only "
+                    "full-attention groups are"
+                )
         if len(groups) != 1:
-            raise _unsupported(f"{len(groups)} KV cache groups (hybrid or attention-free "
-                               "models); exactly one full-attention group is")
-        for name, value, ok in (("use_eagle", use_eagle, not use_eagle),
-                                ("num_hash_lookahead_tokens", num_hash_lookahead_tokens,
-                                 num_hash_lookahead_tokens == 0),
-                                ("dcp_world_size", dcp_world_size, dcp_world_size == 1),
-                                ("pcp_world_size", pcp_world_size, pcp_world_size == 1),
-                                ("metrics_collector", metrics_collector, metrics_collector is None)):
+            raise _unsupported(
+                f"{len(groups)} KV cache groups (hybrid or attention-free "
+                "models); exactly one full-attention group is"
+            )
+        for name, value, ok in (
+            ("use_eagle", use_eagle, not use_eagle),
+            (
+                "num_hash_lookahead_tokens",
+                num_hash_lookahead_tokens,
+                num_hash_lookahead_tokens == 0,
+            ),
+            ("dcp_world_size", dcp_world_size, dcp_world_size == 1),
+            ("pcp_world_size", pcp_world_size, pcp_world_size == 1),
+            ("metrics_collector", metrics_collector, metrics_collector is None),
+        ):
             if not ok:
                 raise _unsupported(f"{name}={value!r}")
         spec = groups[0].kv_cache_spec
         block_size = spec.block_size
         if scheduler_block_size != block_size or (enable_caching and hash_block_size != block_size):
-            raise ValueError(f"scheduler_block_size, hash_block_size: must equal the group's block "
-                             f"size {block_size}, got {scheduler_block_size} and {hash_block_size}")
+            raise ValueError(
+                f"scheduler_block_size, hash_block_size: must equal the group's block "
+                f"size {block_size}, got {scheduler_block_size} and {hash_block_size}"
+            )
         num_blocks = kv_cache_config.num_blocks
         if num_blocks < 2:
             raise ValueError(f"kv_cache_config.num_blocks: must be at least 2, got {num_blocks}")
@@ -180,8 +195,13 @@ class KVCacheManager:
         own (they never hit). Multimodal inputs root the whole chain (vLLM keys each block by the
         inputs it overlaps): such requests share blocks only with identical inputs, never more.
         """
-        if (not request.lora_request and not request.mm_features and not request.cache_salt
-                and request.prompt_embeds is None and not request.skip_reading_prefix_cache):
+        if (
+            not request.lora_request
+            and not request.mm_features
+            and not request.cache_salt
+            and request.prompt_embeds is None
+            and not request.skip_reading_prefix_cache
+        ):
             return None  # the common case: the plain chain
         parts: list[Any] = []
         lora = request.lora_request.lora_name if request.lora_request else None
@@ -197,7 +217,10 @@ class KVCacheManager:
             return None
         key = repr(tuple(parts)).encode()
         if self.enable_kv_cache_events and parts[-1][0] in ("lora", "cache_salt"):
-            self._chain_keys[key] = (lora, request.cache_salt)  # for the events' lora_name, extra_keys
+            self._chain_keys[key] = (
+                lora,
+                request.cache_salt,
+            )  # for the events' lora_name, extra_keys
         return key
 
     def _entry(self, request: Request) -> _Entry:
@@ -220,7 +243,9 @@ class KVCacheManager:
         """Appends the request's new tokens to its sequence (``tokens``: ``_all_token_ids``)."""
         want = len(tokens)
         if want < entry.length:
-            raise _unsupported(f"request {request.request_id!r} losing tokens ({entry.length} -> {want})")
+            raise _unsupported(
+                f"request {request.request_id!r} losing tokens ({entry.length} -> {want})"
+            )
         entry.seq.extend_to(tokens)  # reads the new tokens only, no slice
         entry.length = want
 
@@ -242,8 +267,9 @@ class KVCacheManager:
         """Whether a prefix-cache lookup runs for this request."""
         return self.enable_caching and not request.skip_reading_prefix_cache
 
-    def get_computed_blocks(self, request: Request, max_cache_hit_length: int | None = None
-                            ) -> tuple[KVCacheBlocks, int, int]:
+    def get_computed_blocks(
+        self, request: Request, max_cache_hit_length: int | None = None
+    ) -> tuple[KVCacheBlocks, int, int]:
         """The prefix hit of a waiting request; no side effect but publishing the blocks whose
         KV exists and that are not published yet (module doc), which the hit may use.
 
@@ -307,8 +333,11 @@ class KVCacheManager:
             ``num_external_computed_tokens`` (KV connectors).
         """
         entry = self._seqs.get(request.request_id)
-        if entry is not None and num_new_tokens and not (
-                num_new_computed_tokens or num_external_computed_tokens):
+        if (
+            entry is not None
+            and num_new_tokens
+            and not (num_new_computed_tokens or num_external_computed_tokens)
+        ):
             # a running request whose table has room (most decode steps): nothing to call
             # (a request holding no blocks has capacity 0, below any end)
             computed = request.num_computed_tokens
@@ -317,7 +346,11 @@ class KVCacheManager:
                 if end // self.block_size > computed // self.block_size:
                     self._unpublished[request.request_id] = (request, entry, end)  # a block fills
                 return self.empty_kv_cache_blocks
-        if num_new_tokens == 0 and num_new_computed_tokens == 0 and num_external_computed_tokens == 0:
+        if (
+            num_new_tokens == 0
+            and num_new_computed_tokens == 0
+            and num_external_computed_tokens == 0
+        ):
             raise ValueError("num_new_tokens: must be > 0 when nothing is computed")
         if num_external_computed_tokens:
             raise _unsupported("num_external_computed_tokens (KV connectors)")
@@ -332,8 +365,16 @@ class KVCacheManager:
                 blocks = self._grow(entry, need)  # a count only: the tokens can wait
         else:
             entry = self._entry(request)
-            blocks = self._admit(request, entry, need, num_new_computed_tokens, new_computed_blocks,
-                                 full_sequence_must_fit, reserved_blocks, has_scheduled_reqs)
+            blocks = self._admit(
+                request,
+                entry,
+                need,
+                num_new_computed_tokens,
+                new_computed_blocks,
+                full_sequence_must_fit,
+                reserved_blocks,
+                has_scheduled_reqs,
+            )
         bs = self.block_size
         if blocks is not None and end // bs > computed // bs:
             self._unpublished[request.request_id] = (request, entry, end)  # a block fills this step
@@ -362,9 +403,17 @@ class KVCacheManager:
         self._held_blocks_changed()
         return PoolBlocks(new)
 
-    def _admit(self, request: Request, entry: _Entry, need: int, hit_tokens: int,
-               hit: KVCacheBlocks | None, must_fit: bool, reserved_blocks: int,
-               has_scheduled_reqs: bool) -> KVCacheBlocks | None:
+    def _admit(
+        self,
+        request: Request,
+        entry: _Entry,
+        need: int,
+        hit_tokens: int,
+        hit: KVCacheBlocks | None,
+        must_fit: bool,
+        reserved_blocks: int,
+        has_scheduled_reqs: bool,
+    ) -> KVCacheBlocks | None:
         if self._unpublished:  # an admission's walk sees every block whose KV exists
             self._publish_computed()  # (publishes nothing right after get_computed_blocks)
         seq, length = entry.seq, entry.length
@@ -378,13 +427,17 @@ class KVCacheManager:
             if not fits:
                 return None
         watermark = self.watermark_blocks
-        if watermark and not (has_scheduled_reqs and request.status in (
-                RequestStatus.WAITING, RequestStatus.PREEMPTED)):
+        if watermark and not (
+            has_scheduled_reqs
+            and request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+        ):
             watermark = 0
         if watermark or reserved_blocks:
             wanted = self.pool.plan(seq, min(need, length))
-            if wanted is None or (wanted.num_new_blocks + watermark + reserved_blocks
-                                  > self.block_pool.get_num_free_blocks()):
+            if wanted is None or (
+                wanted.num_new_blocks + watermark + reserved_blocks
+                > self.block_pool.get_num_free_blocks()
+            ):
                 return None
         if need <= length:
             # a plan of the whole sequence is carried out as it is; any other is planned again
@@ -402,13 +455,15 @@ class KVCacheManager:
         if got != hit_tokens and self.prefix_cache_lookup_enabled(request):
             self.pool.deallocate(seq)
             self._held_blocks_changed()
-            raise ValueError(f"num_new_computed_tokens: {hit_tokens} is not the hit of "
-                             f"get_computed_blocks for {request.request_id!r} ({got} tokens now)")
+            raise ValueError(
+                f"num_new_computed_tokens: {hit_tokens} is not the hit of "
+                f"get_computed_blocks for {request.request_id!r} ({got} tokens now)"
+            )
         ids = entry.ids = seq.block_ids()
         bs = self.block_size
         entry.capacity = len(ids) * bs
         entry.computed = got
-        return PoolBlocks(ids[got // bs:])
+        return PoolBlocks(ids[got // bs :])
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Publish the request's full blocks within ``num_computed_tokens`` (the async Scheduler
@@ -425,7 +480,9 @@ class KVCacheManager:
         if entry.capacity:
             computed = request.num_computed_tokens - request.num_in_flight_tokens
             if self.enable_kv_cache_events:
-                self._publish(request, entry, computed)  # its BlockStored batch before the release's
+                self._publish(
+                    request, entry, computed
+                )  # its BlockStored batch before the release's
             elif self.enable_caching and computed > entry.computed:
                 # deallocate publishes them itself (R18): one call, the same cache after
                 self._entry(request)
@@ -449,8 +506,9 @@ class KVCacheManager:
         """The request's block ids, one list per group."""
         return self.get_blocks(request_id).get_block_ids()
 
-    def get_block_ids_for_computed_tokens(self, request_id: str, num_computed_tokens: int
-                                          ) -> tuple[list[int], ...]:
+    def get_block_ids_for_computed_tokens(
+        self, request_id: str, num_computed_tokens: int
+    ) -> tuple[list[int], ...]:
         """The request's block ids that hold its first ``num_computed_tokens`` tokens."""
         (ids,) = self.get_block_ids(request_id)
         return (ids[: -(-num_computed_tokens // self.block_size)],)
@@ -464,8 +522,11 @@ class KVCacheManager:
         entry = self._seqs.get(request.request_id)
         if entry is None or not self.enable_caching:
             return 0
-        computed = min(request.num_computed_tokens - request.num_in_flight_tokens, request.num_tokens,
-                       entry.capacity)
+        computed = min(
+            request.num_computed_tokens - request.num_in_flight_tokens,
+            request.num_tokens,
+            entry.capacity,
+        )
         return max(computed, 0) // self.block_size * self.block_size
 
     def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
@@ -495,7 +556,9 @@ class KVCacheManager:
         for rid, pending in self._unpublished.items():
             request, entry, end = pending
             if entry.capacity:
-                self._publish(request, entry, request.num_computed_tokens - request.num_in_flight_tokens)
+                self._publish(
+                    request, entry, request.num_computed_tokens - request.num_in_flight_tokens
+                )
                 # scheduled, not computed yet (in flight, or scheduled in the step under way)
                 if entry.computed < end - end % bs and self.enable_caching:
                     waiting[rid] = pending
@@ -518,8 +581,9 @@ class KVCacheManager:
         """Partial-tail offloads of producer connectors: none."""
         return []
 
-    def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int,
-                              num_prompt_tokens: int | None = None) -> None:
+    def remove_skipped_blocks(
+        self, request_id: str, processed_computed_tokens: int, num_prompt_tokens: int | None = None
+    ) -> None:
         """Nothing is skipped in full attention."""
 
     def record_blocks_for_zeroing(self, request_id: str, start_token: int) -> None:
@@ -532,10 +596,14 @@ class KVCacheManager:
     def evict_blocks(self, block_ids: set[int]) -> None:
         raise _unsupported("evict_blocks (KV connectors)")
 
-    def truncate_computed_blocks(self, blocks: KVCacheBlocks, num_computed_tokens: int) -> KVCacheBlocks:
+    def truncate_computed_blocks(
+        self, blocks: KVCacheBlocks, num_computed_tokens: int
+    ) -> KVCacheBlocks:
         raise _unsupported("truncate_computed_blocks (KV connectors)")
 
-    def get_computed_blocks_for_connector(self, request: Request, max_cache_hit_length: int | None = None):
+    def get_computed_blocks_for_connector(
+        self, request: Request, max_cache_hit_length: int | None = None
+    ):
         raise _unsupported("get_computed_blocks_for_connector (KV connectors)")
 
     # ---------------------------------------------------------------------- stats and events
@@ -543,8 +611,9 @@ class KVCacheManager:
         """Count an admission's lookup in vLLM's ``PrefixCacheStats``."""
         if self.prefix_cache_stats is None or not self.prefix_cache_lookup_enabled(request):
             return
-        self.prefix_cache_stats.record(num_tokens=request.num_tokens, num_hits=num_hits,
-                                       preempted=request.num_preemptions > 0)
+        self.prefix_cache_stats.record(
+            num_tokens=request.num_tokens, num_hits=num_hits, preempted=request.num_preemptions > 0
+        )
         self._stats_recorded = True
 
     def make_prefix_cache_stats(self) -> PrefixCacheStats | None:
@@ -585,16 +654,31 @@ class KVCacheManager:
         hashes = [self._external_hash(h) for h in event.block_hashes]
         if event.kind == "removed":
             return BlockRemoved(block_hashes=hashes, medium=_MEDIUM, group_idx=0)
-        lora, salt = self._chain_keys.get(event.extra_key, (None, None)) if event.extra_key else (None, None)
+        lora, salt = (
+            self._chain_keys.get(event.extra_key, (None, None)) if event.extra_key else (None, None)
+        )
         extra_keys = None
         if lora is not None or salt:
             first = event.parent_hash is None
-            extra_keys = [tuple([lora] if lora is not None else []) + ((salt,) if salt and first and i == 0 else ())
-                          or None for i in range(len(hashes))]
+            extra_keys = [
+                tuple([lora] if lora is not None else [])
+                + ((salt,) if salt and first and i == 0 else ())
+                or None
+                for i in range(len(hashes))
+            ]
         parent = None if event.parent_hash is None else self._external_hash(event.parent_hash)
-        return BlockStored(block_hashes=hashes, parent_block_hash=parent, token_ids=event.token_ids,
-                           block_size=event.block_size, lora_id=None, medium=_MEDIUM, lora_name=lora,
-                           extra_keys=extra_keys, group_idx=0, kv_cache_spec_kind=_KIND)
+        return BlockStored(
+            block_hashes=hashes,
+            parent_block_hash=parent,
+            token_ids=event.token_ids,
+            block_size=event.block_size,
+            lora_id=None,
+            medium=_MEDIUM,
+            lora_name=lora,
+            extra_keys=extra_keys,
+            group_idx=0,
+            kv_cache_spec_kind=_KIND,
+        )
 
     def check(self) -> None:
         """Walk the pool's structures (R20) and this manager's: ``usage`` (cached since the last
@@ -609,23 +693,41 @@ class KVCacheManager:
         """
         self.pool.check()
         stats = self.pool.stats()
-        counted = (self.usage, self.block_pool.get_num_free_blocks())  # usage: set at the last change
+        counted = (
+            self.usage,
+            self.block_pool.get_num_free_blocks(),
+        )  # usage: set at the last change
         if counted != (stats["usage"], stats["num_free_blocks"] + stats["num_cached_blocks"]):
-            raise InvariantError(f"usage and free blocks {counted} disagree with the pool's stats {stats}")
+            raise InvariantError(
+                f"usage and free blocks {counted} disagree with the pool's stats {stats}"
+            )
         recorded = self.prefix_cache_stats
         if recorded is not None and self._stats_recorded != bool(
-                recorded.requests or recorded.preempted_requests or recorded.reset):
-            raise InvariantError(f"prefix cache stats {recorded} but recorded={self._stats_recorded}")
+            recorded.requests or recorded.preempted_requests or recorded.reset
+        ):
+            raise InvariantError(
+                f"prefix cache stats {recorded} but recorded={self._stats_recorded}"
+            )
         for rid, entry in self._seqs.items():
             seq = entry.seq
             table = seq.block_table.tolist()
-            mirror = (entry.length, entry.capacity, entry.computed if entry.capacity else 0,
-                      entry.ids if entry.capacity else [])
+            mirror = (
+                entry.length,
+                entry.capacity,
+                entry.computed if entry.capacity else 0,
+                entry.ids if entry.capacity else [],
+            )
             actual = (len(seq), len(table) * self.block_size, seq.num_computed_tokens, table)
-            if mirror != actual or (entry.capacity == 0) == seq.is_allocated or 0 in table \
-                    or entry.computed > entry.capacity:
-                raise InvariantError(f"request {rid!r}: entry (length, capacity, computed) "
-                                     f"{mirror}, sequence {actual}, table {table}")
+            if (
+                mirror != actual
+                or (entry.capacity == 0) == seq.is_allocated
+                or 0 in table
+                or entry.computed > entry.capacity
+            ):
+                raise InvariantError(
+                    f"request {rid!r}: entry (length, capacity, computed) "
+                    f"{mirror}, sequence {actual}, table {table}"
+                )
         for rid, (_, entry, _end) in self._unpublished.items():
             if self._seqs.get(rid) is not entry:
                 raise InvariantError(f"request {rid!r}: awaits publication but is not tracked")

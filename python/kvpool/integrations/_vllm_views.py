@@ -78,7 +78,8 @@ class _Hit(KVCacheBlocks):
     def blocks(self) -> tuple[list[KVCacheBlock], ...]:  # type: ignore[override]
         raise NotImplementedError(
             "kvpool picks the prefix hit's blocks in allocate_slots: read them with "
-            "get_blocks(request_id) afterwards")
+            "get_blocks(request_id) afterwards"
+        )
 
     def get_block_ids(self, allow_none: bool = False, *, group_ids: Sequence[int] | None = None):  # type: ignore[override]
         return self.blocks

@@ -57,8 +57,10 @@ REQUIRED_VLLM = "0.33.0"
 try:
     import vllm
 except ImportError as error:  # vLLM missing (or broken): one error naming what is needed
-    raise ImportError(f"kvpool.integrations.vllm needs vllm=={REQUIRED_VLLM} (pip install "
-                      f"'kvpool[vllm]'); importing vllm failed: {error}") from error
+    raise ImportError(
+        f"kvpool.integrations.vllm needs vllm=={REQUIRED_VLLM} (pip install "
+        f"'kvpool[vllm]'); importing vllm failed: {error}"
+    ) from error
 if vllm.__version__.split("+")[0] != REQUIRED_VLLM:
     raise ImportError(
         f"kvpool.integrations.vllm supports vllm=={REQUIRED_VLLM} only; found vllm "
@@ -73,7 +75,14 @@ from vllm.v1.request import Request  # noqa: E402
 from kvpool.integrations._vllm_manager import KVCacheManager  # noqa: E402
 from kvpool.integrations._vllm_views import PoolBlocks  # noqa: E402
 
-__all__ = ["REQUIRED_VLLM", "KVCacheManager", "PoolBlocks", "Scheduler", "AsyncScheduler", "install"]
+__all__ = [
+    "REQUIRED_VLLM",
+    "KVCacheManager",
+    "PoolBlocks",
+    "Scheduler",
+    "AsyncScheduler",
+    "install",
+]
 
 
 # ------------------------------------------------------------------------------ installing
@@ -99,7 +108,9 @@ def _request_block_hasher(*args: Any, **kwargs: Any) -> Any:
     those hashes unless a KV connector does, so an engine core whose Scheduler is kvpool's and
     has no connector gets a hasher that hashes nothing; any other caller gets vLLM's own.
     """
-    engine = sys._getframe(1).f_locals.get("self")  # the EngineCore being built, if that is the caller
+    engine = sys._getframe(1).f_locals.get(
+        "self"
+    )  # the EngineCore being built, if that is the caller
     scheduler = getattr(engine, "scheduler", None)
     if isinstance(scheduler, Scheduler) and scheduler.get_kv_connector() is None:
         return _no_block_hashes

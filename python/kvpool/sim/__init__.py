@@ -12,5 +12,14 @@ from kvpool.sim.request import HashedPrompt, Request, Session, TraceError
 from kvpool.sim.traces import read_production_trace
 from kvpool.sim.workloads import KINDS, generate, load_trace, save_trace
 
-__all__ = ["KINDS", "HashedPrompt", "Request", "Session", "TraceError", "generate", "load_trace",
-           "read_production_trace", "save_trace"]
+__all__ = [
+    "KINDS",
+    "HashedPrompt",
+    "Request",
+    "Session",
+    "TraceError",
+    "generate",
+    "load_trace",
+    "read_production_trace",
+    "save_trace",
+]

@@ -48,7 +48,9 @@ class SimConfig:
     sliding_window: int | None = None
     swa_num_blocks: int | None = None
     host_num_blocks: int = 0
-    remote: str | None = None  # redis:// URL of a shared remote tier, or "memory" (needs the host tier)
+    remote: str | None = (
+        None  # redis:// URL of a shared remote tier, or "memory" (needs the host tier)
+    )
     enable_events: bool = False  # the pool records KV events (the fleet simulation feeds a KVIndex)
     hash_seed: int | None = None
     check: bool = False  # test mode: pool.check() and accounting asserts every step
@@ -66,7 +68,10 @@ class SimConfig:
     memory_limit_schedule: tuple[tuple[float, float | None], ...] = ()
 
     def pool_kwargs(self) -> dict[str, Any]:
-        kw: dict[str, Any] = {"dp_size": self.dp_size, "enable_prefix_cache": self.enable_prefix_cache}
+        kw: dict[str, Any] = {
+            "dp_size": self.dp_size,
+            "enable_prefix_cache": self.enable_prefix_cache,
+        }
         if self.linear_state_slots:
             kw["linear_state_slots"] = self.linear_state_slots
             if self.checkpoint_interval is not None:
@@ -89,16 +94,22 @@ class SimConfig:
         if self.gpu is None:
             return FixedStepTime(self.step_ms)
         if self.model_shape is None:
-            raise SimError("the roofline step time (--gpu) needs a model shape (--model, or --layers/--kv-heads/"
-                           "--head-dim with --heads and --params)")
+            raise SimError(
+                "the roofline step time (--gpu) needs a model shape (--model, or --layers/--kv-heads/"
+                "--head-dim with --heads and --params)"
+            )
         try:
-            return Roofline(self.model_shape, GPUS[self.gpu], tp=self.tp, mfu=self.mfu, mbu=self.mbu)
+            return Roofline(
+                self.model_shape, GPUS[self.gpu], tp=self.tp, mfu=self.mfu, mbu=self.mbu
+            )
         except ValueError as e:
             raise SimError(str(e)) from None
 
     def validate(self) -> None:
         if self.num_blocks < 2:
-            raise SimError(f"num_blocks must be >= 2 (block 0 is the padding block), got {self.num_blocks}")
+            raise SimError(
+                f"num_blocks must be >= 2 (block 0 is the padding block), got {self.num_blocks}"
+            )
         if self.block_size < 1:
             raise SimError(f"block_size must be >= 1, got {self.block_size}")
         if self.dp_size < 1:
@@ -115,7 +126,8 @@ class SimConfig:
             if self.checkpoint_interval < 1 or self.checkpoint_interval % self.block_size:
                 raise SimError(
                     f"checkpoint_interval must be a positive multiple of block_size ({self.block_size}), "
-                    f"got {self.checkpoint_interval}")
+                    f"got {self.checkpoint_interval}"
+                )
         if self.linear_state_match not in ("deepest", "contiguous"):
             raise SimError("linear_state_match must be 'deepest' or 'contiguous'")
         if self.sliding_window is not None and self.sliding_window < 1:
@@ -125,12 +137,16 @@ class SimConfig:
         if self.host_num_blocks < 0:
             raise SimError("host_num_blocks must be >= 0")
         if self.remote is not None and not self.host_num_blocks:
-            raise SimError("--remote needs the host tier (--host-blocks N): remote hits land in host blocks")
+            raise SimError(
+                "--remote needs the host tier (--host-blocks N): remote hits land in host blocks"
+            )
         if self.order not in ORDERS:
             raise SimError(f"order must be one of {', '.join(ORDERS)}, got {self.order!r}")
         if self.order == "request" and (self.linear_state_slots or self.sliding_window is not None):
-            raise SimError("--order request replays prompts through the prefix cache only: it takes no linear "
-                           "state or sliding window")
+            raise SimError(
+                "--order request replays prompts through the prefix cache only: it takes no linear "
+                "state or sliding window"
+            )
         if not self.step_ms > 0:
             raise SimError(f"step_ms must be > 0, got {self.step_ms}")
         if self.memory_limit_schedule and self.xtensor is None:
@@ -159,7 +175,9 @@ def make_pool(cfg: SimConfig, remote_tier: Any = None) -> Any:
 
                 ns = f"kvpool-sim|bs{cfg.block_size}|seed{cfg.hash_seed}"
                 kw["remote"] = RedisRemoteTier(cfg.remote, ns, timeout_ms=1000)
-            return kvpool.HierarchyBlockManagerPool(cfg.num_blocks, cfg.host_num_blocks, cfg.block_size, **kw)
+            return kvpool.HierarchyBlockManagerPool(
+                cfg.num_blocks, cfg.host_num_blocks, cfg.block_size, **kw
+            )
         return kvpool.BlockManagerPool(cfg.num_blocks, cfg.block_size, **kw)
     except (TypeError, ValueError) as e:
         raise SimError(f"the pool rejected the configuration: {e}") from None
@@ -178,4 +196,5 @@ def check_fits(cfg: SimConfig, requests: Sequence[Request]) -> None:
                 f"request {r.request_id} needs {need} tokens of KV "
                 f"({math.ceil(need / cfg.block_size)} blocks of {cfg.block_size}) but the whole cache "
                 f"holds {per_rank} tokens per rank ({cfg.num_blocks - 1} usable blocks): raise "
-                f"--num-blocks / --cache-tokens / --gib or shorten the request")
+                f"--num-blocks / --cache-tokens / --gib or shorten the request"
+            )

@@ -47,7 +47,9 @@ class DecodeBatch:
         # block (it is published, and their next token needs a new one): only then can a pure
         # decode step change the pool's counts
         self.residue = [0] * block_size
-        self.finishing: dict[int, list[Live]] = {}  # step -> members that sample their last token then
+        self.finishing: dict[
+            int, list[Live]
+        ] = {}  # step -> members that sample their last token then
 
     def __len__(self) -> int:
         return len(self.members)
@@ -98,8 +100,13 @@ class DecodeBatch:
     def finishing_at(self, step: int) -> list[Live]:
         """The members that sample their last token at ``step``, taken out of the index; entries
         left by preempted members are stale (their ``finish_at`` moved on) and skipped."""
-        return list({id(lv): lv for lv in self.finishing.pop(step, ())
-                     if lv.state == DECODE and lv.finish_at == step}.values())
+        return list(
+            {
+                id(lv): lv
+                for lv in self.finishing.pop(step, ())
+                if lv.state == DECODE and lv.finish_at == step
+            }.values()
+        )
 
     def tokens(self, step: int) -> Any:
         """The tokens the members sample at ``step``, in batch order (a list of int for a small
@@ -125,27 +132,41 @@ class DecodeBatch:
     def check(self, step_no: int, need_room: list[Live], max_batched_tokens: int) -> None:
         """Asserts the module doc's invariants, and each member's position at ``step_no``."""
         self.batch.check()
-        assert len(self.batch) == len(self.members) == len(self.cols), "decode batch and its rows disagree"
+        assert len(self.batch) == len(self.members) == len(self.cols), (
+            "decode batch and its rows disagree"
+        )
         assert self.tok == [tuple(int(x) for x in r[[SHIFT, LOW, SPAN]]) for r in self.cols]
-        assert [int(x) for x in self.batch.seq_ids] == [int(lv.req.request_id) for lv in self.members]
+        assert [int(x) for x in self.batch.seq_ids] == [
+            int(lv.req.request_id) for lv in self.members
+        ]
         assert self.fixed == sum(1 for lv in self.members if lv.req.output is not None)
         residues = [0] * self.block_size
         for lv in self.members:
             residues[(lv.prompt_len - lv.off) % self.block_size] += 1
         assert residues == self.residue, "residue counts drifted"
         for lv in self.members:
-            assert lv in self.finishing.get(lv.finish_at, ()), "a member is missing from the finishing index"
+            assert lv in self.finishing.get(lv.finish_at, ()), (
+                "a member is missing from the finishing index"
+            )
         for r in range(len(self.count)):
             # decoders joined only through prefill chunks that fit the budget: never more than it
             assert self.count[r] <= max_batched_tokens, "more decoders than the token budget"
             mine = self.cols[self.cols[:, RANK] == r]
             assert self.count[r] == len(mine), "per-rank decode count drifted"
-            assert self.len_sum[r] == int((mine[:, PLEN] - mine[:, OFF]).sum()), "per-rank length sum drifted"
+            assert self.len_sum[r] == int((mine[:, PLEN] - mine[:, OFF]).sum()), (
+                "per-rank length sum drifted"
+            )
         rooms = {id(lv) for lv in need_room}
         for i, lv in enumerate(self.members):
             seq = lv.seq
             g = step_no + 1 - lv.off
-            assert len(seq) == lv.prompt_len + g and self.cols[i, OFF] == lv.off, "decode position drifted"
-            assert seq.num_computed_tokens == len(seq) - 1, "a decoder must have exactly one token to compute"
+            assert len(seq) == lv.prompt_len + g and self.cols[i, OFF] == lv.off, (
+                "decode position drifted"
+            )
+            assert seq.num_computed_tokens == len(seq) - 1, (
+                "a decoder must have exactly one token to compute"
+            )
             if id(lv) not in rooms:
-                assert len(seq.block_table) * self.block_size >= len(seq), "a decoder lacks the slot of its token"
+                assert len(seq.block_table) * self.block_size >= len(seq), (
+                    "a decoder lacks the slot of its token"
+                )

@@ -88,8 +88,15 @@ class Simulator:
     ``on_step`` is called after every step with the simulator (progress bars).
     """
 
-    def __init__(self, cfg: SimConfig, requests: Sequence[Request], *, executor: Any = None,
-                 on_step: Callable[[Simulator], None] | None = None, remote_tier: Any = None) -> None:
+    def __init__(
+        self,
+        cfg: SimConfig,
+        requests: Sequence[Request],
+        *,
+        executor: Any = None,
+        on_step: Callable[[Simulator], None] | None = None,
+        remote_tier: Any = None,
+    ) -> None:
         cfg.validate()
         self.cfg = cfg
         self.timer = cfg.step_timer()
@@ -106,7 +113,9 @@ class Simulator:
         self.linear = bool(cfg.linear_state_slots)
         self.requests = sorted(requests, key=lambda r: (r.arrival, r.request_id))
         # the trace's clock when every request has one, else the step count
-        self.seconds_clock = bool(self.requests) and all(r.arrival_s is not None for r in self.requests)
+        self.seconds_clock = bool(self.requests) and all(
+            r.arrival_s is not None for r in self.requests
+        )
         if self.seconds_clock:
             self.requests.sort(key=lambda r: (r.arrival_s, r.request_id))
         check_fits(self.cfg, self.requests)
@@ -147,7 +156,9 @@ class Simulator:
     def make_seq(self, lv: Live) -> Any:
         """The pool sequence of ``lv``'s request (kept in ``lv.seq``)."""
         req = lv.req
-        lv.seq = kvpool.Sequence(req.prompt_tokens(), seq_id=int(req.request_id), extra_key=req.extra_key)
+        lv.seq = kvpool.Sequence(
+            req.prompt_tokens(), seq_id=int(req.request_id), extra_key=req.extra_key
+        )
         return lv.seq
 
     # ------------------------------------------------------------------ tiers / plans
@@ -238,13 +249,19 @@ class Simulator:
         step = self.step_no
         # 1. arrivals
         pending = self.pending
-        if pending and (arrival_seconds(pending[0]) <= self.now_s if self.seconds_clock else pending[0].arrival <= step):
+        if pending and (
+            arrival_seconds(pending[0]) <= self.now_s
+            if self.seconds_clock
+            else pending[0].arrival <= step
+        ):
             self._arrivals(step)
         preempted = False
         # whether a pool call other than the decode batch's advance ran (the counts may have changed)
         touched = self.linear
         if self.mapped is not None and self.mapped.due(self.now_s):
-            touched = self.mapped.apply_due(self.now_s) or touched  # a co-located tenant squeezes (or frees) memory
+            touched = (
+                self.mapped.apply_due(self.now_s) or touched
+            )  # a co-located tenant squeezes (or frees) memory
         # 2. decodes: room for those that advanced without it (their budget is taken in 3)
         if self.need_room:
             touched = True
@@ -341,7 +358,9 @@ class Simulator:
             self.executor.linear_state(plan)
         self.pool.commit_linear_state_plan(plan)
 
-    def _record(self, step: int, changed: bool, batched: int, sched: int, dt: float, end_s: float) -> None:
+    def _record(
+        self, step: int, changed: bool, batched: int, sched: int, dt: float, end_s: float
+    ) -> None:
         """The step's metrics (not counted as scheduler overhead), the test-mode checks, and the
         stall guard. ``changed``: the pool's counts may have changed since the last stats."""
         cfg = self.cfg
@@ -360,9 +379,23 @@ class Simulator:
         if self.mapped is not None:
             self.mapped.record(st, end_s)
             mapped_gib, limit_gib = self.mapped.now_bytes / GIB, self.mapped.limit_bytes / GIB
-        self.timeline.append(StepRecord(
-            step, usage, used, int(st["num_cached_blocks"]), len(self.running), len(self.waiting), batched,
-            (st.get("prefix_hit_tokens", 0) / q) if q else 0.0, sched / 1e3, end_s, dt, mapped_gib, limit_gib))
+        self.timeline.append(
+            StepRecord(
+                step,
+                usage,
+                used,
+                int(st["num_cached_blocks"]),
+                len(self.running),
+                len(self.waiting),
+                batched,
+                (st.get("prefix_hit_tokens", 0) / q) if q else 0.0,
+                sched / 1e3,
+                end_s,
+                dt,
+                mapped_gib,
+                limit_gib,
+            )
+        )
         if cfg.check:
             self._check(st)
         if not batched and not self.running and self.waiting and not self._arrival_ahead(step):
@@ -371,10 +404,13 @@ class Simulator:
                 lv = self.waiting[0]
                 limit = ""
                 if self.mapped is not None:
-                    limit = f", a memory limit of {self.mapped.limit_bytes / GIB:g} GiB over all ranks"
+                    limit = (
+                        f", a memory limit of {self.mapped.limit_bytes / GIB:g} GiB over all ranks"
+                    )
                 raise SimError(
                     f"request {lv.req.request_id} ({lv.prompt_len + lv.generated} tokens) cannot be admitted "
-                    f"into an idle pool (stats: {_brief(st)}{limit}): the configuration cannot serve it")
+                    f"into an idle pool (stats: {_brief(st)}{limit}): the configuration cannot serve it"
+                )
         else:
             self.stall_steps = 0
 
@@ -530,21 +566,31 @@ class Simulator:
         # every running sequence is in exactly one of the decode batch and the prefill list
         dec = self.decode.members
         states = {id(lv): lv.state for lv in self.running}
-        assert len(states) == len(self.running) == len(dec) + len(self.prefilling), "running lists disagree"
+        assert len(states) == len(self.running) == len(dec) + len(self.prefilling), (
+            "running lists disagree"
+        )
         assert all(states.get(id(lv)) == DECODE for lv in dec)
         assert all(states.get(id(lv)) == PREFILL for lv in self.prefilling)
         self.decode.check(self.step_no, self.need_room, cfg.max_num_batched_tokens)
         for lv in self.running:
             seq = lv.seq
             assert seq.num_computed_tokens <= len(seq), "computed > len"
-            assert len(seq.block_table) * cfg.block_size >= seq.num_computed_tokens, "table shorter than computed"
+            assert len(seq.block_table) * cfg.block_size >= seq.num_computed_tokens, (
+                "table shorter than computed"
+            )
             assert seq.dp_rank is not None and 0 <= seq.dp_rank < cfg.dp_size
         for lv in self.waiting:
-            assert lv.seq is None or len(lv.seq.block_table) == 0, "a waiting (preempted) sequence still holds blocks"
+            assert lv.seq is None or len(lv.seq.block_table) == 0, (
+                "a waiting (preempted) sequence still holds blocks"
+            )
         if cfg.sliding_window is None and not self.hier:
             # shared blocks count once in the pool and once per holder here
-            distinct = len({(lv.seq.dp_rank, int(b)) for lv in self.running for b in lv.seq.block_table if b})
-            assert distinct == st["num_used_blocks"], f"used blocks {st['num_used_blocks']} != held {distinct}"
+            distinct = len(
+                {(lv.seq.dp_rank, int(b)) for lv in self.running for b in lv.seq.block_table if b}
+            )
+            assert distinct == st["num_used_blocks"], (
+                f"used blocks {st['num_used_blocks']} != held {distinct}"
+            )
 
     # ------------------------------------------------------------------ driver
     def done(self) -> bool:
@@ -604,8 +650,11 @@ class _SimBlocks:
 
 
 def _brief(st: dict[str, Any]) -> str:
-    return ", ".join(f"{k}={st[k]}" for k in ("num_total_blocks", "num_free_blocks", "num_cached_blocks",
-                                               "num_used_blocks") if k in st)
+    return ", ".join(
+        f"{k}={st[k]}"
+        for k in ("num_total_blocks", "num_free_blocks", "num_cached_blocks", "num_used_blocks")
+        if k in st
+    )
 
 
 def run_simulation(cfg: SimConfig, requests: Sequence[Request], **kw: Any) -> SimResult:

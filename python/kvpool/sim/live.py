@@ -23,9 +23,29 @@ WAITING, PREFILL, DECODE, DONE = 0, 1, 2, 3
 class Live:
     """Scheduler-side state of one request (see the module doc)."""
 
-    __slots__ = ("admitted_step", "arrival_s", "arrive_step", "boundary", "cap", "finish_at", "finish_s",
-                 "finish_step", "first_admit_step", "first_cached", "first_token_s", "first_token_step",
-                 "generated", "lost", "off", "preemptions", "prompt_len", "req", "seq", "state", "_out")
+    __slots__ = (
+        "admitted_step",
+        "arrival_s",
+        "arrive_step",
+        "boundary",
+        "cap",
+        "finish_at",
+        "finish_s",
+        "finish_step",
+        "first_admit_step",
+        "first_cached",
+        "first_token_s",
+        "first_token_step",
+        "generated",
+        "lost",
+        "off",
+        "preemptions",
+        "prompt_len",
+        "req",
+        "seq",
+        "state",
+        "_out",
+    )
 
     def __init__(self, req: Request, arrival_s: float, arrive_step: int) -> None:
         self.req = req

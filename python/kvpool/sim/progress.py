@@ -25,8 +25,12 @@ def fields_of(sim: Any) -> dict[str, Any]:
         clock = f"{sim.now_s:,.0f} s"
     else:
         clock = f"step {sim.step_no}"
-    return {"clock": clock, "run": len(sim.running), "wait": len(sim.waiting),
-            "use": f"{100 * last.usage:.0f}%" if last else "-"}
+    return {
+        "clock": clock,
+        "run": len(sim.running),
+        "wait": len(sim.waiting),
+        "use": f"{100 * last.usage:.0f}%" if last else "-",
+    }
 
 
 def _bar(console_stderr: bool = True) -> Any:
@@ -41,9 +45,18 @@ def _bar(console_stderr: bool = True) -> Any:
     )
     from rich.progress import Progress as RichProgress
 
-    return RichProgress(SpinnerColumn(), TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                        TextColumn(_FIELDS), TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
-                        console=Console(stderr=console_stderr), transient=False)
+    return RichProgress(
+        SpinnerColumn(),
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn(_FIELDS),
+        TimeElapsedColumn(),
+        TextColumn("eta"),
+        TimeRemainingColumn(),
+        console=Console(stderr=console_stderr),
+        transient=False,
+    )
 
 
 class Progress:
@@ -60,7 +73,9 @@ class Progress:
         if self.enabled:
             self.progress = _bar()
             self.progress.__enter__()
-            self.task = self.progress.add_task(self.label, total=self.total, clock="-", run=0, wait=0, use="-")
+            self.task = self.progress.add_task(
+                self.label, total=self.total, clock="-", run=0, wait=0, use="-"
+            )
         return self
 
     def __call__(self, sim: Any) -> None:
@@ -96,5 +111,8 @@ class Reporter:
 def sweep_bars(labels: list[str], totals: list[int]) -> tuple[Any, list[Any]]:
     """A rich progress with one task per sweep point (entered by the caller)."""
     bar = _bar()
-    tasks = [bar.add_task(lbl, total=n, clock="-", run=0, wait=0, use="-") for lbl, n in zip(labels, totals, strict=True)]
+    tasks = [
+        bar.add_task(lbl, total=n, clock="-", run=0, wait=0, use="-")
+        for lbl, n in zip(labels, totals, strict=True)
+    ]
     return bar, tasks

@@ -20,7 +20,15 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["VOCAB_SIZE", "HashedPrompt", "Request", "Session", "TraceError", "block_tokens", "mix31"]
+__all__ = [
+    "VOCAB_SIZE",
+    "HashedPrompt",
+    "Request",
+    "Session",
+    "TraceError",
+    "block_tokens",
+    "mix31",
+]
 
 VOCAB_SIZE = 32000
 

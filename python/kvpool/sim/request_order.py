@@ -42,7 +42,9 @@ def run_request_order(sim: Any) -> SimResult:
         seq = sim.make_seq(lv)
         if not pool.allocate(seq):
             limit = " under the memory limit" if sim.mapped is not None else ""
-            raise SimError(f"request {req.request_id} ({len(seq)} tokens) does not fit the cache{limit}")
+            raise SimError(
+                f"request {req.request_id} ({len(seq)} tokens) does not fit the cache{limit}"
+            )
         if sim.hier:
             sim.sync_loads()
         L = len(seq)

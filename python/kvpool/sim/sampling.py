@@ -30,7 +30,9 @@ def _lowbias32(x: int) -> int:
 def output_base(request_id: int | np.ndarray) -> np.ndarray:
     """A request's output seed: ``lowbias32`` of its id (int64 array of the shape of ``request_id``)."""
     ids = np.atleast_1d(np.asarray(request_id, dtype=np.int64)).ravel()
-    return np.array([_lowbias32(int(r)) for r in ids], dtype=np.int64).reshape(np.shape(request_id) or (1,))
+    return np.array([_lowbias32(int(r)) for r in ids], dtype=np.int64).reshape(
+        np.shape(request_id) or (1,)
+    )
 
 
 def output_token(request_id: int, k: int, trace: bool) -> int:
@@ -47,7 +49,9 @@ def output_span(trace: bool | np.ndarray) -> tuple[Any, Any]:
     return (1 << 31, 1 << 31) if trace else (0, VOCAB_SIZE)
 
 
-def output_tokens(request_id: int | np.ndarray, positions: np.ndarray, *, trace: bool | np.ndarray) -> np.ndarray:
+def output_tokens(
+    request_id: int | np.ndarray, positions: np.ndarray, *, trace: bool | np.ndarray
+) -> np.ndarray:
     """The tokens the simulator "samples": a fixed function of the request id and the position.
 
     Token ``k`` of request ``r`` is ``low + (output_base(r) + k) % span`` (:func:`output_span`):

@@ -41,7 +41,11 @@ class SimResult:
     execute: dict[str, Any] | None = None
 
     def to_json(self, *, timeline: bool = False) -> dict[str, Any]:
-        d: dict[str, Any] = {"config": self.config, "summary": self.summary, "execute": self.execute}
+        d: dict[str, Any] = {
+            "config": self.config,
+            "summary": self.summary,
+            "execute": self.execute,
+        }
         if timeline:
             d["timeline"] = [asdict(r) for r in self.timeline]
         return d
@@ -54,14 +58,18 @@ def summarize(sim: Any, wall: float) -> dict[str, Any]:
     fin = sim.finished
     request_order = sim.cfg.order == "request"
     ns = np.asarray(sim.sched_ns, dtype=np.float64) / 1e3
-    arr_step = np.array([lv.arrive_step if sim.seconds_clock else lv.req.arrival for lv in fin], dtype=np.float64)
+    arr_step = np.array(
+        [lv.arrive_step if sim.seconds_clock else lv.req.arrival for lv in fin], dtype=np.float64
+    )
     ttft = np.array([lv.first_token_step for lv in fin], dtype=np.float64) - arr_step
     e2e = np.array([lv.finish_step for lv in fin], dtype=np.float64) - arr_step + 1
     arr_s = np.array([lv.arrival_s for lv in fin], dtype=np.float64)
     ttft_s = np.array([lv.first_token_s for lv in fin], dtype=np.float64) - arr_s
     e2e_s = np.array([lv.finish_s for lv in fin], dtype=np.float64) - arr_s
     multi = [lv for lv in fin if lv.generated > 1]
-    tpot = np.array([(lv.finish_s - lv.first_token_s) / (lv.generated - 1) for lv in multi], dtype=np.float64)
+    tpot = np.array(
+        [(lv.finish_s - lv.first_token_s) / (lv.generated - 1) for lv in multi], dtype=np.float64
+    )
     # time between tokens over every decoded token: each step's duration, once per decode in it
     step_s = np.asarray(sim.step_s, dtype=np.float64)
     dec_w = np.asarray(sim.step_decodes, dtype=np.float64)
@@ -106,8 +114,8 @@ def summarize(sim: Any, wall: float) -> dict[str, Any]:
         "peak_used_blocks": sim.peak_used_blocks,
         "num_total_blocks": int(st["num_total_blocks"]),
         "preemptions": sim.preemptions,
-        "preempted_requests": sum(1 for lv in fin if lv.preemptions) + sum(
-            1 for lv in list(sim.running) + list(sim.waiting) if lv.preemptions),
+        "preempted_requests": sum(1 for lv in fin if lv.preemptions)
+        + sum(1 for lv in list(sim.running) + list(sim.waiting) if lv.preemptions),
         "evictions": int(st.get("num_evictions", 0)),
         "host_loads": sim.host_loads,
         "host_offloads": sim.host_offloads,
@@ -149,9 +157,15 @@ def summarize(sim: Any, wall: float) -> dict[str, Any]:
             n = sum(lv.prompt_len for lv in group)
             return sum(max(lv.first_cached, 0) for lv in group) / n if n else 0.0
 
-        out.update({"sessions": len(first_turns), "follow_up_turns": len(follow),
-                    "max_turn": max(lv.req.session.turn for lv in sessions),
-                    "first_turn_hit_rate": hit(first_turns), "follow_up_hit_rate": hit(follow)})
+        out.update(
+            {
+                "sessions": len(first_turns),
+                "follow_up_turns": len(follow),
+                "max_turn": max(lv.req.session.turn for lv in sessions),
+                "first_turn_hit_rate": hit(first_turns),
+                "follow_up_hit_rate": hit(follow),
+            }
+        )
     return out
 
 
@@ -160,9 +174,13 @@ def remote_summary(sim: Any) -> dict[str, Any]:
     if sim.remote is None:
         return {}
     r = sim.pool.stats()["remote"]
-    return {"remote_hit_blocks": int(r["hit_blocks"]), "remote_fetched_blocks": int(r["fetched_blocks"]),
-            "remote_failed_blocks": int(r["failed_fetch_blocks"]), "remote_puts": int(r.get("puts", 0)),
-            "remote_errors": int(r.get("errors", 0)) + int(r.get("timeouts", 0))}
+    return {
+        "remote_hit_blocks": int(r["hit_blocks"]),
+        "remote_fetched_blocks": int(r["fetched_blocks"]),
+        "remote_failed_blocks": int(r["failed_fetch_blocks"]),
+        "remote_puts": int(r.get("puts", 0)),
+        "remote_errors": int(r.get("errors", 0)) + int(r.get("timeouts", 0)),
+    }
 
 
 def _weighted_percentile(values: np.ndarray, weights: np.ndarray, p: float) -> float:

@@ -47,8 +47,14 @@ def _run_point(args: argparse.Namespace, label: str, point: int, keep_timeline: 
     return res
 
 
-def run_sweep(plans: list[tuple[argparse.Namespace, str, bool]], reqs: list[Request], *, jobs: int | None,
-              show: bool, keep_timeline: bool) -> list[SimResult]:
+def run_sweep(
+    plans: list[tuple[argparse.Namespace, str, bool]],
+    reqs: list[Request],
+    *,
+    jobs: int | None,
+    show: bool,
+    keep_timeline: bool,
+) -> list[SimResult]:
     """Run ``plans`` (``(args, label, same_workload)``) and return their results in order."""
     n = len(plans)
     jobs = min(n, jobs if jobs is not None else (os.cpu_count() or 1))
@@ -65,7 +71,10 @@ def run_sweep(plans: list[tuple[argparse.Namespace, str, bool]], reqs: list[Requ
     pool = ctx.Pool(processes=jobs, initializer=_init_worker, initargs=(q,))
     bar = tasks = None
     try:
-        handles = [pool.apply_async(_run_point, (a, label, i, keep_timeline)) for i, (a, label, _) in enumerate(plans)]
+        handles = [
+            pool.apply_async(_run_point, (a, label, i, keep_timeline))
+            for i, (a, label, _) in enumerate(plans)
+        ]
         if show:
             bar, tasks = sweep_bars([lbl for _, lbl, _ in plans], totals)
             bar.__enter__()

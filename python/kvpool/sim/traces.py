@@ -64,8 +64,16 @@ BAILIAN_BLOCK_SIZE = 16
 FORMATS = ("auto", "kvpool", "mooncake", "bailian")
 
 _MOONCAKE_FIELDS = {"timestamp", "input_length", "output_length", "hash_ids"}
-_BAILIAN_FIELDS = {"chat_id", "parent_chat_id", "timestamp", "input_length", "output_length", "type",
-                   "turn", "hash_ids"}
+_BAILIAN_FIELDS = {
+    "chat_id",
+    "parent_chat_id",
+    "timestamp",
+    "input_length",
+    "output_length",
+    "type",
+    "turn",
+    "hash_ids",
+}
 
 
 def detect_format(obj: Any) -> str:
@@ -90,8 +98,10 @@ def _parse(obj: Any, fmt: str, block: int) -> tuple[float, HashedPrompt, int, Se
     fields = _BAILIAN_FIELDS if fmt == "bailian" else _MOONCAKE_FIELDS
     missing = sorted(fields - set(obj))
     if missing:
-        raise ValueError(f"missing field(s) {', '.join(missing)} of the {fmt} format "
-                         f"({', '.join(sorted(fields))})")
+        raise ValueError(
+            f"missing field(s) {', '.join(missing)} of the {fmt} format "
+            f"({', '.join(sorted(fields))})"
+        )
     unknown = sorted(set(obj) - fields)
     if unknown:
         raise ValueError(f"unknown field(s) {', '.join(unknown)} for the {fmt} format")
@@ -109,18 +119,23 @@ def _parse(obj: Any, fmt: str, block: int) -> tuple[float, HashedPrompt, int, Se
         raise ValueError("hash_ids must be a list of integers")
     limit = (1 << 31) // block
     if int(ids.min()) < 0 or int(ids.max()) >= limit:
-        raise ValueError(f"hash_ids must lie in [0, {limit}) for exact expansion at {block} tokens per id")
+        raise ValueError(
+            f"hash_ids must lie in [0, {limit}) for exact expansion at {block} tokens per id"
+        )
     need = -(-length // block)
     if len(ids) != need:
-        raise ValueError(f"input_length {length} needs {need} hash id(s) of {block} tokens, the line has "
-                         f"{len(ids)}")
+        raise ValueError(
+            f"input_length {length} needs {need} hash id(s) of {block} tokens, the line has "
+            f"{len(ids)}"
+        )
     session = None
     if fmt == "bailian":
         kind = obj["type"]
         if not isinstance(kind, str):
             raise ValueError(f"type must be a string, got {kind!r}")
-        session = Session(_int(obj, "chat_id", 0), _int(obj, "parent_chat_id", -1), _int(obj, "turn", 0),
-                          kind)
+        session = Session(
+            _int(obj, "chat_id", 0), _int(obj, "parent_chat_id", -1), _int(obj, "turn", 0), kind
+        )
     return arrival_s, HashedPrompt(ids.astype(np.int32), length, block), out_len, session
 
 
@@ -135,8 +150,13 @@ def _records(path: str, f: Any) -> Iterator[tuple[int, Any]]:
             raise TraceError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
 
 
-def read_production_trace(path: str | os.PathLike[str], fmt: str = "auto", *,
-                          trace_block_size: int | None = None, step_seconds: float = 0.02) -> list[Any]:
+def read_production_trace(
+    path: str | os.PathLike[str],
+    fmt: str = "auto",
+    *,
+    trace_block_size: int | None = None,
+    step_seconds: float = 0.02,
+) -> list[Any]:
     """Read a Mooncake or Qwen-Bailian JSONL trace, line by line.
 
     Parameters
@@ -172,15 +192,25 @@ def read_production_trace(path: str | os.PathLike[str], fmt: str = "auto", *,
                 if fmt == "auto":
                     fmt = detect_format(obj)
                     if fmt == "kvpool":
-                        raise TraceError(f"{name}:{lineno}: not a Mooncake or Qwen-Bailian record (no hash_ids)")
+                        raise TraceError(
+                            f"{name}:{lineno}: not a Mooncake or Qwen-Bailian record (no hash_ids)"
+                        )
                 if block is None:
                     block = MOONCAKE_BLOCK_SIZE if fmt == "mooncake" else BAILIAN_BLOCK_SIZE
                 try:
                     arrival_s, prompt, out_len, session = _parse(obj, fmt, block)
                 except ValueError as e:
                     raise TraceError(f"{name}:{lineno}: {e}") from None
-                reqs.append(Request(len(reqs), arrival_s / step_seconds, prompt, out_len, arrival_s=arrival_s,
-                                    session=session))
+                reqs.append(
+                    Request(
+                        len(reqs),
+                        arrival_s / step_seconds,
+                        prompt,
+                        out_len,
+                        arrival_s=arrival_s,
+                        session=session,
+                    )
+                )
     except (OSError, UnicodeDecodeError) as e:
         raise TraceError(f"cannot read trace {name}: {e}") from None
     if not reqs:

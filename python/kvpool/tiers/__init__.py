@@ -23,4 +23,11 @@ from kvpool.tiers.hierarchy import HierarchyBlockManagerPool
 from kvpool.tiers.lookup import RemoteLookup, lookup_for
 from kvpool.tiers.memory import MemoryRemoteTier
 
-__all__ = ["HierarchyBlockManagerPool", "MemoryRemoteTier", "RemoteLookup", "RemoteTier", "RemoteTierError", "lookup_for"]
+__all__ = [
+    "HierarchyBlockManagerPool",
+    "MemoryRemoteTier",
+    "RemoteLookup",
+    "RemoteTier",
+    "RemoteTierError",
+    "lookup_for",
+]

@@ -37,9 +37,19 @@ class RemoteTier:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._counters: dict[str, int] = {
-            "errors": 0, "timeouts": 0, "skipped": 0, "corrupt": 0, "exists_calls": 0,
-            "get_calls": 0, "put_calls": 0, "gets": 0, "get_hits": 0, "puts": 0,
-            "bytes_in": 0, "bytes_out": 0}
+            "errors": 0,
+            "timeouts": 0,
+            "skipped": 0,
+            "corrupt": 0,
+            "exists_calls": 0,
+            "get_calls": 0,
+            "put_calls": 0,
+            "gets": 0,
+            "get_hits": 0,
+            "puts": 0,
+            "bytes_in": 0,
+            "bytes_out": 0,
+        }
 
     def note(self, name: str, n: int = 1) -> None:
         """Adds ``n`` to counter ``name`` (thread-safe)."""
@@ -55,12 +65,15 @@ class RemoteTier:
         """Whether each key is stored (one round trip)."""
         raise NotImplementedError
 
-    def get_many(self, keys: Sequence[bytes], *, timeout: float | None = None) -> list[bytes | None]:
+    def get_many(
+        self, keys: Sequence[bytes], *, timeout: float | None = None
+    ) -> list[bytes | None]:
         """The payload of each key, None where missing (one round trip)."""
         raise NotImplementedError
 
-    def put_many(self, keys: Sequence[bytes], payloads: Sequence[bytes], *,
-                 timeout: float | None = None) -> None:
+    def put_many(
+        self, keys: Sequence[bytes], payloads: Sequence[bytes], *, timeout: float | None = None
+    ) -> None:
         """Stores ``payloads[i]`` under ``keys[i]`` (one round trip)."""
         raise NotImplementedError
 

@@ -45,8 +45,10 @@ def _per_rank(caches: Any, name: str) -> list[list[Any]]:
     try:
         items = list(caches)
     except TypeError:
-        raise TypeError(f"{name}: must be an array, a list of arrays, or a list (per dp rank) "
-                        f"of lists of arrays, got {type(caches).__name__}") from None
+        raise TypeError(
+            f"{name}: must be an array, a list of arrays, or a list (per dp rank) "
+            f"of lists of arrays, got {type(caches).__name__}"
+        ) from None
     if not items:
         raise ValueError(f"{name}: must not be empty")
     if all(hasattr(a, "shape") for a in items):
@@ -82,15 +84,20 @@ class TransferExecutor:
         if backend is not None:
             self.backend = backend
         if len(self.device) != len(self.host):
-            raise ValueError(f"host_caches: {len(self.host)} ranks, device_caches has {len(self.device)}")
+            raise ValueError(
+                f"host_caches: {len(self.host)} ranks, device_caches has {len(self.device)}"
+            )
         for r, (dev, host) in enumerate(zip(self.device, self.host, strict=True)):
             if len(dev) != len(host):
-                raise ValueError(f"host_caches[{r}]: {len(host)} arrays, device_caches[{r}] has {len(dev)}")
+                raise ValueError(
+                    f"host_caches[{r}]: {len(host)} arrays, device_caches[{r}] has {len(dev)}"
+                )
             for i, (d, h) in enumerate(zip(dev, host, strict=True)):
                 if tuple(d.shape[1:]) != tuple(h.shape[1:]) or d.dtype != h.dtype:
                     raise ValueError(
                         f"host_caches[{r}][{i}]: block shape {tuple(h.shape[1:])} {h.dtype} differs from "
-                        f"device_caches[{r}][{i}]: {tuple(d.shape[1:])} {d.dtype}")
+                        f"device_caches[{r}][{i}]: {tuple(d.shape[1:])} {d.dtype}"
+                    )
 
     # ------------------------------------------------------------------ plan execution
     def _rank(self, plan: Any) -> int:
@@ -206,10 +213,14 @@ class TransferExecutor:
             raise ValueError(f"bodies: {len(bodies)} bodies for {len(ids)} ids")
         for i, body in zip(ids, bodies, strict=True):
             if len(body) != sum(sizes):
-                raise ValueError(f"bodies: {len(body)} bytes, a block of rank {rank} has {sum(sizes)}")
+                raise ValueError(
+                    f"bodies: {len(body)} bytes, a block of rank {rank} has {sum(sizes)}"
+                )
             off = 0
             for a, n in zip(arrays, sizes, strict=True):
-                a[int(i)] = np.frombuffer(body, dtype=a.dtype, count=a[0].size, offset=off).reshape(a.shape[1:])
+                a[int(i)] = np.frombuffer(body, dtype=a.dtype, count=a[0].size, offset=off).reshape(
+                    a.shape[1:]
+                )
                 off += n
 
     def transfer(self, plans: Sequence[Any], *, to_device: bool) -> None:

@@ -34,8 +34,9 @@ DEFAULT_BUDGET_MS = 50.0
 _TIER_METHODS = ("exists_many", "get_many", "put_many")
 
 
-def lookup_for(remote: Any, remote_policy: Any = None,
-               remote_budget_ms: Any = None) -> tuple[RemoteLookup | None, str, float]:
+def lookup_for(
+    remote: Any, remote_policy: Any = None, remote_budget_ms: Any = None
+) -> tuple[RemoteLookup | None, str, float]:
     """Validates the remote options of a hierarchy pool (each error names its argument).
 
     Returns
@@ -47,13 +48,17 @@ def lookup_for(remote: Any, remote_policy: Any = None,
     if remote is not None:
         for method in _TIER_METHODS:
             if not hasattr(remote, method):
-                raise TypeError(f"remote: must be a kvpool.tiers.base.RemoteTier (no {method} method)")
+                raise TypeError(
+                    f"remote: must be a kvpool.tiers.base.RemoteTier (no {method} method)"
+                )
     if remote_policy is None:
         policy = POLICIES[0]
     elif not isinstance(remote_policy, str):
         raise TypeError("remote_policy: must be a str")
     elif remote_policy not in POLICIES:
-        raise ValueError(f"remote_policy: must be 'write_through' or 'on_host_evict', got {remote_policy!r}")
+        raise ValueError(
+            f"remote_policy: must be 'write_through' or 'on_host_evict', got {remote_policy!r}"
+        )
     else:
         policy = remote_policy
     if remote_budget_ms is None:
@@ -82,7 +87,9 @@ class RemoteLookup:
         self.over_budget = 0
         self.seconds = 0.0
 
-    def allocate(self, pool: Any, seq: Any, num_tokens: int | None = None, plan: Any = None) -> bool:
+    def allocate(
+        self, pool: Any, seq: Any, num_tokens: int | None = None, plan: Any = None
+    ) -> bool:
         """``pool.allocate(seq, num_tokens, plan=plan)`` with one remote lookup (R14, R26)."""
         if plan is None:
             plan = pool.plan(seq, num_tokens)

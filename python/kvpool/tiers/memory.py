@@ -29,7 +29,9 @@ class MemoryRemoteTier(RemoteTier):
 
     def __init__(self, capacity: int | None = None) -> None:
         super().__init__()
-        if capacity is not None and (not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1):
+        if capacity is not None and (
+            not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1
+        ):
             raise ValueError(f"capacity: must be an int >= 1 or None, got {capacity!r}")
         self.capacity = capacity
         self._data: OrderedDict[bytes, bytes] = OrderedDict()
@@ -51,7 +53,9 @@ class MemoryRemoteTier(RemoteTier):
             self._counters["exists_calls"] += 1
             return [bytes(k) in self._data for k in keys]
 
-    def get_many(self, keys: Sequence[bytes], *, timeout: float | None = None) -> list[bytes | None]:
+    def get_many(
+        self, keys: Sequence[bytes], *, timeout: float | None = None
+    ) -> list[bytes | None]:
         out: list[bytes | None] = []
         with self._lock:
             self._counters["get_calls"] += 1
@@ -66,8 +70,9 @@ class MemoryRemoteTier(RemoteTier):
             self._counters["gets"] += len(keys)
         return out
 
-    def put_many(self, keys: Sequence[bytes], payloads: Sequence[bytes], *,
-                 timeout: float | None = None) -> None:
+    def put_many(
+        self, keys: Sequence[bytes], payloads: Sequence[bytes], *, timeout: float | None = None
+    ) -> None:
         if len(keys) != len(payloads):
             raise ValueError(f"payloads: {len(payloads)} for {len(keys)} keys")
         with self._lock:

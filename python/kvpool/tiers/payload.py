@@ -47,8 +47,17 @@ _HEADER = struct.Struct("<4sHHQQ")  # magic, version, spec length, body length, 
 
 
 # ---------------------------------------------------------------------------------- namespace
-def make_namespace(model: str, *, dtype: str, num_kv_heads: int, head_dim: int, block_size: int,
-                   num_layers: int, layout: str = "tp1:rank0", hash_seed: int | None = None) -> str:
+def make_namespace(
+    model: str,
+    *,
+    dtype: str,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    num_layers: int,
+    layout: str = "tp1:rank0",
+    hash_seed: int | None = None,
+) -> str:
     """The namespace identifier of a KV layout: blocks are shared only within one.
 
     Parameters
@@ -70,12 +79,18 @@ def make_namespace(model: str, *, dtype: str, num_kv_heads: int, head_dim: int, 
     """
     if not isinstance(model, str) or not model:
         raise ValueError("model: must be a non-empty str")
-    for name, v in (("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
-                    ("block_size", block_size), ("num_layers", num_layers)):
+    for name, v in (
+        ("num_kv_heads", num_kv_heads),
+        ("head_dim", head_dim),
+        ("block_size", block_size),
+        ("num_layers", num_layers),
+    ):
         if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
             raise ValueError(f"{name}: must be an int > 0, got {v!r}")
-    return (f"{model}|{dtype}|kvh{num_kv_heads}|hd{head_dim}|bs{block_size}|L{num_layers}|"
-            f"{layout}|seed{hash_seed}")
+    return (
+        f"{model}|{dtype}|kvh{num_kv_heads}|hd{head_dim}|bs{block_size}|L{num_layers}|"
+        f"{layout}|seed{hash_seed}"
+    )
 
 
 def key_prefix(namespace: str) -> bytes:
@@ -116,7 +131,9 @@ def _mac(mac_key: bytes, key: bytes, signed: bytes | memoryview) -> bytes:
     return h.digest()
 
 
-def encode_payload(key: bytes, spec: str, body: bytes | memoryview, *, mac_key: bytes | None = None) -> bytes:
+def encode_payload(
+    key: bytes, spec: str, body: bytes | memoryview, *, mac_key: bytes | None = None
+) -> bytes:
     """Header plus ``body`` (one block of every cache array, concatenated) for ``key``.
 
     With ``mac_key`` (16 to 64 bytes, a per-deployment secret) the payload is format version 2:
@@ -129,8 +146,14 @@ def encode_payload(key: bytes, spec: str, body: bytes | memoryview, *, mac_key: 
     return out if mac_key is None else out + _mac(mac_key, key, out)
 
 
-def decode_payload(key: bytes, spec: str, payload: bytes | None, body_len: int | None = None, *,
-                   mac_key: bytes | None = None) -> memoryview | None:
+def decode_payload(
+    key: bytes,
+    spec: str,
+    payload: bytes | None,
+    body_len: int | None = None,
+    *,
+    mac_key: bytes | None = None,
+) -> memoryview | None:
     """The body of ``payload`` if it verifies for ``key`` and ``spec`` (and ``body_len``), else None.
 
     A reader with ``mac_key`` accepts only payloads tagged with that key (version 2): a payload
@@ -150,9 +173,9 @@ def decode_payload(key: bytes, spec: str, payload: bytes | None, body_len: int |
     if (body_len is not None and blen != body_len) or len(payload) != end + tag:
         return None
     view = memoryview(payload)
-    if bytes(view[_HEADER.size:_HEADER.size + spec_len]) != s:
+    if bytes(view[_HEADER.size : _HEADER.size + spec_len]) != s:
         return None
-    body = view[_HEADER.size + spec_len:end]
+    body = view[_HEADER.size + spec_len : end]
     if _checksum(key, s, body) != checksum:
         return None
     if mac_key is not None and not hmac.compare_digest(_mac(mac_key, key, view[:end]), view[end:]):

@@ -28,8 +28,10 @@ from kvpool.tiers.payload import check_mac_key, key_prefix
 __all__ = ["RedisRemoteTier"]
 
 # Batched existence in one command on a single server (read-only; EVALSHA after the first call).
-_EXISTS_LUA = ("local r = {} for i, k in ipairs(KEYS) do r[i] = redis.call('EXISTS', k) end "
-               "return table.concat(r)")  # one bulk string of '0'/'1': cheap to send and parse
+_EXISTS_LUA = (
+    "local r = {} for i, k in ipairs(KEYS) do r[i] = redis.call('EXISTS', k) end "
+    "return table.concat(r)"
+)  # one bulk string of '0'/'1': cheap to send and parse
 
 
 class RedisRemoteTier(RemoteTier):
@@ -54,15 +56,25 @@ class RedisRemoteTier(RemoteTier):
         keyed BLAKE2b tag and only payloads tagged with this key are read (others are misses).
     """
 
-    def __init__(self, url: str, namespace: str, *, cluster: bool = False, timeout_ms: float = 1000.0,
-                 retry_interval_ms: float = 1000.0, ttl_s: int | None = None,
-                 mac_key: bytes | None = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        namespace: str,
+        *,
+        cluster: bool = False,
+        timeout_ms: float = 1000.0,
+        retry_interval_ms: float = 1000.0,
+        ttl_s: int | None = None,
+        mac_key: bytes | None = None,
+    ) -> None:
         super().__init__()
         self.mac_key = check_mac_key(mac_key)
         try:
             import redis  # noqa: F401
         except ImportError as e:  # pragma: no cover - redis is a dependency of the extra
-            raise ImportError("kvpool.tiers.redis needs redis-py: pip install 'kvpool[remote]'") from e
+            raise ImportError(
+                "kvpool.tiers.redis needs redis-py: pip install 'kvpool[remote]'"
+            ) from e
         if not isinstance(url, str) or not url.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"url: must be a redis:// URL, got {url!r}")
         if not timeout_ms > 0:
@@ -80,7 +92,9 @@ class RedisRemoteTier(RemoteTier):
         self._down_until = 0.0
 
     def __repr__(self) -> str:
-        return f"RedisRemoteTier({self.url!r}, namespace={self.namespace!r}, cluster={self.cluster})"
+        return (
+            f"RedisRemoteTier({self.url!r}, namespace={self.namespace!r}, cluster={self.cluster})"
+        )
 
     # -- plumbing
     def _client(self, timeout: float | None) -> Any:
@@ -91,8 +105,11 @@ class RedisRemoteTier(RemoteTier):
                 from redis.backoff import NoBackoff
                 from redis.retry import Retry
 
-                opts: dict[str, Any] = {"socket_timeout": t, "socket_connect_timeout": t,
-                                        "retry": Retry(NoBackoff(), 0)}
+                opts: dict[str, Any] = {
+                    "socket_timeout": t,
+                    "socket_connect_timeout": t,
+                    "retry": Retry(NoBackoff(), 0),
+                }
                 if self.cluster:
                     from redis.cluster import RedisCluster
 
@@ -166,7 +183,9 @@ class RedisRemoteTier(RemoteTier):
 
         return self._call("exists_many", run, timeout)
 
-    def get_many(self, keys: Sequence[bytes], *, timeout: float | None = None) -> list[bytes | None]:
+    def get_many(
+        self, keys: Sequence[bytes], *, timeout: float | None = None
+    ) -> list[bytes | None]:
         full = self._keys(keys)
         if not full:
             return []
@@ -182,8 +201,9 @@ class RedisRemoteTier(RemoteTier):
         self.note("bytes_in", sum(len(p) for p in got))
         return out
 
-    def put_many(self, keys: Sequence[bytes], payloads: Sequence[bytes], *,
-                 timeout: float | None = None) -> None:
+    def put_many(
+        self, keys: Sequence[bytes], payloads: Sequence[bytes], *, timeout: float | None = None
+    ) -> None:
         full = self._keys(keys)
         if len(full) != len(payloads):
             raise ValueError(f"payloads: {len(payloads)} payloads for {len(full)} keys")

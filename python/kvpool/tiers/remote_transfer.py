@@ -34,7 +34,9 @@ class HostBlockIO(Protocol):
 
     def read_host_blocks(self, rank: int, ids: Sequence[int]) -> list[bytes]: ...
 
-    def write_host_blocks(self, rank: int, ids: Sequence[int], bodies: Sequence[memoryview]) -> None: ...
+    def write_host_blocks(
+        self, rank: int, ids: Sequence[int], bodies: Sequence[memoryview]
+    ) -> None: ...
 
 
 class RemoteTransfer:
@@ -60,7 +62,9 @@ class RemoteTransfer:
     def __init__(self, pool: Any, io: HostBlockIO) -> None:
         tier = getattr(pool, "remote", None)
         if tier is None:
-            raise ValueError("pool: has no remote tier (HierarchyBlockManagerPool(..., remote=...))")
+            raise ValueError(
+                "pool: has no remote tier (HierarchyBlockManagerPool(..., remote=...))"
+            )
         self.pool = pool
         self.tier = tier
         self.io = io
@@ -68,7 +72,9 @@ class RemoteTransfer:
         self._unsent: dict[int, dict[int, bytes]] = {}  # rank -> host id -> key (on_host_evict)
 
     # -- writes
-    def _send(self, rank: int, ids: Sequence[int], keys: Sequence[bytes], skip_existing: bool) -> int:
+    def _send(
+        self, rank: int, ids: Sequence[int], keys: Sequence[bytes], skip_existing: bool
+    ) -> int:
         if not ids:
             return 0
         try:
@@ -82,9 +88,16 @@ class RemoteTransfer:
             spec = self.io.host_block_spec(rank)
             bodies = self.io.read_host_blocks(rank, ids)
             mac_key = getattr(self.tier, "mac_key", None)
-            self.tier.put_many(keys, [encode_payload(k, spec, b, mac_key=mac_key)
-                                      for k, b in zip(keys, bodies, strict=True)])
-            self.pool.record_remote_events(rank, "stored", list(keys))  # medium "remote" (docs/events.md)
+            self.tier.put_many(
+                keys,
+                [
+                    encode_payload(k, spec, b, mac_key=mac_key)
+                    for k, b in zip(keys, bodies, strict=True)
+                ],
+            )
+            self.pool.record_remote_events(
+                rank, "stored", list(keys)
+            )  # medium "remote" (docs/events.md)
             return len(ids)
         except Exception:  # noqa: BLE001 - a failed write is a lost cache entry, never an error
             return 0
@@ -100,7 +113,9 @@ class RemoteTransfer:
                 continue
             victims = [(int(i), unsent.pop(int(i))) for i in p.dst if int(i) in unsent]
             if victims:
-                sent += self._send(int(p.dp_rank), [i for i, _ in victims], [k for _, k in victims], True)
+                sent += self._send(
+                    int(p.dp_rank), [i for i, _ in victims], [k for _, k in victims], True
+                )
         return sent
 
     def after_offloads(self, plans: Iterable[Any]) -> int:
@@ -138,7 +153,9 @@ class RemoteTransfer:
         if not plans:
             return 0
         self.before_host_writes(plans)
-        arrived = [self._fetch(int(p.dp_rank), [int(i) for i in p.dst], list(p.keys)) for p in plans]
+        arrived = [
+            self._fetch(int(p.dp_rank), [int(i) for i in p.dst], list(p.keys)) for p in plans
+        ]
         self.pool.complete_fetches(plans, arrived)
         return sum(sum(a) for a in arrived)
 
@@ -170,7 +187,9 @@ class RemoteTransfer:
                     gone.append(k)
                 continue  # this block fails; the pool cuts its sequence's chain here
             good.append((j, body))
-        if gone:  # the tier no longer holds them (evicted, expired): "removed" events (docs/events.md)
+        if (
+            gone
+        ):  # the tier no longer holds them (evicted, expired): "removed" events (docs/events.md)
             self.pool.record_remote_events(rank, "removed", gone)
         if not good:
             return ok
