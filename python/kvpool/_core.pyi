@@ -114,7 +114,8 @@ class _RankStats(_BlockCounts):
     host: _HostStats | None
 
 class _MappedMemoryStats(TypedDict):
-    """Mapped memory of one rank of a pool on elastic pages, or the sum over the ranks (docs/xtensor.md)."""
+    """Mapped memory of one rank of a pool on elastic pages, or the sum over the ranks
+    (docs/xtensor.md)."""
 
     num_pages: int
     mapped_pages: int
@@ -261,7 +262,8 @@ class BlockManager:
     ----------
     num_blocks : int
         Ids in the pool, padding block 0 included (``num_total_blocks == num_blocks - 1``), at
-        most ``2**30``; ``num_blocks * block_size`` below ``2**40`` (docs/contract.md, "Choice: sizes and counts").
+        most ``2**30``; ``num_blocks * block_size`` below ``2**40`` (docs/contract.md, "Choice:
+        sizes and counts").
     block_size : int
         Tokens per block, at least 1.
     enable_prefix_cache : bool
@@ -410,7 +412,8 @@ class ConcurrentBlockManager:
     ----------
     num_blocks : int
         Ids in the pool, padding block 0 included (``num_total_blocks == num_blocks - 1``), at
-        most ``2**30``; ``num_blocks * block_size`` below ``2**40`` (docs/contract.md, "Choice: sizes and counts").
+        most ``2**30``; ``num_blocks * block_size`` below ``2**40`` (docs/contract.md, "Choice:
+        sizes and counts").
     block_size : int
         Tokens per block, at least 1.
     enable_prefix_cache : bool
@@ -1186,7 +1189,7 @@ class BlockManagerPool:
         """
 
     def may_append(self, seq: Sequence, lookahead: int = 0) -> bool:
-        """Take the blocks ``can_append`` asks about (all or nothing; False if they cannot be had)."""
+        """Take the blocks ``can_append`` asks about, all or nothing (False: they cannot be had)."""
 
     def cache(self, seq: Sequence) -> None:
         """Publish the full blocks inside ``seq.num_computed_tokens`` in the prefix cache (R17)."""
@@ -1397,7 +1400,8 @@ class BlockManagerPool:
 
 @final
 class AllocationPlan:
-    """An allocation decided by ``BlockManagerPool.plan``, with no side effect (docs/contract.md, "Plan once").
+    """An allocation decided by ``BlockManagerPool.plan``, with no side effect (docs/contract.md,
+    "Plan once").
 
     Hand it to ``allocate(seq, num_tokens, plan=plan)``. Read-only; tokens are multiples of the
     block size. ``num_cached_tokens`` is what ``seq.num_cached_tokens`` becomes once every load
@@ -1704,7 +1708,7 @@ class TransferPlan:
 
     @property
     def dst(self) -> NDArray[np.int32]:
-        """Destination block ids, int32 ``[n]``, distinct: device ids for a load, host for an offload."""
+        """Destination block ids, int32 ``[n]``, distinct (device ids of a load, host ids else)."""
 
     @property
     def direction(self) -> Literal["load", "offload", "fetch"]:
@@ -1751,7 +1755,9 @@ class HierarchyBlockManagerPool(BlockManagerPool):
         offloaded. ``"on_evict"``: only the blocks that the release makes evictable (held by
         nothing but the device cache); a block another sequence holds goes when its last
         holder releases it.
-    dp_size, enable_prefix_cache, num_single_blocks, linear_state_slots, checkpoint_interval, linear_state_match, linear_state_save, concurrent, enable_events, event_replay, hash_seed, sliding_window, swa_num_blocks, debug_hash_bits
+    dp_size, enable_prefix_cache, num_single_blocks, linear_state_slots, checkpoint_interval,
+    linear_state_match, linear_state_save, concurrent, enable_events, event_replay, hash_seed,
+    sliding_window, swa_num_blocks, debug_hash_bits
         As for ``BlockManagerPool``. Without the device prefix cache the host tier stays idle.
 
     Raises
@@ -1838,7 +1844,7 @@ class HierarchyBlockManagerPool(BlockManagerPool):
         """Offload plans (device -> host) made since the last call, one per rank that has any."""
 
     def take_fetch_plans(self) -> list[TransferPlan]:
-        """Fetch plans (remote -> host staging) made since the last call, one per rank that has any."""
+        """Fetch plans (remote -> host staging) made since the last call, one per rank with any."""
 
     def complete_fetches(
         self, plans: Iterable[TransferPlan], arrived: Iterable[Iterable[bool]] | None = None
@@ -1855,7 +1861,7 @@ class HierarchyBlockManagerPool(BlockManagerPool):
         """
 
     def fail_fetches(self, plans: Iterable[TransferPlan]) -> None:
-        """``complete_fetches`` with nothing arrived: host hits still load, remote hits recompute."""
+        """``complete_fetches``, nothing arrived: host hits still load, remote hits recompute."""
 
     def complete_loads(self, plans: Iterable[TransferPlan]) -> None:
         """Confirm that ``plans`` ran: loaded tokens count as cached and computed (R26).

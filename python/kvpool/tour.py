@@ -1,13 +1,14 @@
 """``kvpool tour``: two scenarios replayed on the real library, step by step.
 
-1. Paged KV, as nano-vllm's ``BlockManager`` tutorial tells it: block size 4; a request of 11 tokens takes
-   ``ceil(11 / 4) = 3`` blocks and leaves 1 empty slot; a full one-block request appends its
-   5th token: ``can_append`` checks, ``may_append`` adds one id; releasing both restores the
-   free list; then block size 8 beside it, and why the internal fragmentation changes.
-2. A request's life in xLLM's ``BlockManagerPool`` design: allocate (dp rank, single block, live slot, prefix
-   match, new blocks), the worker's block table and slots, the forward, deallocate (cache,
-   release, single block and slot back, the partial block to the free list), a second request
-   hitting the prefix, and the reference counts falling until an id is free again.
+1. Paged KV, as nano-vllm's ``BlockManager`` tutorial tells it: block size 4; a request of 11
+   tokens takes ``ceil(11 / 4) = 3`` blocks and leaves 1 empty slot; a full one-block request
+   appends its 5th token: ``can_append`` checks, ``may_append`` adds one id; releasing both
+   restores the free list; then block size 8 beside it, and why the internal fragmentation
+   changes.
+2. A request's life in xLLM's ``BlockManagerPool`` design: allocate (dp rank, single block, live
+   slot, prefix match, new blocks), the worker's block table and slots, the forward, deallocate
+   (cache, release, single block and slot back, the partial block to the free list), a second
+   request hitting the prefix, and the reference counts falling until an id is free again.
 
 Every number printed is read from the library as the calls run (nothing is hard-coded);
 :func:`paged_blocks` and :func:`request_life` return them as ``(rows, facts)`` for tests.
@@ -76,8 +77,12 @@ def _request(pool: kvpool.BlockManagerPool, block_size: int) -> dict[str, Any]:
         (
             "can_append(B)",
             f"{can}: the table must hold {len(b)} tokens; "
-            f"{'1 more block, and the free list has one' if len(b) > before * block_size else 'it does already'}"
-            " (a check, nothing changes)",
+            + (
+                "1 more block, and the free list has one"
+                if len(b) > before * block_size
+                else "it does already"
+            )
+            + " (a check, nothing changes)",
             f"free {free()}",
         )
     )
@@ -114,7 +119,7 @@ def _request(pool: kvpool.BlockManagerPool, block_size: int) -> dict[str, Any]:
 
 
 def paged_blocks() -> tuple[dict[int, list[Row]], dict[int, Any]]:
-    """Paged blocks at block sizes 4 and 8 (prefix cache off: nano-vllm's tutorial allocator has none)."""
+    """Paged blocks at block sizes 4 and 8 (prefix cache off, as in nano-vllm's tutorial)."""
     out: dict[int, list[Row]] = {}
     facts: dict[int, Any] = {}
     for bs in (4, 8):
@@ -134,8 +139,8 @@ def request_life() -> tuple[list[Row], list[Row], dict[str, Any]]:
     def counts() -> str:
         st = pool.stats()
         return (
-            f"free {st['num_free_blocks']}, cached {st['num_cached_blocks']}, used {st['num_used_blocks']} "
-            f"(2 ranks); live slots {st['num_live_slots']}"
+            f"free {st['num_free_blocks']}, cached {st['num_cached_blocks']}, "
+            f"used {st['num_used_blocks']} (2 ranks); live slots {st['num_live_slots']}"
         )
 
     s1 = kvpool.Sequence(list(range(10)), seq_id=1)
@@ -210,8 +215,9 @@ def request_life() -> tuple[list[Row], list[Row], dict[str, Any]]:
         (
             "allocate(request 2): shares 8 tokens",
             f"dp rank {s2.dp_rank}; prefix match "
-            f"{s2.num_cached_tokens} tokens (blocks 1, 2: no recompute); state restored from checkpoint slot "
-            f"{s2.linear_state_restore_slot}; {s2.num_blocks - s2.num_cached_tokens // bs} new block",
+            f"{s2.num_cached_tokens} tokens (blocks 1, 2: no recompute); state restored from "
+            f"checkpoint slot {s2.linear_state_restore_slot}; "
+            f"{s2.num_blocks - s2.num_cached_tokens // bs} new block",
             f"table {_ids(s2.block_table)}",
         )
     )
@@ -331,9 +337,9 @@ def main(argv: list[str] | None = None) -> int:
     console.print(
         "The empty slots are internal fragmentation: ceil(L / block_size) * block_size - L, always "
         "less than one block and only in a request's last block. Bigger blocks waste more of it "
-        f"({f4['a_empty']} slot at 4, {f8['a_empty']} at 8 for 11 tokens) and share prefixes only in "
-        "whole blocks; smaller ones mean longer block tables and more appends that need a new id. "
-        "The table maps logical pages to any physical ids: they need not be contiguous.\n"
+        f"({f4['a_empty']} slot at 4, {f8['a_empty']} at 8 for 11 tokens) and share prefixes only "
+        "in whole blocks; smaller ones mean longer block tables and more appends that need a new "
+        "id. The table maps logical pages to any physical ids: they need not be contiguous.\n"
     )
     rows, ref, _ = request_life()
     console.rule(
@@ -354,7 +360,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     )
     console.print(
-        "deallocate != free: an id returns to the free list only when its last handle goes, and the "
-        "prefix cache holds one until eviction (R4, R5). Next: docs/simulate.md, `kvpool simulate`."
+        "deallocate != free: an id returns to the free list only when its last handle goes, and "
+        "the prefix cache holds one until eviction (R4, R5). "
+        "Next: docs/simulate.md, `kvpool simulate`."
     )
     return 0

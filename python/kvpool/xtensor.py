@@ -1,13 +1,13 @@
 """Elastic KV memory on CUDA virtual memory: the GPU page backend of ``kvpool.XTensorBlockManager``.
 
-The KV cache is the NHD layout of docs/contract.md's K1, one ``[num_blocks, block_size, num_kv_heads,
-head_dim]`` tensor for K and one for V per layer. :class:`CudaPageBackend` reserves a virtual
-range for each of those ``2 * num_layers`` tensors (``cuMemAddressReserve``) and backs page ``p``
-(blocks ``p * blocks_per_page ..``) with one physical allocation per tensor only while the
+The KV cache is the NHD layout of docs/contract.md's K1, one ``[num_blocks, block_size,
+num_kv_heads, head_dim]`` tensor for K and one for V per layer. :class:`CudaPageBackend` reserves a
+virtual range for each of those ``2 * num_layers`` tensors (``cuMemAddressReserve``) and backs page
+``p`` (blocks ``p * blocks_per_page ..``) with one physical allocation per tensor only while the
 manager needs it (``cuMemCreate`` + ``cuMemMap`` + ``cuMemSetAccess``; ``cuMemUnmap`` +
 ``cuMemRelease`` to give it back). The tensors are CuPy arrays over the reserved ranges, so
-``kvpool.kernels`` work on them unchanged; only blocks of mapped pages may be touched, which is
-what the manager guarantees for every block it hands out (and for the padding block 0).
+``kvpool.kernels`` work on them unchanged; only blocks of mapped pages may be touched, which is what
+the manager guarantees for every block it hands out (and for the padding block 0).
 
 The driver is reached through ``ctypes`` on ``libcuda`` (:class:`CudaDriver`); any object with the
 same eight methods can stand in for it (the tests use a fake one, so the paging logic is tested
@@ -243,8 +243,9 @@ class CudaPageBackend:
             )
         elif blocks_per_page < 1 or blocks_per_page % fewest:
             raise ValueError(
-                f"blocks_per_page: must be a positive multiple of {fewest} (pages of {self.block_bytes}-byte "
-                f"blocks must fill whole {granularity}-byte allocations), got {blocks_per_page}"
+                f"blocks_per_page: must be a positive multiple of {fewest} (pages of "
+                f"{self.block_bytes}-byte blocks must fill whole {granularity}-byte allocations), "
+                f"got {blocks_per_page}"
             )
         self.blocks_per_page = blocks_per_page
         self.num_pages = -(-num_blocks // blocks_per_page)

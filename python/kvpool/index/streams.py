@@ -36,7 +36,7 @@ def event_to_dict(event: Any) -> dict[str, Any]:
 
 
 def event_from_dict(d: dict[str, Any]) -> dict[str, Any]:
-    """The ``KVIndex.apply`` form (docs/events.md) of an ``event_to_dict`` dict: hex back to bytes."""
+    """The ``KVIndex.apply`` form (docs/events.md) of an ``event_to_dict`` dict (hex to bytes)."""
     out = dict(d)
     out["block_hashes"] = [bytes.fromhex(h) for h in d.get("block_hashes", ())]
     for key in ("parent_hash", "extra_key"):
@@ -136,7 +136,8 @@ class PrefixIndex:
         return {k: frozenset(v) for k, v in self.by_holder.items() if v}
 
     def best_holder(self, hashes: Sequence[bytes]) -> tuple[tuple[str, int] | None, int]:
-        """The holder with the longest prefix of ``hashes`` (a request's chain) all its groups admit, and its length."""
+        """The holder with the longest prefix of ``hashes`` (a request's chain) all its groups
+        admit, and its length."""
         best: tuple[str, int] | None = None
         best_n = 0
         chain = [bytes(h).hex() for h in hashes]

@@ -66,7 +66,7 @@ _ORPHAN = b"kvpool/vllm/orph"  # parent key of a block whose parent the reader n
 
 
 def vllm_extra_key(lora_name: str | None = None, cache_salt: str | None = None) -> bytes | None:
-    """The kvpool extra key of a vLLM chain with this LoRA adapter and cache salt (None if neither)."""
+    """The kvpool extra key of a vLLM chain with this LoRA adapter and cache salt (or None)."""
     if lora_name is None and cache_salt is None:
         return None
     return msgpack.packb([lora_name, cache_salt])

@@ -473,7 +473,7 @@ class KVCacheManager:
             self._publish(request, entry, num_computed_tokens)
 
     def free(self, request: Request) -> None:
-        """Publish what the request computed, then release its blocks (R18); unknown ids are a no-op."""
+        """Publish what the request computed, then release its blocks (R18); unknown ids: no-op."""
         entry = self._seqs.get(request.request_id)
         if entry is None:
             return
@@ -628,7 +628,7 @@ class KVCacheManager:
         return stats
 
     def reset_prefix_cache(self) -> bool:
-        """Drop every cached block (R12); False, with nothing changed, while a request holds blocks."""
+        """Drop every cached block (R12); False, nothing changed, while a request holds blocks."""
         if any(entry.capacity for entry in self._seqs.values()):
             return False
         self.pool.reset_prefix_cache()
@@ -682,8 +682,8 @@ class KVCacheManager:
 
     def check(self) -> None:
         """Walk the pool's structures (R20) and this manager's: ``usage`` (cached since the last
-        allocation or release) and the free count are the pool's stats; each entry mirrors its sequence
-        (length, table capacity, computed tokens), a held table has no id 0 and holds the
+        allocation or release) and the free count are the pool's stats; each entry mirrors its
+        sequence (length, table capacity, computed tokens), a held table has no id 0 and holds the
         computed tokens, and every request awaiting publication is tracked.
 
         Raises

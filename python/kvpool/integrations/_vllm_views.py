@@ -112,7 +112,7 @@ class _GroupView:
 
 
 class _CoordinatorView:
-    """What the Scheduler (and ``EngineCore.get_kv_cache_group_metadata``) read of the coordinator."""
+    """The coordinator as the Scheduler and ``EngineCore.get_kv_cache_group_metadata`` read it."""
 
     def __init__(self, groups: tuple[_GroupView, ...]) -> None:
         self.single_type_managers = groups

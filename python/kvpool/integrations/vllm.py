@@ -128,7 +128,8 @@ def _skip_unused_hashing() -> None:
 
 
 class Scheduler(_VllmScheduler):
-    """vLLM's ``Scheduler`` on kvpool's manager: ``--scheduler-cls kvpool.integrations.vllm.Scheduler``.
+    """vLLM's ``Scheduler`` on kvpool's manager: ``--scheduler-cls
+    kvpool.integrations.vllm.Scheduler``.
 
     Also spares the engine core vLLM's own block hashing of every request, which nothing reads
     under kvpool's manager (kvpool hashes the tokens itself): the engine core that builds this

@@ -233,8 +233,8 @@ def build_parser(prog: str = "kvpool simulate") -> argparse.ArgumentParser:
         choices=sorted(GPUS),
         default=None,
         help="roofline step time of the model (--model) on this GPU; without --num-blocks, "
-        f"--gib or --cache-tokens the KV cache is {GPU_MEMORY_UTILIZATION:g} of the GPUs' memory less "
-        "the weights",
+        f"--gib or --cache-tokens the KV cache is {GPU_MEMORY_UTILIZATION:g} of the GPUs' memory "
+        "less the weights",
     )
     t.add_argument(
         "--tp", type=_positive_int, default=1, help="GPUs per rank (ideal tensor parallelism)"
@@ -255,8 +255,9 @@ def build_parser(prog: str = "kvpool simulate") -> argparse.ArgumentParser:
         "--step-ms",
         type=_pos_float,
         default=None,
-        help=f"fixed milliseconds per engine step when there is no --gpu (default {DEFAULT_STEP_MS:g}); "
-        "also turns kvpool-trace 'time' fields and idle gaps of synthetic workloads into steps",
+        help="fixed milliseconds per engine step when there is no --gpu "
+        f"(default {DEFAULT_STEP_MS:g}); also turns kvpool-trace 'time' fields and idle gaps of "
+        "synthetic workloads into steps",
     )
     c.add_argument(
         "--host-blocks",
@@ -285,8 +286,8 @@ def build_parser(prog: str = "kvpool simulate") -> argparse.ArgumentParser:
         "--xtensor",
         action="store_true",
         help="every rank's KV blocks on virtual-memory pages mapped on use: the cache size is the "
-        "virtual range, the memory is what the pages mapped hold (reported over time); needs a model "
-        "shape (--model, or --layers/--kv-heads/--head-dim) to size pages in bytes",
+        "virtual range, the memory is what the pages mapped hold (reported over time); needs a "
+        "model shape (--model, or --layers/--kv-heads/--head-dim) to size pages in bytes",
     )
     x.add_argument(
         "--page-mib",
@@ -380,7 +381,8 @@ def build_parser(prog: str = "kvpool simulate") -> argparse.ArgumentParser:
         "-j",
         type=_positive_int,
         default=None,
-        help="--sweep: points run in parallel processes (default: one per CPU, at most one per point)",
+        help="--sweep: points run in parallel processes "
+        "(default: one per CPU, at most one per point)",
     )
     o.add_argument(
         "--check",
@@ -612,4 +614,7 @@ def _fmt(v: Any) -> str:
 def _describe(wl: dict[str, Any]) -> str:
     if "trace" in wl:
         return f"trace {wl['trace']}"
-    return f"{wl['workload']} workload, {wl['num_requests']} requests, rate {wl['rate']:g}/step, seed {wl['seed']}"
+    return (
+        f"{wl['workload']} workload, {wl['num_requests']} requests, rate {wl['rate']:g}/step, "
+        f"seed {wl['seed']}"
+    )

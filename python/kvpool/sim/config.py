@@ -63,7 +63,8 @@ class SimConfig:
     mfu: float = 0.5
     mbu: float = 0.8
     model_shape: ModelShape | None = None
-    # elastic pages (--xtensor): the pool's xtensor= dict, and (seconds, GiB per rank or None) limit changes
+    # elastic pages (--xtensor): the pool's xtensor= dict, and (seconds, GiB per rank or None) limit
+    # changes
     xtensor: dict[str, Any] | None = None
     memory_limit_schedule: tuple[tuple[float, float | None], ...] = ()
 
@@ -95,8 +96,8 @@ class SimConfig:
             return FixedStepTime(self.step_ms)
         if self.model_shape is None:
             raise SimError(
-                "the roofline step time (--gpu) needs a model shape (--model, or --layers/--kv-heads/"
-                "--head-dim with --heads and --params)"
+                "the roofline step time (--gpu) needs a model shape (--model, or "
+                "--layers/--kv-heads/--head-dim with --heads and --params)"
             )
         try:
             return Roofline(
@@ -125,8 +126,8 @@ class SimConfig:
                 raise SimError("checkpoint_interval needs linear_state_slots > 0")
             if self.checkpoint_interval < 1 or self.checkpoint_interval % self.block_size:
                 raise SimError(
-                    f"checkpoint_interval must be a positive multiple of block_size ({self.block_size}), "
-                    f"got {self.checkpoint_interval}"
+                    "checkpoint_interval must be a positive multiple of block_size "
+                    f"({self.block_size}), got {self.checkpoint_interval}"
                 )
         if self.linear_state_match not in ("deepest", "contiguous"):
             raise SimError("linear_state_match must be 'deepest' or 'contiguous'")
@@ -194,7 +195,7 @@ def check_fits(cfg: SimConfig, requests: Sequence[Request]) -> None:
         if need > per_rank:
             raise SimError(
                 f"request {r.request_id} needs {need} tokens of KV "
-                f"({math.ceil(need / cfg.block_size)} blocks of {cfg.block_size}) but the whole cache "
-                f"holds {per_rank} tokens per rank ({cfg.num_blocks - 1} usable blocks): raise "
-                f"--num-blocks / --cache-tokens / --gib or shorten the request"
+                f"({math.ceil(need / cfg.block_size)} blocks of {cfg.block_size}) but the whole "
+                f"cache holds {per_rank} tokens per rank ({cfg.num_blocks - 1} usable blocks): "
+                f"raise --num-blocks / --cache-tokens / --gib or shorten the request"
             )

@@ -51,7 +51,7 @@ _SUFFIX = {"k": 1e3, "K": 1e3, "m": 1e6, "M": 1e6, "g": 1e9, "G": 1e9}
 
 
 def parse_tokens(text: str) -> float:
-    """A token count: an integer, ``1e6``, ``3M``, ``500k``, or ``inf`` (room for the whole workload)."""
+    """A token count: an integer, ``1e6``, ``3M``, ``500k``, or ``inf`` (room for the workload)."""
     t = str(text).strip()
     if t.lower() in ("inf", "infinite", "infinity"):
         return math.inf
@@ -107,7 +107,7 @@ def _blocks_for_tokens(
 def make_config(
     args: argparse.Namespace, reqs: list[Request] | None = None
 ) -> tuple[SimConfig, dict[str, Any]]:
-    """The SimConfig of ``args`` (and the extra config rows); ``reqs`` sizes ``--cache-tokens inf``."""
+    """The SimConfig of ``args``, and extra config rows; ``reqs`` sizes ``--cache-tokens inf``."""
     shape = _model_shape(args)
     extra: dict[str, Any] = {}
     sizes = [
@@ -129,8 +129,8 @@ def make_config(
         num_blocks = blocks_for_budget(shape, args.block_size, args.gib)
         if num_blocks < 2:
             raise UsageError(
-                f"{args.gib} GiB holds {num_blocks} block(s) of {bytes_per_block(shape, args.block_size):,} bytes: "
-                "too small for a cache"
+                f"{args.gib} GiB holds {num_blocks} block(s) of "
+                f"{bytes_per_block(shape, args.block_size):,} bytes: too small for a cache"
             )
     elif args.cache_tokens is not None:
         num_blocks = _blocks_for_tokens(args.cache_tokens, args.block_size, reqs, "--cache-tokens")
@@ -292,7 +292,7 @@ def make_workload(args: argparse.Namespace) -> tuple[list[Request], dict[str, An
 def run_one(
     args: argparse.Namespace, reqs: list[Request], label: str, on_step: Any = None
 ) -> SimResult:
-    """Simulate ``reqs`` with the configuration of ``args``; ``on_step`` sees the simulator each step."""
+    """Simulate ``reqs`` as ``args`` configure it; ``on_step`` sees the simulator each step."""
     cfg, extra = make_config(args, reqs)
     executor = None
     if args.execute:

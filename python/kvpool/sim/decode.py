@@ -84,7 +84,7 @@ class DecodeBatch:
         self.residue[(lv.prompt_len - lv.off) % self.block_size] += sign
 
     def leave(self, members: list[Live], step: int) -> None:
-        """Take ``members`` out of the batch; ``generated`` counts what they sampled before ``step``."""
+        """Take ``members`` out; ``generated`` counts what they sampled before ``step``."""
         for lv in members:
             lv.state = WAITING  # not DECODE any more (the caller sets the next state)
             lv.generated = step - lv.off

@@ -256,7 +256,7 @@ class Simulator:
         ):
             self._arrivals(step)
         preempted = False
-        # whether a pool call other than the decode batch's advance ran (the counts may have changed)
+        # whether a pool call other than the decode batch's advance ran (the counts may change)
         touched = self.linear
         if self.mapped is not None and self.mapped.due(self.now_s):
             touched = (
@@ -408,8 +408,9 @@ class Simulator:
                         f", a memory limit of {self.mapped.limit_bytes / GIB:g} GiB over all ranks"
                     )
                 raise SimError(
-                    f"request {lv.req.request_id} ({lv.prompt_len + lv.generated} tokens) cannot be admitted "
-                    f"into an idle pool (stats: {_brief(st)}{limit}): the configuration cannot serve it"
+                    f"request {lv.req.request_id} ({lv.prompt_len + lv.generated} tokens) cannot "
+                    f"be admitted into an idle pool (stats: {_brief(st)}{limit}): the "
+                    "configuration cannot serve it"
                 )
         else:
             self.stall_steps = 0
@@ -480,7 +481,7 @@ class Simulator:
     def _step_time(self, step: int, scheduled: list[Chunk]) -> tuple[float, int]:
         """Seconds of this step (the slowest rank) and the number of decodes in it."""
         dp = self.cfg.dp_size
-        # a member decodes position len - 1 (len = prompt_len + step - off) and reads what precedes it
+        # a member decodes position len - 1 (len = prompt_len + step - off), reads what precedes it
         if dp == 1 and not scheduled:
             c = self.decode.count[0]
             t = self.decode.len_sum[0] + c * step
@@ -636,8 +637,8 @@ class Simulator:
 
 
 class _SimBlocks:
-    """``kvpool.tiers.remote_transfer.HostBlockIO`` of a simulation without KV data: a block's body is a
-    fixed 64-byte stand-in (the header and checksum are still real and verified)."""
+    """``kvpool.tiers.remote_transfer.HostBlockIO`` of a simulation without KV data: a block's body
+    is a fixed 64-byte stand-in (the header and checksum are still real and verified)."""
 
     def host_block_spec(self, rank: int) -> str:
         return "sim:64"

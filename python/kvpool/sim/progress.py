@@ -13,7 +13,10 @@ from typing import Any
 
 __all__ = ["Progress", "Reporter", "fields_of"]
 
-_FIELDS = "clock {task.fields[clock]:>9}  run {task.fields[run]:>4}  wait {task.fields[wait]:>5}  use {task.fields[use]:>4}"
+_FIELDS = (
+    "clock {task.fields[clock]:>9}  run {task.fields[run]:>4}  wait {task.fields[wait]:>5}  "
+    "use {task.fields[use]:>4}"
+)
 
 
 def fields_of(sim: Any) -> dict[str, Any]:
@@ -60,7 +63,7 @@ def _bar(console_stderr: bool = True) -> Any:
 
 
 class Progress:
-    """A bar over finished requests; call it as the simulator's ``on_step`` (a no-op when disabled)."""
+    """A bar over finished requests, the simulator's ``on_step`` (a no-op when disabled)."""
 
     def __init__(self, enabled: bool, total: int, label: str) -> None:
         self.enabled = enabled

@@ -51,12 +51,14 @@ def _time_rows(s: dict[str, Any], c: dict[str, Any]) -> list[tuple[str, str, str
             "TTFT",
             _secs(s["ttft_s_mean"]),
             f"mean arrival -> first token; p50 {_secs(s['ttft_s_p50'])}, "
-            f"p99 {_secs(s['ttft_s_p99'])}; {s['ttft_steps_mean']:.1f} steps (p99 {s['ttft_steps_p99']:.0f})",
+            f"p99 {_secs(s['ttft_s_p99'])}; {s['ttft_steps_mean']:.1f} steps "
+            f"(p99 {s['ttft_steps_p99']:.0f})",
         ),
         (
             "time between tokens",
             f"{s['tbt_ms_mean']:.1f} ms",
-            f"mean over decoded tokens, p99 {s['tbt_ms_p99']:.1f} ms; per request {s['tpot_ms_mean']:.1f} ms",
+            f"mean over decoded tokens, p99 {s['tbt_ms_p99']:.1f} ms; "
+            f"per request {s['tpot_ms_mean']:.1f} ms",
         ),
         (
             "end-to-end",
@@ -66,7 +68,8 @@ def _time_rows(s: dict[str, Any], c: dict[str, Any]) -> list[tuple[str, str, str
         (
             "throughput",
             f"{s['output_tokens_per_s']:,.0f} tok/s",
-            f"output tokens per simulated second; {s['computed_tokens_per_s']:,.0f} computed tok/s while busy",
+            "output tokens per simulated second; "
+            f"{s['computed_tokens_per_s']:,.0f} computed tok/s while busy",
         ),
     ]
 
@@ -89,7 +92,8 @@ def _xtensor_rows(s: dict[str, Any], c: dict[str, Any]) -> list[tuple[str, str, 
         (
             "pages",
             f"{x['page_bytes'] / (1 << 20):g} MiB",
-            f"{x['blocks_per_page']} blocks each; {s['page_maps']:,} maps, {s['page_unmaps']:,} unmaps"
+            f"{x['blocks_per_page']} blocks each; {s['page_maps']:,} maps, "
+            f"{s['page_unmaps']:,} unmaps"
             + (f", {s['map_failures']:,} refused" if s.get("map_failures") else ""),
         ),
         (
@@ -145,8 +149,8 @@ def _request_order_rows(res: Any) -> list[tuple[str, str, str] | None]:
         (
             "prompt tokens from cache",
             _pct(s["cached_token_fraction"]),
-            f"{s['admitted_cached_tokens']:,} of {s['admitted_tokens']:,} prompt tokens found in the cache; "
-            f"mean per request {_pct(s['mean_request_cached_fraction'])}",
+            f"{s['admitted_cached_tokens']:,} of {s['admitted_tokens']:,} prompt tokens found in "
+            f"the cache; mean per request {_pct(s['mean_request_cached_fraction'])}",
         ),
         (
             "prefix hit rate",
@@ -212,18 +216,20 @@ def summary_rows(res: Any) -> list[tuple[str, str, str] | None]:
         (
             "prefix hit rate",
             _pct(s["prefix_hit_rate"]),
-            "hit / looked-up tokens of full blocks in the device cache (pool stats; host and remote "
-            "hits count in 'prompt tokens from cache')",
+            "hit / looked-up tokens of full blocks in the device cache (pool stats; host and "
+            "remote hits count in 'prompt tokens from cache')",
         ),
         (
             "prompt tokens from cache",
             _pct(s["cached_token_fraction"]),
-            f"{s['admitted_cached_tokens']:,} of {s['admitted_tokens']:,} admitted tokens not recomputed",
+            f"{s['admitted_cached_tokens']:,} of {s['admitted_tokens']:,} admitted tokens "
+            "not recomputed",
         ),
         (
             "... at first admission",
             _pct(s["first_admission_cached_fraction"]),
-            f"without preemption re-hits; mean per request {_pct(s['mean_request_cached_fraction'])}",
+            "without preemption re-hits; mean per request "
+            f"{_pct(s['mean_request_cached_fraction'])}",
         ),
         (
             "peak usage",

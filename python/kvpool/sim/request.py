@@ -141,7 +141,7 @@ class Request:
 
     @property
     def hashed(self) -> bool:
-        """Whether the prompt comes from trace hash ids (its sampled tokens use the upper token range)."""
+        """Whether the prompt is of trace hash ids (its sampled tokens are in the upper range)."""
         return isinstance(self.prompt, HashedPrompt)
 
     def prompt_tokens(self) -> np.ndarray:

@@ -28,7 +28,7 @@ def _lowbias32(x: int) -> int:
 
 
 def output_base(request_id: int | np.ndarray) -> np.ndarray:
-    """A request's output seed: ``lowbias32`` of its id (int64 array of the shape of ``request_id``)."""
+    """A request's output seed: ``lowbias32`` of its id (int64, the shape of ``request_id``)."""
     ids = np.atleast_1d(np.asarray(request_id, dtype=np.int64)).ravel()
     return np.array([_lowbias32(int(r)) for r in ids], dtype=np.int64).reshape(
         np.shape(request_id) or (1,)

@@ -1,4 +1,4 @@
-"""``kvpool.HierarchyBlockManagerPool``: the core's hierarchy pool, with the remote tier composed here.
+"""``kvpool.HierarchyBlockManagerPool``: the core's hierarchy pool, with the remote tier added.
 
 The compiled ``kvpool._core.HierarchyBlockManagerPool`` is a ``kvpool.BlockManagerPool`` with a
 host tier per dp rank (R26): its transfer plans and completions, and the core's half of a remote

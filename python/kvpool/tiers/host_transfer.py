@@ -20,8 +20,9 @@ the ``run_*`` methods only copy; confirm with ``pool.complete_loads(plans)`` you
 With a remote tier (``pool.remote``), ``step(pool)`` also runs the remote side through
 ``kvpool.tiers.remote_transfer.RemoteTransfer``: offloaded host blocks go to the remote tier per
 ``pool.remote_policy``, fetch plans are fetched, verified and written into host staging blocks
-(``complete_fetches``) before the loads run. Executors implement ``kvpool.tiers.remote_transfer.HostBlockIO``
-(a block's payload body is the block of every host cache array, in order, concatenated).
+(``complete_fetches``) before the loads run. Executors implement
+``kvpool.tiers.remote_transfer.HostBlockIO`` (a block's payload body is the block of every host
+cache array, in order, concatenated).
 
 - ``NumpyTransferExecutor``: NumPy arrays on the CPU (synchronous; tests, simulation).
 - ``CupyTransferExecutor``: CuPy device caches and pinned host memory (``cupyx.empty_pinned``),
@@ -95,8 +96,8 @@ class TransferExecutor:
             for i, (d, h) in enumerate(zip(dev, host, strict=True)):
                 if tuple(d.shape[1:]) != tuple(h.shape[1:]) or d.dtype != h.dtype:
                     raise ValueError(
-                        f"host_caches[{r}][{i}]: block shape {tuple(h.shape[1:])} {h.dtype} differs from "
-                        f"device_caches[{r}][{i}]: {tuple(d.shape[1:])} {d.dtype}"
+                        f"host_caches[{r}][{i}]: block shape {tuple(h.shape[1:])} {h.dtype} "
+                        f"differs from device_caches[{r}][{i}]: {tuple(d.shape[1:])} {d.dtype}"
                     )
 
     # ------------------------------------------------------------------ plan execution
@@ -177,8 +178,8 @@ class TransferExecutor:
         return off, on
 
     def remote_transfer(self, pool: Any) -> Any:
-        """The ``kvpool.tiers.remote_transfer.RemoteTransfer`` of ``pool`` over these host caches, or None
-        when the pool has no remote tier."""
+        """The ``kvpool.tiers.remote_transfer.RemoteTransfer`` of ``pool`` over these host caches,
+        or None when the pool has no remote tier."""
         if getattr(pool, "remote", None) is None:
             return None
         cached = getattr(self, "_remote", None)

@@ -154,7 +154,7 @@ def decode_payload(
     *,
     mac_key: bytes | None = None,
 ) -> memoryview | None:
-    """The body of ``payload`` if it verifies for ``key`` and ``spec`` (and ``body_len``), else None.
+    """The body of ``payload`` if it verifies for ``key``, ``spec`` (and ``body_len``), else None.
 
     A reader with ``mac_key`` accepts only payloads tagged with that key (version 2): a payload
     someone without the key wrote (version 1, or a forged tag) is a miss. A reader without a key
@@ -184,7 +184,7 @@ def decode_payload(
 
 
 def spec_nbytes(spec: str) -> int | None:
-    """Bytes of one block body of ``spec`` (``block_spec``'s string), or None if a dtype is unknown."""
+    """Bytes of one block body of ``spec`` (``block_spec``'s string); None for an unknown dtype."""
     import numpy as np
 
     total = 0

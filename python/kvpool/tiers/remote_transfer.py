@@ -103,7 +103,7 @@ class RemoteTransfer:
             return 0
 
     def before_host_writes(self, plans: Iterable[Any]) -> int:
-        """``on_host_evict``: sends the unsent blocks the plans' host destinations will overwrite."""
+        """``on_host_evict``: sends the unsent blocks that the plans' host writes overwrite."""
         if self.policy != "on_host_evict":
             return 0
         sent = 0
@@ -119,7 +119,7 @@ class RemoteTransfer:
         return sent
 
     def after_offloads(self, plans: Iterable[Any]) -> int:
-        """After ``complete_offloads``: write-through, or remember the blocks (``on_host_evict``)."""
+        """After ``complete_offloads``: write through, or keep the blocks for ``on_host_evict``."""
         sent = 0
         for p in plans:
             rank, ids, keys = int(p.dp_rank), [int(i) for i in p.dst], list(p.keys)
