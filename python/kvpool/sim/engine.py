@@ -259,9 +259,8 @@ class Simulator:
         # whether a pool call other than the decode batch's advance ran (the counts may change)
         touched = self.linear
         if self.mapped is not None and self.mapped.due(self.now_s):
-            touched = (
-                self.mapped.apply_due(self.now_s) or touched
-            )  # a co-located tenant squeezes (or frees) memory
+            # a co-located tenant squeezes (or frees) memory
+            touched = self.mapped.apply_due(self.now_s) or touched
         # 2. decodes: room for those that advanced without it (their budget is taken in 3)
         if self.need_room:
             touched = True
