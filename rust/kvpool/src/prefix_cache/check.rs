@@ -72,6 +72,13 @@ impl PrefixCache {
             );
         }
         for (id, entry) in self.entries.iter().enumerate() {
+            ensure_invariant!(
+                (self.anchors[id] != 0) == (entry.live && entry.anchored),
+                "block {id}: anchor {} but entry live {} anchored {}",
+                self.anchors[id],
+                entry.live,
+                entry.anchored
+            );
             if entry.live {
                 ensure_invariant!(
                     entry.children == children[id],
@@ -89,6 +96,12 @@ impl PrefixCache {
                 }
             }
         }
+        let live: std::collections::HashSet<u64> =
+            self.anchors.iter().copied().filter(|&a| a != 0).collect();
+        ensure_invariant!(
+            self.graves.len() <= n && self.graves.anchors().all(|a| !live.contains(&a)),
+            "a grave's anchor is carried by a live entry, or too many graves"
+        );
         ensure_invariant!(
             cache_only == self.store.num_cache_only(),
             "cached-block count {} differs from the {} cache-only entries (R2)",
