@@ -194,7 +194,9 @@ mod tests {
     fn manager(bits: u32) -> BlockManagerImpl {
         let mut config = ManagerConfig::new(8, 2);
         config.hasher = BlockHasher::with_debug_bits(crate::hash::DEFAULT_HASH_SEED, bits);
-        BlockManagerImpl::new(config).unwrap()
+        let mut m = BlockManagerImpl::new(config).unwrap();
+        m.prefix_cache_mut().unwrap().keep_graves(true);
+        m
     }
 
     /// Caches `tokens` in fresh blocks and releases them; returns the block ids.

@@ -208,6 +208,7 @@ impl Group {
     }
 
     /// Releases what no future query needs once `computed` tokens exist (R25).
+    #[inline]
     pub(crate) fn slide(&mut self, table: &mut GroupTable, computed: usize) {
         if let (Self::Window(g), GroupTable::Window(t)) = (self, table) {
             g.slide(t, computed);

@@ -99,6 +99,7 @@ impl WindowGroup {
     }
 
     /// Releases the blocks no future query can attend to (R25).
+    #[inline]
     pub(crate) fn slide(&mut self, table: &mut WindowTable, computed: usize) {
         self.releases += self.manager.slide(table, computed) as u64;
     }

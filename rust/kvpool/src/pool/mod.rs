@@ -142,15 +142,25 @@ impl BlockManagerPool {
         backends: Vec<Box<dyn crate::xtensor::PageBackend>>,
     ) -> Result<Self> {
         config.validate()?;
-        let ranks = config.build_ranks(backends)?;
+        let mut ranks = config.build_ranks(backends)?;
         // Relaxed: only uniqueness matters.
         let id = NEXT_POOL_ID.fetch_add(1, Ordering::Relaxed);
+        // Where links outlive their chains (checkpoints; window tails behind a host tier), the
+        // caches keep graves so that a chain computed again takes its anchors back (R7).
+        let graves = config.linear_state_slots > 0
+            || (config.sliding_window.is_some() && config.host.is_some());
+        for rank in &mut ranks {
+            if let Some(cache) = rank.full.cache_mut() {
+                cache.keep_graves(graves);
+            }
+        }
         let host = match config.host {
             None => None,
             Some(host) => {
                 let mut tier =
                     HostTier::new(host, id, config.dp_size, config.block_size, config.hasher)?;
                 tier.set_record_events(config.enable_events);
+                tier.keep_graves(graves);
                 Some(tier)
             }
         };

@@ -96,11 +96,24 @@ impl PrefixCache {
                 }
             }
         }
-        let live: std::collections::HashSet<u64> =
-            self.anchors.iter().copied().filter(|&a| a != 0).collect();
+        // An anchor names one chain position: a grave's anchor is carried by no live entry of
+        // another hash (a load may give the same position's entry the anchor back meanwhile).
+        let live: std::collections::HashMap<u64, u128> = self
+            .anchors
+            .iter()
+            .enumerate()
+            .filter(|&(_, &a)| a != 0)
+            .map(|(id, &a)| (a, self.entries[id].hash.0))
+            .collect();
         ensure_invariant!(
-            self.graves.len() <= n && self.graves.anchors().all(|a| !live.contains(&a)),
-            "a grave's anchor is carried by a live entry, or too many graves"
+            self.graves.len() <= n
+                && self.graves.consistent()
+                && self
+                    .graves
+                    .anchors()
+                    .all(|(a, hash)| live.get(&a).is_none_or(|&h| h == hash)),
+            "a grave's anchor is carried by a live entry of another hash, or the graves are \
+             inconsistent"
         );
         ensure_invariant!(
             cache_only == self.store.num_cache_only(),

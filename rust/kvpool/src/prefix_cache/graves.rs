@@ -12,118 +12,159 @@
 //! recorded, and so got its anchor back, first (a chain is recorded parent first), so an
 //! anchor still names one prefix for ever.
 //!
-//! Invariants: at most `capacity` graves (the cache's block count), the oldest buried first
-//! dropped; a grave's anchor is carried by no live entry of this cache (it moves back to the
-//! entry that takes it, and a hash maps to one entry). Only caches whose entries something
-//! links to (a pool with a window or linear-state group, a host tier behind one) bury.
+//! Only the caches of a pool with linear state, or with a window and a host tier, bury
+//! ([`PrefixCache::keep_graves`]): there links outlive their chains (a checkpoint outlives the
+//! blocks of its chain; a kept window tail outlives device blocks that went to the host and are
+//! computed again), while in a plain window pool a window block is shared only while it is held
+//! and a chain computed again publishes its own. Measured with `kvpool simulate` under memory
+//! pressure: without graves a chat workload restored half as many checkpoints and a mixed
+//! workload with a window and a host tier lost a sixth of its hits; a plain window pool hit as
+//! often, and its decode steps stay free of the burials' cost.
+//!
+//! The graves sit in a direct-mapped table (one slot per two blocks of the cache, allocated at
+//! the first burial, tokens beside): a burial overwrites the slot of its hash, a new entry
+//! under an anchored parent reads the slot of its hash. A grave overwritten before it is raised
+//! costs only hits; nothing is raised without the checks above, so a slot shared by two hashes
+//! (a collision, `debug_hash_bits`) can never give an anchor to another prefix.
+//!
+//! Invariants (checked by `check.rs`): `live` counts the occupied slots; a grave's anchor is
+//! carried by no live entry of another hash (it names one chain position; a load may give the
+//! same position's entry the anchor back while the grave remains, and that entry's removal
+//! overwrites the grave).
 
-use std::collections::VecDeque;
-
-use crate::hash::{BlockHash, ByHash};
+use crate::alloc;
+use crate::hash::BlockHash;
 
 use super::anchors::{Anchor, ROOT_LINK};
 use super::keys::same_tokens;
 use super::{ExtraKey, PrefixCache, NIL};
 
-/// One removed anchored entry (module doc).
+/// One removed anchored entry (module doc); `anchor` 0: an empty slot.
+#[derive(Default)]
 struct Grave {
+    hash: u128,
     anchor: Anchor,
     /// The parent's anchor, or [`ROOT_LINK`] for a chain's first block.
     parent: Anchor,
     /// The chain's extra key, for a first block.
     extra_key: Option<ExtraKey>,
-    tokens: Box<[u32]>,
-    /// Burial number, to match the queue's record.
-    serial: u64,
 }
 
-/// The graves of one cache, by hash, with their burial order.
+/// The graves of one cache: a direct-mapped table by hash, tokens beside (`block_size` per
+/// slot).
 #[derive(Default)]
 pub(super) struct Graveyard {
-    by_hash: ByHash<Grave>,
-    /// (hash, serial) in burial order; records of graves taken or replaced since are skipped.
-    order: VecDeque<(u128, u64)>,
-    buried: u64,
+    slots: Vec<Grave>,
+    tokens: Vec<u32>,
+    /// Occupied slots.
+    live: usize,
 }
 
 impl Graveyard {
     pub(super) fn is_empty(&self) -> bool {
-        self.by_hash.is_empty()
+        self.live == 0
     }
 
     pub(super) fn len(&self) -> usize {
-        self.by_hash.len()
+        self.live
     }
 
+    /// Forgets every grave (a reset); the table's memory goes too.
     pub(super) fn clear(&mut self) {
-        self.by_hash.clear();
-        self.order.clear();
+        *self = Self::default();
     }
 
-    /// The anchors of the graves (for `check`).
-    pub(super) fn anchors(&self) -> impl Iterator<Item = Anchor> + '_ {
-        self.by_hash.values().map(|g| g.anchor)
+    /// The anchors of the graves with their hashes (for `check`).
+    pub(super) fn anchors(&self) -> impl Iterator<Item = (Anchor, u128)> + '_ {
+        self.slots
+            .iter()
+            .filter(|g| g.anchor != 0)
+            .map(|g| (g.anchor, g.hash))
+    }
+
+    /// Whether `live` counts the occupied slots (for `check`).
+    pub(super) fn consistent(&self) -> bool {
+        self.anchors().count() == self.live
+    }
+
+    /// The slot of `hash` (the table exists).
+    fn slot(&self, hash: u128) -> usize {
+        ((hash as u64 ^ (hash >> 64) as u64) % self.slots.len() as u64) as usize
     }
 }
 
 impl PrefixCache {
+    /// Whether removed anchored entries leave graves from now on (module doc); off forgets the
+    /// graves.
+    pub(crate) fn keep_graves(&mut self, on: bool) {
+        self.burying = on;
+        if !on {
+            self.graves.clear();
+        }
+    }
+
     /// Buries entry `id` (being removed, still intact; anchored) with anchor `anchor`.
     pub(super) fn bury(&mut self, id: u32, anchor: Anchor) {
+        let bs = self.block_size;
+        if self.graves.slots.is_empty() {
+            // One slot per two blocks; if the memory cannot be had, nothing is buried (only hits
+            // are lost).
+            let n = (self.entries.len() / 2).max(1);
+            match (
+                alloc::filled(n, "graves", Grave::default),
+                alloc::filled(n * bs, "graves", || 0),
+            ) {
+                (Ok(slots), Ok(tokens)) => {
+                    self.graves.slots = slots;
+                    self.graves.tokens = tokens;
+                }
+                _ => return,
+            }
+        }
         let entry = &self.entries[id as usize];
         let (hash, parent_id) = (entry.hash, entry.parent);
         let (parent, extra_key) = match parent_id {
             NIL => (ROOT_LINK, entry.extra_key.clone()),
             p => (self.anchor(p), None),
         };
-        let capacity = self.entries.len();
-        let tokens: Box<[u32]> = self.block_tokens(id).into();
+        let start = self.token_start(id);
         let graves = &mut self.graves;
-        while graves.by_hash.len() >= capacity {
-            let Some((old, serial)) = graves.order.pop_front() else {
-                break;
-            };
-            if graves.by_hash.get(&old).is_some_and(|g| g.serial == serial) {
-                graves.by_hash.remove(&old);
-            }
-        }
-        graves.buried += 1;
-        let serial = graves.buried;
-        graves.order.push_back((hash.0, serial));
-        graves.by_hash.insert(
-            hash.0,
-            Grave {
-                anchor,
-                parent,
-                extra_key,
-                tokens,
-                serial,
-            },
-        );
-        // The queue keeps records of graves taken since; it never outgrows twice the graves.
-        if graves.order.len() > 2 * capacity.max(graves.by_hash.len()) {
-            let by_hash = &graves.by_hash;
-            graves
-                .order
-                .retain(|(h, s)| by_hash.get(h).is_some_and(|g| g.serial == *s));
-        }
+        let slot = graves.slot(hash.0);
+        graves.live += usize::from(graves.slots[slot].anchor == 0);
+        graves.tokens[slot * bs..(slot + 1) * bs].copy_from_slice(&self.tokens[start..start + bs]);
+        graves.slots[slot] = Grave {
+            hash: hash.0,
+            anchor,
+            parent,
+            extra_key,
+        };
     }
 
     /// Gives the entry just recorded for block `id` (hash `hash`) the anchor of the grave under
-    /// its hash, if it is that grave's chain position (module doc).
+    /// its hash, if it is that grave's chain position (module doc). No look-up under a parent
+    /// without an anchor: no grave can name it.
     pub(super) fn raise(&mut self, id: u32, hash: BlockHash) {
-        let Some(grave) = self.graves.by_hash.get(&hash.0) else {
-            return;
-        };
         let entry = &self.entries[id as usize];
+        if entry.parent != NIL && !self.entries[entry.parent as usize].anchored {
+            return;
+        }
+        let slot = self.graves.slot(hash.0);
+        let grave = &self.graves.slots[slot];
+        if grave.anchor == 0 || grave.hash != hash.0 {
+            return;
+        }
         let same_parent = match entry.parent {
             NIL => grave.parent == ROOT_LINK && entry.extra_key == grave.extra_key,
             p => grave.parent != ROOT_LINK && self.anchor_of(p) == grave.parent,
         };
-        if !same_parent || !same_tokens(self.block_tokens(id), &grave.tokens) {
+        let bs = self.block_size;
+        let tokens = &self.graves.tokens[slot * bs..(slot + 1) * bs];
+        if !same_parent || !same_tokens(self.block_tokens(id), tokens) {
             return;
         }
         let anchor = grave.anchor;
-        self.graves.by_hash.remove(&hash.0);
+        self.graves.slots[slot] = Grave::default();
+        self.graves.live -= 1;
         self.set_anchor(id, anchor);
     }
 }

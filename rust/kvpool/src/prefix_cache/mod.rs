@@ -170,6 +170,8 @@ pub struct PrefixCache {
     anchors: Vec<u64>,
     /// What the cache remembers of the anchored entries it removed (`graves.rs`).
     graves: graves::Graveyard,
+    /// Whether removed anchored entries leave graves (`graves.rs`: a pool with linear state).
+    burying: bool,
     /// Walks of a chain through the index (probes and matches), for tests of admission's one
     /// walk (a debug counter, never part of `stats`).
     walks: AtomicU64,
@@ -211,6 +213,7 @@ impl PrefixCache {
             scratch: Vec::new(),
             anchors: alloc::filled(n, "num_blocks", || 0)?,
             graves: graves::Graveyard::default(),
+            burying: false,
             walks: AtomicU64::new(0),
         })
     }
@@ -543,7 +546,9 @@ impl PrefixCache {
             // The anchor leaves with the entry; its grave gives it to the next entry of the same
             // chain position.
             let anchor = std::mem::take(&mut self.anchors[id as usize]);
-            self.bury(id, anchor);
+            if self.burying {
+                self.bury(id, anchor);
+            }
         }
         let entry = std::mem::take(&mut self.entries[id as usize]);
         self.index.remove(&entry.hash.0);
