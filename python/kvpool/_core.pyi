@@ -1032,8 +1032,10 @@ class BlockManagerPool:
         "memory_limit": int | None = None, "backend": "accounting" | "host" | [object per rank]
         = "accounting"}``, ``memory_limit`` in bytes per rank. Backend objects have
         ``map_page(page)`` / ``unmap_page(page)`` (``kvpool.xtensor.CudaPageBackend``); the pool
-        then releases the GIL in every call, and an exception a backend raises propagates from
-        the call it was raised in. Errors name ``xtensor.<key>``.
+        then releases the GIL in every call, and an exception a backend raises is raised as
+        itself by a call that has done nothing of its own (one met while settling after a
+        call's work is retried, and raised, by the rank's next call that may map, evict or
+        allocate; docs/xtensor.md, "A failing backend"). Errors name ``xtensor.<key>``.
     dedup : bool
         Dedup on publish (R9 revised): a computed full block whose chain position is already
         cached with another block switches the sequence's table entry to the cached block and
@@ -2028,6 +2030,10 @@ class KVIndex:
     def expire(self, now: float) -> int:
         """Drop the speculative entries lapsing at or before ``now``; returns how many."""
 
+    def can_apply(self, instance: int, sequence: int, *, dp_rank: int = 0) -> bool:
+        """Whether ``apply`` would now apply an event of (instance, dp rank) numbered
+        ``sequence``: not a duplicate, not dropped by a gap or a stall. Changes nothing."""
+
     def resync(self, instance: int, dp_rank: int = 0) -> int:
         """Drop every entry of (instance, dp rank) and forget its sequence number."""
 
@@ -2131,8 +2137,11 @@ class XTensorBlockManager:
         anonymous mapping of the process (resident memory follows the mapped pages).
         An object with ``map_page(page)`` and ``unmap_page(page)`` (e.g.
         :class:`kvpool.xtensor.CudaPageBackend`), called with the GIL; ``MemoryError`` from
-        ``map_page`` means the device has no memory for it now; other exceptions propagate.
-        Optional attributes ``page_bytes``, ``blocks_per_page``, ``num_pages`` are checked.
+        ``map_page`` means the device has no memory for it now; other exceptions are raised by
+        a call that has done nothing of its own: one met while settling after a call's work
+        (a release, an allocation) is retried first, and raised, by the next call that may map,
+        evict or allocate (docs/xtensor.md, "A failing backend"). Optional attributes
+        ``page_bytes``, ``blocks_per_page``, ``num_pages`` are checked.
     enable_prefix_cache, hash_seed, debug_hash_bits
         As for :class:`BlockManager`.
 

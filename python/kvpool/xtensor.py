@@ -227,6 +227,8 @@ class CudaPageBackend:
                 raise TypeError(f"{name}: must be an int, got {type(value).__name__}")
             if value < 1:
                 raise ValueError(f"{name}: must be at least 1, got {value}")
+        if isinstance(device, bool) or not isinstance(device, int):
+            raise TypeError(f"device: must be an int, got {type(device).__name__}")
         self.dtype = _dtype(dtype)
         self.num_blocks, self.block_size = num_blocks, block_size
         self.num_kv_heads, self.head_dim, self.num_layers = num_kv_heads, head_dim, num_layers

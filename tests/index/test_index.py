@@ -204,6 +204,106 @@ def test_gaps_replay_and_resync():
     assert idx.remove_instance(1) == 0
 
 
+def test_g4_c3_the_last_unit_during_a_stall_is_applied_and_the_stall_stays():
+    """C3: an event numbered `last` during a stall is applied (it is older than the hole), and
+    only `last + 1` ends the stall (G4: a redelivery cleared it, the gap was reported twice)."""
+    idx = kvpool.KVIndex()
+    c = chain(list(range(24)))
+    ev = [stored([c[i]], c[i - 1] if i else None, sequence=i) for i in range(6)]
+    idx.apply(1, ev[:2])  # last = 1
+    assert idx.apply(1, ev[4:5])["gaps"] == [{"instance": 1, "dp_rank": 0, "expected": 2, "got": 4}]
+    assert idx.can_apply(1, 1) and idx.can_apply(1, 2)
+    assert not idx.can_apply(1, 0) and not idx.can_apply(1, 5) and idx.can_apply(1, 0, dp_rank=1)
+    # unit 1 again, with more of it: applied (its content counts), the stall stays
+    more = {
+        "kind": "stored",
+        "block_size": BS,
+        "block_hashes": c[:2],
+        "medium": "host",
+        "sequence": 1,
+    }
+    report = idx.apply(1, [ev[1], more])
+    assert (report["applied"], report["gaps"]) == (2, [])
+    assert (1, 0, "host", 2, 8) in idx.lookup(list(range(24)))
+    assert idx.sources() == [{"instance": 1, "dp_rank": 0, "last": 1, "stalled": 4}]
+    assert idx.stats()["stalled_sources"] == 1
+    report = idx.apply(1, ev[5:6])
+    assert (report["dropped"], report["gaps"]) == (1, []), "the same gap is not reported again"
+    idx.apply(1, ev[2:])  # the replay from `expected`
+    assert idx.sources() == [{"instance": 1, "dp_rank": 0, "last": 5, "stalled": None}]
+    assert best(idx.lookup(list(range(24))), 1) == 6
+    with pytest.raises(ValueError, match="sequence"):
+        idx.can_apply(1, -1)
+    with pytest.raises(TypeError, match="instance"):
+        idx.can_apply("1", 1)
+    idx.check()
+
+
+def test_c4_apply_msgpack_is_strict():
+    """C4: the wire format has one encoding (up to integer widths and key order): bin keys, str
+    for bin, bin for a list, arrays for maps, repeated keys and trailing bytes are refused,
+    naming `data`, and the index is unchanged. Unknown keys stay ignored."""
+    c = chain(list(range(8)))
+    event = {
+        "sequence": 0,
+        "kind": "stored",
+        "block_size": BS,
+        "block_hashes": c,
+        "token_ids": list(range(8)),
+    }
+    idx = kvpool.KVIndex()
+    assert (
+        idx.apply_msgpack(
+            1,
+            msgpack.packb(
+                {"version": 1, "events": [dict(event, later=[1, b"x"])]},
+            ),
+        )["applied"]
+        == 1
+    )
+    before = idx.dump()
+    text_hash = "0123456789abcdef"
+    bad = {
+        "bin keys": msgpack.packb({b"version": 1, b"events": []}),
+        "a bin key in an event": msgpack.packb(
+            {"version": 1, "events": [{b"kind": "stored", "block_size": BS, "block_hashes": c}]}
+        ),
+        "a bin enum": msgpack.packb({"version": 1, "events": [dict(event, kind=b"stored")]}),
+        "a str hash": msgpack.packb(
+            {
+                "version": 1,
+                "events": [dict(event, block_hashes=[text_hash], token_ids=list(range(4)))],
+            }
+        ),
+        "a str parent": msgpack.packb(
+            {
+                "version": 1,
+                "events": [
+                    dict(event, block_hashes=c[1:], parent_hash=text_hash, token_ids=list(range(4)))
+                ],
+            }
+        ),
+        "a str extra key": msgpack.packb({"version": 1, "events": [dict(event, extra_key="salt")]}),
+        "bin token ids": msgpack.packb(
+            {"version": 1, "events": [dict(event, token_ids=bytes(range(8)))]}
+        ),
+        "a float": msgpack.packb({"version": 1, "events": [dict(event, block_size=4.0)]}),
+        "a bool": msgpack.packb({"version": 1, "events": [dict(event, dp_rank=False)]}),
+        "a batch as an array": msgpack.packb([1, [event]]),
+        "an event as an array": msgpack.packb({"version": 1, "events": [list(event.values())]}),
+        "trailing bytes": msgpack.packb({"version": 1, "events": [event]}) + b"\xc0",
+        "a repeated key": b"\x83\xa7version\x01\xa6events\x90\xa7version\x01",
+    }
+    for what, data in bad.items():
+        with pytest.raises(ValueError, match="data") as e:
+            idx.apply_msgpack(1, data)
+        with pytest.raises(ValueError, match="data"):
+            kvpool.decode_events(data)
+        assert idx.dump() == before, what
+        assert "not a kvpool event batch" in str(e.value), what
+    idx.check()
+
+
 def test_dump_load_round_trip():
     idx = kvpool.KVIndex(max_entries=1000, hash_seed=7)
     tokens = list(range(40))

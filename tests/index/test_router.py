@@ -113,3 +113,32 @@ def test_bad_arguments_are_named():
             Router(**kwargs)
     assert isinstance(Router(2, index=idx).load, np.ndarray)
     assert kvpool.router.POLICIES == ("round_robin", "least_loaded", "kv_aware")
+
+
+@pytest.mark.parametrize("policy", ["round_robin", "least_loaded", "kv_aware"])
+def test_g10_a_rejected_request_changes_nothing(policy):
+    """G10 (R29): a request the router refuses (bad token ids, a taken id) takes no round-robin
+    turn, no automatic id, no load and leaves no speculative entry."""
+    idx = kvpool.KVIndex()
+    r = Router(3, policy, index=idx, block_size=BS)
+    first = r.route(prompt(0))
+    state = (r._next, r._auto, r.load.tolist(), dict(r.active), idx.stats()["speculative_entries"])
+    for bad, error in [
+        ([1, 2, 3, -1, 5, 6, 7, 8], ValueError),
+        ([1, 2, 3, "x", 5, 6, 7, 8], TypeError),
+    ]:
+        with pytest.raises(error, match="token_ids"):
+            r.route(bad)
+    with pytest.raises(ValueError, match="request_id"):
+        r.route(prompt(1), request_id=first.request_id)
+    assert (
+        r._next,
+        r._auto,
+        r.load.tolist(),
+        dict(r.active),
+        idx.stats()["speculative_entries"],
+    ) == state
+    second = r.route(prompt(1))
+    assert second.request_id == first.request_id + 1
+    if policy == "round_robin":
+        assert (first.instance, second.instance) == (0, 1), "no instance skipped"

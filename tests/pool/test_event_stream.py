@@ -156,6 +156,27 @@ def test_a_consumer_that_sees_a_gap_resyncs_from_the_replay_buffer():
     assert sorted(s["last"] for s in lossy.sources()) == sorted(s["last"] for s in full.sources())
 
 
+def test_c5_events_since_zero_is_everything_while_nothing_was_dropped():
+    """C5: numbers start at 1, so `events_since(r, 0)` asks what `events_since(r, 1)` asks: every
+    event, which the buffer gives while it has dropped none, and None once it has."""
+    pool = kvpool.BlockManagerPool(12, BS, enable_events=True, event_replay=4)
+    assert pool.events_since(0, 0) == [] == pool.events_since(0, 1)
+    serve(pool, list(range(2 * BS)))
+    events = pool.drain_events()
+    assert 0 < len(events) <= 4
+    as_dicts = [event_to_dict(e) for e in events]
+    assert [event_to_dict(e) for e in pool.events_since(0, 0)] == as_dicts
+    assert [event_to_dict(e) for e in pool.events_since(0, 1)] == as_dicts
+    index = kvpool.KVIndex()
+    index.apply(0, pool.events_since(0, 0))  # a consumer starting from scratch loses nothing
+    assert max(r[3] for r in index.lookup(list(range(2 * BS)))) == 2
+    for i in range(1, 9):  # evictions and stores: more than the buffer keeps
+        serve(pool, [100 * i + t for t in range(2 * BS)])
+    assert pool.last_event_sequence(0) > 4
+    assert pool.events_since(0, 0) is None and pool.events_since(0, 1) is None
+    assert kvpool.BlockManagerPool(12, BS).events_since(0, 0) == [], "no events: nothing lost"
+
+
 def test_a_buffer_that_no_longer_reaches_back_answers_none_and_the_consumer_resyncs():
     pool = kvpool.BlockManagerPool(12, BS, enable_events=True, event_replay=2)
     for i in range(6):

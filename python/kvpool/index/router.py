@@ -19,7 +19,6 @@ the first one before its instance's stored events arrive.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,6 +32,22 @@ __all__ = ["POLICIES", "MEDIUM_WEIGHTS", "Decision", "Router"]
 POLICIES = ("round_robin", "least_loaded", "kv_aware")
 MEDIUM_WEIGHTS = {"device": 1.0, "host": 0.8, "remote": 0.5}
 TokenIds = Sequence[int] | np.ndarray  # a prompt's token ids
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def _instance_ids(instances: Any) -> list[int]:
+    """``instances`` as a list of ids: ``range(n)`` for a count, else the ids given (ints)."""
+    if _is_int(instances):
+        return list(range(int(instances)))
+    if isinstance(instances, (str, bytes)) or not hasattr(instances, "__iter__"):
+        raise TypeError(f"instances: must be an int or a sequence of int ids, got {instances!r}")
+    ids = list(instances)
+    if not all(_is_int(i) for i in ids):
+        raise TypeError(f"instances: the ids must be ints, got {instances!r}")
+    return [int(i) for i in ids]
 
 
 @dataclass(frozen=True)
@@ -86,7 +101,14 @@ class Router:
         shared_remote: bool = True,
         speculative_ttl: float | None = 2.0,
     ) -> None:
-        ids = list(range(instances)) if isinstance(instances, int) else [int(i) for i in instances]
+        # R29: a bool is no count or id, a flag is a bool (a TypeError naming the argument)
+        ids = _instance_ids(instances)
+        if isinstance(block_size, (bool, np.bool_)) or not isinstance(
+            block_size, (int, np.integer)
+        ):
+            raise TypeError(f"block_size: must be an int, got {type(block_size).__name__}")
+        if not isinstance(shared_remote, (bool, np.bool_)):
+            raise TypeError(f"shared_remote: must be a bool, got {type(shared_remote).__name__}")
         if not ids or len(set(ids)) != len(ids) or min(ids) < 0:
             raise ValueError(
                 f"instances: must be distinct ids >= 0, at least one, got {instances!r}"
@@ -95,8 +117,8 @@ class Router:
             raise ValueError(f"policy: must be one of {POLICIES}, got {policy!r}")
         if policy == "kv_aware" and index is None:
             raise ValueError("index: kv_aware needs a KVIndex")
-        if not isinstance(block_size, int) or block_size < 1:
-            raise ValueError(f"block_size: must be an int >= 1, got {block_size!r}")
+        if block_size < 1:
+            raise ValueError(f"block_size: must be >= 1, got {block_size!r}")
         weights = dict(MEDIUM_WEIGHTS, **(medium_weights or {}))
         if set(weights) != set(MEDIUM_WEIGHTS) or not all(
             0.0 <= w <= 1.0 for w in weights.values()
@@ -119,8 +141,8 @@ class Router:
         self.speculative_ttl = speculative_ttl
         self.load = np.zeros(len(ids), dtype=np.float64)  # outstanding prompt tokens
         self.active: dict[Any, tuple[int, int]] = {}  # request id -> (position, tokens)
-        self._next = 0
-        self._ids = itertools.count()
+        self._next = 0  # round robin: the next turn
+        self._auto = 0  # the next request id given when the caller gives none
 
     # ------------------------------------------------------------------------------ cost
     def cached(
@@ -168,15 +190,16 @@ class Router:
         request_id: Any = None,
     ) -> Decision:
         """Picks an instance for a request of ``token_ids`` arriving at ``now``; it counts in
-        that instance's load until ``finish(request_id)``."""
+        that instance's load until ``finish(request_id)``. A rejected request (a ValueError or
+        TypeError) changes nothing: no round-robin turn, no id, no load, no speculative entry."""
         prompt = len(token_ids)
-        request_id = next(self._ids) if request_id is None else request_id
+        auto = request_id is None
+        request_id = self._auto if auto else request_id
         if request_id in self.active:
             raise ValueError(f"request_id: {request_id!r} is already routed")
         cached = None
         if self.policy == "round_robin":
             k, cost = self._next % len(self.instances), 0.0
-            self._next += 1
         elif self.policy == "least_loaded":
             k = int(np.argmin(self.load))
             cost = float(self.load[k])
@@ -191,6 +214,7 @@ class Router:
             and self.speculative_ttl is not None
             and prompt >= self.block_size
         ):
+            # the one step that may still refuse the request (its tokens): before any change
             self.index.insert_speculative(
                 instance,
                 token_ids,
@@ -199,6 +223,10 @@ class Router:
                 ttl=self.speculative_ttl,
                 extra_key=extra_key,
             )
+        if self.policy == "round_robin":
+            self._next += 1
+        if auto:
+            self._auto += 1
         self.load[k] += prompt
         self.active[request_id] = (k, prompt)
         held = (

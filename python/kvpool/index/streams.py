@@ -11,6 +11,8 @@ import json
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from kvpool._args import check_int
+
 __all__ = ["PrefixIndex", "RedisEventPublisher", "event_from_dict", "event_to_dict", "read_events"]
 
 
@@ -187,8 +189,7 @@ class RedisEventPublisher:
 
         if not instance_id or not isinstance(instance_id, str):
             raise ValueError("instance_id: must be a non-empty str")
-        if not isinstance(maxlen, int) or maxlen <= 0:
-            raise ValueError(f"maxlen: must be an int > 0, got {maxlen!r}")
+        check_int("maxlen", maxlen, low=1)
         t = timeout_ms / 1000.0
         self.client = redis.Redis.from_url(
             url, socket_timeout=t, socket_connect_timeout=t, retry=Retry(NoBackoff(), 0)
@@ -240,6 +241,8 @@ def read_events(
     ``kvpool.KVIndex``) every entry's events are applied to it as well, the instance named by
     ``instance_ids`` (instance name -> int id; new names get the next free id, added to it).
     """
+    check_int("count", count, low=1)
+    check_int("max_entries", max_entries, low=0)
     ids = instance_ids if instance_ids is not None else {}
     import redis
 

@@ -83,11 +83,19 @@ def _in_range(be, name, a, lo, hi, validate):
 
 
 def _scalar(name, x, kind=float):
-    if isinstance(x, bool) or not isinstance(x, (int, float, np.integer, np.floating)):
+    """A number (R29: a bool is none); for ``kind=int`` an int, a float is a TypeError too."""
+    if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, float, np.integer, np.floating)):
         raise TypeError(f"{name} must be a number, got {type(x).__name__}")
-    if kind is int and int(x) != x:
-        raise TypeError(f"{name} must be an integer, got {x!r}")
+    if kind is int and not isinstance(x, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {type(x).__name__}")
     return kind(x)
+
+
+def _flag(name, x) -> bool:
+    """A flag (R29): a bool, Python's or NumPy's; None or anything else is a TypeError."""
+    if not isinstance(x, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool, got {type(x).__name__}")
+    return bool(x)
 
 
 def _window(window) -> int:
@@ -122,6 +130,7 @@ def write_kv(k, v, k_cache, v_cache, slot_mapping, *, backend=None, validate=Tru
     backend : "cupy", "emulated" or "numpy"; default ``kvpool.kernels.backend()``.
     validate : check that every slot is < num_blocks * block_size (one device sync on cupy).
     """
+    validate = _flag("validate", validate)
     be = _backend.get(backend)
     _float_array(be, "k_cache", k_cache, 4)
     _array(be, "v_cache", v_cache, 4, dtype=k_cache.dtype)
@@ -223,6 +232,7 @@ def copy_blocks(caches, src, dst, *, backend=None, validate=True):
         of ``src`` (the copies of one launch have no order).
     validate : check ids against the smallest ``num_blocks`` and the rules above (one sync).
     """
+    validate = _flag("validate", validate)
     be = _backend.get(backend)
     _copy_rows(be, "caches", caches, src, dst, validate)
 
@@ -238,6 +248,7 @@ def copy_linear_state(state, src_slots, dst_slots, *, backend=None, validate=Tru
         C-contiguous, any dtype; a slot is one row of the first axis.
     src_slots, dst_slots : integer arrays [n] (cast to int32); same rules as ``copy_blocks``.
     """
+    validate = _flag("validate", validate)
     be = _backend.get(backend)
     _copy_rows(be, "state", state, src_slots, dst_slots, validate)
 
@@ -258,6 +269,7 @@ def swap_blocks(src_cache, dst_cache, src, dst, stream=None, *, backend=None, va
     src, dst : integer arrays [n] (cast to int32), ids in the respective cache.
     stream : a ``cupy.cuda.Stream`` (cupy backend); ignored by the synchronous CPU backends.
     """
+    validate = _flag("validate", validate)
     be = _backend.get(backend)
     if be.name == "cupy" and stream is not None:
         with stream:  # index uploads, checks and the launch all go on `stream`
@@ -394,6 +406,9 @@ def paged_decode_attention(
     -------
     out : array [num_seqs, num_q_heads, head_dim], dtype of q.
     """
+    validate = _flag("validate", validate)
+    if num_splits is not None and _scalar("num_splits", num_splits, int) < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     be = _backend.get(backend)
     bt, lens, nb, bs, hkv, d, scale, w = _attention_args(
         be, q, k_cache, v_cache, block_tables, seq_lens, scale, window, validate
@@ -492,6 +507,7 @@ def paged_prefill_attention(
     -------
     out : array [total_q, num_q_heads, head_dim], dtype of q.
     """
+    validate, causal = _flag("validate", validate), _flag("causal", causal)
     be = _backend.get(backend)
     bt, lens, nb, bs, hkv, d, scale, w = _attention_args(
         be, q, k_cache, v_cache, block_tables, seq_lens, scale, window, validate

@@ -226,6 +226,8 @@ class TransferExecutor:
 
     def transfer(self, plans: Sequence[Any], *, to_device: bool) -> None:
         """The simulator's hook (``kvpool.sim``): runs ``plans`` without confirming them."""
+        if not isinstance(to_device, (bool, np.bool_)):
+            raise TypeError(f"to_device: must be a bool, got {type(to_device).__name__}")  # R29
         self._run(plans, to_device)
 
 

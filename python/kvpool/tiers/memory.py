@@ -29,10 +29,12 @@ class MemoryRemoteTier(RemoteTier):
 
     def __init__(self, capacity: int | None = None) -> None:
         super().__init__()
-        if capacity is not None and (
-            not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1
-        ):
-            raise ValueError(f"capacity: must be an int >= 1 or None, got {capacity!r}")
+        if capacity is not None and (not isinstance(capacity, int) or isinstance(capacity, bool)):
+            raise TypeError(
+                f"capacity: must be an int or None, got {type(capacity).__name__}"
+            )  # R29
+        if capacity is not None and capacity < 1:
+            raise ValueError(f"capacity: must be >= 1 or None, got {capacity!r}")
         self.capacity = capacity
         self._data: OrderedDict[bytes, bytes] = OrderedDict()
         self.evictions = 0

@@ -29,6 +29,8 @@ from typing import Any
 
 import xxhash
 
+from kvpool._args import check_int
+
 __all__ = [
     "block_spec",
     "check_mac_key",
@@ -85,8 +87,9 @@ def make_namespace(
         ("block_size", block_size),
         ("num_layers", num_layers),
     ):
-        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-            raise ValueError(f"{name}: must be an int > 0, got {v!r}")
+        check_int(name, v, low=1)
+    if hash_seed is not None:
+        check_int("hash_seed", hash_seed, low=0)
     return (
         f"{model}|{dtype}|kvh{num_kv_heads}|hd{head_dim}|bs{block_size}|L{num_layers}|"
         f"{layout}|seed{hash_seed}"

@@ -22,6 +22,9 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import numpy as np
+
+from kvpool._args import check_int
 from kvpool.tiers.base import RemoteTier, RemoteTierError
 from kvpool.tiers.payload import check_mac_key, key_prefix
 
@@ -77,10 +80,12 @@ class RedisRemoteTier(RemoteTier):
             ) from e
         if not isinstance(url, str) or not url.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"url: must be a redis:// URL, got {url!r}")
+        if not isinstance(cluster, (bool, np.bool_)):
+            raise TypeError(f"cluster: must be a bool, got {type(cluster).__name__}")
         if not timeout_ms > 0:
             raise ValueError(f"timeout_ms: must be > 0, got {timeout_ms!r}")
-        if ttl_s is not None and (not isinstance(ttl_s, int) or ttl_s <= 0):
-            raise ValueError(f"ttl_s: must be an int > 0 or None, got {ttl_s!r}")
+        if ttl_s is not None:
+            check_int("ttl_s", ttl_s, low=1)
         self.url = url
         self.namespace = namespace
         self.prefix = key_prefix(namespace)

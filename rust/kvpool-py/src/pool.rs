@@ -104,7 +104,9 @@ impl PyBlockManagerPool {
 
     /// `.py()` of a core result; a page backend object's exception raised during the call is
     /// raised as itself, also where the core turned it into "no room" (a failed growth changes
-    /// nothing) or deferred it (an unmap after a release: the page stays mapped and is retried).
+    /// nothing). One the core deferred (met while settling after the call's own work: the page
+    /// stays as it was and the next call retries first) was dropped from its slot
+    /// (`PageBackend::deferred`), so the call's result stands.
     fn result<T>(&self, result: kvpool::Result<T>) -> PyResult<T> {
         let mut raised = None;
         for slot in &self.backend_errors {

@@ -366,6 +366,16 @@ impl KVIndex {
         self.snapshot().lookup_tokens(tokens, extra_key, now)
     }
 
+    /// Whether `apply` would now apply an event numbered `sequence` of (`instance`,
+    /// `dp_rank`): not a duplicate, not dropped by a gap or a stall (`sequence.rs`). It
+    /// predicts the sequence check only; an invalid event is still refused.
+    pub fn can_apply(&self, instance: u64, dp_rank: u32, sequence: u64) -> bool {
+        self.published
+            .load()
+            .sources
+            .admits(instance, dp_rank, sequence)
+    }
+
     /// Every source's sequence state, sorted by (instance, dp rank).
     pub fn sources(&self) -> Vec<SourceState> {
         self.published.load().sources()

@@ -277,18 +277,21 @@ impl BlockManagerPool {
     /// Replay: `rank`'s events numbered `from` and later, from the bounded buffer (drained or
     /// not), so a consumer that saw a gap (expected `from`) can fill it. `None` when the buffer
     /// no longer reaches back to `from` (the consumer resyncs from scratch: drops the rank's
-    /// entries and applies what comes next). `from` past the next number is an
-    /// `InvalidArgument`; without `enable_events` there is nothing to replay (`None` unless
-    /// `from` is 1).
+    /// entries and applies what comes next). Numbers start at 1, so `from` 0 asks the same as
+    /// 1: every event, which the buffer answers while it has dropped none. `from` past the
+    /// next number is an `InvalidArgument`; without `enable_events` there is nothing to
+    /// replay (an empty list).
     pub fn events_since(&self, rank: usize, from: u64) -> Result<Option<Vec<KvEvent>>> {
         self.check_event_rank(rank)?;
+        // No event is numbered 0: "from 0" loses nothing that "from 1" does not.
+        let from = from.max(1);
         let Some(log) = self.events.as_ref() else {
             ensure_arg!(
                 from <= 1,
                 "sequence",
                 "must be <= 1 (no events), got {from}"
             );
-            return Ok((from == 1).then(Vec::new));
+            return Ok(Some(Vec::new()));
         };
         let next = log.next[rank];
         ensure_arg!(
@@ -298,7 +301,7 @@ impl BlockManagerPool {
         );
         let buffer = &log.replay[rank];
         let oldest = buffer.front().map_or(next, |e| e.sequence);
-        if from < oldest.max(1) {
+        if from < oldest {
             return Ok(None);
         }
         // Numbers in the buffer are consecutive: `from` sits at offset from - oldest.
