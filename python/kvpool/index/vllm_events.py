@@ -35,7 +35,7 @@ none) full attention, which asks the most of a hit and so never claims one that 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Literal
 
 import msgpack
@@ -140,7 +140,7 @@ class VllmEventReader:
         """Events of the ZMQ frames ``(topic, seq, payload)`` one vLLM publisher sent."""
         return self.read(instance, _payload_of(frames), sequence=_sequence_of(frames))
 
-    def apply_frames(self, instance: int, frames: Sequence[bytes]) -> dict[str, Any]:
+    def apply_frames(self, instance: int, frames: Sequence[bytes]) -> Mapping[str, Any]:
         """Reads the ZMQ frames ``(topic, seq, payload)`` and applies them (as ``apply``)."""
         return self.apply(instance, _payload_of(frames), sequence=_sequence_of(frames))
 
@@ -162,7 +162,7 @@ class VllmEventReader:
 
     def apply(
         self, instance: int, payload: bytes, *, sequence: int | None = None
-    ) -> dict[str, Any]:
+    ) -> Mapping[str, Any]:
         """Reads one batch and applies it to the index; returns ``KVIndex.apply``'s report.
         The mapping changes are kept only if the index applied the batch (class doc)."""
         events, _ = self._read(instance, payload, sequence)
