@@ -88,7 +88,7 @@ test-loom:
 test-python: test-deps build
 	$(PY) -m pytest -q
 
-# kvpool under vLLM 0.33.0's real Scheduler, on CPU (issue 19, tests/vllm). Its own venv: vllm
+# kvpool under vLLM 0.33.0's real Scheduler, on CPU (tests/vllm). Its own venv: vllm
 # pins torch 2.14.0, whose CUDA build (with its nvidia-* wheels, about 9 GB) imports without a
 # GPU; uv installs it from PyPI in about a minute, once per machine (the stamp). kvpool goes in
 # with maturin develop (the warm cargo target of `make build`).
@@ -110,10 +110,16 @@ test-vllm: $(VLLM_STAMP)
 		>$(VLLM_VENV)/build.log 2>&1 || (cat $(VLLM_VENV)/build.log >&2; exit 1)
 	VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 $(VLLM_VENV)/bin/python -m pytest -q tests/vllm
 
+# ruff format decides the layout of every Python file (100 columns, pyproject.toml); mypy checks
+# the package and its stub ([tool.mypy]); clippy denies an unsafe block without `// SAFETY:`.
+PY_SOURCES := python tests benches examples .ci
+
 lint: $(DEPS) build
 	cargo fmt --all --check
 	cargo clippy --workspace --all-targets -- -D warnings
-	$(VENV)/bin/ruff check python tests benches examples .ci
+	$(VENV)/bin/ruff format --check $(PY_SOURCES)
+	$(VENV)/bin/ruff check $(PY_SOURCES)
+	$(PY) -m mypy
 	$(PY) -m mypy.stubtest kvpool._core --allowlist stubtest-allowlist.txt
 
 bench:

@@ -78,7 +78,9 @@ class Worker:
         computed = seq.num_computed_tokens
         self.hit_blocks += computed // BS
         if self.window:
-            self.window_hit_blocks += sum(1 for b in seq.group_block_table(1).tolist()[: computed // BS] if b)
+            self.window_hit_blocks += sum(
+                1 for b in seq.group_block_table(1).tolist()[: computed // BS] if b
+            )
         if self.linear and computed:
             assert seq.linear_state_restore_slot is not None, "R23: a hit restores a checkpoint"
             self.restores += 1
@@ -92,7 +94,9 @@ class Worker:
             live = (rank, seq.linear_state_slot)
             if old == 0:
                 self.state[live] = ()
-            assert self.state.get(live) == tuple(tokens[:old]), "the recurrent state continues its own prefix"
+            assert self.state.get(live) == tuple(tokens[:old]), (
+                "the recurrent state continues its own prefix"
+            )
             self.state[live] = tuple(tokens[:n])
         tables = [(0, seq.block_ids())]
         if self.window:
@@ -131,11 +135,18 @@ class Worker:
                         )
             if self.linear and seq.num_computed_tokens:
                 got = self.state.get((rank, seq.linear_state_slot))
-                assert got == tuple(tokens[: seq.num_computed_tokens]), f"live state of {tokens}: {got}"
+                assert got == tuple(tokens[: seq.num_computed_tokens]), (
+                    f"live state of {tokens}: {got}"
+                )
 
 
 def play(
-    pool: kvpool.BlockManagerPool, rng: random.Random, steps: int, linear: bool, window: bool, resets: bool = True
+    pool: kvpool.BlockManagerPool,
+    rng: random.Random,
+    steps: int,
+    linear: bool,
+    window: bool,
+    resets: bool = True,
 ) -> Worker:
     w = Worker(pool, linear, window)
     prefixes = [[rng.randrange(3) for _ in range(rng.randrange(4, 12))] for _ in range(4)]
@@ -144,10 +155,14 @@ def play(
         r = rng.random()
         if r < 0.3 or not w.running:
             if finished and rng.random() < 0.3:
-                tokens = rng.choice(finished) + [rng.randrange(3) for _ in range(rng.randrange(1, 5))]
+                tokens = rng.choice(finished) + [
+                    rng.randrange(3) for _ in range(rng.randrange(1, 5))
+                ]
             else:
                 base = rng.choice(prefixes)
-                tokens = base[: rng.randrange(1, len(base) + 1)] + [rng.randrange(3) for _ in range(rng.randrange(1, 6))]
+                tokens = base[: rng.randrange(1, len(base) + 1)] + [
+                    rng.randrange(3) for _ in range(rng.randrange(1, 6))
+                ]
             w.admit(tokens)
         elif r < 0.75:
             seq = rng.choice(w.running)
@@ -183,7 +198,12 @@ CONFIGS = {
         "linear_state_match": "contiguous",
         "linear_state_save": "promote",
     },
-    "window+linear": {"sliding_window": 4, "swa_num_blocks": 48, "linear_state_slots": 8, "checkpoint_interval": 2},
+    "window+linear": {
+        "sliding_window": 4,
+        "swa_num_blocks": 48,
+        "linear_state_slots": 8,
+        "checkpoint_interval": 2,
+    },
     "window+linear+no_dedup": {
         "sliding_window": 3,
         "swa_num_blocks": 48,
@@ -214,7 +234,9 @@ def test_r7_random_collisions_never_hand_out_another_prefixs_kv_or_state(name):
     for bits in range(1, 9):
         rng = random.Random(bits)
         pool = kvpool.BlockManagerPool(28, BS, debug_hash_bits=bits, **options)
-        hits += play(pool, rng, 250, "linear_state_slots" in options, "sliding_window" in options).hit_blocks
+        hits += play(
+            pool, rng, 250, "linear_state_slots" in options, "sliding_window" in options
+        ).hit_blocks
     assert hits > 0, "the workloads share prefixes"
 
 
@@ -225,7 +247,9 @@ def test_r7_random_collisions_through_the_host_tier(name):
     for bits in range(1, 9):
         rng = random.Random(100 + bits)
         pool = kvpool.HierarchyBlockManagerPool(20, 24, BS, debug_hash_bits=bits, **options)
-        hits += play(pool, rng, 250, "linear_state_slots" in options, "sliding_window" in options).hit_blocks
+        hits += play(
+            pool, rng, 250, "linear_state_slots" in options, "sliding_window" in options
+        ).hit_blocks
     assert hits > 0, "the workloads share prefixes"
 
 
@@ -234,8 +258,15 @@ def test_r7_random_collisions_through_the_host_tier(name):
     [
         ({"sliding_window": 4, "swa_num_blocks": 48}, ("window_hit_blocks", "loaded_blocks")),
         ({"linear_state_slots": 8, "checkpoint_interval": 2}, ("restores", "loaded_blocks")),
-        ({"sliding_window": 4, "swa_num_blocks": 48, "linear_state_slots": 8, "checkpoint_interval": 2},
-         ("window_hit_blocks", "restores")),
+        (
+            {
+                "sliding_window": 4,
+                "swa_num_blocks": 48,
+                "linear_state_slots": 8,
+                "checkpoint_interval": 2,
+            },
+            ("window_hit_blocks", "restores"),
+        ),
     ],
     ids=["window", "linear", "window+linear"],
 )
@@ -245,7 +276,13 @@ def test_r7_the_random_workloads_reach_every_kind_of_hit(options, kinds):
     totals = dict.fromkeys(kinds, 0)
     for seed in range(4):
         pool = kvpool.HierarchyBlockManagerPool(20, 24, BS, **options)
-        w = play(pool, random.Random(seed), 300, "linear_state_slots" in options, "sliding_window" in options)
+        w = play(
+            pool,
+            random.Random(seed),
+            300,
+            "linear_state_slots" in options,
+            "sliding_window" in options,
+        )
         for kind in kinds:
             totals[kind] += getattr(w, kind)
     assert all(totals.values()), totals
@@ -259,7 +296,9 @@ def test_g5_the_window_group_verifies_the_chain_not_only_the_block():
     blocks, and its window entry 2 was A's block of another prefix (same truncated hash, same
     block tokens). Window blocks are now anchored to the full-attention entry of their position
     and a hit takes one only where the query's verified walk reaches that entry."""
-    p = kvpool.BlockManagerPool(32, 1, sliding_window=2, swa_num_blocks=32, debug_hash_bits=3, enable_events=True)
+    p = kvpool.BlockManagerPool(
+        32, 1, sliding_window=2, swa_num_blocks=32, debug_hash_bits=3, enable_events=True
+    )
     w = Worker(p, linear=False, window=True)
     a, c = [0, 0, 0, 1], [1, 0, 1, 1]
     for tokens in (a, c):
@@ -280,14 +319,20 @@ def test_g5_the_window_group_verifies_the_chain_not_only_the_block():
     v.verify()
     b, c_seq = v.running[-1], v.running[1]
     assert b.num_cached_tokens == 4
-    assert b.group_block_table(1).tolist()[:4] == [0, 0, 0, c_seq.group_block_table(1).tolist()[3]] != [0] * 4
+    assert (
+        b.group_block_table(1).tolist()[:4]
+        == [0, 0, 0, c_seq.group_block_table(1).tolist()[3]]
+        != [0] * 4
+    )
 
 
 def test_g6_a_checkpoint_restores_only_the_prefix_it_ends():
     """repro_linear_collision.py: with 3-bit hashes B = [1, 0, 1, 8] got C's KV (token-verified)
     and A's checkpoint of [2, 0, 1] (same truncated hash as [1, 0, 1]). A checkpoint now records
     the full-attention entry its boundary ends at and serves only a walk that reaches it."""
-    p = kvpool.BlockManagerPool(32, 1, linear_state_slots=8, checkpoint_interval=1, debug_hash_bits=3)
+    p = kvpool.BlockManagerPool(
+        32, 1, linear_state_slots=8, checkpoint_interval=1, debug_hash_bits=3
+    )
     w = Worker(p, linear=True, window=False)
     w.admit([2, 0, 1, 7])
     a = w.running[-1]

@@ -1,4 +1,4 @@
-"""Hybrid models (issue 4): LinearStatePrefixCache, linear-state checkpoints in the pool,
+"""Hybrid models: LinearStatePrefixCache, linear-state checkpoints in the pool,
 SlidingWindowBlockManager / CompositeBlockManager and sliding-window pools (R22-R25)."""
 
 from __future__ import annotations

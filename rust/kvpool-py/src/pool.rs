@@ -208,7 +208,7 @@ impl PyBlockManagerPool {
         })
     }
 
-    /// The stats dict and the host totals (the subclass adds its remote dict).
+    /// The stats dict and the host totals (the hierarchy subclass reads their remote counters).
     pub(crate) fn stats_dict<'py>(
         &self,
         py: Python<'py>,

@@ -40,7 +40,7 @@ pub enum LinearStateMatch {
     /// The deepest boundary inside the KV hit whose prefix has a committed checkpoint.
     #[default]
     Deepest,
-    /// The end of the longest run of checkpointed boundaries from block 0 (the seed's rule).
+    /// The end of the longest run of checkpointed boundaries from block 0 (xLLM's design doc).
     Contiguous,
 }
 

@@ -301,7 +301,7 @@ impl BlockManagerPool {
         })
     }
 
-    /// The seed's `allocate_shared(seq)`: the trimmed device hit only, with the single block and
+    /// xLLM's `allocate_shared(seq)`: the trimmed device hit only, with the single block and
     /// the live slot and no new blocks; `allocate` then grows the table. A sequence that holds
     /// blocks is a `ValueError`-style error; false (nothing changed) if the rank has no room.
     pub(crate) fn allocate_shared_prefix(&mut self, seq: &mut Sequence) -> Result<bool> {

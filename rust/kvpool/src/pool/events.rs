@@ -1,4 +1,4 @@
-//! KV events for external KV-aware routers (R21), self-describing (issue "Beyond one instance"):
+//! KV events for external KV-aware routers (R21), self-describing (docs/events.md):
 //! the events of every rank's device cache, of its host cache (R26) and of the remote tier's
 //! stores and removals the caller reports, each numbered in its rank's stream and kept in a
 //! bounded replay buffer.
@@ -311,7 +311,8 @@ impl BlockManagerPool {
 
     /// Records the remote tier's stores or removals of `rank`'s blocks (`hashes`, chain hashes
     /// as the tier's keys) as remote-medium events in the rank's stream: the pool does no I/O,
-    /// so the caller (`kvpool.remote.RemoteTransfer`) reports what it wrote or found missing.
+    /// so the caller (`kvpool.tiers.remote_transfer.RemoteTransfer`) reports what it wrote or
+    /// found missing.
     /// Hashes are grouped into events of consecutive chain blocks; each event's parent, tokens
     /// and extra key come from the rank's host or device cache where the block is known there
     /// (else no parent and no tokens). Returns the events recorded (0 without `enable_events`).

@@ -1,4 +1,4 @@
-//! `BlockManagerPool`: the sequence-level KV-cache manager (the seed's `KVCacheManager`): per
+//! `BlockManagerPool`: the sequence-level KV-cache manager (xLLM's `KVCacheManager`): per
 //! data-parallel rank a full-attention group, a single-block manager and the rank's other groups
 //! (sliding window, linear state), and optionally a host tier (the public
 //! `HierarchyBlockManagerPool`).
@@ -50,13 +50,13 @@ pub use stats::{PoolStats, RankStats};
 
 static NEXT_POOL_ID: AtomicU64 = AtomicU64::new(1);
 
-/// The sequence-level interface (the seed's `KVCacheManager`).
+/// The sequence-level interface (xLLM's `KVCacheManager`).
 pub trait KvCacheManager {
     /// R15: what `allocate` would answer, with no side effect.
     fn can_allocate(&mut self, seq: &mut Sequence, num_tokens: Option<usize>) -> Result<bool>;
     /// R14.
     fn allocate(&mut self, seq: &mut Sequence, num_tokens: Option<usize>) -> Result<bool>;
-    /// The seed's `allocate_shared(seq)` (section 2.1): the prefix hit only, into a sequence that
+    /// xLLM's `allocate_shared(seq)`: the prefix hit only, into a sequence that
     /// holds nothing (its hit's blocks, single block and live slot; no new blocks).
     fn allocate_shared(&mut self, seq: &mut Sequence) -> Result<bool>;
     /// R16.
