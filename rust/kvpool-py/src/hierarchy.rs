@@ -240,22 +240,36 @@ impl PyHierarchyBlockManagerPool {
     }
 
     /// Device match, host match past it, then (with a remote tier) one lookup (R14, R26).
-    #[pyo3(signature = (seq, num_tokens = None, *, plan = None))]
+    #[pyo3(signature = (seq, num_tokens = None, *, plan = None, num_new_tokens = None))]
     fn allocate(
         slf: &Bound<'_, Self>,
         seq: &Bound<'_, PyAny>,
         num_tokens: Option<&Bound<'_, PyAny>>,
         plan: Option<&Bound<'_, PyAny>>,
+        num_new_tokens: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<bool> {
-        match &slf.get().lookup {
-            Some(lookup) => lookup
-                .bind(slf.py())
+        let py = slf.py();
+        let extent = crate::pool::extent_arg(num_tokens, num_new_tokens)?;
+        let base = slf.as_super().get();
+        match (&slf.get().lookup, extent) {
+            // The lookup takes a token count: plan the chunk once and hand over the count it
+            // resolved to with the plan (the same decision, R14).
+            (Some(lookup), Some(kvpool::TableExtent::NewTokens(_))) => {
+                let Some(planned) = base.plan_extent(py, seq, extent)? else {
+                    return Ok(false);
+                };
+                let n = planned.plan.num_tokens();
+                let planned = Bound::new(py, planned)?;
+                lookup
+                    .bind(py)
+                    .call_method1("allocate", (slf, seq, n, planned))?
+                    .extract()
+            }
+            (Some(lookup), _) => lookup
+                .bind(py)
                 .call_method1("allocate", (slf, seq, num_tokens, plan))?
                 .extract(),
-            None => slf
-                .as_super()
-                .get()
-                .allocate_with(slf.py(), seq, num_tokens, plan, None),
+            (None, _) => base.allocate_extent(py, seq, extent, plan, None),
         }
     }
 

@@ -51,7 +51,7 @@ pub use manager::{
 pub use pool::{
     AllocationPlan, BlockManagerPool, DebugCounters, HierarchyBlockManagerPool, HierarchyConfig,
     HierarchyStats, KvCacheManager, KvEvent, KvEventKind, LinearStateMatch, LinearStatePlan,
-    LinearStateSave, PageBackendKind, PoolConfig, PoolStats, RankStats, XTensorOptions,
+    LinearStateSave, PageBackendKind, PoolConfig, PoolStats, RankStats, TableExtent, XTensorOptions,
     XTensorRankStats, DEFAULT_EVENT_REPLAY,
 };
 pub use prefix_cache::{CacheEvent, CacheStats, ExtraKey, PrefixCache, Probe};

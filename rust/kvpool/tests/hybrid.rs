@@ -314,7 +314,8 @@ proptest! {
         config.swa_num_blocks = window.map(|_| 12);
         config.linear_state_slots = if slots == 1 { 0 } else { slots };
         if config.linear_state_slots > 0 {
-            config.checkpoint_interval = Some(8);
+            // "contiguous" hits only with a checkpoint at every block (R23).
+            config.checkpoint_interval = Some(if contiguous { 4 } else { 8 });
         }
         config.linear_state_save = if promote { LinearStateSave::Promote } else { LinearStateSave::Copy };
         config.linear_state_match =
