@@ -513,7 +513,9 @@ impl PyBlockManagerPool {
             true => PyList::new(py, switches),
             false => PyList::new(
                 py,
-                switches.into_iter().map(|(seq, _, old, new)| (seq, old, new)),
+                switches
+                    .into_iter()
+                    .map(|(seq, _, old, new)| (seq, old, new)),
             ),
         }
     }

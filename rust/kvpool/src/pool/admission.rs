@@ -48,7 +48,10 @@ pub enum TableExtent {
 impl TableExtent {
     /// `num_tokens` (`None`: `len(seq)`) or `num_new_tokens`; both given is an error naming
     /// `num_new_tokens`.
-    pub fn from_args(num_tokens: Option<usize>, num_new_tokens: Option<usize>) -> Result<Option<Self>> {
+    pub fn from_args(
+        num_tokens: Option<usize>,
+        num_new_tokens: Option<usize>,
+    ) -> Result<Option<Self>> {
         match (num_tokens, num_new_tokens) {
             (Some(_), Some(_)) => Err(crate::error::KvPoolError::invalid(
                 "num_new_tokens",
@@ -277,7 +280,13 @@ impl BlockManagerPool {
             };
             let rank = seq.alloc().map_or(0, |a| a.rank);
             let entries = seq.blocks().len() + need;
-            return Ok(Some(self.stamp(seq, extent, n, rank, Kind::Grow { need, entries })));
+            return Ok(Some(self.stamp(
+                seq,
+                extent,
+                n,
+                rank,
+                Kind::Grow { need, entries },
+            )));
         }
         let bs = self.config.block_size;
         Ok(self
@@ -382,10 +391,12 @@ impl BlockManagerPool {
                 return Ok(self.admit(seq, *rank, survey, decision));
             }
             // The remote answer extends the decision; the walks stand.
-            return Ok(match self.decide(seq, *rank, survey, *extent, remote, false) {
-                Some(decision) => self.admit(seq, *rank, survey, &decision),
-                None => false,
-            });
+            return Ok(
+                match self.decide(seq, *rank, survey, *extent, remote, false) {
+                    Some(decision) => self.admit(seq, *rank, survey, &decision),
+                    None => false,
+                },
+            );
         }
         Ok(match self.plan_admission(seq, extent, remote, false) {
             Some((rank, survey, decision)) => self.admit(seq, rank, &survey, &decision),

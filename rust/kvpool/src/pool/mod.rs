@@ -482,8 +482,11 @@ impl BlockManagerPool {
                         key,
                         switches,
                     );
-                    self.block_switches
-                        .extend(switches.drain(..).map(|(_, old, new)| (seq_id, 0, old, new)));
+                    self.block_switches.extend(
+                        switches
+                            .drain(..)
+                            .map(|(_, old, new)| (seq_id, 0, old, new)),
+                    );
                     reached
                 } else {
                     attention.publish(
