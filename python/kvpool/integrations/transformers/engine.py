@@ -70,6 +70,7 @@ class Request(kvpool.Sequence):
         self.output: list[int] = []
         self.finished = False
         self.num_preemptions = 0
+        self.num_hit_tokens = 0  # the prefix hit (every tier) of its last admission
         self.generator = None
         if self.params.temperature > 0:
             self.generator = torch.Generator().manual_seed(
@@ -210,7 +211,8 @@ class Engine:
             self.running.append(req)
             self.runner.run_plans()  # host loads count in num_computed_tokens once complete
             self.counters["admissions"] += 1
-            self.counters["hit_tokens"] += req.num_computed_tokens
+            req.num_hit_tokens = req.num_computed_tokens
+            self.counters["hit_tokens"] += req.num_hit_tokens
             n = self._chunk(req, budget)
             sched.append((req, n))
             budget -= n
@@ -222,6 +224,7 @@ class Engine:
         self.waiting.appendleft(req)
         req.num_preemptions += 1
         self.counters["preemptions"] += 1
+        self.runner.run_plans()  # a pending offload holds the released blocks (R26)
 
     def _sample(self, req: Request, logits: torch.Tensor) -> int:
         if req.generator is None:
