@@ -16,7 +16,6 @@ computed, position by position, and every sampled token.
 from __future__ import annotations
 
 import torch
-
 from kvpool.integrations.transformers import Engine, SamplingParams
 
 TOLERANCE = 1e-4  # max |engine - reference| / max |reference|, per chunk
