@@ -37,6 +37,7 @@ CONFIGS = {
     "gemma3": dict(num_blocks=32, swa_num_blocks=28),
     "qwen3_next": dict(num_blocks=32, linear_state_slots=24, checkpoint_interval=16),
 }
+MORE = {"llama": dict(num_blocks=28), "mistral": dict(num_blocks=28, swa_num_blocks=28)}
 COMMON = dict(block_size=8, host_num_blocks=96, max_num_seqs=6, max_num_batched_tokens=64)
 _models: dict[str, object] = {}
 
@@ -53,7 +54,7 @@ def model_of(family: str):
 def run_family(family: str, backend: str) -> tuple[Engine, dict]:
     model = model_of(family)
     engine = Engine(model, backend=backend, record_logits=True, check=True,
-                    **COMMON, **CONFIGS[family])
+                    **COMMON, **{**CONFIGS, **MORE}[family])
     requests = chat_workload(engine, vocab=model.config.vocab_size)
     result = check_against_reference(model, requests)
     stats = engine.stats()
@@ -87,6 +88,16 @@ def test_model_matches_its_own_forward_numpy(family):
           + ", ".join(f"{k}={s[k]}" for k in (
               "prefix_hit_tokens", "evictions", "preemptions", "switches", "host_loaded_blocks",
               "linear_state_hits", "window_releases") if k in s))
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+def test_more_families_match_their_own_forward(family):
+    """Llama (full attention) and Mistral (every layer windowed: group 0 holds no memory)."""
+    _, s = run_family(family, "numpy")
+    assert s["prefix_hit_tokens"] > 0 and s["preemptions"] > 0 and s["switches"] > 0
+    if family == "mistral":
+        assert s["window_releases"] > 0
+    WORST[family] = s["worst"]
 
 
 @pytest.mark.slow

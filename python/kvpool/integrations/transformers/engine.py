@@ -96,6 +96,7 @@ class Engine:
     eos_token_id : ends a request unless its ``ignore_eos``.
     record_logits : keep the logits of every computed token in ``request.logits`` (tests).
     check : ``pool.check()`` after every step (tests).
+    validate : the kernels' range checks (each a device sync on cupy: off in a hot loop).
     pool_options : further ``BlockManagerPool`` options (``dedup``, ``enable_prefix_cache``, ...).
     """
 
@@ -104,7 +105,7 @@ class Engine:
                  linear_state_slots: int | None = None, checkpoint_interval: int | None = None,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
                  backend: str | None = None, eos_token_id: int | None = None,
-                 record_logits: bool = False, check: bool = False,
+                 record_logits: bool = False, check: bool = False, validate: bool = True,
                  pool_options: dict[str, Any] | None = None):
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be at least 1")
@@ -119,7 +120,9 @@ class Engine:
         else:
             pool = kvpool.BlockManagerPool(num_blocks, block_size, **opts)
         self.pool = pool
-        self.runner = PagedModelRunner(model, pool, backend=backend)
+        self.runner = PagedModelRunner(model, pool, backend=backend, validate=validate)
+        # the most tokens one request can ever hold: every full-attention block
+        self._capacity = block_size * pool.stats()["num_total_blocks"]
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.eos_token_id = eos_token_id
@@ -136,6 +139,10 @@ class Engine:
         req = Request(token_ids, params)
         if not req.tokens:
             raise ValueError("token_ids: a prompt needs at least one token")
+        if len(req.tokens) + req.params.max_tokens > self._capacity:
+            raise ValueError(f"token_ids: {len(req.tokens)} tokens plus max_tokens "
+                             f"{req.params.max_tokens} do not fit in the pool ({self._capacity} "
+                             "tokens): it would be preempted forever")
         self.waiting.append(req)
         return req
 
