@@ -88,7 +88,7 @@ test-loom:
 test-python: test-deps build
 	$(PY) -m pytest -q
 
-# kvpool under vLLM 0.33.0's real Scheduler, on CPU (issue 19, tests/vllm). Its own venv: vllm
+# kvpool under vLLM 0.33.0's real Scheduler, on CPU (tests/vllm). Its own venv: vllm
 # pins torch 2.14.0, whose CUDA build (with its nvidia-* wheels, about 9 GB) imports without a
 # GPU; uv installs it from PyPI in about a minute, once per machine (the stamp). kvpool goes in
 # with maturin develop (the warm cargo target of `make build`).
@@ -112,6 +112,10 @@ vllm-venv-kvpool: $(VLLM_STAMP)
 test-vllm: vllm-venv-kvpool
 	VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 $(VLLM_VENV)/bin/python -m pytest -q tests/vllm
 
+# ruff format decides the layout of every Python file (100 columns, pyproject.toml); mypy checks
+# the package and its stub ([tool.mypy]); clippy denies an unsafe block without `// SAFETY:`.
+PY_SOURCES := python tests benches examples .ci
+
 # Real models on kvpool (tests/models, docs/engine.md): tiny random-weight Qwen3, Gemma 3 text and
 # Qwen3-Next through kvpool.integrations.transformers, every logit against the model's own
 # forward, on CPU with the numpy kernel backend. In the vLLM venv: vLLM brings torch and
@@ -126,7 +130,9 @@ test-models-slow: vllm-venv-kvpool
 lint: $(DEPS) build
 	cargo fmt --all --check
 	cargo clippy --workspace --all-targets -- -D warnings
-	$(VENV)/bin/ruff check python tests benches examples .ci
+	$(VENV)/bin/ruff format --check $(PY_SOURCES)
+	$(VENV)/bin/ruff check $(PY_SOURCES)
+	$(PY) -m mypy
 	$(PY) -m mypy.stubtest kvpool._core --allowlist stubtest-allowlist.txt
 
 bench:

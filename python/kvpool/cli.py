@@ -14,7 +14,8 @@ commands:
   simulate   replay a serving workload (synthetic, or a Mooncake / Qwen-Bailian trace) through
              a scheduler built on BlockManagerPool and report KV-cache usage, prefix hits,
              preemptions, time in seconds (`kvpool simulate --help`; docs/simulate.md)
-  tour       the seeds' scenarios replayed on the library, step by step (a minute's read)
+  tour       two scenarios (nano-vllm's paged blocks, xLLM's request life) replayed on the
+             library, step by step (a minute's read)
   generate   a Hugging Face causal LM (hub id, path, config or tiny-<family>) on prompts from a
              file, its KV in kvpool (needs torch and transformers; docs/engine.md)
 """
@@ -40,9 +41,15 @@ def main(argv: list[str] | None = None) -> int:
         return generate_main(rest)
     print(USAGE, end="", file=sys.stderr)
     if cmd == "bench":
-        print("kvpool: the comparison with nano-vllm / vLLM runs from a checkout of the repository:"
-              " python benches/compare.py --help", file=sys.stderr)
-    print(f"kvpool: error: unknown command {cmd!r} (choose from simulate, tour, generate)", file=sys.stderr)
+        print(
+            "kvpool: the comparison with nano-vllm / vLLM runs from a checkout of the repository:"
+            " python benches/compare.py --help",
+            file=sys.stderr,
+        )
+    print(
+        f"kvpool: error: unknown command {cmd!r} (choose from simulate, tour, generate)",
+        file=sys.stderr,
+    )
     return 2
 
 

@@ -23,8 +23,7 @@ def run_plan(pool, state):
     plan = pool.take_linear_state_plan()
     state[plan.zero_slots] = 0
     if len(plan.restore_src):
-        kvpool.kernels.copy_linear_state(state, plan.restore_src, plan.restore_dst,
-                                         backend="numpy")
+        kvpool.kernels.copy_linear_state(state, plan.restore_src, plan.restore_dst, backend="numpy")
     if len(plan.save_src):
         kvpool.kernels.copy_linear_state(state, plan.save_src, plan.save_dst, backend="numpy")
     pool.commit_linear_state_plan(plan)
@@ -144,11 +143,18 @@ def test_r24_chunks_sized_by_next_checkpoint_boundary_save_every_boundary():
 
 def test_r23_contiguous_needs_a_checkpoint_at_every_block():
     for interval in (8, 12, 64):
-        raises_bad_arg("checkpoint_interval", kvpool.BlockManagerPool, 64, BS,
-                       linear_state_slots=8, checkpoint_interval=interval,
-                       linear_state_match="contiguous")
-    pool = kvpool.BlockManagerPool(64, BS, linear_state_slots=16, checkpoint_interval=BS,
-                                   linear_state_match="contiguous")
+        raises_bad_arg(
+            "checkpoint_interval",
+            kvpool.BlockManagerPool,
+            64,
+            BS,
+            linear_state_slots=8,
+            checkpoint_interval=interval,
+            linear_state_match="contiguous",
+        )
+    pool = kvpool.BlockManagerPool(
+        64, BS, linear_state_slots=16, checkpoint_interval=BS, linear_state_match="contiguous"
+    )
     kvpool.BlockManagerPool(64, BS, linear_state_slots=8, checkpoint_interval=8)  # deepest: fine
     tokens = list(range(14))
     seq = kvpool.Sequence(tokens)

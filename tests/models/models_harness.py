@@ -21,9 +21,17 @@ from kvpool.integrations.transformers import Engine, SamplingParams
 TOLERANCE = 1e-4  # max |engine - reference| / max |reference|, per chunk
 
 
-def chat_workload(engine: Engine, *, vocab: int, num_convs: int = 6, turns: int = 3,
-                  system_len: int = 40, num_systems: int = 2, seed: int = 0,
-                  sampled_conv: int | None = 1) -> list:
+def chat_workload(
+    engine: Engine,
+    *,
+    vocab: int,
+    num_convs: int = 6,
+    turns: int = 3,
+    system_len: int = 40,
+    num_systems: int = 2,
+    seed: int = 0,
+    sampled_conv: int | None = 1,
+) -> list:
     """Runs the conversations to the end; returns every finished request, in finishing order."""
     g = torch.Generator().manual_seed(seed)
 
@@ -39,8 +47,9 @@ def chat_workload(engine: Engine, *, vocab: int, num_convs: int = 6, turns: int 
         max_tokens = 5 + (3 * i + turn[i]) % 6
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
         if i == sampled_conv:
-            params = SamplingParams(max_tokens=max_tokens, temperature=0.8, seed=100 + turn[i],
-                                    ignore_eos=True)
+            params = SamplingParams(
+                max_tokens=max_tokens, temperature=0.8, seed=100 + turn[i], ignore_eos=True
+            )
         req = engine.add_request(history[i], params)
         owner[id(req)] = i
 
@@ -76,7 +85,7 @@ def check_against_reference(model, requests: list) -> dict:
     for req in requests:
         ref = reference_logits(model, req.tokens)
         for start, got in req.logits:
-            want = ref[start:start + len(got)]
+            want = ref[start : start + len(got)]
             err = float((got.float() - want).abs().max() / want.abs().max())
             assert err <= TOLERANCE, f"positions {start}..{start + len(got)}: {err:.3e}"
             worst = max(worst, err)

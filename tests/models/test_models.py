@@ -53,8 +53,14 @@ def model_of(family: str):
 
 def run_family(family: str, backend: str) -> tuple[Engine, dict]:
     model = model_of(family)
-    engine = Engine(model, backend=backend, record_logits=True, check=True,
-                    **COMMON, **{**CONFIGS, **MORE}[family])
+    engine = Engine(
+        model,
+        backend=backend,
+        record_logits=True,
+        check=True,
+        **COMMON,
+        **{**CONFIGS, **MORE}[family],
+    )
     requests = chat_workload(engine, vocab=model.config.vocab_size)
     result = check_against_reference(model, requests)
     stats = engine.stats()
@@ -83,11 +89,23 @@ def test_model_matches_its_own_forward_numpy(family):
     assert_exercised(family, s)
     assert s["worst"] <= TOLERANCE and s["chunks"] > 100 and s["tokens"] > 100
     WORST[family] = s["worst"]
-    print(f"\n{family} (numpy): worst relative logit difference {s['worst']:.2e} over "
-          f"{s['chunks']} chunks, {s['tokens']} tokens; counts: "
-          + ", ".join(f"{k}={s[k]}" for k in (
-              "prefix_hit_tokens", "evictions", "preemptions", "switches", "host_loaded_blocks",
-              "linear_state_hits", "window_releases") if k in s))
+    print(
+        f"\n{family} (numpy): worst relative logit difference {s['worst']:.2e} over "
+        f"{s['chunks']} chunks, {s['tokens']} tokens; counts: "
+        + ", ".join(
+            f"{k}={s[k]}"
+            for k in (
+                "prefix_hit_tokens",
+                "evictions",
+                "preemptions",
+                "switches",
+                "host_loaded_blocks",
+                "linear_state_hits",
+                "window_releases",
+            )
+            if k in s
+        )
+    )
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral"])
@@ -112,8 +130,14 @@ def test_negative_control_a_perturbed_cached_block_fails_the_tolerance():
     """Adding 1e-3 to one cached K block of the shared system prompt makes the next turn's
     logits miss the reference by more than the tolerance: the check sees the cache's content."""
     model = model_of("qwen3")
-    engine = Engine(model, backend="numpy", record_logits=True, num_blocks=64, block_size=8,
-                    max_num_batched_tokens=64)
+    engine = Engine(
+        model,
+        backend="numpy",
+        record_logits=True,
+        num_blocks=64,
+        block_size=8,
+        max_num_batched_tokens=64,
+    )
     g = torch.Generator().manual_seed(5)
     system = torch.randint(3, 512, (40,), generator=g).tolist()
     params = SamplingParams(max_tokens=3, ignore_eos=True)

@@ -114,7 +114,9 @@ impl PyBlockManagerPool {
 
     /// `.py()` of a core result; a page backend object's exception raised during the call is
     /// raised as itself, also where the core turned it into "no room" (a failed growth changes
-    /// nothing) or deferred it (an unmap after a release: the page stays mapped and is retried).
+    /// nothing). One the core deferred (met while settling after the call's own work: the page
+    /// stays as it was and the next call retries first) was dropped from its slot
+    /// (`PageBackend::deferred`), so the call's result stands.
     fn result<T>(&self, result: kvpool::Result<T>) -> PyResult<T> {
         let mut raised = None;
         for slot in &self.backend_errors {
@@ -228,7 +230,7 @@ impl PyBlockManagerPool {
         })
     }
 
-    /// `plan(seq, num_tokens | num_new_tokens)`, shared with the subclass.
+    /// `plan(seq, num_tokens | num_new_tokens)`.
     pub(crate) fn plan_extent(
         &self,
         py: Python<'_>,
@@ -239,7 +241,7 @@ impl PyBlockManagerPool {
         Ok(plan.map(|p| PyAllocationPlan::new(p, self.block_size)))
     }
 
-    /// The stats dict and the host totals (the subclass adds its remote dict).
+    /// The stats dict and the host totals (the hierarchy subclass reads their remote counters).
     pub(crate) fn stats_dict<'py>(
         &self,
         py: Python<'py>,

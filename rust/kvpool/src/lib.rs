@@ -14,6 +14,7 @@
 mod alloc;
 mod block;
 mod bulk_arc;
+mod chain;
 mod composite;
 mod concurrent_manager;
 mod counters;

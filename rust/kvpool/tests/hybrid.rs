@@ -425,7 +425,7 @@ proptest! {
     }
 }
 
-// ---- KV events of the sliding-window group (R21, R25, issue 21 item 1) ----
+// ---- KV events of the sliding-window group (R21, R25) ----
 
 use kvpool::{GroupKind, IndexConfig, IndexEvent, KVIndex, KvEvent, KvEventKind, Medium};
 

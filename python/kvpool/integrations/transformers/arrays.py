@@ -26,8 +26,10 @@ class Bridge:
         if self.gpu and device.type != "cuda":
             raise ValueError("backend: 'cupy' needs the model on a CUDA device")
         if not self.gpu and device.type != "cpu":
-            raise ValueError(f"backend: {self.backend!r} runs on NumPy arrays; the model must be "
-                             f"on the CPU, got device {device}")
+            raise ValueError(
+                f"backend: {self.backend!r} runs on NumPy arrays; the model must be "
+                f"on the CPU, got device {device}"
+            )
         self.device = device
         if self.gpu:
             import cupy
@@ -38,8 +40,9 @@ class Bridge:
         """The backend array sharing ``t``'s memory (``t`` contiguous where a kernel needs it)."""
         if self.gpu:
             if t.dtype == torch.bfloat16:
-                raise TypeError("bfloat16 caches on the cupy backend are not supported; use "
-                                "float16 or float32")
+                raise TypeError(
+                    "bfloat16 caches on the cupy backend are not supported; use float16 or float32"
+                )
             return self._cp.from_dlpack(t.detach())
         if t.dtype == torch.bfloat16:
             from ml_dtypes import bfloat16

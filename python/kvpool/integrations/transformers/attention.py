@@ -51,10 +51,18 @@ def step_scope(step: Any, config: Any) -> Iterator[None]:
         _STEP.reset(token)
 
 
-def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
-                    value: torch.Tensor, attention_mask: Any, scaling: float | None = None,
-                    dropout: float = 0.0, sliding_window: int | None = None,
-                    softcap: float | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+def paged_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Any,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
     """transformers' attention signature on kvpool's paged cache (see the module doc)."""
     step = _STEP.get()
     if step is None:

@@ -74,7 +74,8 @@ class Request(kvpool.Sequence):
         self.generator = None
         if self.params.temperature > 0:
             self.generator = torch.Generator().manual_seed(
-                self.params.seed if self.params.seed is not None else 0)
+                self.params.seed if self.params.seed is not None else 0
+            )
         # (first position, logits [n, vocab]) of every computed chunk, with record_logits
         self.logits: list[tuple[int, torch.Tensor]] = []
 
@@ -100,23 +101,38 @@ class Engine:
     pool_options : further ``BlockManagerPool`` options (``dedup``, ``enable_prefix_cache``, ...).
     """
 
-    def __init__(self, model: Any, *, num_blocks: int, block_size: int = 16,
-                 host_num_blocks: int = 0, swa_num_blocks: int | None = None,
-                 linear_state_slots: int | None = None, checkpoint_interval: int | None = None,
-                 max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
-                 backend: str | None = None, eos_token_id: int | None = None,
-                 record_logits: bool = False, check: bool = False, validate: bool = True,
-                 pool_options: dict[str, Any] | None = None):
+    def __init__(
+        self,
+        model: Any,
+        *,
+        num_blocks: int,
+        block_size: int = 16,
+        host_num_blocks: int = 0,
+        swa_num_blocks: int | None = None,
+        linear_state_slots: int | None = None,
+        checkpoint_interval: int | None = None,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 512,
+        backend: str | None = None,
+        eos_token_id: int | None = None,
+        record_logits: bool = False,
+        check: bool = False,
+        validate: bool = True,
+        pool_options: dict[str, Any] | None = None,
+    ):
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be at least 1")
         layout = layout_of(model)
         opts = layout.pool_options(
             linear_state_slots=linear_state_slots or 4 * max_num_seqs + 1,
-            checkpoint_interval=checkpoint_interval, swa_num_blocks=swa_num_blocks)
+            checkpoint_interval=checkpoint_interval,
+            swa_num_blocks=swa_num_blocks,
+        )
         opts.update(pool_options or {})
         if host_num_blocks:
             pool: kvpool.BlockManagerPool = kvpool.HierarchyBlockManagerPool(
-                num_blocks, host_num_blocks, block_size, **opts)
+                num_blocks, host_num_blocks, block_size, **opts
+            )
         else:
             pool = kvpool.BlockManagerPool(num_blocks, block_size, **opts)
         self.pool = pool
@@ -140,17 +156,20 @@ class Engine:
         if not req.tokens:
             raise ValueError("token_ids: a prompt needs at least one token")
         if len(req.tokens) + req.params.max_tokens > self._capacity:
-            raise ValueError(f"token_ids: {len(req.tokens)} tokens plus max_tokens "
-                             f"{req.params.max_tokens} do not fit in the pool ({self._capacity} "
-                             "tokens): it would be preempted forever")
+            raise ValueError(
+                f"token_ids: {len(req.tokens)} tokens plus max_tokens "
+                f"{req.params.max_tokens} do not fit in the pool ({self._capacity} "
+                "tokens): it would be preempted forever"
+            )
         self.waiting.append(req)
         return req
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def generate(self, prompts: list[Any], params: SamplingParams | list[SamplingParams] | None
-                 = None) -> list[list[int]]:
+    def generate(
+        self, prompts: list[Any], params: SamplingParams | list[SamplingParams] | None = None
+    ) -> list[list[int]]:
         """The batch API: every prompt's output tokens, in order."""
         if not isinstance(params, list):
             params = [params or SamplingParams()] * len(prompts)
@@ -170,11 +189,13 @@ class Engine:
         if not sched:
             if self.waiting and not self.running:
                 req = self.waiting[0]
-                raise RuntimeError(f"request of {len(req)} tokens can never be admitted: the "
-                                   "pool is too small for it")
+                raise RuntimeError(
+                    f"request of {len(req)} tokens can never be admitted: the "
+                    "pool is too small for it"
+                )
             return []
         seqs = [r for r, _ in sched]
-        chunks = [r.tokens[r.num_computed_tokens:r.num_computed_tokens + n] for r, n in sched]
+        chunks = [r.tokens[r.num_computed_tokens : r.num_computed_tokens + n] for r, n in sched]
         logits = self.runner.forward(seqs, chunks, all_logits=self.record_logits)
         t2 = time.perf_counter()
         finished = self._postprocess(sched, logits)
@@ -239,8 +260,9 @@ class Engine:
         probs = torch.softmax(logits.float() / req.params.temperature, dim=-1)
         return int(torch.multinomial(probs.cpu(), 1, generator=req.generator))
 
-    def _postprocess(self, sched: list[tuple[Request, int]],
-                     logits: list[torch.Tensor]) -> list[Request]:
+    def _postprocess(
+        self, sched: list[tuple[Request, int]], logits: list[torch.Tensor]
+    ) -> list[Request]:
         done: list[Request] = []
         tokens: list[int] = []
         for (req, n), lg in zip(sched, logits, strict=True):
@@ -264,8 +286,11 @@ class Engine:
             req.tokens.append(tok)
             req.output.append(tok)
             p = req.params
-            if (len(req.output) >= p.max_tokens or tok in p.stop_token_ids
-                    or (not p.ignore_eos and tok == self.eos_token_id)):
+            if (
+                len(req.output) >= p.max_tokens
+                or tok in p.stop_token_ids
+                or (not p.ignore_eos and tok == self.eos_token_id)
+            ):
                 req.finished = True
                 self.running.remove(req)
                 self.pool.deallocate(req)
@@ -280,9 +305,12 @@ class Engine:
         s = self.pool.stats()
         out: dict[str, Any] = dict(self.counters)
         out.update({f"runner_{k}": v for k, v in self.runner.counters.items()})
-        out.update(prefix_hit_tokens=s["prefix_hit_tokens"], evictions=s["num_evictions"],
-                   linear_state_hits=s["linear_state_hits"],
-                   checkpoint_commits=s["num_checkpoint_commits"])
+        out.update(
+            prefix_hit_tokens=s["prefix_hit_tokens"],
+            evictions=s["num_evictions"],
+            linear_state_hits=s["linear_state_hits"],
+            checkpoint_commits=s["num_checkpoint_commits"],
+        )
         if s.get("window"):
             out["window_releases"] = s["window"]["num_releases"]
         if s.get("host"):

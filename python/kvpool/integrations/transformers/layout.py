@@ -67,9 +67,13 @@ class ModelLayout:
             raise ValueError(f"layer {layer} is a linear-attention layer: it has no block table")
         return 1 if kind == "window" else 0
 
-    def pool_options(self, *, linear_state_slots: int | None = None,
-                     checkpoint_interval: int | None = None,
-                     swa_num_blocks: int | None = None) -> dict[str, Any]:
+    def pool_options(
+        self,
+        *,
+        linear_state_slots: int | None = None,
+        checkpoint_interval: int | None = None,
+        swa_num_blocks: int | None = None,
+    ) -> dict[str, Any]:
         """The ``BlockManagerPool`` options this model needs: a window group, linear state."""
         opts: dict[str, Any] = {}
         if self.has_window:
@@ -78,8 +82,10 @@ class ModelLayout:
                 opts["swa_num_blocks"] = swa_num_blocks
         if self.has_linear:
             if not linear_state_slots:
-                raise ValueError("linear_state_slots: a model with linear-attention layers needs "
-                                 "linear-state slots (at least 2)")
+                raise ValueError(
+                    "linear_state_slots: a model with linear-attention layers needs "
+                    "linear-state slots (at least 2)"
+                )
             opts["linear_state_slots"] = linear_state_slots
             if checkpoint_interval is not None:
                 opts["checkpoint_interval"] = checkpoint_interval
@@ -99,8 +105,9 @@ def layout_of(model: Any) -> ModelLayout:
     kinds = []
     for i, t in enumerate(types[:n]):
         if t not in _HF_KINDS:
-            raise NotImplementedError(f"layer {i} has layer type {t!r}; the paged runner serves "
-                                      f"{sorted(_HF_KINDS)}")
+            raise NotImplementedError(
+                f"layer {i} has layer type {t!r}; the paged runner serves {sorted(_HF_KINDS)}"
+            )
         kinds.append(_HF_KINDS[t])
     if "window" in kinds and not window:
         raise ValueError("config has sliding_attention layers but no sliding_window")
@@ -112,8 +119,13 @@ def layout_of(model: Any) -> ModelLayout:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     linear = {i: _linear_shape(model, i) for i, k in enumerate(kinds) if k == "linear"}
-    return ModelLayout(tuple(kinds), int(kv_heads), int(head_dim),
-                       int(window) if "window" in kinds else None, linear)
+    return ModelLayout(
+        tuple(kinds),
+        int(kv_heads),
+        int(head_dim),
+        int(window) if "window" in kinds else None,
+        linear,
+    )
 
 
 def _linear_shape(model: Any, layer: int) -> LinearStateShape:
@@ -125,7 +137,8 @@ def _linear_shape(model: Any, layer: int) -> LinearStateShape:
     except AttributeError as e:
         raise NotImplementedError(
             f"layer {layer}: {type(module).__name__} does not expose the Gated DeltaNet state "
-            "shapes (conv_dim, conv_kernel_size, num_v_heads, head_k_dim, head_v_dim)") from e
+            "shapes (conv_dim, conv_kernel_size, num_v_heads, head_k_dim, head_v_dim)"
+        ) from e
     return LinearStateShape(conv, rec)
 
 

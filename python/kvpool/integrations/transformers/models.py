@@ -21,9 +21,17 @@ from typing import Any
 
 FAMILIES = ("qwen3", "llama", "gemma3", "mistral", "qwen3_next")
 
-_COMMON = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_attention_heads=4,
-               num_key_value_heads=2, head_dim=64, max_position_embeddings=4096,
-               initializer_range=0.1, tie_word_embeddings=False)
+_COMMON = dict(
+    vocab_size=512,
+    hidden_size=128,
+    intermediate_size=256,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    max_position_embeddings=4096,
+    initializer_range=0.1,
+    tie_word_embeddings=False,
+)
 
 
 def tiny_config(family: str, **overrides: Any) -> Any:
@@ -39,16 +47,29 @@ def tiny_config(family: str, **overrides: Any) -> Any:
         cls, kw = tf.MistralConfig, {**kw, "num_hidden_layers": 2, "sliding_window": 24}
     elif family == "gemma3":
         cls = tf.Gemma3TextConfig
-        kw = {**kw, "num_hidden_layers": 3, "sliding_window": 24, "query_pre_attn_scalar": 64,
-              "layer_types": ["sliding_attention", "sliding_attention", "full_attention"]}
+        kw = {
+            **kw,
+            "num_hidden_layers": 3,
+            "sliding_window": 24,
+            "query_pre_attn_scalar": 64,
+            "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
+        }
     elif family == "qwen3_next":
         cls = tf.Qwen3NextConfig
-        kw = {**kw, "num_hidden_layers": 4,
-              "layer_types": ["linear_attention"] * 3 + ["full_attention"],
-              "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 32,
-              "linear_value_head_dim": 32, "linear_conv_kernel_dim": 4, "num_experts": 4,
-              "num_experts_per_tok": 2, "moe_intermediate_size": 64,
-              "shared_expert_intermediate_size": 64}
+        kw = {
+            **kw,
+            "num_hidden_layers": 4,
+            "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+            "linear_num_key_heads": 2,
+            "linear_num_value_heads": 4,
+            "linear_key_head_dim": 32,
+            "linear_value_head_dim": 32,
+            "linear_conv_kernel_dim": 4,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 64,
+            "shared_expert_intermediate_size": 64,
+        }
     else:
         raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
     kw.update(overrides)
@@ -65,15 +86,22 @@ def from_config(config: Any, *, seed: int = 0, dtype: Any = None, device: str = 
     return model.to(device).eval()
 
 
-def load_model(spec: str, *, random_weights: bool = False, seed: int = 0, dtype: Any = None,
-               device: str = "cpu") -> tuple[Any, Any]:
+def load_model(
+    spec: str,
+    *,
+    random_weights: bool = False,
+    seed: int = 0,
+    dtype: Any = None,
+    device: str = "cpu",
+) -> tuple[Any, Any]:
     """``(model, tokenizer or None)`` for ``tiny-<family>``, a config.json, a checkpoint
     directory or a hub id (see the module doc)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     if spec.startswith("tiny-"):
-        return from_config(tiny_config(spec[5:].replace("-", "_")), seed=seed, dtype=dtype,
-                           device=device), None
+        return from_config(
+            tiny_config(spec[5:].replace("-", "_")), seed=seed, dtype=dtype, device=device
+        ), None
     if spec.endswith(".json") and os.path.isfile(spec):
         with open(spec) as f:
             config = AutoConfig.for_model(**json.load(f))
@@ -84,7 +112,8 @@ def load_model(spec: str, *, random_weights: bool = False, seed: int = 0, dtype:
     except Exception:  # a config without a tokenizer, or no hub access: token ids then
         tokenizer = None
     if random_weights:
-        return from_config(AutoConfig.from_pretrained(spec), seed=seed, dtype=dtype,
-                           device=device), tokenizer
+        return from_config(
+            AutoConfig.from_pretrained(spec), seed=seed, dtype=dtype, device=device
+        ), tokenizer
     model = AutoModelForCausalLM.from_pretrained(spec, dtype=dtype or "auto").to(device).eval()
     return model, tokenizer

@@ -56,21 +56,31 @@ class _Step:
         self.slots: dict[int, Any] = {}
         for group in runner.groups:
             self.tables[group] = br.index(pool.block_tables(seqs, group))
-            self.slots[group] = br.index(pool.slot_mapping(seqs, group, num_tokens=counts),
-                                         np.int64)
+            self.slots[group] = br.index(
+                pool.slot_mapping(seqs, group, num_tokens=counts), np.int64
+            )
         starts = np.array([s.num_computed_tokens for s in seqs], np.int64)
         self.seq_lens = br.index(starts + np.asarray(counts))
         self.cu = br.index(np.concatenate([[0], np.cumsum(counts)]))
         self.decode = all(n == 1 for n in counts)
 
-    def attend(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-               scaling: float, sliding_window: int | None) -> torch.Tensor:
+    def attend(
+        self,
+        layer: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        scaling: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:
         r = self.runner
         group = r.layout.group_of(layer)
         window = r.layout.window if group == 1 else None
         if sliding_window != window:
-            raise ValueError(f"layer {layer} attends with sliding_window={sliding_window}, the "
-                             f"layout says {window}")
+            raise ValueError(
+                f"layer {layer} attends with sliding_window={sliding_window}, the "
+                f"layout says {window}"
+            )
         b, hq, t, d = query.shape
         hkv = key.shape[1]
         t0 = time.perf_counter()
@@ -79,17 +89,36 @@ class _Step:
         v = value.transpose(1, 2).reshape(b * t, hkv, d).contiguous().to(r.dtype)
         kc, vc = r.kv_views[layer]
         br, be = r.bridge, r.bridge.backend
-        kernels.write_kv(br.view(k), br.view(v), kc, vc, self.slots[group], backend=be,
-                         validate=r.validate)
+        kernels.write_kv(
+            br.view(k), br.view(v), kc, vc, self.slots[group], backend=be, validate=r.validate
+        )
         qa = br.view(q.to(r.dtype))
         if self.decode:
-            out = kernels.paged_decode_attention(qa, kc, vc, self.tables[group], self.seq_lens,
-                                                 scaling, window=window, backend=be,
-                                                 validate=r.validate)
+            out = kernels.paged_decode_attention(
+                qa,
+                kc,
+                vc,
+                self.tables[group],
+                self.seq_lens,
+                scaling,
+                window=window,
+                backend=be,
+                validate=r.validate,
+            )
         else:
-            out = kernels.paged_prefill_attention(qa, kc, vc, self.tables[group], self.cu,
-                                                  self.seq_lens, scaling, causal=True,
-                                                  window=window, backend=be, validate=r.validate)
+            out = kernels.paged_prefill_attention(
+                qa,
+                kc,
+                vc,
+                self.tables[group],
+                self.cu,
+                self.seq_lens,
+                scaling,
+                causal=True,
+                window=window,
+                backend=be,
+                validate=r.validate,
+            )
         r.timers["attention"] += time.perf_counter() - t0
         return br.tensor(out).to(query.dtype).reshape(b, t, hq, d)
 
@@ -107,8 +136,14 @@ class PagedModelRunner:
     validate : the kernels' range checks (a device sync each on cupy).
     """
 
-    def __init__(self, model: Any, pool: kvpool.BlockManagerPool, *, backend: str | None = None,
-                 validate: bool = True):
+    def __init__(
+        self,
+        model: Any,
+        pool: kvpool.BlockManagerPool,
+        *,
+        backend: str | None = None,
+        validate: bool = True,
+    ):
         self.model = model.eval()
         self.pool = pool
         self.layout: ModelLayout = layout_of(model)
@@ -120,8 +155,9 @@ class PagedModelRunner:
         self.timers: dict[str, float] = defaultdict(float)
         self._check_pool()
         lay, bs = self.layout, pool.block_size
-        self.groups = sorted({lay.group_of(i) for i in range(lay.num_layers)
-                              if lay.kinds[i] != "linear"})
+        self.groups = sorted(
+            {lay.group_of(i) for i in range(lay.num_layers) if lay.kinds[i] != "linear"}
+        )
         blocks = {0: pool.num_blocks}
         if lay.has_window:
             blocks[1] = pool.stats()["window"]["num_total_blocks"] + 1
@@ -131,17 +167,20 @@ class PagedModelRunner:
         for i, kind in enumerate(lay.kinds):
             if kind != "linear":
                 n = blocks[lay.group_of(i)]
-                self.kv_caches[i] = tuple(torch.zeros((n, *shape), dtype=self.dtype,
-                                                      device=self.device) for _ in range(2))
-        self.kv_views = {i: (self.bridge.view(k), self.bridge.view(v))
-                         for i, (k, v) in self.kv_caches.items()}
+                self.kv_caches[i] = tuple(
+                    torch.zeros((n, *shape), dtype=self.dtype, device=self.device) for _ in range(2)
+                )
+        self.kv_views = {
+            i: (self.bridge.view(k), self.bridge.view(v)) for i, (k, v) in self.kv_caches.items()
+        }
         # The host tier: full-attention blocks only (docs/host_tier.md).
         self.host_caches: dict[int, tuple[Any, Any]] = {}
         host_blocks = getattr(pool, "host_num_blocks", None)
         if host_blocks:
             for i in lay.layers("full"):
-                self.host_caches[i] = tuple(self.bridge.host_cache((host_blocks, *shape),
-                                                                   self.dtype) for _ in range(2))
+                self.host_caches[i] = tuple(
+                    self.bridge.host_cache((host_blocks, *shape), self.dtype) for _ in range(2)
+                )
         # Linear-state slots: conv in the model's dtype, the recurrent state in float32 (the
         # delta rule runs in float32 and returns it so).
         self.conv: dict[int, torch.Tensor] = {}
@@ -150,10 +189,12 @@ class PagedModelRunner:
             slots = pool.linear_state_cache(0).num_slots
             for i, st in lay.linear.items():
                 self.conv[i] = torch.zeros((slots, *st.conv), dtype=self.dtype, device=self.device)
-                self.recurrent[i] = torch.zeros((slots, *st.recurrent), dtype=torch.float32,
-                                                device=self.device)
-        self._state_views = ([self.bridge.view(t) for t in self.conv.values()]
-                             + [self.bridge.view(t) for t in self.recurrent.values()])
+                self.recurrent[i] = torch.zeros(
+                    (slots, *st.recurrent), dtype=torch.float32, device=self.device
+                )
+        self._state_views = [self.bridge.view(t) for t in self.conv.values()] + [
+            self.bridge.view(t) for t in self.recurrent.values()
+        ]
         self.counters: dict[str, int] = defaultdict(int)
 
     def _check_pool(self) -> None:
@@ -161,14 +202,18 @@ class PagedModelRunner:
         if pool.dp_size != 1:
             raise ValueError("pool: the paged runner serves one dp rank (dp_size=1)")
         if lay.has_window != (pool.num_groups == 2):
-            raise ValueError(f"pool: the model {'has' if lay.has_window else 'has no'} "
-                             "sliding-window layers; build the pool with pool_options()")
+            raise ValueError(
+                f"pool: the model {'has' if lay.has_window else 'has no'} "
+                "sliding-window layers; build the pool with pool_options()"
+            )
         if lay.has_linear:
             try:
                 pool.linear_state_cache(0)
             except ValueError as e:
-                raise ValueError("pool: the model has linear-attention layers; build the pool "
-                                 "with linear_state_slots (pool_options())") from e
+                raise ValueError(
+                    "pool: the model has linear-attention layers; build the pool "
+                    "with linear_state_slots (pool_options())"
+                ) from e
 
     # ------------------------------------------------------------------------------ plans
     def run_plans(self) -> None:
@@ -197,12 +242,20 @@ class PagedModelRunner:
                     t[zero] = 0
                 self.counters["zeroed_slots"] += len(plan.zero_slots)
             if len(plan.restore_src):
-                kernels.copy_linear_state(self._state_views, self.bridge.index(plan.restore_src),
-                                          self.bridge.index(plan.restore_dst), backend=be)
+                kernels.copy_linear_state(
+                    self._state_views,
+                    self.bridge.index(plan.restore_src),
+                    self.bridge.index(plan.restore_dst),
+                    backend=be,
+                )
                 self.counters["restores"] += len(plan.restore_src)
             if len(plan.save_src):
-                kernels.copy_linear_state(self._state_views, self.bridge.index(plan.save_src),
-                                          self.bridge.index(plan.save_dst), backend=be)
+                kernels.copy_linear_state(
+                    self._state_views,
+                    self.bridge.index(plan.save_src),
+                    self.bridge.index(plan.save_dst),
+                    backend=be,
+                )
                 self.counters["saves"] += len(plan.save_src)
             pool.commit_linear_state_plan(plan)
         self.timers["plans"] += time.perf_counter() - t0
@@ -217,8 +270,9 @@ class PagedModelRunner:
             self.bridge._cp.cuda.get_current_stream().synchronize()  # before confirming
 
     # ------------------------------------------------------------------------------ forward
-    def forward(self, seqs: list[Any], chunks: list[list[int]], *,
-                all_logits: bool = False) -> list[torch.Tensor]:
+    def forward(
+        self, seqs: list[Any], chunks: list[list[int]], *, all_logits: bool = False
+    ) -> list[torch.Tensor]:
         """Computes ``chunks[i]``, the next tokens of ``seqs[i]`` from its
         ``num_computed_tokens`` (their slots must be in its tables); returns, per sequence, the
         logits of the chunk's last token (``[vocab]``), or of every token (``[n, vocab]``).
@@ -241,16 +295,21 @@ class PagedModelRunner:
             for i, c in enumerate(chunks):
                 by_len[len(c)].append(i)
             for idx in by_len.values():
-                logits = self._forward([seqs[i] for i in idx], [chunks[i] for i in idx],
-                                       packed=False, all_logits=all_logits)
+                logits = self._forward(
+                    [seqs[i] for i in idx],
+                    [chunks[i] for i in idx],
+                    packed=False,
+                    all_logits=all_logits,
+                )
                 for i, lg in zip(idx, logits, strict=True):
                     out[i] = lg
         self.counters["forwards"] += 1
         self.counters["tokens"] += sum(len(c) for c in chunks)
         return out  # type: ignore[return-value]
 
-    def _forward(self, seqs: list[Any], chunks: list[list[int]], *, packed: bool,
-                 all_logits: bool) -> list[torch.Tensor]:
+    def _forward(
+        self, seqs: list[Any], chunks: list[list[int]], *, packed: bool, all_logits: bool
+    ) -> list[torch.Tensor]:
         t0 = time.perf_counter()
         counts = [len(c) for c in chunks]
         starts = [s.num_computed_tokens for s in seqs]
@@ -273,8 +332,13 @@ class PagedModelRunner:
         self.timers["prepare"] += time.perf_counter() - t0
         t1 = time.perf_counter()
         with torch.inference_mode(), step_scope(step, self.model.config):
-            logits = self.model(input_ids=ids, position_ids=pos, past_key_values=cache,
-                                use_cache=False, logits_to_keep=keep).logits
+            logits = self.model(
+                input_ids=ids,
+                position_ids=pos,
+                past_key_values=cache,
+                use_cache=False,
+                logits_to_keep=keep,
+            ).logits
         if cache is not None:
             cache.scatter()
         self.timers["forward"] += time.perf_counter() - t1

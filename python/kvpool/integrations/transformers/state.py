@@ -37,30 +37,42 @@ class SlotStateCache:
 
     is_compileable = False
 
-    def __init__(self, conv: dict[int, torch.Tensor], recurrent: dict[int, torch.Tensor],
-                 slots: torch.Tensor):
+    def __init__(
+        self, conv: dict[int, torch.Tensor], recurrent: dict[int, torch.Tensor], slots: torch.Tensor
+    ):
         self._conv, self._recurrent, self._slots = conv, recurrent, slots
-        self.layers = {layer: _LinearLayer(conv[layer][slots], recurrent[layer][slots])
-                       for layer in conv}
+        self.layers = {
+            layer: _LinearLayer(conv[layer][slots], recurrent[layer][slots]) for layer in conv
+        }
 
-    def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
+    def has_previous_state(
+        self, layer_idx: int | None = None, state_idx: int | None = None
+    ) -> bool:
         return True
 
-    def update_conv_state(self, conv_states: torch.Tensor, layer_idx: int, state_idx: int = 0,
-                          **kwargs: Any) -> torch.Tensor:
+    def update_conv_state(
+        self, conv_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs: Any
+    ) -> torch.Tensor:
         layer = self.layers[layer_idx]
         old = layer.conv_states[0]
         full = torch.cat([old.to(conv_states.dtype), conv_states], dim=-1)
-        layer.conv_states[0] = full[..., -old.shape[-1]:].contiguous()
+        layer.conv_states[0] = full[..., -old.shape[-1] :].contiguous()
         return full
 
-    def update_recurrent_state(self, recurrent_states: torch.Tensor, layer_idx: int,
-                               state_idx: int = 0, **kwargs: Any) -> torch.Tensor:
+    def update_recurrent_state(
+        self, recurrent_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs: Any
+    ) -> torch.Tensor:
         self.layers[layer_idx].recurrent_states[0] = recurrent_states
         return recurrent_states
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
-               *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(
+        self,
+        key_states: torch.Tensor,
+        value_states: torch.Tensor,
+        layer_idx: int,
+        *args: Any,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         return key_states, value_states  # paged attention writes them (attention.py)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -71,4 +83,5 @@ class SlotStateCache:
         for layer, state in self.layers.items():
             self._conv[layer][self._slots] = state.conv_states[0].to(self._conv[layer].dtype)
             self._recurrent[layer][self._slots] = state.recurrent_states[0].to(
-                self._recurrent[layer].dtype)
+                self._recurrent[layer].dtype
+            )

@@ -16,6 +16,10 @@
 //! - **publish / slide / step**: after the KV exists (R17, R24, R25);
 //! - **release / reset / counts / check**.
 //!
+//! The groups that store per-prefix data beside the full-attention blocks verify a hit against
+//! the query's verified walk and link what they store to the full-attention entries
+//! (`crate::chain`, R7).
+//!
 //! Invariants: a sequence allocated on a rank holds one table per group of the rank, in order.
 
 pub(crate) mod full;
@@ -25,14 +29,18 @@ pub(crate) mod window;
 use crate::error::{ensure_invariant, Result};
 use crate::hash::BlockHash;
 use crate::manager::BlockCounts;
+use crate::prefix_cache::Anchor;
 use crate::sliding_window::WindowTable;
 
+pub(crate) use crate::chain::{OwnChain, QueryChain};
 pub(crate) use full::{FullGroup, Walk};
 pub(crate) use linear::{Ledger, LinearGroup, LinearTable, OpKind};
 pub use linear::{LinearStateMatch, LinearStateSave};
 pub(crate) use window::WindowGroup;
 
 /// A group of a rank besides full attention.
+// One per rank, never moved on a hot path: both kinds stay inline (no indirection per call).
+#[allow(clippy::large_enum_variant)]
 pub(crate) enum Group {
     /// Sliding-window attention layers (R25).
     Window(WindowGroup),
@@ -104,37 +112,26 @@ impl Group {
     }
 
     /// The deepest boundary `k <= limit` of the chain this group can serve (0 always).
-    pub(crate) fn hit_limit(&self, hashes: &[BlockHash], tokens: &[u32], limit: usize) -> usize {
+    pub(crate) fn hit_limit(&self, chain: &QueryChain<'_>, limit: usize) -> usize {
         match self {
-            Self::Window(g) => g.hit_limit(hashes, tokens, limit),
-            Self::Linear(g) => g.hit_limit(hashes, limit),
+            Self::Window(g) => g.hit_limit(chain, limit),
+            Self::Linear(g) => g.hit_limit(chain, limit),
         }
     }
 
     /// Whether a hit at `k`, then a table of `entries` entries, fit in this group.
-    pub(crate) fn fits(
-        &self,
-        hashes: &[BlockHash],
-        tokens: &[u32],
-        k: usize,
-        entries: usize,
-    ) -> bool {
+    pub(crate) fn fits(&self, chain: &QueryChain<'_>, k: usize, entries: usize) -> bool {
         match self {
-            Self::Window(g) => g.fits(hashes, tokens, k, entries),
-            Self::Linear(g) => g.fits(hashes, k),
+            Self::Window(g) => g.fits(chain, k, entries),
+            Self::Linear(g) => g.fits(chain, k),
         }
     }
 
     /// Takes the hit at `k` (pins or shares what it found); `None` if it vanished meanwhile.
-    pub(crate) fn take_hit(
-        &mut self,
-        hashes: &[BlockHash],
-        tokens: &[u32],
-        k: usize,
-    ) -> Option<GroupTable> {
+    pub(crate) fn take_hit(&mut self, chain: &QueryChain<'_>, k: usize) -> Option<GroupTable> {
         match self {
-            Self::Window(g) => g.take_hit(hashes, tokens, k).map(GroupTable::Window),
-            Self::Linear(g) => g.take_hit(hashes, k).map(GroupTable::Linear),
+            Self::Window(g) => g.take_hit(chain, k).map(GroupTable::Window),
+            Self::Linear(g) => g.take_hit(chain, k).map(GroupTable::Linear),
         }
     }
 
@@ -197,21 +194,21 @@ impl Group {
         }
     }
 
-    /// Publishes the table's full computed blocks `..full` under their chain hashes.
+    /// Publishes the table's full computed blocks `..full` under their chain hashes, linked to
+    /// the chain's full-attention entries.
     pub(crate) fn publish(
         &mut self,
         table: &mut GroupTable,
-        hashes: &[BlockHash],
-        tokens: &[u32],
+        chain: &mut OwnChain<'_>,
         full: usize,
-        extra_key: Option<&crate::prefix_cache::ExtraKey>,
     ) {
         if let (Self::Window(g), GroupTable::Window(t)) = (self, table) {
-            g.publish(t, hashes, tokens, full, extra_key);
+            g.publish(t, chain, full);
         }
     }
 
     /// Releases what no future query needs once `computed` tokens exist (R25).
+    #[inline]
     pub(crate) fn slide(&mut self, table: &mut GroupTable, computed: usize) {
         if let (Self::Window(g), GroupTable::Window(t)) = (self, table) {
             g.slide(t, computed);
@@ -227,16 +224,32 @@ impl Group {
         }
     }
 
-    /// After a forward step (`cache(seq)`): what the group plans at a step (R24).
+    /// After a forward step (`cache(seq)`): what the group plans at a step (R24); `save`: the
+    /// prefix hash of the boundary at `computed`, its last block's link and tokens.
     pub(crate) fn step(
         &mut self,
         table: &mut GroupTable,
         computed: usize,
-        save: Option<BlockHash>,
+        save: Option<(BlockHash, Anchor, crate::linear_state::Tail)>,
         ledger: &mut Ledger,
     ) {
         if let (Self::Linear(g), GroupTable::Linear(t)) = (self, table) {
             g.step(t, computed, save, ledger);
+        }
+    }
+
+    /// Whether saves of this table wait for the links of their boundaries (linear state).
+    pub(crate) fn awaits_anchors(&self, table: &GroupTable) -> bool {
+        match (self, table) {
+            (Self::Linear(g), GroupTable::Linear(t)) => g.awaits_anchors(t),
+            _ => false,
+        }
+    }
+
+    /// After a publication of the sequence's chain: resolves what waits for its links.
+    pub(crate) fn anchor_saves(&mut self, table: &mut GroupTable, own: &mut OwnChain<'_>) {
+        if let (Self::Linear(g), GroupTable::Linear(t)) = (self, table) {
+            g.anchor_saves(t, own);
         }
     }
 

@@ -18,7 +18,7 @@
 //! everything back. With a host part, the load is attached to the fresh table entries.
 
 use crate::error::{ensure_arg, Result};
-use crate::groups::{Group, Walk};
+use crate::groups::{Group, QueryChain, Walk};
 use crate::hash::BlockHash;
 use crate::sequence::{Allocation, Sequence};
 use crate::tiers::{ChainRef, HostPart, HostTier, RemoteHits};
@@ -374,6 +374,7 @@ impl BlockManagerPool {
     ) -> Result<bool> {
         let extent = Self::validate_extent(seq, extent)?;
         let owned = self.take_seq(seq)?;
+        self.retry_pending()?;
         let current = plan.filter(|p| self.is_current(p, seq, extent));
         self.generation += 1;
         if owned {
@@ -404,7 +405,7 @@ impl BlockManagerPool {
         })
     }
 
-    /// The seed's `allocate_shared(seq)`: the trimmed device hit only, with the single block and
+    /// xLLM's `allocate_shared(seq)`: the trimmed device hit only, with the single block and
     /// the live slot and no new blocks; `allocate` then grows the table. A sequence that holds
     /// blocks is a `ValueError`-style error; false (nothing changed) if the rank has no room.
     pub(crate) fn allocate_shared_prefix(&mut self, seq: &mut Sequence) -> Result<bool> {
@@ -487,13 +488,14 @@ impl BlockManagerPool {
         let r = &self.ranks[rank];
         let hashes = seq.hashes(survey.query);
         let tokens = seq.tokens();
+        let chain = self.query_chain(rank, survey, (hashes, tokens, seq.extra_key()));
         // The fold of the groups' limits, until it no longer moves.
         let narrow = |limit: usize| {
             let mut k = limit;
             loop {
                 let before = k;
                 for group in &r.groups {
-                    k = group.hit_limit(hashes, tokens, k);
+                    k = group.hit_limit(&chain, k);
                 }
                 if k == before || k == 0 {
                     return k;
@@ -502,7 +504,7 @@ impl BlockManagerPool {
         };
         let fits = |k: usize, device_hit: usize, entries: usize| {
             r.full.fits(&survey.device, device_hit, entries)
-                && r.groups.iter().all(|g| g.fits(hashes, tokens, k, entries))
+                && r.groups.iter().all(|g| g.fits(&chain, k, entries))
         };
         let linear = r.groups.iter().any(|g| matches!(g, Group::Linear(_)));
         let restore = |k: usize| (linear && k > 0).then(|| hashes[k - 1]);
@@ -553,6 +555,27 @@ impl BlockManagerPool {
         Some(device_only)
     }
 
+    /// The chain of a query as the groups verify it: its hashes and tokens with the ids the
+    /// survey's walks verified in the device cache and the host cache of `rank` (R7).
+    fn query_chain<'a>(
+        &'a self,
+        rank: usize,
+        survey: &'a Survey,
+        chain: (&'a [BlockHash], &'a [u32], Option<&'a [u8]>),
+    ) -> QueryChain<'a> {
+        let device = self.ranks[rank]
+            .full
+            .cache()
+            .map(|c| (c, survey.device.ids.as_slice()));
+        let host = self
+            .host
+            .as_ref()
+            .and_then(|h| h.cache(rank))
+            .zip(survey.host.as_ref())
+            .map(|(c, walk)| (c, walk.ids.as_slice()));
+        QueryChain::new(chain, device, host)
+    }
+
     /// Carries out a decision (R14's order; all-or-nothing). False only if something the plan
     /// found vanished meanwhile (a window block released by a handle drop elsewhere).
     fn admit(
@@ -579,12 +602,21 @@ impl BlockManagerPool {
             .take_hit(&survey.device, decision.device_hit, &mut blocks);
         let mut tables = Vec::with_capacity(r.groups.len());
         let mut ok = true;
-        for group in &mut r.groups {
-            match group.take_hit(hashes, tokens, decision.hit) {
-                Some(table) => tables.push(table),
-                None => {
-                    ok = false;
-                    break;
+        {
+            // The walks' ids are still entries: nothing but retains ran since the plan (R7).
+            let device = r.full.cache().map(|c| (c, survey.device.ids.as_slice()));
+            let host_cache = host.as_ref().and_then(|h| h.cache(rank));
+            let host_walk = host_cache
+                .zip(survey.host.as_ref())
+                .map(|(c, walk)| (c, walk.ids.as_slice()));
+            let chain = QueryChain::new((hashes, tokens, seq.extra_key()), device, host_walk);
+            for group in &mut r.groups {
+                match group.take_hit(&chain, decision.hit) {
+                    Some(table) => tables.push(table),
+                    None => {
+                        ok = false;
+                        break;
+                    }
                 }
             }
         }

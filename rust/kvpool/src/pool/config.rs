@@ -51,7 +51,7 @@ pub struct PoolConfig {
     pub swa_num_blocks: Option<usize>,
     /// A host tier per rank (R26); `None`: the device only.
     pub host: Option<HostTierConfig>,
-    /// Full-attention blocks of every rank on elastic pages (`XTensorBlockManager`, the seed's
+    /// Full-attention blocks of every rank on elastic pages (`XTensorBlockManager`, xLLM's
     /// `enable_xtensor`); `None`: fixed memory.
     pub xtensor: Option<XTensorOptions>,
     /// Dedup on publish (R9 revised): a computed duplicate of a cached block switches to the

@@ -1,4 +1,4 @@
-//! `BlockManagerPool`: the sequence-level KV-cache manager (the seed's `KVCacheManager`): per
+//! `BlockManagerPool`: the sequence-level KV-cache manager (xLLM's `KVCacheManager`): per
 //! data-parallel rank a full-attention group, a single-block manager and the rank's other groups
 //! (sliding window, linear state), and optionally a host tier (the public
 //! `HierarchyBlockManagerPool`).
@@ -32,8 +32,8 @@ use std::collections::HashSet;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::error::{ensure_arg, KvPoolError, Result};
-use crate::groups::{FullGroup, Group, Ledger};
-use crate::linear_state::LinearStatePrefixCache;
+use crate::groups::{FullGroup, Group, Ledger, OwnChain};
+use crate::linear_state::{LinearStatePrefixCache, Tail};
 use crate::manager::{BlockCounts, BlockManager, BlockManagerImpl, SingleBlockManager};
 use crate::prefix_cache::Switch;
 use crate::sequence::Sequence;
@@ -50,13 +50,13 @@ pub use stats::{PoolStats, RankStats};
 
 static NEXT_POOL_ID: AtomicU64 = AtomicU64::new(1);
 
-/// The sequence-level interface (the seed's `KVCacheManager`).
+/// The sequence-level interface (xLLM's `KVCacheManager`).
 pub trait KvCacheManager {
     /// R15: what `allocate` would answer, with no side effect.
     fn can_allocate(&mut self, seq: &mut Sequence, num_tokens: Option<usize>) -> Result<bool>;
     /// R14.
     fn allocate(&mut self, seq: &mut Sequence, num_tokens: Option<usize>) -> Result<bool>;
-    /// The seed's `allocate_shared(seq)` (section 2.1): the prefix hit only, into a sequence that
+    /// xLLM's `allocate_shared(seq)`: the prefix hit only, into a sequence that
     /// holds nothing (its hit's blocks, single block and live slot; no new blocks).
     fn allocate_shared(&mut self, seq: &mut Sequence) -> Result<bool>;
     /// R16.
@@ -143,15 +143,25 @@ impl BlockManagerPool {
         backends: Vec<Box<dyn crate::xtensor::PageBackend>>,
     ) -> Result<Self> {
         config.validate()?;
-        let ranks = config.build_ranks(backends)?;
+        let mut ranks = config.build_ranks(backends)?;
         // Relaxed: only uniqueness matters.
         let id = NEXT_POOL_ID.fetch_add(1, Ordering::Relaxed);
+        // Where links outlive their chains (checkpoints; window tails behind a host tier), the
+        // caches keep graves so that a chain computed again takes its anchors back (R7).
+        let graves = config.linear_state_slots > 0
+            || (config.sliding_window.is_some() && config.host.is_some());
+        for rank in &mut ranks {
+            if let Some(cache) = rank.full.cache_mut() {
+                cache.keep_graves(graves);
+            }
+        }
         let host = match config.host {
             None => None,
             Some(host) => {
                 let mut tier =
                     HostTier::new(host, id, config.dp_size, config.block_size, config.hasher)?;
                 tier.set_record_events(config.enable_events);
+                tier.keep_graves(graves);
                 Some(tier)
             }
         };
@@ -409,10 +419,15 @@ impl BlockManagerPool {
             ok = ok && group.grow(table, entries);
         }
         if !ok {
-            // Unreachable: `growth` counted every group's blocks after the slide.
+            // `growth` counted every group's blocks after the slide: only a page backend that
+            // refuses a page (elastic memory) gets here. Nothing changes.
             alloc.blocks.truncate(before);
+            rank.full.drain();
         }
-        debug_assert!(ok, "growth() promised {need} blocks");
+        debug_assert!(
+            ok || rank.full.elastic_manager().is_some(),
+            "growth() promised {need} blocks"
+        );
         self.collect_events(rank_index);
         ok
     }
@@ -502,25 +517,42 @@ impl BlockManagerPool {
         }
         let step = when == Publish::Step;
         for (group, table) in groups.iter_mut().zip(alloc.groups.iter_mut()) {
-            if epoch.is_some() && group.wants_publish(table, full) {
-                let hashes = chain.ensure(
-                    &attention.hasher(),
-                    block_size,
+            let publish = epoch.is_some() && group.wants_publish(table, full);
+            let steps = step && group.steps();
+            let save =
+                steps && epoch.is_some() && full > 0 && group.saves_at(table, computed, prompt);
+            let resolve = epoch.is_some() && group.awaits_anchors(table);
+            // What the group stores is linked to the chain's full-attention entries (R7).
+            let mut anchored = None;
+            if publish || save || resolve {
+                let hasher = attention.hasher();
+                let hashes = chain.ensure(&hasher, block_size, tokens, raw_key, full * block_size);
+                let mut own = OwnChain::new(
+                    hashes,
                     tokens,
-                    raw_key,
-                    full * block_size,
+                    key,
+                    &alloc.blocks,
+                    attention.cache_mut(),
+                    block_size,
+                    alloc.published,
                 );
-                group.publish(table, hashes, tokens, full, key);
+                if publish {
+                    group.publish(table, &mut own, full);
+                }
+                if resolve {
+                    group.anchor_saves(table, &mut own);
+                }
+                if save {
+                    let tail = Tail {
+                        tokens: tokens[(full - 1) * block_size..full * block_size].into(),
+                        root_key: key.filter(|_| full == 1).cloned(),
+                    };
+                    anchored = Some((hashes[full - 1], own.link(full - 1), tail));
+                }
             }
             group.slide(table, computed);
-            if step && group.steps() {
-                let save = (epoch.is_some() && full > 0 && group.saves_at(table, computed, prompt))
-                    .then(|| {
-                        let hasher = attention.hasher();
-                        chain.ensure(&hasher, block_size, tokens, raw_key, full * block_size)
-                            [full - 1]
-                    });
-                group.step(table, computed, save, &mut self.ledger);
+            if steps {
+                group.step(table, computed, anchored, &mut self.ledger);
             }
         }
         self.collect_events(rank_index);
@@ -539,18 +571,32 @@ impl BlockManagerPool {
             groups,
             ..
         } = &mut self.ranks[alloc.rank];
-        let cache_on = attention.cache().is_some();
+        let Some(epoch) = attention.cache().map(|c| c.epoch()) else {
+            for (group, table) in groups.iter_mut().zip(alloc.groups.iter_mut()) {
+                group.slide(table, computed);
+            }
+            return;
+        };
+        // How far the full-attention publication got in the cache's epoch (anchors end there).
+        let reach = match alloc.published_epoch == epoch {
+            true => alloc.published,
+            false => 0,
+        };
         for (group, table) in groups.iter_mut().zip(alloc.groups.iter_mut()) {
-            if cache_on && group.wants_publish(table, full) {
+            if group.wants_publish(table, full) {
                 let raw_key = key.map(|k| &**k);
-                let hashes = chain.ensure(
-                    &attention.hasher(),
-                    block_size,
+                let hasher = attention.hasher();
+                let hashes = chain.ensure(&hasher, block_size, tokens, raw_key, full * block_size);
+                let mut own = OwnChain::new(
+                    hashes,
                     tokens,
-                    raw_key,
-                    full * block_size,
+                    key,
+                    &alloc.blocks,
+                    attention.cache_mut(),
+                    block_size,
+                    reach,
                 );
-                group.publish(table, hashes, tokens, full, key);
+                group.publish(table, &mut own, full);
             }
             group.slide(table, computed);
         }
@@ -615,6 +661,7 @@ impl KvCacheManager for BlockManagerPool {
             "sequence {} is not allocated in this pool",
             seq.seq_id()
         );
+        self.retry_pending()?;
         self.generation += 1;
         Ok(appended_len(seq, lookahead).is_some_and(|tokens| self.grow(seq, tokens)))
     }

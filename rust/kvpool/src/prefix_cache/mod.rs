@@ -13,7 +13,9 @@
 //!   last outside handle went (the stack's order, so a block's place is its release time, not
 //!   the time of the drain), and carry a stamp that increases along the list. Whoever releases
 //!   a whole table releases it tail first (`Sequence`, `deallocate`), so a chain is evicted
-//!   from its tail (R10, R11).
+//!   from its tail (R10, R11);
+//! - an entry another group anchored to (`anchors.rs`: a window block, a linear-state checkpoint
+//!   records it) carries a process-unique anchor for exactly its life.
 //!
 //! "Least recently used" is the time a block last became cache-only (its last holder released
 //! it; a hit makes it held, so the release after a hit refreshes it). Eviction is strictly LRU
@@ -25,9 +27,11 @@
 //! are still cached or held, which only arises when a chain's head was released before its
 //! tail.
 
+mod anchors;
 mod check;
 mod dedup;
 mod describe;
+mod graves;
 mod insert;
 mod keys;
 mod physical;
@@ -40,6 +44,7 @@ use crate::prefetch::prefetch;
 // std, not the loom shim: a debug counter, outside every loom model.
 use std::sync::atomic::{AtomicU64, Ordering};
 
+pub(crate) use anchors::{is_ticket, ticket, Anchor, ROOT_LINK};
 pub(crate) use dedup::Switch;
 use keys::{same_tokens, HashIndex};
 
@@ -61,6 +66,8 @@ struct Entry {
     next: u32,
     live: bool,
     in_lru: bool,
+    /// Whether `anchors[id]` names this entry (another group anchored to it, `anchors.rs`).
+    anchored: bool,
     /// When the entry last entered the LRU list (increases from the oldest end to the newest).
     stamp: u64,
     extra_key: Option<ExtraKey>,
@@ -77,6 +84,7 @@ impl Default for Entry {
             next: NIL,
             live: false,
             in_lru: false,
+            anchored: false,
             stamp: 0,
             extra_key: None,
         }
@@ -158,6 +166,12 @@ pub struct PrefixCache {
     stats: CacheStats,
     events: Option<Vec<CacheEvent>>,
     scratch: Vec<u32>,
+    /// The anchor of each anchored entry, 0 for the others (`anchors.rs`).
+    anchors: Vec<u64>,
+    /// What the cache remembers of the anchored entries it removed (`graves.rs`).
+    graves: graves::Graveyard,
+    /// Whether removed anchored entries leave graves (`graves.rs`: a pool with linear state).
+    burying: bool,
     /// Walks of a chain through the index (probes and matches), for tests of admission's one
     /// walk (a debug counter, never part of `stats`).
     walks: AtomicU64,
@@ -170,7 +184,7 @@ pub(crate) const CACHE_ONLY_BIT: u32 = 1 << 31;
 impl PrefixCache {
     /// Bytes the cache spends per block of `block_size` tokens (entry and tokens).
     pub(crate) fn bytes_per_block(block_size: usize) -> u128 {
-        (std::mem::size_of::<Entry>() + 4 * block_size) as u128
+        (std::mem::size_of::<Entry>() + 4 * block_size + std::mem::size_of::<u64>()) as u128
     }
 
     /// The cache of `store`'s blocks; an error naming `num_blocks` if its per-block arrays
@@ -197,6 +211,9 @@ impl PrefixCache {
             stats: CacheStats::default(),
             events: None,
             scratch: Vec::new(),
+            anchors: alloc::filled(n, "num_blocks", || 0)?,
+            graves: graves::Graveyard::default(),
+            burying: false,
             walks: AtomicU64::new(0),
         })
     }
@@ -525,6 +542,14 @@ impl PrefixCache {
     /// Removes a cache-only leaf on the LRU and frees its block.
     fn remove_entry(&mut self, id: u32) -> (BlockHash, Option<ExtraKey>) {
         self.lru_unlink(id);
+        if self.entries[id as usize].anchored {
+            // The anchor leaves with the entry; its grave gives it to the next entry of the same
+            // chain position.
+            let anchor = std::mem::take(&mut self.anchors[id as usize]);
+            if self.burying {
+                self.bury(id, anchor);
+            }
+        }
         let entry = std::mem::take(&mut self.entries[id as usize]);
         self.index.remove(&entry.hash.0);
         if entry.parent != NIL {
@@ -542,9 +567,13 @@ impl PrefixCache {
         let ids: Vec<u32> = self.index.values().copied().collect();
         self.index.clear();
         for id in ids {
+            if self.entries[id as usize].anchored {
+                self.anchors[id as usize] = 0;
+            }
             self.entries[id as usize] = Entry::default();
             self.store.unmark_cached(id);
         }
+        self.graves.clear();
         self.oldest = NIL;
         self.newest = NIL;
         self.lru_len = 0;
