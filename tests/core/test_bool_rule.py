@@ -333,15 +333,19 @@ TABLE: dict[str, tuple[Callable, dict[str, str]]] = {
     ),
     "BlockManagerPool.can_allocate": (
         lambda **kw: _pool().can_allocate(kvpool.Sequence(TOKENS), **kw),
-        {"num_tokens": COUNT},
+        {"num_tokens": COUNT, "num_new_tokens": COUNT},
     ),
     "BlockManagerPool.plan": (
         lambda **kw: _pool().plan(kvpool.Sequence(TOKENS), **kw),
-        {"num_tokens": COUNT},
+        {"num_tokens": COUNT, "num_new_tokens": COUNT},
     ),
     "BlockManagerPool.allocate": (
         lambda **kw: _pool().allocate(kvpool.Sequence(TOKENS), **kw),
-        {"num_tokens": COUNT},
+        {"num_tokens": COUNT, "num_new_tokens": COUNT},
+    ),
+    "BlockManagerPool.drain_block_switches": (
+        lambda **kw: _pool().drain_block_switches(**kw),
+        {"with_group": FLAG},
     ),
     "BlockManagerPool.can_append": (
         lambda **kw: (lambda p: p.can_append(_seq_in(p), **kw))(_pool()),
@@ -405,7 +409,7 @@ TABLE: dict[str, tuple[Callable, dict[str, str]]] = {
     ),
     "HierarchyBlockManagerPool.allocate": (
         lambda **kw: _hier().allocate(kvpool.Sequence(TOKENS), **kw),
-        {"num_tokens": COUNT},
+        {"num_tokens": COUNT, "num_new_tokens": COUNT},
     ),
     "HierarchyBlockManagerPool.remote_query": (
         lambda **kw: _hier().remote_query(kvpool.Sequence(TOKENS), **kw),
@@ -462,7 +466,7 @@ TABLE: dict[str, tuple[Callable, dict[str, str]]] = {
         {"max_entries": COUNT},
     ),
     # --- the Python modules
-    "kvpool.router.Router.__init__": (
+    "kvpool.index.router.Router.__init__": (
         _with({"instances": 2, "policy": "round_robin"}, Router),
         {"instances": COUNT, "block_size": COUNT, "shared_remote": FLAG},
     ),
@@ -477,7 +481,7 @@ TABLE: dict[str, tuple[Callable, dict[str, str]]] = {
         {"num_cached_blocks": COUNT},
     ),
     "kvpool.tiers.memory.MemoryRemoteTier.__init__": (MemoryRemoteTier, {"capacity": COUNT}),
-    "kvpool.remote.make_namespace": (
+    "kvpool.tiers.payload.make_namespace": (
         _with(
             {
                 "model": "m",
@@ -498,19 +502,19 @@ TABLE: dict[str, tuple[Callable, dict[str, str]]] = {
         },
     ),
     # no connection is made by these calls (redis-py connects on the first command)
-    "kvpool.remote.RedisRemoteTier.__init__": (
+    "kvpool.tiers.redis.RedisRemoteTier.__init__": (
         _with({"url": "redis://127.0.0.1:1", "namespace": "ns"}, RedisRemoteTier),
         {"cluster": FLAG, "ttl_s": COUNT},
     ),
-    "kvpool.remote.RedisEventPublisher.__init__": (
+    "kvpool.index.streams.RedisEventPublisher.__init__": (
         _with({"url": "redis://127.0.0.1:1", "instance_id": "a"}, RedisEventPublisher),
         {"maxlen": COUNT},
     ),
-    "kvpool.remote.read_events": (
+    "kvpool.index.streams.read_events": (
         _with({"url": "redis://127.0.0.1:1", "max_entries": 0}, read_events),
         {"count": COUNT, "max_entries": COUNT},
     ),
-    "kvpool.transfer.TransferExecutor.transfer": (
+    "kvpool.tiers.host_transfer.TransferExecutor.transfer": (
         _with(
             {"plans": [], "to_device": True},
             lambda **kw: NumpyTransferExecutor(np.zeros((2, 4)), np.zeros((2, 4))).transfer(**kw),
@@ -563,7 +567,7 @@ class _NanoSeq:
 
 # Int or bool parameters of scanned signatures that are not user arguments, with the reason.
 EXEMPT = {
-    "kvpool.integrations.vllm.KVCacheManager.*": "vLLM's KVCacheManager interface: vLLM's Scheduler "
+    "kvpool.integrations._vllm_manager.KVCacheManager.*": "vLLM's KVCacheManager interface: vLLM's Scheduler "
     "passes its own ints and flags, and the drop-in keeps vLLM's signatures",
     "kvpool.xtensor.Driver.*": "the CUDA driver seam (addresses and handles from the driver)",
     "kvpool.xtensor.CudaDriver.*": "the ctypes CUDA driver (addresses and handles from the driver)",
@@ -572,24 +576,28 @@ EXEMPT = {
     "kvpool.xtensor.CudaPageBackend.unmap_page": "the PageBackend protocol: the manager passes its pages",
     "kvpool.xtensor.CudaPageBackend.tensor_address": "needs a mapped device range",
     "kvpool.xtensor.CudaPageBackend.kv_cache": "needs CuPy and a device",
-    "kvpool.remote.RemoteTier.note": "a tier's own statistics counter (called by the tier)",
-    "kvpool.remote.HostBlockIO.*": "the protocol RemoteTransfer calls with the pool's ranks",
-    "kvpool.transfer.TransferExecutor.host_block_spec": "HostBlockIO: RemoteTransfer passes the pool's ranks",
-    "kvpool.transfer.TransferExecutor.host_block_nbytes": "HostBlockIO: RemoteTransfer passes the pool's ranks",
-    "kvpool.transfer.TransferExecutor.read_host_blocks": "HostBlockIO: RemoteTransfer passes the pool's ranks",
-    "kvpool.transfer.TransferExecutor.write_host_blocks": "HostBlockIO: RemoteTransfer passes the pool's ranks",
-    "kvpool.remote.PrefixIndex.admits": "the write-behind admission's own query",
-    "kvpool.remote.decode_payload": "the wire codec: body_len is the length the reply carries",
+    "kvpool.tiers.base.RemoteTier.note": "a tier's own statistics counter (called by the tier)",
+    "kvpool.tiers.remote_transfer.HostBlockIO.*": "the protocol RemoteTransfer calls with the pool's ranks",
+    "kvpool.tiers.host_transfer.TransferExecutor.host_block_spec": "HostBlockIO: RemoteTransfer passes the pool's ranks",
+    "kvpool.tiers.host_transfer.TransferExecutor.host_block_nbytes": "HostBlockIO: RemoteTransfer passes the pool's ranks",
+    "kvpool.tiers.host_transfer.TransferExecutor.read_host_blocks": "HostBlockIO: RemoteTransfer passes the pool's ranks",
+    "kvpool.tiers.host_transfer.TransferExecutor.write_host_blocks": "HostBlockIO: RemoteTransfer passes the pool's ranks",
+    "kvpool.index.streams.PrefixIndex.admits": "the write-behind admission's own query",
+    "kvpool.tiers.payload.decode_payload": "the wire codec: body_len is the length the reply carries",
 }
 
 SCANNED = [
-    "kvpool.router",
+    "kvpool.index.router",
+    "kvpool.index.streams",
     "kvpool.integrations.nanovllm",
-    "kvpool.integrations.vllm",
+    "kvpool.integrations._vllm_manager",
+    "kvpool.tiers.base",
+    "kvpool.tiers.host_transfer",
     "kvpool.tiers.memory",
+    "kvpool.tiers.payload",
+    "kvpool.tiers.redis",
+    "kvpool.tiers.remote_transfer",
     "kvpool.xtensor",
-    "kvpool.remote",
-    "kvpool.transfer",
 ]
 
 

@@ -503,13 +503,13 @@ impl PyBlockManagerPool {
     /// Returns and clears the table entries dedup on publish switched (R9 revised): a list of
     /// (seq_id, old block id, new block id), or with with_group=True of (seq_id, group, old,
     /// new); [] with dedup=False.
-    #[pyo3(signature = (*, with_group = None), text_signature = "(self, *, with_group=False)")]
+    /// `with_group` is a bool (pyo3's conversion: None or an int is a TypeError naming it).
+    #[pyo3(signature = (*, with_group = false))]
     fn drain_block_switches<'py>(
         &self,
         py: Python<'py>,
-        with_group: Option<&Bound<'py, PyAny>>,
+        with_group: bool,
     ) -> PyResult<Bound<'py, PyList>> {
-        let with_group = convert::flag(with_group, "with_group", false)?;
         let switches = self.lock(py)?.drain_block_switches_by_group();
         match with_group {
             true => PyList::new(py, switches),
