@@ -17,6 +17,7 @@ from typing import (
     TypeAlias,
     TypedDict,
     final,
+    overload,
 )
 
 import numpy as np
@@ -1112,10 +1113,14 @@ class BlockManagerPool:
     def num_groups(self) -> int:
         """Block groups of every sequence: 1, or 2 with ``sliding_window`` (R25)."""
 
-    def can_allocate(self, seq: Sequence, num_tokens: int | None = None) -> bool:
+    def can_allocate(
+        self, seq: Sequence, num_tokens: int | None = None, *, num_new_tokens: int | None = None
+    ) -> bool:
         """What ``allocate(seq, num_tokens)`` would return, with no side effect (R15)."""
 
-    def plan(self, seq: Sequence, num_tokens: int | None = None) -> AllocationPlan | None:
+    def plan(
+        self, seq: Sequence, num_tokens: int | None = None, *, num_new_tokens: int | None = None
+    ) -> AllocationPlan | None:
         """The allocation ``allocate(seq, num_tokens)`` would make, with no side effect of any kind.
 
         One walk of the prefix chain per tier (device, then host); the plan carries what the
@@ -1134,6 +1139,25 @@ class BlockManagerPool:
             ``num_tokens`` out of range, or ``seq`` holds blocks of another pool.
         TypeError
             ``plan`` is not an ``AllocationPlan``.
+        """
+
+    def next_checkpoint_boundary(self, seq: Sequence) -> int | None:
+        """Where ``seq``'s next prefill chunk must end for a checkpoint to be saved (R24).
+
+        The smallest computed-token count above ``seq.num_computed_tokens``, at most
+        ``len(seq)``, at which ``cache(seq)`` plans a checkpoint save: the next multiple of
+        ``checkpoint_interval`` or the prompt's last block boundary. A chunk that passes a
+        boundary without ending on it saves nothing there.
+
+        Returns
+        -------
+        int or None
+            None without linear state, or when no boundary is left before ``len(seq)``.
+
+        Raises
+        ------
+        ValueError
+            ``seq`` holds blocks of another pool.
         """
 
     def allocate_shared(self, seq: Sequence) -> bool:
@@ -1155,7 +1179,12 @@ class BlockManagerPool:
         """
 
     def allocate(
-        self, seq: Sequence, num_tokens: int | None = None, *, plan: AllocationPlan | None = None
+        self,
+        seq: Sequence,
+        num_tokens: int | None = None,
+        *,
+        plan: AllocationPlan | None = None,
+        num_new_tokens: int | None = None,
     ) -> bool:
         """Give ``seq`` blocks for ``num_tokens`` tokens after a prefix-cache match (R8, R13, R14).
 
@@ -1167,6 +1196,10 @@ class BlockManagerPool:
             The sequence; gets ``num_cached_tokens``, ``num_computed_tokens`` and ``dp_rank``.
         num_tokens : int or None
             Tokens the table must hold, in ``1..len(seq)``; None is ``len(seq)``.
+        num_new_tokens : int or None
+            Instead of ``num_tokens``: the table holds the computed tokens after the match (the
+            hit over every tier; on an allocated sequence its ``num_computed_tokens``) plus
+            ``num_new_tokens >= 1``, at most ``len(seq)``: a first chunk sized in one walk.
         plan : AllocationPlan or None
             A plan from ``plan(seq, num_tokens)``: carried out when nothing changed since
             (this pool, this sequence at its length, no pool call in between), else the pool
@@ -1180,7 +1213,8 @@ class BlockManagerPool:
         Raises
         ------
         ValueError
-            ``num_tokens`` out of range, or ``seq`` holds blocks of another pool.
+            ``num_tokens`` or ``num_new_tokens`` out of range, both given, or ``seq`` holds
+            blocks of another pool.
         """
 
     def can_append(self, seq: Sequence, lookahead: int = 0) -> bool:
@@ -1315,8 +1349,26 @@ class BlockManagerPool:
         First records the removals of sliding-window blocks that stopped being findable since
         the last call (their last handle may drop anywhere, lock-free; docs/events.md)."""
 
-    def drain_block_switches(self) -> list[tuple[int, int, int]]:
+    @overload
+    def drain_block_switches(
+        self, *, with_group: Literal[False] = False
+    ) -> list[tuple[int, int, int]]: ...
+    @overload
+    def drain_block_switches(
+        self, *, with_group: Literal[True]
+    ) -> list[tuple[int, int, int, int]]: ...
+    @overload
+    def drain_block_switches(
+        self, *, with_group: bool = False
+    ) -> list[tuple[int, int, int]] | list[tuple[int, int, int, int]]:
         """Return and clear the table entries dedup on publish switched (R9 revised).
+
+        Parameters
+        ----------
+        with_group : bool
+            Return ``(seq_id, group, old_id, new_id)``: ``group`` as in
+            ``block_tables(seqs, group)``. Only the full-attention group (0) dedups: the
+            sliding-window group keeps the first writer (R25), linear-state slots are not blocks.
 
         Returns
         -------
@@ -1560,16 +1612,26 @@ class LinearStatePrefixCache:
 
 @final
 class LinearStatePlan:
-    """Recurrent-state copies for the worker (R24), from ``take_linear_state_plan``.
+    """What the worker does to the recurrent state (R24), from ``take_linear_state_plan``.
 
-    Execute every restore (``restore_src[i] -> restore_dst[i]``, e.g. with
-    ``kvpool.kernels.copy_linear_state``), then every save (``save_src[i] -> save_dst[i]``), then
-    call ``commit_linear_state_plan``. Slot arrays are int32 of shape ``[n]``.
+    First fill every slot of ``zero_slots`` with zeros (live slots taken without a restore: a
+    recycled slot holds an earlier sequence's state), then execute every restore
+    (``restore_src[i] -> restore_dst[i]``, e.g. with ``kvpool.kernels.copy_linear_state``), then
+    every save (``save_src[i] -> save_dst[i]``), then call ``commit_linear_state_plan``. Slot
+    arrays are int32 of shape ``[n]``.
     """
 
     @property
     def dp_rank(self) -> NDArray[np.int32]:
         """dp rank of every copy: the restores' ranks, then the saves'."""
+
+    @property
+    def zero_dp_rank(self) -> NDArray[np.int32]:
+        """dp rank of each zeroed slot."""
+
+    @property
+    def zero_slots(self) -> NDArray[np.int32]:
+        """Live slots to fill with zeros before anything else (taken without a restore)."""
 
     @property
     def restore_dp_rank(self) -> NDArray[np.int32]:
@@ -1600,7 +1662,7 @@ class LinearStatePlan:
         """Prefix hash (16 bytes) of each saved checkpoint."""
 
     def __len__(self) -> int:
-        """Number of copies."""
+        """Number of operations: zeroed slots, restores and saves."""
 
     def __bool__(self) -> bool: ...
 
@@ -1802,7 +1864,12 @@ class HierarchyBlockManagerPool(BlockManagerPool):
         """``"on_deallocate"`` or ``"on_evict"``."""
 
     def allocate(
-        self, seq: Sequence, num_tokens: int | None = None, *, plan: AllocationPlan | None = None
+        self,
+        seq: Sequence,
+        num_tokens: int | None = None,
+        *,
+        plan: AllocationPlan | None = None,
+        num_new_tokens: int | None = None,
     ) -> bool:
         """Device match, host match past it, then new blocks (R8, R13, R14, R26).
 

@@ -333,15 +333,19 @@ TABLE: dict[str, tuple[Callable, dict[str, str]]] = {
     ),
     "BlockManagerPool.can_allocate": (
         lambda **kw: _pool().can_allocate(kvpool.Sequence(TOKENS), **kw),
-        {"num_tokens": COUNT},
+        {"num_tokens": COUNT, "num_new_tokens": COUNT},
     ),
     "BlockManagerPool.plan": (
         lambda **kw: _pool().plan(kvpool.Sequence(TOKENS), **kw),
-        {"num_tokens": COUNT},
+        {"num_tokens": COUNT, "num_new_tokens": COUNT},
     ),
     "BlockManagerPool.allocate": (
         lambda **kw: _pool().allocate(kvpool.Sequence(TOKENS), **kw),
-        {"num_tokens": COUNT},
+        {"num_tokens": COUNT, "num_new_tokens": COUNT},
+    ),
+    "BlockManagerPool.drain_block_switches": (
+        lambda **kw: _pool().drain_block_switches(**kw),
+        {"with_group": FLAG},
     ),
     "BlockManagerPool.can_append": (
         lambda **kw: (lambda p: p.can_append(_seq_in(p), **kw))(_pool()),
@@ -405,7 +409,7 @@ TABLE: dict[str, tuple[Callable, dict[str, str]]] = {
     ),
     "HierarchyBlockManagerPool.allocate": (
         lambda **kw: _hier().allocate(kvpool.Sequence(TOKENS), **kw),
-        {"num_tokens": COUNT},
+        {"num_tokens": COUNT, "num_new_tokens": COUNT},
     ),
     "HierarchyBlockManagerPool.remote_query": (
         lambda **kw: _hier().remote_query(kvpool.Sequence(TOKENS), **kw),

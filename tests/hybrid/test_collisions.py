@@ -194,7 +194,7 @@ CONFIGS = {
     "linear": {"linear_state_slots": 8, "checkpoint_interval": 2},
     "linear+contiguous+promote": {
         "linear_state_slots": 10,
-        "checkpoint_interval": 4,
+        "checkpoint_interval": 2,  # contiguous: a checkpoint at every block
         "linear_state_match": "contiguous",
         "linear_state_save": "promote",
     },

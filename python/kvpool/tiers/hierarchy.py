@@ -87,11 +87,20 @@ class HierarchyBlockManagerPool(_CoreHierarchyPool):
         """Scheduler budget of the one remote lookup per allocate, in milliseconds."""
         return self._remote_budget_ms
 
-    def allocate(self, seq: Any, num_tokens: Any = None, *, plan: Any = None) -> bool:
+    def allocate(
+        self, seq: Any, num_tokens: Any = None, *, plan: Any = None, num_new_tokens: Any = None
+    ) -> bool:
         """Device match, host match past it, then (with a remote tier) one lookup (R14, R26)."""
         lookup = self._lookup
         if lookup is None:
-            return _core_allocate(self, seq, num_tokens, plan=plan)
+            return _core_allocate(self, seq, num_tokens, plan=plan, num_new_tokens=num_new_tokens)
+        if num_new_tokens is not None:
+            # The lookup takes a token count: plan the chunk once (the core checks the arguments)
+            # and hand over the count it resolved to, with the plan (the same decision, R14).
+            plan = self.plan(seq, num_tokens, num_new_tokens=num_new_tokens)
+            if plan is None:
+                return False
+            num_tokens = plan.num_tokens
         return lookup.allocate(self, seq, num_tokens, plan)
 
     def stats(self) -> _HierarchyPoolStats:  # type: ignore[override]  # as the core class's

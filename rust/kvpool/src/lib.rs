@@ -52,8 +52,8 @@ pub use manager::{
 pub use pool::{
     AllocationPlan, BlockManagerPool, DebugCounters, HierarchyBlockManagerPool, HierarchyConfig,
     HierarchyStats, KvCacheManager, KvEvent, KvEventKind, LinearStateMatch, LinearStatePlan,
-    LinearStateSave, PageBackendKind, PoolConfig, PoolStats, RankStats, XTensorOptions,
-    XTensorRankStats, DEFAULT_EVENT_REPLAY,
+    LinearStateSave, PageBackendKind, PoolConfig, PoolStats, RankStats, TableExtent,
+    XTensorOptions, XTensorRankStats, DEFAULT_EVENT_REPLAY,
 };
 pub use prefix_cache::{CacheEvent, CacheStats, ExtraKey, PrefixCache, Probe};
 pub use sequence::Sequence;

@@ -157,6 +157,12 @@ pub(crate) struct Ledger {
     pub(crate) ops: HashMap<u64, LinearOp>,
     /// Planned and not yet taken, in planning order.
     pub(crate) untaken: Vec<u64>,
+    /// (rank, slot): live slots taken without a restore, to be zeroed by the worker before
+    /// their sequence's first step (a recycled slot holds an earlier sequence's state); not yet
+    /// taken, each slot once. A release drops its own. A sequence dropped without release
+    /// leaves its entry: zeroing a slot is harmless before the copies of the same plan, which
+    /// run after the zeros, and no step runs on a slot before the plan that zeroes it.
+    pub(crate) zeros: Vec<(usize, u32)>,
     next_op: u64,
 }
 
@@ -212,6 +218,16 @@ impl Ledger {
             self.untaken.iter().all(|id| self.ops.contains_key(id)),
             "an untaken linear-state copy is missing"
         );
+        for (i, &(rank, slot)) in self.zeros.iter().enumerate() {
+            ensure_invariant!(
+                cache(rank).is_some_and(|c| slot > 0 && (slot as usize) < c.num_slots()),
+                "a planned zero names slot {slot}, not a slot of rank {rank}"
+            );
+            ensure_invariant!(
+                !self.zeros[..i].contains(&(rank, slot)),
+                "slot {slot} of rank {rank} is zeroed twice"
+            );
+        }
         Ok(())
     }
 
@@ -348,13 +364,22 @@ impl LinearGroup {
     }
 
     /// The admission succeeded: plans the restore copy into the live slot (R23, R24).
+    /// Without a restore the live slot starts from zeros: the worker zeroes it (a recycled
+    /// slot holds an earlier sequence's state).
     pub(crate) fn admitted(&mut self, table: &mut LinearTable, ledger: &mut Ledger) {
         self.hits += u64::from(table.restore.is_some());
-        if let (Some(live), Some(hash), Some(src)) =
-            (&table.slot, table.restore.take(), table.restore_slot)
-        {
-            let op = LinearOp::new(self.rank, OpKind::Restore, hash, src, live.clone());
-            ledger.add(&mut table.ops, op);
+        match (&table.slot, table.restore.take(), table.restore_slot) {
+            (Some(live), Some(hash), Some(src)) => {
+                let op = LinearOp::new(self.rank, OpKind::Restore, hash, src, live.clone());
+                ledger.add(&mut table.ops, op);
+            }
+            (Some(live), None, _) => {
+                let zero = (self.rank, live.id());
+                if !ledger.zeros.contains(&zero) {
+                    ledger.zeros.push(zero);
+                }
+            }
+            _ => {}
         }
     }
 
@@ -526,6 +551,10 @@ impl LinearGroup {
     /// Cancels the sequence's unconfirmed copies (R24): untaken ones at once; taken ones when
     /// their plan is committed (the worker may be copying them now).
     pub(crate) fn release(&mut self, table: &mut LinearTable, ledger: &mut Ledger) {
+        if let Some(live) = &table.slot {
+            let zero = (self.rank, live.id());
+            ledger.zeros.retain(|&z| z != zero);
+        }
         for (_, hash, ticket) in std::mem::take(&mut table.unanchored) {
             self.cache.evict_ticket(hash, ticket); // never matchable; a pending one is cancelled
         }

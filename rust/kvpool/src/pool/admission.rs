@@ -34,6 +34,43 @@ pub struct DebugCounters {
     pub host_chain_walks: u64,
 }
 
+/// How many tokens an allocation's table holds (R14).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TableExtent {
+    /// `allocate(seq, num_tokens)`: this many tokens, in `1..=len(seq)` (and at least the hit).
+    Tokens(usize),
+    /// `allocate(seq, num_new_tokens=n)`: the computed tokens after the match (the hit over
+    /// every tier; on an allocated sequence its `num_computed_tokens`) plus `n >= 1`, at most
+    /// `len(seq)`: a chunked prefill's chunk sized without planning first.
+    NewTokens(usize),
+}
+
+impl TableExtent {
+    /// `num_tokens` (`None`: `len(seq)`) or `num_new_tokens`; both given is an error naming
+    /// `num_new_tokens`.
+    pub fn from_args(
+        num_tokens: Option<usize>,
+        num_new_tokens: Option<usize>,
+    ) -> Result<Option<Self>> {
+        match (num_tokens, num_new_tokens) {
+            (Some(_), Some(_)) => Err(crate::error::KvPoolError::invalid(
+                "num_new_tokens",
+                "give num_tokens or num_new_tokens, not both",
+            )),
+            (n, None) => Ok(n.map(Self::Tokens)),
+            (None, Some(n)) => Ok(Some(Self::NewTokens(n))),
+        }
+    }
+
+    /// Tokens the table holds for a sequence of `len` tokens with `base` computed tokens.
+    fn tokens(self, len: usize, base: usize) -> usize {
+        match self {
+            Self::Tokens(n) => n,
+            Self::NewTokens(n) => base.saturating_add(n).min(len),
+        }
+    }
+}
+
 /// An allocation decided by [`BlockManagerPool::plan`], with no side effect (see the module
 /// doc). Pass it to [`BlockManagerPool::allocate_planned`] to carry it out.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -42,6 +79,8 @@ pub struct AllocationPlan {
     generation: u64,
     seq: u64,
     seq_len: usize,
+    /// The call's extent, and the tokens it resolved to.
+    extent: TableExtent,
     num_tokens: usize,
     block_size: usize,
     rank: usize,
@@ -87,7 +126,8 @@ impl AllocationPlan {
         self.rank
     }
 
-    /// Tokens the table will hold (`num_tokens` of the call).
+    /// Tokens the table will hold (`num_tokens` of the call, or what `num_new_tokens` resolved
+    /// to).
     pub fn num_tokens(&self) -> usize {
         self.num_tokens
     }
@@ -223,28 +263,75 @@ impl BlockManagerPool {
         seq: &mut Sequence,
         num_tokens: Option<usize>,
     ) -> Result<Option<AllocationPlan>> {
-        let n = Self::validate_num_tokens(seq, num_tokens)?;
+        self.plan_extent(seq, num_tokens.map(TableExtent::Tokens))
+    }
+
+    /// [`Self::plan`] for a table extent (`None`: `len(seq)` tokens).
+    pub fn plan_extent(
+        &self,
+        seq: &mut Sequence,
+        extent: Option<TableExtent>,
+    ) -> Result<Option<AllocationPlan>> {
+        let extent = Self::validate_extent(seq, extent)?;
         if self.take_seq(seq)? {
+            let n = extent.tokens(seq.len(), seq.num_computed_tokens());
             let Some(need) = self.growth(seq, n) else {
                 return Ok(None);
             };
             let rank = seq.alloc().map_or(0, |a| a.rank);
             let entries = seq.blocks().len() + need;
-            return Ok(Some(self.stamp(seq, n, rank, Kind::Grow { need, entries })));
+            return Ok(Some(self.stamp(
+                seq,
+                extent,
+                n,
+                rank,
+                Kind::Grow { need, entries },
+            )));
         }
+        let bs = self.config.block_size;
         Ok(self
-            .plan_admission(seq, n, None, false)
+            .plan_admission(seq, extent, None, false)
             .map(|(rank, survey, decision)| {
-                self.stamp(seq, n, rank, Kind::Admit(survey, decision))
+                let n = extent.tokens(seq.len(), decision.hit * bs);
+                self.stamp(seq, extent, n, rank, Kind::Admit(survey, decision))
             }))
     }
 
-    fn stamp(&self, seq: &Sequence, num_tokens: usize, rank: usize, kind: Kind) -> AllocationPlan {
+    /// `extent` checked against `seq` (R14, R29): `num_tokens` in `1..=len(seq)`,
+    /// `num_new_tokens` at least 1; `None` is `len(seq)`.
+    fn validate_extent(seq: &Sequence, extent: Option<TableExtent>) -> Result<TableExtent> {
+        match extent {
+            Some(TableExtent::NewTokens(n)) => {
+                ensure_arg!(n >= 1, "num_new_tokens", "must be at least 1, got {n}");
+                ensure_arg!(
+                    !seq.is_empty(),
+                    "num_new_tokens",
+                    "sequence {} has no tokens",
+                    seq.seq_id()
+                );
+                Ok(TableExtent::NewTokens(n))
+            }
+            Some(TableExtent::Tokens(n)) => {
+                Self::validate_num_tokens(seq, Some(n)).map(TableExtent::Tokens)
+            }
+            None => Self::validate_num_tokens(seq, None).map(TableExtent::Tokens),
+        }
+    }
+
+    fn stamp(
+        &self,
+        seq: &Sequence,
+        extent: TableExtent,
+        num_tokens: usize,
+        rank: usize,
+        kind: Kind,
+    ) -> AllocationPlan {
         AllocationPlan {
             pool: self.id,
             generation: self.generation,
             seq: seq.uid(),
             seq_len: seq.len(),
+            extent,
             num_tokens,
             block_size: self.config.block_size,
             rank,
@@ -253,13 +340,14 @@ impl BlockManagerPool {
     }
 
     /// Whether `plan` was made by this pool for this very sequence and call, and nothing
-    /// changed since.
-    fn is_current(&self, plan: &AllocationPlan, seq: &Sequence, num_tokens: usize) -> bool {
+    /// changed since. A call for the tokens a `num_new_tokens` plan resolved to is the same call
+    /// (it makes the same decision).
+    fn is_current(&self, plan: &AllocationPlan, seq: &Sequence, extent: TableExtent) -> bool {
         plan.pool == self.id
             && plan.generation == self.generation
             && plan.seq == seq.uid()
             && plan.seq_len == seq.len()
-            && plan.num_tokens == num_tokens
+            && (plan.extent == extent || extent == TableExtent::Tokens(plan.num_tokens))
     }
 
     /// R14 with a plan: carries out `plan` if it is current, else plans again; `remote` names
@@ -272,16 +360,30 @@ impl BlockManagerPool {
         plan: Option<&AllocationPlan>,
         remote: Option<RemoteHits>,
     ) -> Result<bool> {
-        let n = Self::validate_num_tokens(seq, num_tokens)?;
+        self.allocate_extent(seq, num_tokens.map(TableExtent::Tokens), plan, remote)
+    }
+
+    /// [`Self::allocate_planned`] for a table extent (`None`: `len(seq)` tokens);
+    /// `TableExtent::NewTokens` sizes a first chunk past the hit in one walk.
+    pub fn allocate_extent(
+        &mut self,
+        seq: &mut Sequence,
+        extent: Option<TableExtent>,
+        plan: Option<&AllocationPlan>,
+        remote: Option<RemoteHits>,
+    ) -> Result<bool> {
+        let extent = Self::validate_extent(seq, extent)?;
         let owned = self.take_seq(seq)?;
         self.retry_pending()?;
-        let current = plan.filter(|p| self.is_current(p, seq, n));
+        let current = plan.filter(|p| self.is_current(p, seq, extent));
         self.generation += 1;
         if owned {
+            let n = extent.tokens(seq.len(), seq.num_computed_tokens());
             return Ok(self.grow(seq, n));
         }
         if let Some(AllocationPlan {
             rank,
+            extent,
             kind: Kind::Admit(survey, decision),
             ..
         }) = current
@@ -290,12 +392,14 @@ impl BlockManagerPool {
                 return Ok(self.admit(seq, *rank, survey, decision));
             }
             // The remote answer extends the decision; the walks stand.
-            return Ok(match self.decide(seq, *rank, survey, n, remote, false) {
-                Some(decision) => self.admit(seq, *rank, survey, &decision),
-                None => false,
-            });
+            return Ok(
+                match self.decide(seq, *rank, survey, *extent, remote, false) {
+                    Some(decision) => self.admit(seq, *rank, survey, &decision),
+                    None => false,
+                },
+            );
         }
-        Ok(match self.plan_admission(seq, n, remote, false) {
+        Ok(match self.plan_admission(seq, extent, remote, false) {
             Some((rank, survey, decision)) => self.admit(seq, rank, &survey, &decision),
             None => false,
         })
@@ -318,7 +422,8 @@ impl BlockManagerPool {
             seq.seq_id()
         );
         self.generation += 1;
-        Ok(match self.plan_admission(seq, seq.len(), None, true) {
+        let extent = TableExtent::Tokens(seq.len());
+        Ok(match self.plan_admission(seq, extent, None, true) {
             Some((rank, survey, decision)) => self.admit(seq, rank, &survey, &decision),
             None => false,
         })
@@ -328,7 +433,7 @@ impl BlockManagerPool {
     fn plan_admission(
         &self,
         seq: &mut Sequence,
-        num_tokens: usize,
+        extent: TableExtent,
         remote: Option<RemoteHits>,
         shared: bool,
     ) -> Option<(usize, Survey, Decision)> {
@@ -337,7 +442,7 @@ impl BlockManagerPool {
             return None;
         }
         let survey = self.survey(seq, rank);
-        let decision = self.decide(seq, rank, &survey, num_tokens, remote, shared)?;
+        let decision = self.decide(seq, rank, &survey, extent, remote, shared)?;
         Some((rank, survey, decision))
     }
 
@@ -373,10 +478,13 @@ impl BlockManagerPool {
         seq: &Sequence,
         rank: usize,
         survey: &Survey,
-        num_tokens: usize,
+        extent: TableExtent,
         remote: Option<RemoteHits>,
         shared: bool,
     ) -> Option<Decision> {
+        let bs = self.config.block_size;
+        // Table entries for a hit of `k` blocks (`num_new_tokens` counts past the hit).
+        let entries_at = |k: usize| self.blocks_for(extent.tokens(seq.len(), k * bs));
         let r = &self.ranks[rank];
         let hashes = seq.hashes(survey.query);
         let tokens = seq.tokens();
@@ -402,11 +510,7 @@ impl BlockManagerPool {
         let restore = |k: usize| (linear && k > 0).then(|| hashes[k - 1]);
         let d = survey.device.len();
         let kd = narrow(d);
-        let entries = if shared {
-            kd
-        } else {
-            self.blocks_for(num_tokens)
-        };
+        let entries = if shared { kd } else { entries_at(kd) };
         if !fits(kd, kd, entries) {
             return None;
         }
@@ -429,7 +533,7 @@ impl BlockManagerPool {
         let end = HostTier::remote_end(remote, reach, survey.query);
         let mut k = if end > d { narrow(end) } else { 0 };
         while k > d {
-            let table = entries.max(k);
+            let table = entries_at(k).max(k);
             let host_end = h.min(k);
             let pinned = if host_end > d { host_end } else { 0 };
             let staging = k - host_end.max(d);

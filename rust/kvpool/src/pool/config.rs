@@ -134,6 +134,19 @@ impl PoolConfig {
                 self.block_size
             );
         }
+        // R23: "contiguous" needs a checkpoint at every block boundary from block 0, and saves
+        // land only on multiples of the interval (R24): a longer interval could never hit.
+        if let (LinearStateMatch::Contiguous, Some(interval)) =
+            (self.linear_state_match, self.checkpoint_interval)
+        {
+            ensure_arg!(
+                interval == self.block_size,
+                "checkpoint_interval",
+                "must equal block_size {} with linear_state_match=\"contiguous\" (a hit needs a \
+                 checkpoint at every block boundary), got {interval}",
+                self.block_size
+            );
+        }
         ensure_arg!(
             self.swa_num_blocks.is_none() || self.sliding_window.is_some(),
             "swa_num_blocks",

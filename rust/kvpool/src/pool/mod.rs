@@ -40,7 +40,7 @@ use crate::sequence::Sequence;
 use crate::sliding_window::SlidingWindowBlockManager;
 use crate::tiers::HostTier;
 
-pub use admission::{AllocationPlan, DebugCounters};
+pub use admission::{AllocationPlan, DebugCounters, TableExtent};
 pub use config::{LinearStateMatch, LinearStateSave, PoolConfig};
 pub use elastic::{PageBackendKind, XTensorOptions, XTensorRankStats};
 pub use events::{KvEvent, KvEventKind, DEFAULT_EVENT_REPLAY};
@@ -116,8 +116,9 @@ pub struct BlockManagerPool {
     host: Option<HostTier>,
     /// Advanced by every entry that changes the pool (plans are checked against it).
     generation: u64,
-    /// Table entries switched by dedup on publish since the last drain: (seq_id, old, new).
-    block_switches: Vec<(u64, u32, u32)>,
+    /// Table entries switched by dedup on publish since the last drain: (seq_id, group, old,
+    /// new).
+    block_switches: Vec<(u64, usize, u32, u32)>,
     /// Scratch of one publish's switches (position, old, new).
     switch_scratch: Vec<Switch>,
 }
@@ -189,6 +190,17 @@ impl BlockManagerPool {
     /// revised): (seq_id, old block id, new block id), in the order they happened. Engines that
     /// mirror block tables apply them; the list grows until drained.
     pub fn drain_block_switches(&mut self) -> Vec<(u64, u32, u32)> {
+        self.drain_block_switches_by_group()
+            .into_iter()
+            .map(|(seq, _, old, new)| (seq, old, new))
+            .collect()
+    }
+
+    /// [`Self::drain_block_switches`] with the group of each switch: (seq_id, group, old block
+    /// id, new block id), `group` as in `block_tables(seqs, group)`. Only the full-attention
+    /// group (0) dedups today: the sliding-window group keeps the first writer (R25) and
+    /// linear-state slots are not blocks.
+    pub fn drain_block_switches_by_group(&mut self) -> Vec<(u64, usize, u32, u32)> {
         std::mem::take(&mut self.block_switches)
     }
 
@@ -485,8 +497,11 @@ impl BlockManagerPool {
                         key,
                         switches,
                     );
-                    self.block_switches
-                        .extend(switches.drain(..).map(|(_, old, new)| (seq_id, old, new)));
+                    self.block_switches.extend(
+                        switches
+                            .drain(..)
+                            .map(|(_, old, new)| (seq_id, 0, old, new)),
+                    );
                     reached
                 } else {
                     attention.publish(
