@@ -170,11 +170,25 @@ def _workload(seed: int, steps: int, **options) -> dict[str, int]:
         {"sliding_window": 8, "linear_state_slots": 12, "checkpoint_interval": 8},
         {"sliding_window": 8, "retention_tokens": 0, "num_blocks": 28},
         {"sliding_window": 8, "shared_blocks": True, "host_num_blocks": 24, "num_blocks": 30},
-        {"sliding_window": 8, "shared_blocks": True, "host_num_blocks": 24, "linear_state_slots": 10,
-         "checkpoint_interval": 8, "debug_hash_bits": 4},
+        {
+            "sliding_window": 8,
+            "shared_blocks": True,
+            "host_num_blocks": 24,
+            "linear_state_slots": 10,
+            "checkpoint_interval": 8,
+            "debug_hash_bits": 4,
+        },
     ],
-    ids=["window", "tight", "collisions", "no-dedup", "with-linear", "no-retention", "host",
-         "host-linear-collisions"],
+    ids=[
+        "window",
+        "tight",
+        "collisions",
+        "no-dedup",
+        "with-linear",
+        "no-retention",
+        "host",
+        "host-linear-collisions",
+    ],
 )
 def test_shared_store_workload_keeps_every_rule(seed, options):
     seen = _workload(seed, 260, **options)
@@ -269,7 +283,11 @@ def test_why_no_hit_per_group_in_plan_and_stats():
     assert (plan.miss_group, plan.miss_reason) == (0, "evicted")
     misses = pool.stats()["misses"]
     assert misses["no_shared_prefix"] >= 1 and set(misses) == {
-        "shorter_than_block", "no_shared_prefix", "evicted", "window_blocks_gone", "no_checkpoint"
+        "shorter_than_block",
+        "no_shared_prefix",
+        "evicted",
+        "window_blocks_gone",
+        "no_checkpoint",
     }
 
 

@@ -17,7 +17,6 @@ import collections
 import random
 
 import kvpool
-import pytest
 
 BS, WINDOW, CHUNK, BUDGET, MAX_RUNNING = 4, 24, 16, 40, 6
 
@@ -73,7 +72,7 @@ def replay(pool: kvpool.BlockManagerPool, seed: int = 0) -> dict[str, int]:
                 if turn + 1 < len(conv["users"]):
                     waiting.append((conv, turn + 1, seq.token_ids + conv["users"][turn + 1]))
         # prefill chunks of the running, then admissions
-        for seq, conv, turn, plen in running:
+        for seq, _conv, _turn, plen in running:
             if seq.num_computed_tokens < plen and budget > 0:
                 n = min(CHUNK, plen - seq.num_computed_tokens, budget)
                 if pool.allocate(seq, seq.num_computed_tokens + n):
@@ -107,7 +106,9 @@ def test_the_hit_points_survive_the_eviction_order():
     separate = {"hit": 0, "kv_hit": 0}
     for seed in range(5):
         one = replay(kvpool.BlockManagerPool(159, BS, sliding_window=WINDOW), seed)  # 158 ids
-        two = replay(kvpool.BlockManagerPool(80, BS, sliding_window=WINDOW, swa_num_blocks=80), seed)
+        two = replay(
+            kvpool.BlockManagerPool(80, BS, sliding_window=WINDOW, swa_num_blocks=80), seed
+        )
         assert one["requests"] >= 16 and one["kv_hit"] > 0
         for totals, counts in ((shared, one), (separate, two)):
             for key in totals:

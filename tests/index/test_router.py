@@ -1,11 +1,11 @@
-"""kvpool.router: round_robin, least_loaded and kv_aware on KVIndex, with speculative entries."""
+"""kvpool.index.router: round_robin, least_loaded and kv_aware on KVIndex, with speculative entries."""
 
 from __future__ import annotations
 
 import kvpool
 import numpy as np
 import pytest
-from kvpool.router import Router
+from kvpool.index.router import Router
 
 BS = 4
 
@@ -16,7 +16,9 @@ def prompt(doc, n=32):
 
 def store(idx, instance, tokens, medium="device", n=None):
     hashes = kvpool.hash_blocks(tokens, BS)[:n]
-    idx.apply(instance, [{"kind": "stored", "block_size": BS, "block_hashes": hashes, "medium": medium}])
+    idx.apply(
+        instance, [{"kind": "stored", "block_size": BS, "block_hashes": hashes, "medium": medium}]
+    )
 
 
 def test_round_robin_cycles():
@@ -60,19 +62,22 @@ def test_kv_aware_follows_the_cached_prefix_until_load_outweighs_it():
 def test_kv_aware_weighs_media():
     idx = kvpool.KVIndex()
     p = prompt(3)
-    store(idx, 0, p, medium="host")      # 32 on host: saves 0.8 each
+    store(idx, 0, p, medium="host")  # 32 on host: saves 0.8 each
     store(idx, 1, p, medium="device", n=6)  # 24 on device: saves 1.0 each
     r = Router(2, "kv_aware", index=idx, block_size=BS, speculative_ttl=None)
     assert r.costs(p).tolist() == pytest.approx([32 - 0.8 * 32, 32 - 24.0])
     assert r.route(p).instance == 0  # 6.4 < 8
-    r = Router(2, "kv_aware", index=idx, block_size=BS, speculative_ttl=None,
-               medium_weights={"host": 0.5})
+    r = Router(
+        2, "kv_aware", index=idx, block_size=BS, speculative_ttl=None, medium_weights={"host": 0.5}
+    )
     assert r.route(p).instance == 1  # 16 > 8
     # A shared remote tier counts for every instance; a private one only for its own.
     store(idx, 1, p, medium="remote")
     shared = Router(3, "kv_aware", index=idx, block_size=BS, speculative_ttl=None)
     assert shared.cached(p)[2].tolist() == [0.0, 0.0, 32.0]
-    private = Router(3, "kv_aware", index=idx, block_size=BS, speculative_ttl=None, shared_remote=False)
+    private = Router(
+        3, "kv_aware", index=idx, block_size=BS, speculative_ttl=None, shared_remote=False
+    )
     assert private.cached(p)[2].tolist() == [0.0, 0.0, 0.0]
 
 
@@ -108,3 +113,32 @@ def test_bad_arguments_are_named():
             Router(**kwargs)
     assert isinstance(Router(2, index=idx).load, np.ndarray)
     assert kvpool.router.POLICIES == ("round_robin", "least_loaded", "kv_aware")
+
+
+@pytest.mark.parametrize("policy", ["round_robin", "least_loaded", "kv_aware"])
+def test_g10_a_rejected_request_changes_nothing(policy):
+    """G10 (R29): a request the router refuses (bad token ids, a taken id) takes no round-robin
+    turn, no automatic id, no load and leaves no speculative entry."""
+    idx = kvpool.KVIndex()
+    r = Router(3, policy, index=idx, block_size=BS)
+    first = r.route(prompt(0))
+    state = (r._next, r._auto, r.load.tolist(), dict(r.active), idx.stats()["speculative_entries"])
+    for bad, error in [
+        ([1, 2, 3, -1, 5, 6, 7, 8], ValueError),
+        ([1, 2, 3, "x", 5, 6, 7, 8], TypeError),
+    ]:
+        with pytest.raises(error, match="token_ids"):
+            r.route(bad)
+    with pytest.raises(ValueError, match="request_id"):
+        r.route(prompt(1), request_id=first.request_id)
+    assert (
+        r._next,
+        r._auto,
+        r.load.tolist(),
+        dict(r.active),
+        idx.stats()["speculative_entries"],
+    ) == state
+    second = r.route(prompt(1))
+    assert second.request_id == first.request_id + 1
+    if policy == "round_robin":
+        assert (first.instance, second.instance) == (0, 1), "no instance skipped"

@@ -1,4 +1,4 @@
-"""kvpool.integrations.nanovllm.BlockManager, the drop-in for nano-vllm's BlockManager (issue 18).
+"""kvpool.integrations.nanovllm.BlockManager, the drop-in for nano-vllm's BlockManager.
 
 A scheduler loop with nano-vllm's semantics (benches/compare/nanovllm_engine.py: chunked-prefill
 admission, decode, recompute preemption, finish) runs on the drop-in and on the nano-vllm-style
@@ -100,6 +100,40 @@ def test_every_id_of_the_kv_tensor_is_usable():
     bm.allocate(seq, 0)
     assert sorted(seq.block_table) == [0, 1, 2, 3, 4], "id 0 of kvpool is not lost"
     assert bm.can_allocate(engine.EngineSequence(1, [1, 2], 1, (1, 0))) == -1
+
+
+@pytest.mark.parametrize("dp_size", [2, 3])
+def test_dp_ranks_are_rejected_not_mapped_onto_one_tensor(dp_size):
+    """G2: every dp rank hands out ids of its own range, and nano-vllm has one KV tensor, so two
+    ranks' sequences would share its slots: dp_size other than 1 is a ValueError naming it."""
+    with pytest.raises(ValueError, match="dp_size"):
+        BlockManager(8, 4, dp_size=dp_size)
+    bm = BlockManager(8, 4, dp_size=1)
+    engine.EngineSequence.block_size = 4
+    a = engine.EngineSequence(0, list(range(100, 110)), 4, (0, 0))
+    b = engine.EngineSequence(1, list(range(200, 210)), 4, (1, 0))
+    for s in (a, b):
+        bm.allocate(s, bm.can_allocate(s))
+    assert not set(a.block_table) & set(b.block_table), "unrelated sequences share no KV slot"
+    bm.pool.check()
+
+
+def test_bad_counts_name_their_argument():
+    """R29 on the drop-in's own ints: a bool or a float is a TypeError naming the argument."""
+    for bad in (True, 8.0):
+        with pytest.raises(TypeError, match="num_blocks"):
+            BlockManager(bad, 4)
+    with pytest.raises(ValueError, match="num_blocks"):
+        BlockManager(0, 4)
+    bm = BlockManager(8, 4)
+    engine.EngineSequence.block_size = 4
+    seq = engine.EngineSequence(0, list(range(6)), 1, (0, 0))
+    for bad in (False, 0.0):
+        with pytest.raises(TypeError, match="num_cached_blocks"):
+            bm.allocate(seq, bad)
+    assert seq.block_table == [] and bm.pool.num_used_blocks == 0
+    bm.allocate(seq, bm.can_allocate(seq))
+    bm.pool.check()
 
 
 def test_same_step_prefixes_are_deduplicated_in_the_tables():

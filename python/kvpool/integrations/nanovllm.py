@@ -8,7 +8,8 @@ nano-vllm's meanings (docs/integrations.md):
 
 * ``seq.block_table`` stays a Python list of ids in ``0..num_blocks-1`` indexing nano-vllm's KV
   tensor: the pool has ``num_blocks + 1`` ids (kvpool reserves id 0 as padding) and every id is
-  shifted by -1;
+  shifted by -1; the pool has one dp rank (``dp_size=1``, a ``ValueError`` otherwise): its ids
+  are the tensor's, where a second rank's range would reuse them;
 * ``seq.num_cached_tokens`` stays "tokens whose KV exists" (kvpool's ``num_computed_tokens``);
 * ``can_allocate(seq)`` returns the number of cached blocks or -1, with no side effect
   (``pool.plan``); ``allocate(seq, num_cached_blocks)`` carries that plan out;
@@ -46,14 +47,33 @@ class BlockManager:
         Tokens per block (nano-vllm's ``kvcache_block_size``).
     **options
         Passed to ``kvpool.BlockManagerPool`` (``dedup``, ``enable_events``, ``hash_seed``, ...).
+        ``dp_size`` must be 1: nano-vllm has one KV tensor per engine, and a pool's dp ranks
+        each have their own id range, which the tensor cannot tell apart (run one drop-in per
+        engine process for data parallelism).
+
+    Raises
+    ------
+    TypeError
+        ``num_blocks`` is not an int (a bool is not one, R29).
+    ValueError
+        ``num_blocks < 1``, or ``dp_size`` is not 1; the pool's own errors for the rest.
     """
 
     def __init__(self, num_blocks: int, block_size: int, **options: Any) -> None:
-        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
-            raise ValueError(f"num_blocks: must be an int >= 1, got {num_blocks!r}")
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int):
+            raise TypeError(f"num_blocks: must be an int, got {type(num_blocks).__name__}")
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks: must be >= 1, got {num_blocks!r}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.pool = kvpool.BlockManagerPool(num_blocks + 1, block_size, **options)
+        if self.pool.dp_size != 1:
+            # Every rank hands out ids 1..num_blocks of its own range: on nano-vllm's one tensor
+            # two ranks' sequences would share slots (one overwriting the other's KV).
+            raise ValueError(
+                f"dp_size: must be 1 (nano-vllm has one KV tensor, the pool's ranks would share "
+                f"its ids), got {self.pool.dp_size}"
+            )
         self._twins: dict[int, kvpool.Sequence] = {}
         self._plans: dict[int, kvpool.AllocationPlan] = {}
 
@@ -88,6 +108,10 @@ class BlockManager:
 
     def allocate(self, seq, num_cached_blocks: int) -> None:
         """Blocks for every token of ``seq`` after reusing ``num_cached_blocks`` cached ones."""
+        if isinstance(num_cached_blocks, bool) or not isinstance(num_cached_blocks, int):
+            raise TypeError(
+                f"num_cached_blocks: must be an int, got {type(num_cached_blocks).__name__}"
+            )
         if seq.block_table:
             raise ValueError(f"seq: sequence {seq.seq_id} already has a block table")
         twin = self._twin(seq)
@@ -132,7 +156,7 @@ class BlockManager:
             raise kvpool.OutOfBlocksError(
                 f"seq: no free block for sequence {seq.seq_id} (call can_append first)"
             )
-        seq.block_table.append(twin.last_block_id - 1)
+        seq.block_table.append(twin.last_block_id - 1)  # type: ignore[operator]  # may_append gave it one
 
     def hash_blocks(self, seq) -> None:
         """Publishes the blocks the step just filled (before ``num_cached_tokens`` advances)."""

@@ -28,8 +28,9 @@ MAX_GRID_YZ = 65535
 def _array(be, name, a, ndim=None, dtype=None, contiguous=True, host_ok=False):
     if not (be.is_array(a) or (host_ok and isinstance(a, np.ndarray))):
         kind = "CuPy" if be.name == "cupy" else "NumPy"
-        raise TypeError(f"{name} must be a {kind} array on the {be.name!r} backend, "
-                        f"got {type(a).__name__}")
+        raise TypeError(
+            f"{name} must be a {kind} array on the {be.name!r} backend, got {type(a).__name__}"
+        )
     if ndim is not None and a.ndim != ndim:
         raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(a.shape)}")
     if dtype is not None and np.dtype(a.dtype) != np.dtype(dtype):
@@ -82,11 +83,19 @@ def _in_range(be, name, a, lo, hi, validate):
 
 
 def _scalar(name, x, kind=float):
-    if isinstance(x, bool) or not isinstance(x, (int, float, np.integer, np.floating)):
+    """A number (R29: a bool is none); for ``kind=int`` an int, a float is a TypeError too."""
+    if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, float, np.integer, np.floating)):
         raise TypeError(f"{name} must be a number, got {type(x).__name__}")
-    if kind is int and int(x) != x:
-        raise TypeError(f"{name} must be an integer, got {x!r}")
+    if kind is int and not isinstance(x, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {type(x).__name__}")
     return kind(x)
+
+
+def _flag(name, x) -> bool:
+    """A flag (R29): a bool, Python's or NumPy's; None or anything else is a TypeError."""
+    if not isinstance(x, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool, got {type(x).__name__}")
+    return bool(x)
 
 
 def _window(window) -> int:
@@ -121,6 +130,7 @@ def write_kv(k, v, k_cache, v_cache, slot_mapping, *, backend=None, validate=Tru
     backend : "cupy", "emulated" or "numpy"; default ``kvpool.kernels.backend()``.
     validate : check that every slot is < num_blocks * block_size (one device sync on cupy).
     """
+    validate = _flag("validate", validate)
     be = _backend.get(backend)
     _float_array(be, "k_cache", k_cache, 4)
     _array(be, "v_cache", v_cache, 4, dtype=k_cache.dtype)
@@ -133,7 +143,9 @@ def write_kv(k, v, k_cache, v_cache, slot_mapping, *, backend=None, validate=Tru
             raise ValueError(f"{name} must have shape [num_tokens, {h}, {d}], got {tuple(x.shape)}")
         isz = x.dtype.itemsize
         if x.shape[0] and (x.strides[2] != isz or x.strides[1] != d * isz or x.strides[0] < 0):
-            raise ValueError(f"{name}: each token's [num_kv_heads, head_dim] row must be contiguous")
+            raise ValueError(
+                f"{name}: each token's [num_kv_heads, head_dim] row must be contiguous"
+            )
     if v.shape[0] != k.shape[0]:
         raise ValueError(f"k has {k.shape[0]} tokens, v has {v.shape[0]}")
     n = k.shape[0]
@@ -144,13 +156,28 @@ def write_kv(k, v, k_cache, v_cache, slot_mapping, *, backend=None, validate=Tru
     if be.name == "numpy":
         return reference.write_kv(k, v, k_cache, v_cache, slots)
     row = h * d * k_cache.dtype.itemsize
-    vec16 = (row % 16 == 0 and k.strides[0] % 16 == 0 and v.strides[0] % 16 == 0
-             and _aligned16(be, k, v, k_cache, v_cache))
+    vec16 = (
+        row % 16 == 0
+        and k.strides[0] % 16 == 0
+        and v.strides[0] % 16 == 0
+        and _aligned16(be, k, v, k_cache, v_cache)
+    )
     vec = 16 if vec16 else 1
     kern = be.kernel("cache_ops", f"write_kv_v{vec}")
-    kern((n,), (_threads_for(row // vec),),
-         (k, v, k_cache, v_cache, slots, np.int64(row), np.int64(k.strides[0]),
-          np.int64(v.strides[0])))
+    kern(
+        (n,),
+        (_threads_for(row // vec),),
+        (
+            k,
+            v,
+            k_cache,
+            v_cache,
+            slots,
+            np.int64(row),
+            np.int64(k.strides[0]),
+            np.int64(v.strides[0]),
+        ),
+    )
 
 
 # ---------------------------------------------------------------------------- K3 / K7
@@ -190,7 +217,8 @@ def _copy_rows(be, what, arrays, src, dst, validate):
     ptrs = be.asarray(np.array([be.ptr(a) for a in arrays], np.int64), np.int64)
     row_bytes = be.asarray(row_bytes, np.int64)
     be.kernel("cache_ops", f"copy_rows_v{vec}")(
-        (n, len(arrays), chunks), (threads,), (ptrs, row_bytes, src, dst, np.int64(chunk)))
+        (n, len(arrays), chunks), (threads,), (ptrs, row_bytes, src, dst, np.int64(chunk))
+    )
 
 
 def copy_blocks(caches, src, dst, *, backend=None, validate=True):
@@ -204,6 +232,7 @@ def copy_blocks(caches, src, dst, *, backend=None, validate=True):
         of ``src`` (the copies of one launch have no order).
     validate : check ids against the smallest ``num_blocks`` and the rules above (one sync).
     """
+    validate = _flag("validate", validate)
     be = _backend.get(backend)
     _copy_rows(be, "caches", caches, src, dst, validate)
 
@@ -219,6 +248,7 @@ def copy_linear_state(state, src_slots, dst_slots, *, backend=None, validate=Tru
         C-contiguous, any dtype; a slot is one row of the first axis.
     src_slots, dst_slots : integer arrays [n] (cast to int32); same rules as ``copy_blocks``.
     """
+    validate = _flag("validate", validate)
     be = _backend.get(backend)
     _copy_rows(be, "state", state, src_slots, dst_slots, validate)
 
@@ -239,6 +269,7 @@ def swap_blocks(src_cache, dst_cache, src, dst, stream=None, *, backend=None, va
     src, dst : integer arrays [n] (cast to int32), ids in the respective cache.
     stream : a ``cupy.cuda.Stream`` (cupy backend); ignored by the synchronous CPU backends.
     """
+    validate = _flag("validate", validate)
     be = _backend.get(backend)
     if be.name == "cupy" and stream is not None:
         with stream:  # index uploads, checks and the launch all go on `stream`
@@ -250,8 +281,10 @@ def _swap_blocks(be, src_cache, dst_cache, src, dst, validate):
     _array(be, "src_cache", src_cache, None, host_ok=True)
     _array(be, "dst_cache", dst_cache, None, dtype=src_cache.dtype, host_ok=True)
     if src_cache.ndim < 1 or tuple(src_cache.shape[1:]) != tuple(dst_cache.shape[1:]):
-        raise ValueError(f"block shapes differ: src_cache {tuple(src_cache.shape)}, "
-                         f"dst_cache {tuple(dst_cache.shape)}")
+        raise ValueError(
+            f"block shapes differ: src_cache {tuple(src_cache.shape)}, "
+            f"dst_cache {tuple(dst_cache.shape)}"
+        )
     src = _index(be, "src", src)
     dst = _index(be, "dst", dst, src.shape[0])
     _in_range(be, "src", src, 0, src_cache.shape[0], validate)
@@ -338,8 +371,20 @@ def decode_splits(num_ctas: int, max_len: int, num_sms: int, num_splits=None) ->
     return -(-max_len // part), part
 
 
-def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, out=None,
-                           window=None, *, backend=None, num_splits=None, validate=True):
+def paged_decode_attention(
+    q,
+    k_cache,
+    v_cache,
+    block_tables,
+    seq_lens,
+    scale,
+    out=None,
+    window=None,
+    *,
+    backend=None,
+    num_splits=None,
+    validate=True,
+):
     """Decode attention of one query token per sequence over the paged cache (K5).
 
     Parameters
@@ -361,9 +406,13 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, o
     -------
     out : array [num_seqs, num_q_heads, head_dim], dtype of q.
     """
+    validate = _flag("validate", validate)
+    if num_splits is not None and _scalar("num_splits", num_splits, int) < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     be = _backend.get(backend)
     bt, lens, nb, bs, hkv, d, scale, w = _attention_args(
-        be, q, k_cache, v_cache, block_tables, seq_lens, scale, window, validate)
+        be, q, k_cache, v_cache, block_tables, seq_lens, scale, window, validate
+    )
     s, hq = q.shape[0], q.shape[1]
     if s != lens.shape[0]:
         raise ValueError(f"q has {s} sequences, seq_lens has {lens.shape[0]}")
@@ -371,8 +420,9 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, o
     if s == 0:
         return out
     if be.name == "numpy":
-        return reference.paged_decode_attention(q, k_cache, v_cache, bt, lens, float(scale), out,
-                                                w or None)
+        return reference.paged_decode_attention(
+            q, k_cache, v_cache, bt, lens, float(scale), out, w or None
+        )
     if s > MAX_GRID_YZ:
         raise ValueError(f"at most {MAX_GRID_YZ} sequences per call")
     group = hq // hkv
@@ -388,13 +438,31 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, o
         o_part = lse = be.xp.empty((1,), np.float32)  # not touched
     smem = (NUM_WARPS * gt * d + 2 * NUM_WARPS * gt) * 4
     be.kernel("decode_attention", f"paged_decode_{dt}_d{d}_g{gt}")(
-        (hkv * tiles, s, p), (NUM_WARPS * 32,),
-        (q, k_cache, v_cache, bt, lens, out, o_part, lse, np.int32(hkv), np.int32(group),
-         np.int32(bs), np.int32(bt.shape[1]), np.int32(part), np.int32(w), scale),
-        shared_mem=smem)
+        (hkv * tiles, s, p),
+        (NUM_WARPS * 32,),
+        (
+            q,
+            k_cache,
+            v_cache,
+            bt,
+            lens,
+            out,
+            o_part,
+            lse,
+            np.int32(hkv),
+            np.int32(group),
+            np.int32(bs),
+            np.int32(bt.shape[1]),
+            np.int32(part),
+            np.int32(w),
+            scale,
+        ),
+        shared_mem=smem,
+    )
     if p > 1:
         be.kernel("decode_attention", f"merge_splits_{dt}")(
-            (s * hq,), (d,), (o_part, lse, out, np.int32(p), np.int32(d)))
+            (s * hq,), (d,), (o_part, lse, out, np.int32(p), np.int32(d))
+        )
     return out
 
 
@@ -403,8 +471,21 @@ def prefill_kv_tile(head_dim: int, itemsize: int) -> int:
     return min(64, 16384 // (head_dim * itemsize))
 
 
-def paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale,
-                            causal=True, window=None, *, backend=None, out=None, validate=True):
+def paged_prefill_attention(
+    q,
+    k_cache,
+    v_cache,
+    block_tables,
+    cu_seqlens_q,
+    seq_lens,
+    scale,
+    causal=True,
+    window=None,
+    *,
+    backend=None,
+    out=None,
+    validate=True,
+):
     """Prefill / extend attention of query chunks over cached prefixes (K6).
 
     Sequence i's queries are its LAST ``cu_seqlens_q[i+1] - cu_seqlens_q[i]`` positions; their
@@ -426,9 +507,11 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq
     -------
     out : array [total_q, num_q_heads, head_dim], dtype of q.
     """
+    validate, causal = _flag("validate", validate), _flag("causal", causal)
     be = _backend.get(backend)
     bt, lens, nb, bs, hkv, d, scale, w = _attention_args(
-        be, q, k_cache, v_cache, block_tables, seq_lens, scale, window, validate)
+        be, q, k_cache, v_cache, block_tables, seq_lens, scale, window, validate
+    )
     s, hq = lens.shape[0], q.shape[1]
     cu = _index(be, "cu_seqlens_q", cu_seqlens_q, s + 1)
     cu_h = be.to_host(cu)  # the grid needs the longest chunk (one sync on cupy)
@@ -441,8 +524,18 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq
     if q.shape[0] == 0:
         return out
     if be.name == "numpy":
-        return reference.paged_prefill_attention(q, k_cache, v_cache, bt, cu_h, be.to_host(lens),
-                                                 float(scale), out, bool(causal), w or None)
+        return reference.paged_prefill_attention(
+            q,
+            k_cache,
+            v_cache,
+            bt,
+            cu_h,
+            be.to_host(lens),
+            float(scale),
+            out,
+            bool(causal),
+            w or None,
+        )
     group = hq // hkv
     gt, tiles = _group_tile(group)
     if s > MAX_GRID_YZ or hkv * tiles > MAX_GRID_YZ:
@@ -450,10 +543,26 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq
     dt = DTYPES[np.dtype(q.dtype)]
     kt = prefill_kv_tile(d, q.dtype.itemsize)
     be.kernel("prefill_attention", f"paged_prefill_{dt}_d{d}_g{gt}")(
-        (-(-int(q_lens.max()) // NUM_WARPS), s, hkv * tiles), (NUM_WARPS * 32,),
-        (q, k_cache, v_cache, bt, cu, lens, out, np.int32(hkv), np.int32(group), np.int32(bs),
-         np.int32(bt.shape[1]), np.int32(bool(causal)), np.int32(w), scale),
-        shared_mem=2 * kt * d * q.dtype.itemsize)
+        (-(-int(q_lens.max()) // NUM_WARPS), s, hkv * tiles),
+        (NUM_WARPS * 32,),
+        (
+            q,
+            k_cache,
+            v_cache,
+            bt,
+            cu,
+            lens,
+            out,
+            np.int32(hkv),
+            np.int32(group),
+            np.int32(bs),
+            np.int32(bt.shape[1]),
+            np.int32(bool(causal)),
+            np.int32(w),
+            scale,
+        ),
+        shared_mem=2 * kt * d * q.dtype.itemsize,
+    )
     return out
 
 
@@ -461,9 +570,14 @@ def kernel_names() -> dict[str, list[str]]:
     """Every kernel the launch code can request, by family (for the NVRTC check)."""
     dts = sorted(set(DTYPES.values()))
     return {
-        "cache_ops": [f"{k}_v{v}" for k in ("write_kv", "copy_rows", "swap_blocks") for v in (1, 16)],
-        "decode_attention": [f"paged_decode_{t}_d{d}_g{g}" for t in dts for d in HEAD_DIMS
-                             for g in GROUP_TILES] + [f"merge_splits_{t}" for t in dts],
-        "prefill_attention": [f"paged_prefill_{t}_d{d}_g{g}" for t in dts for d in HEAD_DIMS
-                              for g in GROUP_TILES],
+        "cache_ops": [
+            f"{k}_v{v}" for k in ("write_kv", "copy_rows", "swap_blocks") for v in (1, 16)
+        ],
+        "decode_attention": [
+            f"paged_decode_{t}_d{d}_g{g}" for t in dts for d in HEAD_DIMS for g in GROUP_TILES
+        ]
+        + [f"merge_splits_{t}" for t in dts],
+        "prefill_attention": [
+            f"paged_prefill_{t}_d{d}_g{g}" for t in dts for d in HEAD_DIMS for g in GROUP_TILES
+        ],
     }

@@ -280,8 +280,50 @@ pub fn optional_count(obj: Option<&Bound<'_, PyAny>>, name: &str) -> PyResult<Op
     }
 }
 
-/// A flag: a bool (or numpy bool), `default` when not given; anything else is a `TypeError`
-/// naming the option (F10).
+/// A parameter with a default whose value, when given, is always checked, None included.
+///
+/// pyo3 hands an `Option` parameter `None` both when the argument is missing and when it is
+/// Python's None, so a flag or a count whose default is not None (its stub says `bool = True`,
+/// `int = 0`) takes this instead: a None given there is a `TypeError` naming it, as a bool given
+/// for a count is (R29, "One rule for bools").
+pub enum Given<'py> {
+    /// Not passed: the default applies.
+    Missing,
+    /// Passed (None included).
+    Value(Bound<'py, PyAny>),
+}
+
+impl<'a, 'py> FromPyObject<'a, 'py> for Given<'py> {
+    type Error = PyErr;
+
+    fn extract(obj: pyo3::Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        Ok(Self::Value(obj.to_owned()))
+    }
+}
+
+impl<'py> Given<'py> {
+    /// The value given, if any (a given None is `Some`).
+    pub fn value(&self) -> Option<&Bound<'py, PyAny>> {
+        match self {
+            Self::Missing => None,
+            Self::Value(value) => Some(value),
+        }
+    }
+
+    /// A count (`>= 0`), `default` when not given; None, a bool or a float given is a
+    /// `TypeError` naming `name`.
+    pub fn count(&self, name: &str, default: usize) -> PyResult<usize> {
+        self.value().map_or(Ok(default), |value| count(value, name))
+    }
+
+    /// A flag, `default` when not given ([`flag`]; None given is a `TypeError`).
+    pub fn flag(&self, name: &str, default: bool) -> PyResult<bool> {
+        flag(self.value(), name, default)
+    }
+}
+
+/// A flag: a bool (or numpy bool), `default` when not given; anything else (None included) is
+/// a `TypeError` naming the option (F10).
 pub fn flag(obj: Option<&Bound<'_, PyAny>>, name: &str, default: bool) -> PyResult<bool> {
     let Some(obj) = obj else {
         return Ok(default);

@@ -1,4 +1,4 @@
-//! `kvpool.KVIndex` (issue "Beyond one instance"): thin bindings of `kvpool::KVIndex`.
+//! `kvpool.KVIndex` (docs/events.md): thin bindings of `kvpool::KVIndex`.
 //!
 //! Each method converts its arguments with the GIL held, releases it (`py.detach`) for the one
 //! core call (apply, lookup, dump, ...), and converts the answer back. Events are Python dicts
@@ -33,6 +33,15 @@ fn in_range(value: i128, name: &str, max: u64) -> PyResult<u64> {
         ));
     }
     Ok(value as u64)
+}
+
+/// A `dp_rank` argument (default 0, at most `u32::MAX`); None, a bool or a float is a
+/// `TypeError` naming it (R29).
+fn rank(dp_rank: &convert::Given<'_>) -> PyResult<u32> {
+    match dp_rank.value() {
+        Some(value) => Ok(unsigned(value, "dp_rank", u64::from(u32::MAX))? as u32),
+        None => Ok(0),
+    }
 }
 
 /// A float argument (a clock), named in errors.
@@ -280,10 +289,20 @@ fn request(
 #[pymethods]
 impl PyKVIndex {
     #[new]
-    #[pyo3(signature = (*, max_entries = 16_777_216, hash_seed = None))]
-    fn new(max_entries: i128, hash_seed: Option<&Bound<'_, PyAny>>) -> PyResult<Self> {
+    #[pyo3(
+        signature = (*, max_entries = convert::Given::Missing, hash_seed = None),
+        text_signature = "(*, max_entries=16777216, hash_seed=None)"
+    )]
+    fn new(
+        max_entries: convert::Given<'_>,
+        hash_seed: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Self> {
+        let max_entries = match max_entries.value() {
+            Some(value) => unsigned(value, "max_entries", u64::MAX)?,
+            None => 16_777_216,
+        };
         let config = IndexConfig {
-            max_entries: in_range(max_entries, "max_entries", u64::MAX)? as usize,
+            max_entries: usize::try_from(max_entries).unwrap_or(usize::MAX),
             hash_seed: convert::hash_seed(hash_seed)?,
         };
         Ok(Self {
@@ -357,7 +376,10 @@ impl PyKVIndex {
     /// Marks a routed request's blocks as held on the device of (`instance`, `dp_rank`) until
     /// `now + ttl` unless a stored event confirms them. Returns how many were marked or
     /// extended.
-    #[pyo3(signature = (instance, token_ids = None, *, block_size, now, ttl, extra_key = None, block_hashes = None, dp_rank = 0))]
+    #[pyo3(
+        signature = (instance, token_ids = None, *, block_size, now, ttl, extra_key = None, block_hashes = None, dp_rank = convert::Given::Missing),
+        text_signature = "(self, instance, token_ids=None, *, block_size, now, ttl, extra_key=None, block_hashes=None, dp_rank=0)"
+    )]
     #[allow(clippy::too_many_arguments)]
     fn insert_speculative(
         &self,
@@ -369,10 +391,10 @@ impl PyKVIndex {
         ttl: &Bound<'_, PyAny>,
         extra_key: Option<&Bound<'_, PyAny>>,
         block_hashes: Option<&Bound<'_, PyAny>>,
-        dp_rank: i128,
+        dp_rank: convert::Given<'_>,
     ) -> PyResult<usize> {
         let instance = unsigned(instance, "instance", u64::MAX)?;
-        let dp_rank = in_range(dp_rank, "dp_rank", u64::from(u32::MAX))? as u32;
+        let dp_rank = rank(&dp_rank)?;
         let size = unsigned(block_size, "block_size", u64::from(u32::MAX))? as u32;
         let (now, ttl) = (seconds(now, "now")?, seconds(ttl, "ttl")?);
         let request = request(token_ids, extra_key, block_hashes, Some(block_size))?;
@@ -400,12 +422,12 @@ impl PyKVIndex {
         &self,
         py: Python<'py>,
         token_ids: &Bound<'py, PyAny>,
-        block_size: i128,
+        block_size: &Bound<'py, PyAny>,
         parent_hash: Option<&Bound<'py, PyAny>>,
         extra_key: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyList>> {
+        let size = unsigned(block_size, "block_size", u64::from(u32::MAX))? as usize;
         let tokens = convert::tokens(token_ids, "token_ids")?;
-        let size = in_range(block_size, "block_size", u64::from(u32::MAX))? as usize;
         if size == 0 {
             return Err(value_error("block_size", "must be >= 1, got 0"));
         }
@@ -440,16 +462,37 @@ impl PyKVIndex {
 
     /// Drops every entry of (`instance`, `dp_rank`) and forgets its sequence number (after a
     /// gap a replay cannot fill). Returns the entries dropped.
-    #[pyo3(signature = (instance, dp_rank = 0))]
+    #[pyo3(
+        signature = (instance, dp_rank = convert::Given::Missing),
+        text_signature = "(self, instance, dp_rank=0)"
+    )]
     fn resync(
         &self,
         py: Python<'_>,
         instance: &Bound<'_, PyAny>,
-        dp_rank: i128,
+        dp_rank: convert::Given<'_>,
     ) -> PyResult<usize> {
         let instance = unsigned(instance, "instance", u64::MAX)?;
-        let dp_rank = in_range(dp_rank, "dp_rank", u64::from(u32::MAX))? as u32;
+        let dp_rank = rank(&dp_rank)?;
         Ok(py.detach(|| self.inner.resync(instance, dp_rank)))
+    }
+
+    /// Whether `apply` would now apply an event of (`instance`, `dp_rank`) numbered
+    /// `sequence`: not a duplicate, not dropped by a gap or a stall. Changes nothing.
+    #[pyo3(
+        signature = (instance, sequence, *, dp_rank = convert::Given::Missing),
+        text_signature = "(self, instance, sequence, *, dp_rank=0)"
+    )]
+    fn can_apply(
+        &self,
+        instance: &Bound<'_, PyAny>,
+        sequence: &Bound<'_, PyAny>,
+        dp_rank: convert::Given<'_>,
+    ) -> PyResult<bool> {
+        let instance = unsigned(instance, "instance", u64::MAX)?;
+        let sequence = unsigned(sequence, "sequence", u64::MAX)?;
+        let dp_rank = rank(&dp_rank)?;
+        Ok(self.inner.can_apply(instance, dp_rank, sequence))
     }
 
     /// Drops every entry and source of `instance`. Returns the entries dropped.

@@ -182,18 +182,17 @@ macro_rules! manager_class {
         impl $ty {
             #[new]
             #[pyo3(
-                signature = (num_blocks, block_size, *, enable_prefix_cache = None, hash_seed = None, debug_hash_bits = None),
+                signature = (num_blocks, block_size, *, enable_prefix_cache = convert::Given::Missing, hash_seed = None, debug_hash_bits = None),
                 text_signature = "(num_blocks, block_size, *, enable_prefix_cache=True, hash_seed=None, debug_hash_bits=None)"
             )]
             fn new(
                 num_blocks: &Bound<'_, PyAny>,
                 block_size: &Bound<'_, PyAny>,
-                enable_prefix_cache: Option<&Bound<'_, PyAny>>,
+                enable_prefix_cache: convert::Given<'_>,
                 hash_seed: Option<&Bound<'_, PyAny>>,
                 debug_hash_bits: Option<&Bound<'_, PyAny>>,
             ) -> PyResult<Self> {
-                let enable_prefix_cache =
-                    convert::flag(enable_prefix_cache, "enable_prefix_cache", true)?;
+                let enable_prefix_cache = enable_prefix_cache.flag("enable_prefix_cache", true)?;
                 let num_blocks = convert::count(num_blocks, "num_blocks")?;
                 let block_size = convert::count(block_size, "block_size")?;
                 let config = ManagerConfig {
@@ -351,14 +350,14 @@ macro_rules! manager_class {
 }
 
 manager_class!(
-    /// Plain block allocator with a prefix cache (the seed's BlockManagerImpl).
+    /// Plain block allocator with a prefix cache (xLLM's BlockManagerImpl).
     PyBlockManager,
     "BlockManager",
     Mutex<BlockManagerImpl>
 );
 
 manager_class!(
-    /// Thread-safe block allocator with a prefix cache (the seed's ConcurrentBlockManagerImpl).
+    /// Thread-safe block allocator with a prefix cache (xLLM's ConcurrentBlockManagerImpl).
     PyConcurrentBlockManager,
     "ConcurrentBlockManager",
     ConcurrentBlockManager

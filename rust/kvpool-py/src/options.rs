@@ -1,7 +1,9 @@
 //! The keyword options of the pool constructors, read by one extractor shared by
 //! `BlockManagerPool(num_blocks, block_size, **options)` and
 //! `HierarchyBlockManagerPool(num_blocks, host_num_blocks, block_size, **options)`: each option
-//! validated under its own name (R29), an unknown one a `TypeError`, None the default.
+//! validated under its own name (R29), an unknown one a `TypeError`, None the default, but for
+//! the flags (`enable_prefix_cache`, `concurrent`, `enable_events`, `dedup`), which must be
+//! bools when given (R29, "One rule for bools").
 
 use kvpool::{LinearStateMatch, LinearStateSave, PoolConfig};
 use pyo3::exceptions::PyTypeError;
@@ -69,9 +71,13 @@ impl<'py> Options<'py> {
         }
     }
 
-    /// A flag (F10: a bool or nothing).
+    /// A flag (F10: a bool or nothing; a None given is a `TypeError` naming it).
     pub(crate) fn flag(&self, name: &str, default: bool) -> PyResult<bool> {
-        convert::flag(self.get(name)?.as_ref(), name, default)
+        let given = match &self.given {
+            Some(d) => d.get_item(name)?,
+            None => None,
+        };
+        convert::flag(given.as_ref(), name, default)
     }
 
     /// A count, or `None`.

@@ -1,5 +1,5 @@
 //! `kvpool.AllocationPlan`: what `pool.plan(seq)` decided, to hand to `pool.allocate(seq,
-//! plan=plan)` (issue 16's plan once). Read-only; `plan()` has no side effect.
+//! plan=plan)` (docs/contract.md, "Plan once"). Read-only; `plan()` has no side effect.
 
 use kvpool::AllocationPlan;
 use pyo3::prelude::*;

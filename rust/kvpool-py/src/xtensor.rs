@@ -1,4 +1,4 @@
-//! `kvpool.XTensorBlockManager`: the elastic allocator on virtual-memory pages (issue 17).
+//! `kvpool.XTensorBlockManager`: the elastic allocator on virtual-memory pages (docs/xtensor.md).
 //! Each method validates, makes one core call and maps the error.
 //!
 //! The page backend is the accounting one (`backend=None`), the host one (`backend="host"`) or
@@ -7,7 +7,9 @@
 //! manager's lock taken; the lock is therefore always taken with `lock_py_attached` (which
 //! detaches from the interpreter while it waits), so a thread waiting for the manager never
 //! holds the GIL that the backend's thread needs. A backend must not call its own manager
-//! (that is a `RuntimeError`). A Python exception raised by the backend propagates as itself;
+//! (that is a `RuntimeError`). A Python exception raised by the backend propagates as itself
+//! when the core raises it (the call did nothing of its own); one the core deferred (met while
+//! settling after the call's work) is dropped, and the next call retries and raises its own.
 //! `MemoryError` means "no memory for this page now" (allocation then raises
 //! `OutOfBlocksError`, `try_reserve` returns False).
 
@@ -44,18 +46,29 @@ pub(crate) fn in_backend() -> bool {
 pub(crate) type ErrorSlot = Arc<parking_lot::Mutex<Option<PyErr>>>;
 
 /// A Python object with `map_page(page)` / `unmap_page(page)` as a page backend.
+///
+/// The slot keeps the first exception of a call (the binding takes it when the call ends); a
+/// later failure in the same call does not replace it, and [`PageBackend::deferred`] drops the
+/// exception only if the last operation is the one that put it there.
 pub(crate) struct PythonBackend {
     object: Py<PyAny>,
     error: ErrorSlot,
+    /// The last operation's exception is the one in the slot.
+    last_in_slot: bool,
 }
 
 impl PythonBackend {
     /// `object` as a backend whose exceptions land in `error`.
     pub(crate) fn new(object: Py<PyAny>, error: ErrorSlot) -> Self {
-        Self { object, error }
+        Self {
+            object,
+            error,
+            last_in_slot: false,
+        }
     }
 
     fn call(&mut self, method: &'static str, page: usize) -> Result<(), PageError> {
+        self.last_in_slot = false;
         Python::attach(|py| {
             IN_BACKEND.with(|flag| flag.set(true));
             let result = self.object.bind(py).call_method1(method, (page,));
@@ -67,7 +80,11 @@ impl PythonBackend {
                 }
                 Err(error) => {
                     let message = error.to_string();
-                    *self.error.lock() = Some(error);
+                    let mut slot = self.error.lock();
+                    if slot.is_none() {
+                        *slot = Some(error);
+                        self.last_in_slot = true;
+                    }
                     Err(PageError::Failed {
                         page,
                         operation: method,
@@ -86,6 +103,14 @@ impl PageBackend for PythonBackend {
 
     fn unmap_page(&mut self, page: usize) -> Result<(), PageError> {
         self.call("unmap_page", page)
+    }
+
+    /// The manager deferred the failure: its next call retries and raises then (the exception
+    /// of this one is not raised; an earlier one of the same call still is).
+    fn deferred(&mut self) {
+        if std::mem::take(&mut self.last_in_slot) {
+            *self.error.lock() = None;
+        }
     }
 
     fn resident_bytes(&self) -> Option<u64> {
@@ -109,7 +134,7 @@ fn optional_bytes(obj: Option<&Bound<'_, PyAny>>, name: &str) -> PyResult<Option
     }
 }
 
-/// Elastic block allocator on virtual-memory pages (the seed's XTensorBlockManagerImpl).
+/// Elastic block allocator on virtual-memory pages (xLLM's XTensorBlockManagerImpl).
 #[pyclass(frozen, module = "kvpool", name = "XTensorBlockManager")]
 pub struct PyXTensorBlockManager {
     inner: Mutex<XTensorBlockManager>,
@@ -172,7 +197,7 @@ pub(crate) fn report_dict<'py>(
 impl PyXTensorBlockManager {
     #[new]
     #[pyo3(
-        signature = (num_blocks, block_size, *, blocks_per_page, page_bytes = None, spare_pages = None, memory_limit = None, backend = None, enable_prefix_cache = None, hash_seed = None, debug_hash_bits = None),
+        signature = (num_blocks, block_size, *, blocks_per_page, page_bytes = None, spare_pages = convert::Given::Missing, memory_limit = None, backend = None, enable_prefix_cache = convert::Given::Missing, hash_seed = None, debug_hash_bits = None),
         text_signature = "(num_blocks, block_size, *, blocks_per_page, page_bytes=None, spare_pages=1, memory_limit=None, backend=None, enable_prefix_cache=True, hash_seed=None, debug_hash_bits=None)"
     )]
     #[allow(clippy::too_many_arguments)]
@@ -182,10 +207,10 @@ impl PyXTensorBlockManager {
         block_size: &Bound<'_, PyAny>,
         blocks_per_page: &Bound<'_, PyAny>,
         page_bytes: Option<&Bound<'_, PyAny>>,
-        spare_pages: Option<&Bound<'_, PyAny>>,
+        spare_pages: convert::Given<'_>,
         memory_limit: Option<&Bound<'_, PyAny>>,
         backend: Option<&Bound<'_, PyAny>>,
-        enable_prefix_cache: Option<&Bound<'_, PyAny>>,
+        enable_prefix_cache: convert::Given<'_>,
         hash_seed: Option<&Bound<'_, PyAny>>,
         debug_hash_bits: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
@@ -194,9 +219,8 @@ impl PyXTensorBlockManager {
             convert::count(block_size, "block_size")?,
             convert::count(blocks_per_page, "blocks_per_page")?,
         );
-        config.enable_prefix_cache =
-            convert::flag(enable_prefix_cache, "enable_prefix_cache", true)?;
-        config.spare_pages = convert::optional_count(spare_pages, "spare_pages")?.unwrap_or(1);
+        config.enable_prefix_cache = enable_prefix_cache.flag("enable_prefix_cache", true)?;
+        config.spare_pages = spare_pages.count("spare_pages", 1)?;
         config.memory_limit = optional_bytes(memory_limit, "memory_limit")?;
         config.hasher = hasher(hash_seed, debug_hash_bits)?;
         let backend = backend.filter(|b| !b.is_none());
@@ -280,10 +304,10 @@ impl PyXTensorBlockManager {
                     .map_err(|_| value_error("page_bytes", "does not fit the address space"))?;
                 Box::new(HostPageBackend::new(config.num_pages(), bytes).map_err(to_py)?)
             }
-            ("python", Some(b)) => Box::new(PythonBackend {
-                object: b.clone().unbind(),
-                error: Arc::clone(&backend_error),
-            }),
+            ("python", Some(b)) => Box::new(PythonBackend::new(
+                b.clone().unbind(),
+                Arc::clone(&backend_error),
+            )),
             _ => Box::new(AccountingBackend::new(config.num_pages())),
         };
         let manager =

@@ -88,7 +88,10 @@ fn no_checkpoint_means_no_kv_reuse() {
     assert!(pool.allocate(&mut b, None).unwrap());
     assert_eq!(b.num_cached_tokens(), 0);
     assert_eq!(b.linear_state_restore_slot(), None);
-    assert!(pool.take_linear_state_plan().is_empty());
+    let plan = pool.take_linear_state_plan();
+    assert!(plan.restore_src.is_empty() && plan.save_src.is_empty());
+    // no restore: the live slot starts from zeros (R24)
+    assert_eq!(plan.zero_slots, vec![b.linear_state_slot().unwrap() as i32]);
 }
 
 #[test]
@@ -316,7 +319,8 @@ proptest! {
         config.swa_num_blocks = window.map(|_| 12);
         config.linear_state_slots = if slots == 1 { 0 } else { slots };
         if config.linear_state_slots > 0 {
-            config.checkpoint_interval = Some(8);
+            // "contiguous" hits only with a checkpoint at every block (R23).
+            config.checkpoint_interval = Some(if contiguous { 4 } else { 8 });
         }
         config.linear_state_save = if promote { LinearStateSave::Promote } else { LinearStateSave::Copy };
         config.linear_state_match =
@@ -423,7 +427,7 @@ proptest! {
     }
 }
 
-// ---- KV events of the sliding-window group (R21, R25, issue 21 item 1) ----
+// ---- KV events of the sliding-window group (R21, R25) ----
 
 use kvpool::{GroupKind, IndexConfig, IndexEvent, KVIndex, KvEvent, KvEventKind, Medium};
 

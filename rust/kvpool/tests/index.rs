@@ -1,4 +1,4 @@
-//! `KVIndex` (issue "Beyond one instance", item 2): a proptest against a plain dict-of-sets
+//! `KVIndex`: a proptest against a plain dict-of-sets
 //! model over random event streams (stores, removals, clears, speculative entries, gaps and
 //! replays, many instances, ranks, media, groups and two block sizes), TTL expiry and
 //! confirmation, the memory bound, dump/load, bad input, and readers racing the writer.
@@ -74,6 +74,13 @@ impl Model {
         }
     }
 
+    /// Whether an event numbered `s` of (`instance`, `dp`) would be applied now.
+    fn admits(&self, instance: u64, dp: u32, s: u64) -> bool {
+        self.sources
+            .get(&(instance, dp))
+            .is_none_or(|&(last, _)| s == last || s == last + 1)
+    }
+
     /// Returns whether the event was applied, and the gap it opened.
     fn admit(&mut self, instance: u64, e: &IndexEvent) -> (bool, Option<Gap>) {
         let Some(s) = e.sequence else {
@@ -85,7 +92,9 @@ impl Model {
             .or_insert((s, false));
         if s < last {
             (false, None)
-        } else if s <= last + 1 {
+        } else if s == last {
+            (true, None) // the last unit again: applied, a stall stays (C3)
+        } else if s == last + 1 {
             self.sources.insert((instance, e.dp_rank), (s, false));
             (true, None)
         } else {
@@ -278,6 +287,11 @@ enum Op {
         instance: u64,
         dp: u32,
     },
+    /// The source's last applied unit delivered again (a redelivery, often during a stall).
+    Redeliver {
+        instance: u64,
+        dp: u32,
+    },
     Resync {
         instance: u64,
         dp: u32,
@@ -301,6 +315,7 @@ fn op() -> impl Strategy<Value = Op> {
             .prop_map(|((instance, dp), doc, len, ttl)| Op::Speculate { instance, dp, doc, len, ttl }),
         1 => (0u8..4).prop_map(Op::Advance),
         1 => source.clone().prop_map(|(instance, dp)| Op::Replay { instance, dp }),
+        1 => source.clone().prop_map(|(instance, dp)| Op::Redeliver { instance, dp }),
         1 => source.prop_map(|(instance, dp)| Op::Resync { instance, dp }),
     ]
 }
@@ -348,6 +363,13 @@ fn run_workload(ops: Vec<Op>) -> Result<(), TestCaseError> {
     let deliver = |idx: &KVIndex, model: &mut Model, instance: u64, events: Vec<IndexEvent>| {
         let mut gaps = Vec::new();
         let mut applied = 0;
+        if let Some(s) = events.first().and_then(|e| e.sequence) {
+            let dp = events[0].dp_rank;
+            assert_eq!(
+                idx.can_apply(instance, dp, s),
+                model.admits(instance, dp, s)
+            );
+        }
         for e in &events {
             let (a, gap) = model.apply(instance, e);
             applied += usize::from(a);
@@ -455,6 +477,21 @@ fn run_workload(ops: Vec<Op>) -> Result<(), TestCaseError> {
                 let events = publishers.replay(instance, dp, from);
                 deliver(&idx, &mut model, instance, events);
             }
+            Op::Redeliver { instance, dp } => {
+                let last = idx
+                    .sources()
+                    .iter()
+                    .find(|s| (s.instance, s.dp_rank) == (instance, dp))
+                    .map(|s| s.last);
+                if let Some(last) = last {
+                    let events: Vec<IndexEvent> = publishers
+                        .replay(instance, dp, last)
+                        .into_iter()
+                        .filter(|e| e.sequence == Some(last))
+                        .collect();
+                    deliver(&idx, &mut model, instance, events);
+                }
+            }
             Op::Resync { instance, dp } => {
                 model.forget(instance, dp);
                 idx.resync(instance, dp);
@@ -489,7 +526,7 @@ fn run_workload(ops: Vec<Op>) -> Result<(), TestCaseError> {
             .collect();
         prop_assert_eq!(stalled, model_stalled);
     }
-    // Dump and load keep everything (issue 21: warm restart).
+    // Dump and load keep everything (warm restart).
     let loaded = KVIndex::load(&idx.dump(), None).unwrap();
     loaded.check().unwrap();
     prop_assert_eq!(loaded.dump(), idx.dump());
@@ -806,6 +843,16 @@ fn gaps_are_reported_and_replays_or_resyncs_recover() {
     );
     assert_eq!(idx.sources()[0].stalled, Some(13));
     assert_eq!(idx.stats().stalled_sources, 1);
+    // G4, C3: the last unit delivered again is applied, but the hole (12) is still there: the
+    // source stays stalled and the next event past the hole reports nothing new.
+    assert!(idx.can_apply(5, 0, 11) && idx.can_apply(5, 0, 12));
+    assert!(!idx.can_apply(5, 0, 10) && !idx.can_apply(5, 0, 15));
+    let r = idx.apply(5, vec![store(1, 11)]).unwrap();
+    assert_eq!((r.applied, r.gaps.len()), (1, 0));
+    assert_eq!(idx.sources()[0].stalled, Some(13));
+    assert_eq!(idx.stats().stalled_sources, 1);
+    let r = idx.apply(5, vec![store(4, 15)]).unwrap();
+    assert_eq!((r.applied, r.dropped, r.gaps.len()), (0, 1, 0));
     // A replay from 10 resumes the source: 10 is a duplicate, 11 (the last unit, again) is
     // applied again (idempotent), 12.. fill the gap.
     let r = idx

@@ -177,7 +177,7 @@ fn r19_exports_and_r21_events() {
     assert!(p.drain_events().is_empty());
 }
 
-/// Issue 21: events numbered 1, 2, 3, ... per rank, self-describing, replayable from the
+/// Events numbered 1, 2, 3, ... per rank, self-describing, replayable from the
 /// bounded buffer; the index applies them as they are.
 #[test]
 fn events_are_numbered_per_rank_and_replayable() {
@@ -186,6 +186,8 @@ fn events_are_numbered_per_rank_and_replayable() {
     config.dp_size = 2;
     config.event_replay = 3;
     let mut p = BlockManagerPool::new(config).unwrap();
+    // C5: numbers start at 1, so "from 0" is "from 1": everything, nothing lost yet.
+    assert_eq!(p.events_since(0, 0).unwrap(), Some(Vec::new()));
     let mut all = Vec::new();
     let mut held: Option<Sequence> = None;
     for i in 0..12u32 {
@@ -217,6 +219,10 @@ fn events_are_numbered_per_rank_and_replayable() {
         assert!(
             p.events_since(rank, last - 3).unwrap().is_none(),
             "beyond the buffer"
+        );
+        assert!(
+            p.events_since(rank, 0).unwrap().is_none(),
+            "event 1 was dropped"
         );
         assert!(p.events_since(rank, last + 1).unwrap().unwrap().is_empty());
         assert!(p.events_since(rank, last + 2).is_err());

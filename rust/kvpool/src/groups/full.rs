@@ -4,7 +4,7 @@
 //! chain ([`FullGroup::walk`]), the other groups narrow it, and [`FullGroup::take_hit`] then
 //! retains exactly the walked blocks (no second walk). Blocks stay in a sequence's table for its
 //! life (no slide). The allocator is an [`Allocator`]: fixed memory (`BlockManagerImpl`) or
-//! elastic pages (`XTensorBlockManager`, the seed's `enable_xtensor`); the pool never asks which.
+//! elastic pages (`XTensorBlockManager`, xLLM's `enable_xtensor`); the pool never asks which.
 //!
 //! Invariants: those of the allocator (R1-R12, `BlockManagerImpl::check`, and for elastic pages
 //! the page rules of `XTensorBlockManager::check`). An elastic allocator is settled (released ids
@@ -239,14 +239,26 @@ impl FullGroup {
     pub(crate) fn grow(&mut self, table: &mut Vec<Block>, need: usize) -> bool {
         let grown = match need {
             0 => return true,
-            1 => match with_allocator!(&mut self.allocator, m => m.allocate_one()) {
-                Ok(block) => {
-                    table.push(block);
-                    true
+            // Elastic pages: the pool retried pending backend failures before its call
+            // (`BlockManagerPool::retry_pending`); an error here is "no room" for the growth,
+            // which changes nothing (a backend's own exception is raised by the binding).
+            1 => {
+                let block = match &mut self.allocator {
+                    Allocator::Paged(m) => m.allocate_one(),
+                    Allocator::Elastic(m) => m.grow_one(),
+                };
+                match block {
+                    Ok(block) => {
+                        table.push(block);
+                        true
+                    }
+                    Err(_) => false,
                 }
-                Err(_) => false,
+            }
+            _ => match &mut self.allocator {
+                Allocator::Paged(m) => m.allocate_into(need, table).is_ok(),
+                Allocator::Elastic(m) => m.grow_into(need, table).is_ok(),
             },
-            _ => with_allocator!(&mut self.allocator, m => m.allocate_into(need, table)).is_ok(),
         };
         if grown && !self.owners.is_empty() {
             self.own(&table[table.len() - need..], 0);
@@ -322,11 +334,9 @@ impl FullGroup {
                     cache.drain_released();
                 }
             }
-            // A backend error leaves the manager unsettled; its next call retries (and `check`
-            // does not hold the page rules against it meanwhile).
-            Allocator::Elastic(m) => {
-                let _deferred = m.trim();
-            }
+            // A release never raises a backend failure: the manager defers it (its next call
+            // that maps, evicts or allocates retries it first, and raises if it fails again).
+            Allocator::Elastic(m) => m.take_in(),
         }
     }
 

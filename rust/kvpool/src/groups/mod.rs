@@ -16,6 +16,10 @@
 //! - **publish / slide / step**: after the KV exists (R17, R24, R25);
 //! - **release / reset / counts / check**.
 //!
+//! The groups that store per-prefix data beside the full-attention blocks verify a hit against
+//! the query's verified walk and link what they store to the full-attention entries
+//! (`crate::chain`, R7).
+//!
 //! Invariants: a sequence allocated on a rank holds one table per group of the rank, in order.
 
 pub(crate) mod full;
@@ -24,12 +28,13 @@ pub(crate) mod misses;
 pub(crate) mod shared_window;
 pub(crate) mod window;
 
-use crate::block::Block;
 use crate::error::{ensure_invariant, Result};
 use crate::hash::BlockHash;
 use crate::manager::BlockCounts;
+use crate::prefix_cache::{Anchor, PrefixCache};
 use crate::sliding_window::WindowTable;
 
+pub(crate) use crate::chain::{OwnChain, QueryChain};
 pub(crate) use full::{FullGroup, Walk};
 pub(crate) use linear::{Ledger, LinearGroup, LinearTable, OpKind};
 pub use linear::{LinearStateMatch, LinearStateSave};
@@ -38,6 +43,8 @@ pub(crate) use shared_window::SharedWindowGroup;
 pub(crate) use window::WindowGroup;
 
 /// A group of a rank besides full attention.
+// One per rank, never moved on a hot path: both kinds stay inline (no indirection per call).
+#[allow(clippy::large_enum_variant)]
 pub(crate) enum Group {
     /// Sliding-window attention layers with their own block store (R25).
     Window(WindowGroup),
@@ -95,14 +102,22 @@ pub(crate) struct GroupCounters {
     pub(crate) checkpoint_commits: u64,
 }
 
-/// What a group's hit limit sees of a chain: its hashes and tokens, and the full-attention
-/// group with its walk of the chain (the nodes a group of the shared store attaches to).
-#[derive(Clone, Copy)]
-pub(crate) struct Chain<'a> {
-    pub(crate) hashes: &'a [BlockHash],
-    pub(crate) tokens: &'a [u32],
-    pub(crate) full: &'a FullGroup,
-    pub(crate) walk: &'a Walk,
+/// What a group's hit takes a chain from: the query's chain with the ids its device walk
+/// verified and the host cache's walk; a group verifies it as a [`QueryChain`] over the
+/// full-attention cache, a group of the shared store retains the runs attached to the walked
+/// entries (R7 either way).
+pub(crate) struct HitQuery<'a> {
+    pub(crate) chain: (&'a [BlockHash], &'a [u32], Option<&'a [u8]>),
+    pub(crate) device_ids: &'a [u32],
+    pub(crate) host: Option<(&'a PrefixCache, &'a [u32])>,
+}
+
+impl<'a> HitQuery<'a> {
+    /// The chain as a group verifies it, over `full`'s cache.
+    fn chain<'b>(&'b self, full: &'b FullGroup) -> QueryChain<'b> {
+        let device = full.cache().map(|c| (c, self.device_ids));
+        QueryChain::new(self.chain, device, self.host)
+    }
 }
 
 /// A table of the wrong kind for its group: an invariant the pool keeps, reported, never a panic.
@@ -120,13 +135,12 @@ impl Group {
         }
     }
 
-    /// The deepest boundary `k <= limit` of the chain this group can serve (0 always); `walk`
-    /// is the full-attention group's walk of the chain.
-    pub(crate) fn hit_limit(&self, chain: Chain<'_>, limit: usize) -> usize {
+    /// The deepest boundary `k <= limit` of the chain this group can serve (0 always).
+    pub(crate) fn hit_limit(&self, chain: &QueryChain<'_>, limit: usize) -> usize {
         match self {
-            Self::Window(g) => g.hit_limit(chain.hashes, chain.tokens, limit),
-            Self::SharedWindow(g) => g.hit_limit(chain.full, chain.walk, limit),
-            Self::Linear(g) => g.hit_limit(chain.hashes, limit),
+            Self::Window(g) => g.hit_limit(chain, limit),
+            Self::SharedWindow(g) => g.hit_limit(chain.device(), limit),
+            Self::Linear(g) => g.hit_limit(chain, limit),
         }
     }
 
@@ -140,19 +154,19 @@ impl Group {
 
     /// Whether a hit at `k`, then a table of `entries` entries, fit in this group's own store
     /// (a group of the shared store counts in [`Self::demand`] instead).
-    pub(crate) fn fits(&self, chain: Chain<'_>, k: usize, entries: usize) -> bool {
+    pub(crate) fn fits(&self, chain: &QueryChain<'_>, k: usize, entries: usize) -> bool {
         match self {
-            Self::Window(g) => g.fits(chain.hashes, chain.tokens, k, entries),
+            Self::Window(g) => g.fits(chain, k, entries),
             Self::SharedWindow(_) => true,
-            Self::Linear(g) => g.fits(chain.hashes, k),
+            Self::Linear(g) => g.fits(chain, k),
         }
     }
 
     /// Blocks of the full-attention group's store a hit at `k` and then a table of `entries`
     /// entries take in this group (0 for a group with its own store).
-    pub(crate) fn demand(&self, chain: Chain<'_>, k: usize, entries: usize) -> usize {
+    pub(crate) fn demand(&self, chain: &QueryChain<'_>, k: usize, entries: usize) -> usize {
         match self {
-            Self::SharedWindow(g) => g.demand(chain.full, chain.walk, k, entries),
+            Self::SharedWindow(g) => g.demand(chain.device(), k, entries),
             Self::Window(_) | Self::Linear(_) => 0,
         }
     }
@@ -161,15 +175,15 @@ impl Group {
     pub(crate) fn take_hit(
         &mut self,
         full: &mut FullGroup,
-        hashes: &[BlockHash],
-        tokens: &[u32],
-        walk: &Walk,
+        query: &HitQuery<'_>,
         k: usize,
     ) -> Option<GroupTable> {
         match self {
-            Self::Window(g) => g.take_hit(hashes, tokens, k).map(GroupTable::Window),
-            Self::SharedWindow(g) => g.take_hit(full, walk, k).map(GroupTable::Window),
-            Self::Linear(g) => g.take_hit(hashes, k).map(GroupTable::Linear),
+            Self::Window(g) => g.take_hit(&query.chain(full), k).map(GroupTable::Window),
+            Self::SharedWindow(g) => g
+                .take_hit(full, query.device_ids, k)
+                .map(GroupTable::Window),
+            Self::Linear(g) => g.take_hit(&query.chain(full), k).map(GroupTable::Linear),
         }
     }
 
@@ -195,7 +209,12 @@ impl Group {
 
     /// Grows the table to `entries` entries (all-or-nothing); a group of the shared store
     /// takes its blocks from `full`'s allocator.
-    pub(crate) fn grow(&mut self, full: &mut FullGroup, table: &mut GroupTable, entries: usize) -> bool {
+    pub(crate) fn grow(
+        &mut self,
+        full: &mut FullGroup,
+        table: &mut GroupTable,
+        entries: usize,
+    ) -> bool {
         match (self, table) {
             (Self::Window(g), GroupTable::Window(t)) => g.grow(t, entries),
             (Self::SharedWindow(g), GroupTable::Window(t)) => g.grow(full, t, entries),
@@ -256,32 +275,24 @@ impl Group {
         }
     }
 
-    /// Publishes the table's full computed blocks `..full_count` under their chain hashes (a
-    /// group of the shared store attaches them to the nodes of `blocks`, the sequence's
-    /// full-attention table, in `full`'s cache).
-    #[allow(clippy::too_many_arguments)]
+    /// Publishes the table's full computed blocks `..full` under their chain hashes, linked to
+    /// the chain's full-attention entries (a group of the shared store attaches them to those
+    /// entries).
     pub(crate) fn publish(
         &mut self,
-        full: &mut FullGroup,
         table: &mut GroupTable,
-        hashes: &[BlockHash],
-        tokens: &[u32],
-        blocks: &[Block],
-        full_count: usize,
-        extra_key: Option<&crate::prefix_cache::ExtraKey>,
+        chain: &mut OwnChain<'_>,
+        full: usize,
     ) {
         match (self, table) {
-            (Self::Window(g), GroupTable::Window(t)) => {
-                g.publish(t, hashes, tokens, full_count, extra_key)
-            }
-            (Self::SharedWindow(g), GroupTable::Window(t)) => {
-                g.publish(full, t, hashes, blocks, full_count)
-            }
+            (Self::Window(g), GroupTable::Window(t)) => g.publish(t, chain, full),
+            (Self::SharedWindow(g), GroupTable::Window(t)) => g.publish(t, chain, full),
             _ => {}
         }
     }
 
     /// Releases what no future query needs once `computed` tokens exist (R25).
+    #[inline]
     pub(crate) fn slide(&mut self, table: &mut GroupTable, computed: usize) {
         match (self, table) {
             (Self::Window(g), GroupTable::Window(t)) => g.slide(t, computed),
@@ -301,16 +312,32 @@ impl Group {
         }
     }
 
-    /// After a forward step (`cache(seq)`): what the group plans at a step (R24).
+    /// After a forward step (`cache(seq)`): what the group plans at a step (R24); `save`: the
+    /// prefix hash of the boundary at `computed`, its last block's link and tokens.
     pub(crate) fn step(
         &mut self,
         table: &mut GroupTable,
         computed: usize,
-        save: Option<BlockHash>,
+        save: Option<(BlockHash, Anchor, crate::linear_state::Tail)>,
         ledger: &mut Ledger,
     ) {
         if let (Self::Linear(g), GroupTable::Linear(t)) = (self, table) {
             g.step(t, computed, save, ledger);
+        }
+    }
+
+    /// Whether saves of this table wait for the links of their boundaries (linear state).
+    pub(crate) fn awaits_anchors(&self, table: &GroupTable) -> bool {
+        match (self, table) {
+            (Self::Linear(g), GroupTable::Linear(t)) => g.awaits_anchors(t),
+            _ => false,
+        }
+    }
+
+    /// After a publication of the sequence's chain: resolves what waits for its links.
+    pub(crate) fn anchor_saves(&mut self, table: &mut GroupTable, own: &mut OwnChain<'_>) {
+        if let (Self::Linear(g), GroupTable::Linear(t)) = (self, table) {
+            g.anchor_saves(t, own);
         }
     }
 

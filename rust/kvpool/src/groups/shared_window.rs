@@ -15,12 +15,12 @@
 //! holds only blocks of the rank's store; its published watermark never passes what the full
 //! table published.
 
-use crate::block::{Block, CACHED, COUNT_MASK};
+use crate::block::{CACHED, COUNT_MASK};
 use crate::error::{ensure_invariant, Result};
-use crate::hash::BlockHash;
 use crate::sliding_window::WindowTable;
 
-use super::{FullGroup, Walk};
+use super::{FullGroup, OwnChain};
+use crate::prefix_cache::PrefixCache;
 
 /// A sliding-window group whose blocks live in the full-attention group's store.
 pub(crate) struct SharedWindowGroup {
@@ -62,11 +62,12 @@ impl SharedWindowGroup {
         computed.saturating_sub(self.window - 1) / self.block_size
     }
 
-    /// The deepest boundary `k <= limit` whose run is attached to the walked nodes.
-    pub(crate) fn hit_limit(&self, full: &FullGroup, walk: &Walk, limit: usize) -> usize {
-        match full.cache() {
-            Some(cache) if cache.has_attachments() => {
-                cache.window_limit(&walk.ids, self.group, limit)
+    /// The deepest boundary `k <= limit` whose run is attached to the walked nodes (`device`:
+    /// the full-attention cache and its walk's ids).
+    pub(crate) fn hit_limit(&self, device: Option<(&PrefixCache, &[u32])>, limit: usize) -> usize {
+        match device {
+            Some((cache, ids)) if cache.has_attachments() => {
+                cache.window_limit(ids, self.group, limit)
             }
             _ => 0,
         }
@@ -74,10 +75,15 @@ impl SharedWindowGroup {
 
     /// Blocks of the shared store a hit at `k` (accepted by `hit_limit`) and then a table of
     /// `entries` entries take: the new entries, and the run's blocks only the cache holds.
-    pub(crate) fn demand(&self, full: &FullGroup, walk: &Walk, k: usize, entries: usize) -> usize {
-        let cost = match (k, full.cache()) {
+    pub(crate) fn demand(
+        &self,
+        device: Option<(&PrefixCache, &[u32])>,
+        k: usize,
+        entries: usize,
+    ) -> usize {
+        let cost = match (k, device) {
             (0, _) | (_, None) => 0,
-            (_, Some(cache)) => cache.window_hit_cost(&walk.ids, self.group, k),
+            (_, Some((cache, ids))) => cache.window_hit_cost(ids, self.group, k),
         };
         entries.saturating_sub(k) + cost
     }
@@ -87,7 +93,7 @@ impl SharedWindowGroup {
     pub(crate) fn take_hit(
         &self,
         full: &mut FullGroup,
-        walk: &Walk,
+        walked: &[u32],
         k: usize,
     ) -> Option<WindowTable> {
         let mut table = WindowTable::default();
@@ -95,7 +101,7 @@ impl SharedWindowGroup {
             return Some(table);
         }
         let cache = full.cache_mut()?;
-        if !cache.retain_window(&walk.ids, self.group, k, &mut table.blocks) {
+        if !cache.retain_window(walked, self.group, k, &mut table.blocks) {
             return None;
         }
         table.released = k - table.blocks.len();
@@ -104,14 +110,24 @@ impl SharedWindowGroup {
     }
 
     /// Grows the table to `entries` entries from the shared store (all-or-nothing).
-    pub(crate) fn grow(&self, full: &mut FullGroup, table: &mut WindowTable, entries: usize) -> bool {
+    pub(crate) fn grow(
+        &self,
+        full: &mut FullGroup,
+        table: &mut WindowTable,
+        entries: usize,
+    ) -> bool {
         let need = entries.saturating_sub(table.len());
         full.grow_for(&mut table.blocks, need, self.owner)
     }
 
     /// Blocks a slide to `computed` would make available (free or cache-only): those the table
     /// alone holds, and attached ones the cache and the table alone hold (F4).
-    pub(crate) fn releasable(&self, full: &FullGroup, table: &WindowTable, computed: usize) -> usize {
+    pub(crate) fn releasable(
+        &self,
+        full: &FullGroup,
+        table: &WindowTable,
+        computed: usize,
+    ) -> usize {
         let first = self.first_needed_block(computed).min(table.len());
         let store = full.store();
         (table.released..first)
@@ -133,16 +149,10 @@ impl SharedWindowGroup {
     /// Attaches the table's held blocks among its first `full_count` entries to the nodes of
     /// the same positions: where the full-attention table's block is the node cached under the
     /// position's hash (published or switched to by dedup, R9).
-    pub(crate) fn publish(
-        &self,
-        full: &mut FullGroup,
-        table: &mut WindowTable,
-        hashes: &[BlockHash],
-        blocks: &[Block],
-        full_count: usize,
-    ) {
-        let end = full_count.min(table.len()).min(hashes.len()).min(blocks.len());
-        if let Some(cache) = full.cache_mut() {
+    pub(crate) fn publish(&self, table: &mut WindowTable, chain: &mut OwnChain<'_>, full: usize) {
+        let (hashes, blocks) = (chain.hashes, chain.blocks());
+        let end = full.min(table.len()).min(hashes.len()).min(blocks.len());
+        if let Some(cache) = chain.cache_mut() {
             for i in table.published.max(table.released)..end {
                 let node = blocks[i].id();
                 if cache.block_id(hashes[i]) != Some(node) {

@@ -1,5 +1,5 @@
 //! `KVIndex`: a prefix index over the KV events of many instances, for KV-aware routing
-//! (issue "Beyond one instance").
+//! (docs/events.md).
 //!
 //! Each instance's pool (or a reader of another engine's events) sends batches of
 //! self-describing events ([`IndexEvent`]); the index answers, for a request (its token ids
@@ -364,6 +364,16 @@ impl KVIndex {
     /// block size in use) on every location.
     pub fn lookup_tokens(&self, tokens: &[u32], extra_key: Option<&[u8]>, now: f64) -> Vec<Match> {
         self.snapshot().lookup_tokens(tokens, extra_key, now)
+    }
+
+    /// Whether `apply` would now apply an event numbered `sequence` of (`instance`,
+    /// `dp_rank`): not a duplicate, not dropped by a gap or a stall (`sequence.rs`). It
+    /// predicts the sequence check only; an invalid event is still refused.
+    pub fn can_apply(&self, instance: u64, dp_rank: u32, sequence: u64) -> bool {
+        self.published
+            .load()
+            .sources
+            .admits(instance, dp_rank, sequence)
     }
 
     /// Every source's sequence state, sorted by (instance, dp rank).

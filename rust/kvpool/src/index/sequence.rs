@@ -4,11 +4,17 @@
 //! a vLLM batch) takes the previous number plus one, and the events of one unit share it.
 //! For a source whose last applied number is `last`, an event numbered `s` is:
 //! - `s < last`: a duplicate (a replay overlapping what was applied): skipped;
-//! - `s == last` or `s == last + 1`: applied, and `last = s`;
-//! - `s > last + 1`: a gap. The source stalls: this event and every later one are dropped until
-//!   an event numbered `last + 1` comes (the consumer replays from there out of the publisher's
-//!   buffer), or until [`crate::KVIndex::resync`] drops the source's entries and its number,
-//!   when the buffer no longer reaches back that far.
+//! - `s == last`: applied (more of the last unit, or a redelivery of it: set and clear are
+//!   idempotent, so applying a unit again leaves the state it left), and `last` stays;
+//! - `s == last + 1`: applied, `last = s`, and a stall ends;
+//! - `s > last + 1`: a gap. The source stalls: this event and every later one past `last` are
+//!   dropped until an event numbered `last + 1` comes (the consumer replays from there out of
+//!   the publisher's buffer), or until [`crate::KVIndex::resync`] drops the source's entries
+//!   and its number, when the buffer no longer reaches back that far.
+//!
+//! Only `last + 1` ends a stall: an event numbered `last` during a stall is applied as above
+//! (it is older than the hole, so the state stays the one after unit `last`) but the hole is
+//! still there, so the source stays stalled and the gap is not reported again.
 //!
 //! The first event of a source (or the first after a resync) sets `last`: an index that joins
 //! a stream late starts from what it sees. A stalled source keeps its entries (a router may
@@ -72,7 +78,10 @@ impl Cursor {
         let (last, stalled) = self.state;
         if sequence < last {
             Verdict::Duplicate
-        } else if sequence <= last.saturating_add(1) {
+        } else if sequence == last {
+            // Older than any hole: applied, and a stall stays (the hole is still there).
+            Verdict::Apply
+        } else if sequence == last + 1 {
             self.state = (sequence, None);
             Verdict::Apply
         } else {
@@ -117,6 +126,13 @@ impl Sources {
         let mut cursor = self.open(instance, dp_rank, sequence);
         let verdict = cursor.admit(sequence);
         (verdict, self.close(cursor))
+    }
+
+    /// Whether an event numbered `sequence` of (`instance`, `dp_rank`) would be applied now
+    /// (not a duplicate, not dropped by a gap or a stall); records nothing.
+    pub(crate) fn admits(&self, instance: u64, dp_rank: u32, sequence: u64) -> bool {
+        let mut cursor = self.open(instance, dp_rank, sequence);
+        cursor.admit(sequence) == Verdict::Apply
     }
 
     /// A cursor on (`instance`, `dp_rank`) for a run of its events, `sequence` being the
@@ -210,6 +226,17 @@ mod tests {
             Verdict::Apply,
             "ranks are separate sources"
         );
+        // C3, G4: a redelivery of the last unit during the stall is applied, but only the
+        // missing number ends the stall (no second report of the same gap either).
+        assert!(s.admits(1, 0, 6) && !s.admits(1, 0, 4) && !s.admits(1, 0, 11));
+        assert_eq!(s.admit(1, 0, 6), Verdict::Apply, "the last unit again");
+        assert_eq!(s.list()[0].stalled, Some(9), "the hole is still there");
+        assert_eq!(
+            s.admit(1, 0, 11),
+            Verdict::Dropped(None),
+            "the gap is not reported again"
+        );
+        assert!(s.admits(1, 0, 7));
         assert_eq!(s.admit(1, 0, 7), Verdict::Apply, "the replay resumes");
         assert_eq!(s.list()[0].stalled, None);
         s.forget(1, Some(0));

@@ -80,6 +80,7 @@ impl BlockManagerPool {
         tokens: &[u32],
         lookahead: usize,
     ) -> Result<Vec<usize>> {
+        self.retry_pending()?; // before anything: a backend failure raised changes nothing
         self.advance_all(seqs, tokens)?; // checks every sequence
         Ok(self.grow_all(seqs, lookahead))
     }
@@ -100,6 +101,7 @@ impl BlockManagerPool {
                 seq.seq_id()
             );
         }
+        self.retry_pending()?;
         self.generation += 1;
         Ok(self.grow_all(seqs, lookahead))
     }

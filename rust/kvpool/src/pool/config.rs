@@ -67,7 +67,7 @@ pub struct PoolConfig {
     pub retention_tokens: usize,
     /// A host tier per rank (R26); `None`: the device only.
     pub host: Option<HostTierConfig>,
-    /// Full-attention blocks of every rank on elastic pages (`XTensorBlockManager`, the seed's
+    /// Full-attention blocks of every rank on elastic pages (`XTensorBlockManager`, xLLM's
     /// `enable_xtensor`); `None`: fixed memory.
     pub xtensor: Option<XTensorOptions>,
     /// Dedup on publish (R9 revised): a computed duplicate of a cached block switches to the
@@ -163,6 +163,19 @@ impl PoolConfig {
                 self.block_size
             );
         }
+        // R23: "contiguous" needs a checkpoint at every block boundary from block 0, and saves
+        // land only on multiples of the interval (R24): a longer interval could never hit.
+        if let (LinearStateMatch::Contiguous, Some(interval)) =
+            (self.linear_state_match, self.checkpoint_interval)
+        {
+            ensure_arg!(
+                interval == self.block_size,
+                "checkpoint_interval",
+                "must equal block_size {} with linear_state_match=\"contiguous\" (a hit needs a \
+                 checkpoint at every block boundary), got {interval}",
+                self.block_size
+            );
+        }
         ensure_arg!(
             self.swa_num_blocks.is_none() || self.sliding_window.is_some(),
             "swa_num_blocks",
@@ -211,9 +224,7 @@ impl PoolConfig {
             + LinearStatePrefixCache::footprint(self.linear_state_slots)
             + match (self.sliding_window, self.shares_window_store()) {
                 (None, _) => 0,
-                (Some(_), true) => {
-                    self.num_blocks as u128 * PrefixCache::attach_bytes_per_block(1)
-                }
+                (Some(_), true) => self.num_blocks as u128 * PrefixCache::attach_bytes_per_block(1),
                 (Some(_), false) => SlidingWindowBlockManager::footprint(
                     self.swa_blocks(),
                     self.block_size,
@@ -284,7 +295,11 @@ impl PoolConfig {
                 )));
             }
             if let (Some(window), true) = (self.sliding_window, self.shares_window_store()) {
-                ensure_arg!(window >= 1, "sliding_window", "must be at least 1, got {window}");
+                ensure_arg!(
+                    window >= 1,
+                    "sliding_window",
+                    "must be at least 1, got {window}"
+                );
                 let owner = groups.len() as u8 + 1;
                 full.track_owners()?;
                 groups.push(Group::SharedWindow(SharedWindowGroup::new(

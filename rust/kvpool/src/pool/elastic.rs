@@ -1,4 +1,4 @@
-//! Elastic KV memory in the pool (the seed's `enable_xtensor`): [`XTensorOptions`], the pool
+//! Elastic KV memory in the pool (xLLM's `enable_xtensor`): [`XTensorOptions`], the pool
 //! option that gives every dp rank an `XTensorBlockManager` as its full-attention allocator, the
 //! per-rank memory limit ([`BlockManagerPool::set_memory_limit`]) and the mapped-memory figures
 //! ([`XTensorRankStats`]).
@@ -206,6 +206,22 @@ impl BlockManagerPool {
     /// Whether the ranks allocate on elastic pages.
     pub fn is_elastic(&self) -> bool {
         self.config.xtensor.is_some()
+    }
+
+    /// Before a call that may allocate does anything: retries what a page backend failure left
+    /// pending on any rank (unmaps of pages already empty, maps of spares; never an eviction).
+    /// An error here is raised by the call, which has then done nothing (docs/xtensor.md, "A
+    /// failing backend"). Failures met later in the call are deferred to the next one.
+    #[inline]
+    pub(crate) fn retry_pending(&mut self) -> Result<()> {
+        if self.is_elastic() {
+            for rank in &mut self.ranks {
+                if let Some(manager) = rank.full.elastic_manager_mut() {
+                    manager.retry_pending()?;
+                }
+            }
+        }
+        Ok(())
     }
 
     /// The elastic allocator of `rank`, if the pool is on elastic pages.

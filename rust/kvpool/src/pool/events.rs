@@ -1,4 +1,4 @@
-//! KV events for external KV-aware routers (R21), self-describing (issue "Beyond one instance"):
+//! KV events for external KV-aware routers (R21), self-describing (docs/events.md):
 //! the events of every rank's device cache, of its host cache (R26) and of the remote tier's
 //! stores and removals the caller reports, each numbered in its rank's stream and kept in a
 //! bounded replay buffer.
@@ -216,8 +216,7 @@ impl BlockManagerPool {
         let r = &mut self.ranks[rank];
         for (position, group) in r.groups.iter().enumerate() {
             // A window group of the shared store: its attachments' events, from the cache.
-            let (Some(shared), Some(cache)) = (group.as_shared_window(), r.full.cache_mut())
-            else {
+            let (Some(shared), Some(cache)) = (group.as_shared_window(), r.full.cache_mut()) else {
                 continue;
             };
             let window = u32::try_from(shared.window()).unwrap_or(u32::MAX);
@@ -298,18 +297,21 @@ impl BlockManagerPool {
     /// Replay: `rank`'s events numbered `from` and later, from the bounded buffer (drained or
     /// not), so a consumer that saw a gap (expected `from`) can fill it. `None` when the buffer
     /// no longer reaches back to `from` (the consumer resyncs from scratch: drops the rank's
-    /// entries and applies what comes next). `from` past the next number is an
-    /// `InvalidArgument`; without `enable_events` there is nothing to replay (`None` unless
-    /// `from` is 1).
+    /// entries and applies what comes next). Numbers start at 1, so `from` 0 asks the same as
+    /// 1: every event, which the buffer answers while it has dropped none. `from` past the
+    /// next number is an `InvalidArgument`; without `enable_events` there is nothing to
+    /// replay (an empty list).
     pub fn events_since(&self, rank: usize, from: u64) -> Result<Option<Vec<KvEvent>>> {
         self.check_event_rank(rank)?;
+        // No event is numbered 0: "from 0" loses nothing that "from 1" does not.
+        let from = from.max(1);
         let Some(log) = self.events.as_ref() else {
             ensure_arg!(
                 from <= 1,
                 "sequence",
                 "must be <= 1 (no events), got {from}"
             );
-            return Ok((from == 1).then(Vec::new));
+            return Ok(Some(Vec::new()));
         };
         let next = log.next[rank];
         ensure_arg!(
@@ -319,7 +321,7 @@ impl BlockManagerPool {
         );
         let buffer = &log.replay[rank];
         let oldest = buffer.front().map_or(next, |e| e.sequence);
-        if from < oldest.max(1) {
+        if from < oldest {
             return Ok(None);
         }
         // Numbers in the buffer are consecutive: `from` sits at offset from - oldest.
@@ -329,7 +331,8 @@ impl BlockManagerPool {
 
     /// Records the remote tier's stores or removals of `rank`'s blocks (`hashes`, chain hashes
     /// as the tier's keys) as remote-medium events in the rank's stream: the pool does no I/O,
-    /// so the caller (`kvpool.remote.RemoteTransfer`) reports what it wrote or found missing.
+    /// so the caller (`kvpool.tiers.remote_transfer.RemoteTransfer`) reports what it wrote or
+    /// found missing.
     /// Hashes are grouped into events of consecutive chain blocks; each event's parent, tokens
     /// and extra key come from the rank's host or device cache where the block is known there
     /// (else no parent and no tokens). Returns the events recorded (0 without `enable_events`).

@@ -5,8 +5,8 @@ use crate::groups::GroupCounters;
 use crate::manager::{BlockCounts, BlockManager};
 
 use super::elastic::XTensorRankStats;
-use super::MissReason;
 use super::BlockManagerPool;
+use super::MissReason;
 
 counters! {
     /// Statistics of one rank (R20). Section `rank` is the rank's dict, `window` the window

@@ -160,8 +160,7 @@ impl PrefixCache {
                 },
             ) = (merged.last_mut(), &next.event)
             {
-                if *group == next.group && block_hashes.last() == Some(parent) && extra_key == key
-                {
+                if *group == next.group && block_hashes.last() == Some(parent) && extra_key == key {
                     block_hashes.extend_from_slice(more);
                     token_ids.extend_from_slice(more_tokens);
                     continue;
@@ -188,7 +187,6 @@ impl PrefixCache {
         let groups = self.attach.groups();
         self.attach.slots[node as usize * groups + g] = value;
     }
-
 
     /// Whether `id` is a live node of this cache (the block a chain position is cached in).
     #[inline]
@@ -390,8 +388,8 @@ impl PrefixCache {
         if !self.has_attachments() || !self.is_node(node) {
             return;
         }
-        if self.entries[node as usize].marks & END == 0 {
-            self.entries[node as usize].marks |= END;
+        if self.entries[node as usize].flags & END == 0 {
+            self.entries[node as usize].flags |= END;
             self.protect_mark(node, END, 1);
         }
     }
@@ -408,8 +406,8 @@ impl PrefixCache {
             self.list_move(node, List::Main);
             return;
         }
-        if entry.children == 2 && self.attach.groups() > 0 && entry.marks & JUNCTION == 0 {
-            entry.marks |= JUNCTION;
+        if entry.children == 2 && self.attach.groups() > 0 && entry.flags & JUNCTION == 0 {
+            entry.flags |= JUNCTION;
             self.attach.pending.push(node);
         }
     }
@@ -421,7 +419,7 @@ impl PrefixCache {
         }
         for node in std::mem::take(&mut self.attach.pending) {
             // A junction that lost a child meanwhile was unmarked already.
-            if self.is_node(node) && self.entries[node as usize].marks & JUNCTION != 0 {
+            if self.is_node(node) && self.entries[node as usize].flags & JUNCTION != 0 {
                 self.protect_mark(node, JUNCTION, 1);
             }
         }
@@ -435,8 +433,8 @@ impl PrefixCache {
         if entry.children >= 2 || entry.kind != NODE {
             return;
         }
-        if entry.marks & JUNCTION != 0 {
-            entry.marks &= !JUNCTION;
+        if entry.flags & JUNCTION != 0 {
+            entry.flags &= !JUNCTION;
             let pending = self.attach.pending.contains(&node);
             if pending {
                 self.attach.pending.retain(|&n| n != node);
@@ -455,7 +453,7 @@ impl PrefixCache {
 
     /// Drops node `node`'s marks and their protection (the node is being removed).
     pub(super) fn unmark(&mut self, node: u32) {
-        let marks = self.entries[node as usize].marks;
+        let marks = self.entries[node as usize].flags & (END | JUNCTION);
         if marks == 0 {
             return;
         }
@@ -469,7 +467,7 @@ impl PrefixCache {
                 self.protect_mark(node, JUNCTION, -1);
             }
         }
-        self.entries[node as usize].marks = 0;
+        self.entries[node as usize].flags &= !(END | JUNCTION);
     }
 
     /// Detaches attachment `att` from its node: the cache drops its reference (the block is
@@ -590,12 +588,9 @@ impl PrefixCache {
         Ok(())
     }
 
-
     /// The node of a hit boundary: for tests of the marks.
     #[cfg(test)]
     pub(crate) fn marks_of(&self, node: u32) -> u8 {
-        self.entries[node as usize].marks
+        self.entries[node as usize].flags & (END | JUNCTION)
     }
-
-
 }

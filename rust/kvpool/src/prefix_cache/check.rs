@@ -81,6 +81,13 @@ impl PrefixCache {
         }
         self.check_attachments(&mut cache_only)?;
         for (id, entry) in self.entries.iter().enumerate() {
+            ensure_invariant!(
+                (self.anchors[id] != 0) == (entry.live && entry.anchored()),
+                "block {id}: anchor {} but entry live {} anchored {}",
+                self.anchors[id],
+                entry.live,
+                entry.anchored()
+            );
             if entry.live && entry.kind != NODE {
                 continue; // an attachment: check_attachments
             }
@@ -101,6 +108,25 @@ impl PrefixCache {
                 }
             }
         }
+        // An anchor names one chain position: a grave's anchor is carried by no live entry of
+        // another hash (a load may give the same position's entry the anchor back meanwhile).
+        let live: std::collections::HashMap<u64, u128> = self
+            .anchors
+            .iter()
+            .enumerate()
+            .filter(|&(_, &a)| a != 0)
+            .map(|(id, &a)| (a, self.entries[id].hash.0))
+            .collect();
+        ensure_invariant!(
+            self.graves.len() <= n
+                && self.graves.consistent()
+                && self
+                    .graves
+                    .anchors()
+                    .all(|(a, hash)| live.get(&a).is_none_or(|&h| h == hash)),
+            "a grave's anchor is carried by a live entry of another hash, or the graves are \
+             inconsistent"
+        );
         ensure_invariant!(
             cache_only == self.store.num_cache_only(),
             "cached-block count {} differs from the {} cache-only entries (R2)",

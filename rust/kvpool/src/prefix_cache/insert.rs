@@ -82,6 +82,9 @@ impl PrefixCache {
             ..Entry::default()
         };
         self.store.mark_cached(id, hash);
+        if !self.graves.is_empty() {
+            self.raise(id, hash); // the same chain position computed again (`graves.rs`)
+        }
     }
 
     /// Records the full blocks `start..` of a chain (R9): `hashes[i]`, `tokens[i*bs..]` and

@@ -13,6 +13,7 @@
 //! oldest end to the newest; each list's `len` is its length.
 
 use super::{PrefixCache, NIL};
+use crate::block::{CACHED, COUNT_MASK};
 
 /// `Entry::list` of an entry on no list.
 pub(super) const NONE: u8 = u8::MAX;
@@ -63,6 +64,29 @@ impl Lists {
 }
 
 impl PrefixCache {
+    /// Block ids on the LRU list of nodes, oldest first (cache-only blocks the cache knows
+    /// about; with attachments, the useless leaves and the attachments are on the other lists).
+    pub fn lru_order(&self) -> Vec<u32> {
+        self.list_ids(List::Main)
+    }
+
+    /// The eviction order, oldest first, without draining: the low list and the LRU list (the
+    /// LRU list alone without attachments), then the blocks released since the last drain in
+    /// release order (where the next drain puts them, F9). Exact only without concurrent handle
+    /// drops and attachments; for tests and debugging.
+    pub fn eviction_order(&self) -> Vec<u32> {
+        let mut ids = self.list_ids(List::Low);
+        ids.extend(self.lru_order());
+        let queued = self.store.released.snapshot(); // newest release first
+        ids.extend(queued.into_iter().rev().filter(|&id| {
+            let entry = &self.entries[id as usize];
+            self.store.state(id) & (CACHED | COUNT_MASK) == CACHED | 1
+                && entry.live
+                && entry.list == NONE
+        }));
+        ids
+    }
+
     /// Puts entry `id` (on no list) at the newest end of `list`, with a fresh stamp.
     pub(super) fn list_push(&mut self, list: List, id: u32) {
         let newest = self.lists.get(list).newest;

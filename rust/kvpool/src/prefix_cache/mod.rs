@@ -13,7 +13,9 @@
 //!   last outside handle went (the stack's order, so a block's place is its release time, not
 //!   the time of the drain), and carry a stamp that increases along the list. Whoever releases
 //!   a whole table releases it tail first (`Sequence`, `deallocate`), so a chain is evicted
-//!   from its tail (R10, R11).
+//!   from its tail (R10, R11);
+//! - an entry another group anchored to (`anchors.rs`: a window block, a linear-state checkpoint
+//!   records it) carries a process-unique anchor for exactly its life.
 //!
 //! "Least recently used" is the time a block last became cache-only (its last holder released
 //! it; a hit makes it held, so the release after a hit refreshes it). Eviction is strictly LRU
@@ -25,10 +27,12 @@
 //! are still cached or held, which only arises when a chain's head was released before its
 //! tail.
 
+mod anchors;
 mod attach;
 mod check;
 mod dedup;
 mod describe;
+mod graves;
 mod insert;
 mod keys;
 mod lists;
@@ -42,6 +46,7 @@ use crate::prefetch::prefetch;
 // std, not the loom shim: a debug counter, outside every loom model.
 use std::sync::atomic::{AtomicU64, Ordering};
 
+pub(crate) use anchors::{is_ticket, ticket, Anchor, ROOT_LINK};
 pub(crate) use attach::AttachConfig;
 pub(crate) use dedup::Switch;
 use keys::{same_tokens, HashIndex};
@@ -71,8 +76,8 @@ struct Entry {
     list: u8,
     /// [`attach::NODE`], or `1 + g` for an attachment of group `g`.
     kind: u8,
-    /// A node's marks (attach.rs: `END`, `JUNCTION`).
-    marks: u8,
+    /// A node's marks (attach.rs: `END`, `JUNCTION`) and [`ANCHORED`].
+    flags: u8,
     /// When the entry last entered a list (increases from the oldest end to the newest).
     stamp: u64,
     extra_key: Option<ExtraKey>,
@@ -90,10 +95,25 @@ impl Default for Entry {
             live: false,
             list: lists::NONE,
             kind: attach::NODE,
-            marks: 0,
+            flags: 0,
             stamp: 0,
             extra_key: None,
         }
+    }
+}
+
+/// [`Entry`] flag: `anchors[id]` names this entry (another group anchored to it, `anchors.rs`).
+const ANCHORED: u8 = 1 << 7;
+
+impl Entry {
+    #[inline]
+    fn anchored(&self) -> bool {
+        self.flags & ANCHORED != 0
+    }
+
+    #[inline]
+    fn set_anchored(&mut self) {
+        self.flags |= ANCHORED;
     }
 }
 
@@ -174,6 +194,12 @@ pub struct PrefixCache {
     stats: CacheStats,
     events: Option<Vec<CacheEvent>>,
     scratch: Vec<u32>,
+    /// The anchor of each anchored entry, 0 for the others (`anchors.rs`).
+    anchors: Vec<u64>,
+    /// What the cache remembers of the anchored entries it removed (`graves.rs`).
+    graves: graves::Graveyard,
+    /// Whether removed anchored entries leave graves (`graves.rs`: a pool with linear state).
+    burying: bool,
     /// Walks of a chain through the index (probes and matches), for tests of admission's one
     /// walk (a debug counter, never part of `stats`).
     walks: AtomicU64,
@@ -190,7 +216,7 @@ pub(crate) const CACHE_ONLY_BIT: u32 = 1 << 31;
 impl PrefixCache {
     /// Bytes the cache spends per block of `block_size` tokens (entry and tokens).
     pub(crate) fn bytes_per_block(block_size: usize) -> u128 {
-        (std::mem::size_of::<Entry>() + 4 * block_size + 8) as u128
+        (std::mem::size_of::<Entry>() + 4 * block_size + std::mem::size_of::<u64>()) as u128
     }
 
     /// The cache of `store`'s blocks; an error naming `num_blocks` if its per-block arrays
@@ -216,6 +242,9 @@ impl PrefixCache {
             stats: CacheStats::default(),
             events: None,
             scratch: Vec::new(),
+            anchors: alloc::filled(n, "num_blocks", || 0)?,
+            graves: graves::Graveyard::default(),
+            burying: false,
             walks: AtomicU64::new(0),
             ghosts: alloc::filled(n, "num_blocks", || 0)?,
         })
@@ -544,7 +573,11 @@ impl PrefixCache {
         let Some(entry) = self.entries.get(id as usize) else {
             return false;
         };
-        if !entry.live || entry.list == lists::NONE || entry.children > 0 || entry.kind != attach::NODE {
+        if !entry.live
+            || entry.list == lists::NONE
+            || entry.children > 0
+            || entry.kind != attach::NODE
+        {
             return false;
         }
         let (hash, extra_key, _) = self.remove_entry(id);
@@ -585,6 +618,14 @@ impl PrefixCache {
         self.list_unlink(id);
         let attached = self.detach_all(id);
         self.unmark(id);
+        if self.entries[id as usize].anchored() {
+            // The anchor leaves with the entry; its grave gives it to the next entry of the same
+            // chain position.
+            let anchor = std::mem::take(&mut self.anchors[id as usize]);
+            if self.burying {
+                self.bury(id, anchor);
+            }
+        }
         let entry = std::mem::take(&mut self.entries[id as usize]);
         self.index.remove(&entry.hash.0);
         if entry.parent != NIL {
@@ -604,37 +645,18 @@ impl PrefixCache {
         let ids: Vec<u32> = self.index.values().copied().collect();
         self.index.clear();
         for id in ids {
+            if self.entries[id as usize].anchored() {
+                self.anchors[id as usize] = 0;
+            }
             self.entries[id as usize] = Entry::default();
             self.store.unmark_cached(id);
         }
         self.lists_clear();
+        self.graves.clear();
         self.epoch += 1;
         if let Some(events) = self.events.as_mut() {
             events.push(CacheEvent::Cleared);
         }
-    }
-
-    /// Block ids on the LRU list of nodes, oldest first (cache-only blocks the cache knows
-    /// about; with attachments, the useless leaves and the attachments are on the other lists).
-    pub fn lru_order(&self) -> Vec<u32> {
-        self.list_ids(List::Main)
-    }
-
-    /// The eviction order, oldest first, without draining: the low list and the LRU list (the
-    /// LRU list alone without attachments), then the blocks released since the last drain in
-    /// release order (where the next drain puts them, F9). Exact only without concurrent handle
-    /// drops and attachments; for tests and debugging.
-    pub fn eviction_order(&self) -> Vec<u32> {
-        let mut ids = self.list_ids(List::Low);
-        ids.extend(self.lru_order());
-        let queued = self.store.released.snapshot(); // newest release first
-        ids.extend(queued.into_iter().rev().filter(|&id| {
-            let entry = &self.entries[id as usize];
-            self.store.state(id) & (CACHED | COUNT_MASK) == CACHED | 1
-                && entry.live
-                && entry.list == lists::NONE
-        }));
-        ids
     }
 
     /// Records an evicted node's hash in the ghost filter.

@@ -8,7 +8,8 @@
 //! follow the backend. [`PageError::OutOfMemory`] is the expected failure (another tenant of
 //! the device holds the memory): the manager then treats the page as unavailable and hands out
 //! what it has (allocation reports `OutOfBlocks`); any other error is passed on as
-//! [`crate::KvPoolError::PageBackend`].
+//! [`crate::KvPoolError::PageBackend`], raised by the call only if that call did nothing of its
+//! own, else deferred to the next call, which retries first (the manager's module doc).
 
 use std::sync::Arc;
 
@@ -41,6 +42,11 @@ pub trait PageBackend: Send + Sync {
     fn map_page(&mut self, page: usize) -> Result<(), PageError>;
     /// Returns `page`'s physical memory.
     fn unmap_page(&mut self, page: usize) -> Result<(), PageError>;
+    /// The manager deferred the failure this backend just reported (it met it while settling
+    /// after a call's own work: the page stays as it is and the manager's next call retries it,
+    /// raising then if it fails again). A backend that keeps its errors for the caller to raise
+    /// drops that one.
+    fn deferred(&mut self) {}
     /// Physical bytes the backend holds now, where it can measure them (the host backend asks
     /// the kernel); `None` otherwise.
     fn resident_bytes(&self) -> Option<u64> {

@@ -1,4 +1,4 @@
-//! Elastic KV memory on virtual-memory pages: the seed's `XTensorBlockManagerImpl`, with the
+//! Elastic KV memory on virtual-memory pages: xLLM's `XTensorBlockManagerImpl`, with the
 //! prefix cache on top.
 //!
 //! - [`pages`]: the free ids grouped by page, fullest page first (O(1) allocation and free);

@@ -1,5 +1,5 @@
 //! `XTensorBlockManager`: a block allocator whose KV memory is mapped page by page, so an
-//! instance's footprint grows and shrinks with its load (the seed's `XTensorBlockManagerImpl`),
+//! instance's footprint grows and shrinks with its load (xLLM's `XTensorBlockManagerImpl`),
 //! with the prefix cache on top.
 //!
 //! Ids are grouped into pages of `blocks_per_page` ([`super::pages`]); a page is backed by
@@ -25,6 +25,11 @@
 //!   blocks are all cache-only and whose cached descendants are too); the manager keeps
 //!   reclaiming toward the limit as those blocks are released.
 //!
+//! Every `&mut self` call drains the inbox at its start and restores the page rules before it
+//! returns, on every exit path, a call that answers "no room" or fails too ([`settle`]); a page
+//! backend error is raised only by a call that has done nothing of its own (docs/xtensor.md, "A
+//! failing backend").
+//!
 //! Allocation packs into the fullest mapped page with room, opens an empty (spare) page only
 //! when none has room, maps a page only when no mapped page has a free id and the limit allows,
 //! and evicts cached blocks (LRU, R10) only when neither suffices: `num_available_blocks` (free
@@ -39,10 +44,11 @@ use crate::error::{KvPoolError, Result};
 use crate::hash::{BlockHash, BlockHasher};
 use crate::manager::{BlockCounts, BlockManager};
 use crate::prefix_cache::PrefixCache;
-use crate::xtensor::backend::{backend_error, AccountingBackend, PageBackend, PageError};
+use crate::xtensor::backend::{backend_error, AccountingBackend, PageBackend};
 use crate::xtensor::pages::PageTable;
 
 mod check;
+mod settle;
 
 use crate::xtensor::config::{MemoryLimitReport, PageStats, XTensorConfig};
 
@@ -67,7 +73,9 @@ pub struct XTensorBlockManager {
     /// page becomes reclaimable only when a block on it (or below its blocks) is released, so
     /// until one of the two moves, running it again cannot free more.
     reclaimed_at: Option<(u64, u64)>,
-    /// The last settling failed (a backend error): the page rules are restored by the next.
+    /// A backend failure left the page rules unrestored: the next call retries first
+    /// ([`Self::begin`]) and its settling completes them; `check` does not hold the page rules
+    /// meanwhile.
     unsettled: bool,
     pub(crate) stats: PageStats,
 }
@@ -127,177 +135,6 @@ impl XTensorBlockManager {
         })
     }
 
-    // --- the inbox and the page rules --------------------------------------------------------
-
-    /// Moves the ids released since the last call onto their pages.
-    #[inline]
-    pub(crate) fn drain(&mut self) {
-        while let Some(id) = self.store.free.pop() {
-            self.pages.push(id);
-            self.released += 1;
-        }
-    }
-
-    /// Most empty pages kept mapped (the top of the spare band).
-    #[inline]
-    fn max_spares(&self) -> usize {
-        2 * self.spare_pages
-    }
-
-    #[inline]
-    fn needs_settle(&self) -> bool {
-        let empty = self.pages.empty_len();
-        let mapped = self.pages.mapped();
-        empty > self.max_spares()
-            || mapped > self.limit_pages
-            || (empty < self.spare_pages
-                && !self.map_refused
-                && mapped < self.limit_pages
-                && self.pages.unmapped_len() > 0)
-            || self.unsettled
-    }
-
-    /// Restores the page rules (module doc) after a change: unmaps the empty pages beyond the
-    /// spares, reclaims toward the limit, maps spares.
-    #[inline]
-    pub(crate) fn settle(&mut self) -> Result<()> {
-        if self.needs_settle() {
-            self.settle_slow()
-        } else {
-            Ok(())
-        }
-    }
-
-    fn settle_slow(&mut self) -> Result<()> {
-        self.unsettled = true;
-        self.trim_empty()?;
-        if self.pages.mapped() > self.limit_pages {
-            self.reclaim_over_limit()?;
-        }
-        self.replenish()?;
-        self.unsettled = false;
-        Ok(())
-    }
-
-    /// Unmaps empty pages while more than `2 * spare_pages` are mapped (and the reservation
-    /// keeps its ids), or while the limit is exceeded (cutting the reservation if it must).
-    pub(crate) fn trim_empty(&mut self) -> Result<()> {
-        loop {
-            let over = self.pages.mapped() > self.limit_pages;
-            if !over && self.pages.empty_len() <= self.max_spares() {
-                return Ok(());
-            }
-            let Some(page) = self.pages.empty_to_unmap() else {
-                return Ok(());
-            };
-            let left = self.pages.free_mapped() - self.pages.total(page) as usize;
-            if left < self.reserved {
-                if !over {
-                    return Ok(());
-                }
-                self.reserved = left;
-            }
-            self.unmap_page(page)?;
-        }
-    }
-
-    fn reclaim_over_limit(&mut self) -> Result<()> {
-        let Some(cache) = self.cache.as_mut() else {
-            return Ok(());
-        };
-        cache.drain_released();
-        if self.reclaimed_at == Some(self.reclaim_clock()) {
-            return Ok(());
-        }
-        self.reclaim_pages()?;
-        self.reclaimed_at = Some(self.reclaim_clock());
-        Ok(())
-    }
-
-    /// What moves when a page may have become reclaimable (see `reclaimed_at`).
-    fn reclaim_clock(&self) -> (u64, u64) {
-        let insertions = self.cache.as_ref().map_or(0, PrefixCache::lru_insertions);
-        (self.released, insertions)
-    }
-
-    fn replenish(&mut self) -> Result<()> {
-        while self.pages.empty_len() < self.spare_pages
-            && self.pages.mapped() < self.limit_pages
-            && !self.map_refused
-        {
-            let Some(page) = self.pages.next_to_map() else {
-                break;
-            };
-            match self.map_page(page) {
-                Ok(()) | Err(PageError::OutOfMemory { .. }) => {} // a refusal ends the loop
-                Err(error) => return Err(backend_error(error)),
-            }
-        }
-        Ok(())
-    }
-
-    fn map_page(&mut self, page: u32) -> std::result::Result<(), PageError> {
-        if let Err(error) = self.backend.map_page(page as usize) {
-            if matches!(error, PageError::OutOfMemory { .. }) {
-                self.stats.map_failures += 1;
-                self.map_refused = true;
-            }
-            return Err(error);
-        }
-        self.map_refused = false;
-        self.pages.map(page);
-        self.stats.maps += 1;
-        self.stats.peak_mapped_pages = self.stats.peak_mapped_pages.max(self.pages.mapped());
-        Ok(())
-    }
-
-    pub(crate) fn unmap_page(&mut self, page: u32) -> Result<()> {
-        self.backend
-            .unmap_page(page as usize)
-            .map_err(backend_error)?;
-        self.pages.unmap(page);
-        self.stats.unmaps += 1;
-        self.map_refused = false;
-        Ok(())
-    }
-
-    /// Maps pages (the next in order) until `free ids on mapped pages >= want` or the limit or
-    /// the range ends; returns the pages mapped. A refused map stops it (and sets
-    /// `map_refused`); any other backend error unmaps what it mapped and is returned.
-    fn map_until(&mut self, want: usize) -> Result<Vec<u32>> {
-        let mut fresh = Vec::new();
-        while self.pages.free_mapped() < want && self.pages.mapped() < self.limit_pages {
-            let Some(page) = self.pages.next_to_map() else {
-                break;
-            };
-            match self.map_page(page) {
-                Ok(()) => fresh.push(page),
-                Err(PageError::OutOfMemory { .. }) => break,
-                Err(error) => {
-                    self.unmap_all(&fresh)?;
-                    return Err(backend_error(error));
-                }
-            }
-        }
-        Ok(fresh)
-    }
-
-    /// Gives back the pages a call mapped before it failed; a refusal that made it fail stands.
-    fn unmap_all(&mut self, pages: &[u32]) -> Result<()> {
-        let refused = self.map_refused;
-        for &page in pages.iter().rev() {
-            self.unmap_page(page)?;
-        }
-        self.map_refused = refused;
-        Ok(())
-    }
-
-    /// Ids the unmapped pages within the limit would bring.
-    fn unmapped_capacity(&self) -> usize {
-        let headroom = self.limit_pages.saturating_sub(self.pages.mapped());
-        self.pages.ids_of_next(headroom)
-    }
-
     // --- allocation ----------------------------------------------------------------------------
 
     /// Takes `n` ids off the mapped pages (fullest first) as handles appended to `out`.
@@ -318,20 +155,24 @@ impl XTensorBlockManager {
     /// Appends `n` fresh blocks to `out` (all-or-nothing, R3): free ids on mapped pages first,
     /// then newly mapped pages (within the limit), then evicted cached blocks.
     pub fn allocate_into(&mut self, n: usize, out: &mut Vec<Block>) -> Result<()> {
+        self.retry_pending()?;
+        self.grow_into(n, out)
+    }
+
+    /// [`Self::allocate_into`] without the retry of a pending backend failure (the pool's
+    /// growth, after its own [`Self::retry_pending`]).
+    pub(crate) fn grow_into(&mut self, n: usize, out: &mut Vec<Block>) -> Result<()> {
         self.drain();
         let start = out.len();
+        let mut taken = Ok(());
         if n > self.pages.free_mapped() {
-            self.make_room(n)?;
+            taken = self.make_room(n);
         }
-        if let Err(error) = self.take(n, out) {
-            out.truncate(start);
-            return Err(error);
-        }
-        if let Err(error) = self.settle() {
+        taken = taken.and_then(|()| self.take(n, out));
+        if taken.is_err() {
             out.truncate(start); // the handles go back through the inbox
-            return Err(error);
         }
-        Ok(())
+        self.finish(taken)
     }
 
     /// Makes `free ids on mapped pages >= n`, or changes nothing and fails.
@@ -376,15 +217,21 @@ impl XTensorBlockManager {
     /// One fresh block without a `Vec`: the hot path of a decode step crossing a block boundary.
     #[inline]
     pub fn allocate_one(&mut self) -> Result<Block> {
+        self.retry_pending()?;
+        self.grow_one()
+    }
+
+    /// [`Self::allocate_one`] without the retry (see [`Self::grow_into`]).
+    #[inline]
+    pub(crate) fn grow_one(&mut self) -> Result<Block> {
         self.drain();
         if let Some((id, _)) = self.pages.pop() {
             self.reserved = self.reserved.saturating_sub(1);
             let block = self.store.take(id);
-            self.settle()?;
-            return Ok(block);
+            return self.finish(Ok(block));
         }
         let mut out = Vec::with_capacity(1);
-        self.allocate_into(1, &mut out)?;
+        self.grow_into(1, &mut out)?;
         out.pop()
             .ok_or_else(|| KvPoolError::Invariant("allocate_into gave no block".into()))
     }
@@ -396,7 +243,13 @@ impl XTensorBlockManager {
     /// Never evicts. Returns false, changing nothing, if the limit or the device's memory does
     /// not allow it. Allocations consume the promise; [`Self::free_reserved`] drops the rest.
     pub fn try_reserve(&mut self, n: usize) -> Result<bool> {
-        self.drain();
+        self.begin()?;
+        let reserved = self.reserve(n);
+        self.finish(reserved)
+    }
+
+    /// `try_reserve`'s own work.
+    fn reserve(&mut self, n: usize) -> Result<bool> {
         let Some(want) = self.reserved.checked_add(n) else {
             return Ok(false);
         };
@@ -409,17 +262,15 @@ impl XTensorBlockManager {
             return Ok(false);
         }
         self.reserved = want;
-        self.settle()?;
         Ok(true)
     }
 
     /// Drops what is left of the reservation (pages it kept mapped may unmap); returns how many
-    /// blocks were still promised.
+    /// blocks were still promised. A release: a backend failure in the unmaps is deferred.
     pub fn free_reserved(&mut self) -> Result<usize> {
         self.drain();
         let released = std::mem::take(&mut self.reserved);
-        self.settle()?;
-        Ok(released)
+        self.finish(Ok(released))
     }
 
     /// Blocks promised by [`Self::try_reserve`] and not yet allocated.
@@ -432,7 +283,7 @@ impl XTensorBlockManager {
     /// what sequences hold stays mapped and is reported (`excess_bytes`, `held_pages`), and the
     /// manager keeps reclaiming toward the limit as they release it. Raising it maps spares.
     pub fn set_memory_limit(&mut self, limit: Option<u64>) -> Result<MemoryLimitReport> {
-        self.drain();
+        self.begin()?;
         if let Some(cache) = self.cache.as_mut() {
             cache.drain_released();
         }
@@ -443,7 +294,7 @@ impl XTensorBlockManager {
         self.limit_pages = self.pages_allowed(limit);
         self.map_refused = false;
         self.reclaimed_at = None;
-        let settled = self.settle();
+        self.finish(Ok(()))?;
         let mapped = self.pages.mapped();
         let report = MemoryLimitReport {
             limit_bytes: limit,
@@ -457,7 +308,7 @@ impl XTensorBlockManager {
             excess_bytes: mapped.saturating_sub(self.limit_pages) as u64 * self.page_bytes,
             held_pages: crate::xtensor::reclaim::held_pages(self),
         };
-        settled.map(|()| report)
+        Ok(report)
     }
 
     fn evictions(&self) -> u64 {
@@ -476,32 +327,34 @@ impl XTensorBlockManager {
 
     /// Takes in the ids released by handle drops outside the manager and restores the page
     /// rules (a page whose last block such a drop freed unmaps here, or at the next call);
-    /// returns how many pages were unmapped.
+    /// returns how many pages were unmapped. A backend failure left pending is retried first and
+    /// raised if it fails again (nothing else done).
     pub fn trim(&mut self) -> Result<usize> {
-        self.drain();
+        let before = self.stats.unmaps;
+        self.begin()?;
         if let Some(cache) = self.cache.as_mut() {
             cache.drain_released();
         }
-        let before = self.stats.unmaps;
-        self.settle()?;
+        self.finish(Ok(()))?;
         Ok((self.stats.unmaps - before) as usize)
     }
 
-    /// [`BlockManager::evict`] that reports a backend error instead of deferring it.
+    /// [`BlockManager::evict`] that first retries a backend failure left pending and raises it,
+    /// evicting nothing, if the backend fails again.
     pub fn try_evict(&mut self, n: usize) -> Result<usize> {
+        self.begin()?;
         let evicted = self.reclaim_blocks(n);
-        self.drain();
-        self.settle()?;
-        Ok(evicted)
+        self.finish(Ok(evicted))
     }
 
-    /// [`BlockManager::reset_prefix_cache`] that reports a backend error instead of deferring it.
+    /// [`BlockManager::reset_prefix_cache`] that first retries a backend failure left pending
+    /// and raises it, dropping nothing, if the backend fails again.
     pub fn try_reset_prefix_cache(&mut self) -> Result<()> {
+        self.begin()?;
         if let Some(cache) = self.cache.as_mut() {
             cache.reset();
         }
-        self.drain();
-        self.settle()
+        self.finish(Ok(()))
     }
 
     // --- queries -------------------------------------------------------------------------------
@@ -628,11 +481,8 @@ impl BlockManager for XTensorBlockManager {
         for block in blocks.into_iter().rev() {
             drop(block);
         }
-        if let Some(cache) = self.cache.as_mut() {
-            cache.drain_released();
-        }
-        self.drain();
-        self.settle()
+        self.take_in(); // a release never raises a backend failure
+        Ok(())
     }
 
     fn allocate_shared(&mut self, tokens: &[u32], extra_key: Option<&[u8]>) -> Vec<Block> {
@@ -658,17 +508,20 @@ impl BlockManager for XTensorBlockManager {
     }
 
     /// Evicts up to `n` cached blocks, whole pages first ([`super::reclaim`]); a backend error
-    /// while unmapping is deferred to the next call (use [`XTensorBlockManager::try_evict`]).
+    /// while unmapping is deferred to the next call (use [`XTensorBlockManager::try_evict`] to
+    /// have one left pending raised first).
     fn evict(&mut self, n: usize) -> usize {
         let evicted = self.reclaim_blocks(n);
-        self.drain();
-        let _deferred = self.settle(); // `unsettled` stays set: the next call retries
-        evicted
+        self.finish(Ok(evicted)).unwrap_or(evicted)
     }
 
-    /// Drops every cached entry (R12); see [`XTensorBlockManager::try_reset_prefix_cache`].
+    /// Drops every cached entry (R12); a backend error while unmapping is deferred (see
+    /// [`XTensorBlockManager::try_reset_prefix_cache`]).
     fn reset_prefix_cache(&mut self) {
-        let _deferred = self.try_reset_prefix_cache(); // retried by the next call
+        if let Some(cache) = self.cache.as_mut() {
+            cache.reset();
+        }
+        let _settled = self.finish(Ok(())); // only an invariant error could come back
     }
 
     fn check(&self) -> Result<()> {
