@@ -338,10 +338,18 @@ def test_manager_random_workload_with_refusals_and_dropped_handles(seed, spare, 
         elif op < 0.8:
             reserved = m.reserved_blocks
             free = m.num_free_blocks
+            stats = m.stats()
+            # Over the limit (an unmap a refused backend deferred): any call settles toward it,
+            # evicting cached blocks and cutting the reservation if it must (docs/xtensor.md).
+            over = (
+                stats["memory_limit"] is not None and stats["mapped_bytes"] > stats["memory_limit"]
+            )
             if not m.try_reserve(rng.randrange(1, 6)):
-                assert m.reserved_blocks == reserved and m.num_free_blocks >= free, (
-                    "False: nothing taken"
-                )
+                assert m.reserved_blocks <= reserved, "False: nothing taken"
+                if not over:
+                    assert m.reserved_blocks == reserved and m.num_free_blocks >= free, (
+                        "False: nothing taken"
+                    )
             elif rng.random() < 0.5:
                 m.free_reserved()
         elif op < 0.9:

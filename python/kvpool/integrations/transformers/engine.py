@@ -311,9 +311,10 @@ class Engine:
             linear_state_hits=s["linear_state_hits"],
             checkpoint_commits=s["num_checkpoint_commits"],
         )
-        if s.get("window"):
-            out["window_releases"] = s["window"]["num_releases"]
-        if s.get("host"):
-            out["host_loaded_blocks"] = s["host"]["num_loaded_blocks"]
-            out["host_offloaded_blocks"] = s["host"]["num_offloaded_blocks"]
+        window, host = s.get("window"), s.get("host")
+        if window:
+            out["window_releases"] = window["num_releases"]
+        if host:
+            out["host_loaded_blocks"] = host["num_loaded_blocks"]
+            out["host_offloaded_blocks"] = host["num_offloaded_blocks"]
         return out

@@ -97,7 +97,7 @@ def layout_of(model: Any) -> ModelLayout:
     config = model.config
     config = getattr(config, "text_config", None) or config
     n = config.num_hidden_layers
-    window = getattr(config, "sliding_window", None)
+    window: Any = getattr(config, "sliding_window", None)
     types = getattr(config, "layer_types", None)
     if types is None:
         # Mistral-style configs: every layer windowed when sliding_window is set.

@@ -38,7 +38,7 @@ def tiny_config(family: str, **overrides: Any) -> Any:
     """A tiny config of ``family`` (random weights come from ``from_config``)."""
     import transformers as tf
 
-    kw = dict(_COMMON)
+    kw: dict[str, Any] = dict(_COMMON)
     if family == "qwen3":
         cls, kw = tf.Qwen3Config, {**kw, "num_hidden_layers": 2}
     elif family == "llama":

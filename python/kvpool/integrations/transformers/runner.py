@@ -139,7 +139,7 @@ class PagedModelRunner:
     def __init__(
         self,
         model: Any,
-        pool: kvpool.BlockManagerPool,
+        pool: kvpool.BlockManagerPool | kvpool.HierarchyBlockManagerPool,
         *,
         backend: str | None = None,
         validate: bool = True,
@@ -160,7 +160,9 @@ class PagedModelRunner:
         )
         blocks = {0: pool.num_blocks}
         if lay.has_window:
-            blocks[1] = pool.stats()["window"]["num_total_blocks"] + 1
+            window = pool.stats()["window"]
+            assert window is not None  # a window layout's pool has a window group
+            blocks[1] = window["num_total_blocks"] + 1
         shape = (bs, lay.num_kv_heads, lay.head_dim)
         # K/V caches per attention layer: torch tensors, and the backend's views of them.
         self.kv_caches: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -222,6 +224,7 @@ class PagedModelRunner:
         t0 = time.perf_counter()
         pool, be = self.pool, self.bridge.backend
         if self.host_caches:
+            assert isinstance(pool, kvpool.HierarchyBlockManagerPool)  # host caches: a host tier
             offloads = pool.take_offload_plans()
             for plan in offloads:
                 self._swap(plan, to_host=True)
@@ -235,29 +238,29 @@ class PagedModelRunner:
             if loads:
                 pool.complete_loads(loads)
         if self.layout.has_linear:
-            plan = pool.take_linear_state_plan()
-            if len(plan.zero_slots):
-                zero = torch.as_tensor(plan.zero_slots, dtype=torch.long, device=self.device)
+            linear = pool.take_linear_state_plan()
+            if len(linear.zero_slots):
+                zero = torch.as_tensor(linear.zero_slots, dtype=torch.long, device=self.device)
                 for t in (*self.conv.values(), *self.recurrent.values()):
                     t[zero] = 0
-                self.counters["zeroed_slots"] += len(plan.zero_slots)
-            if len(plan.restore_src):
+                self.counters["zeroed_slots"] += len(linear.zero_slots)
+            if len(linear.restore_src):
                 kernels.copy_linear_state(
                     self._state_views,
-                    self.bridge.index(plan.restore_src),
-                    self.bridge.index(plan.restore_dst),
+                    self.bridge.index(linear.restore_src),
+                    self.bridge.index(linear.restore_dst),
                     backend=be,
                 )
-                self.counters["restores"] += len(plan.restore_src)
-            if len(plan.save_src):
+                self.counters["restores"] += len(linear.restore_src)
+            if len(linear.save_src):
                 kernels.copy_linear_state(
                     self._state_views,
-                    self.bridge.index(plan.save_src),
-                    self.bridge.index(plan.save_dst),
+                    self.bridge.index(linear.save_src),
+                    self.bridge.index(linear.save_dst),
                     backend=be,
                 )
-                self.counters["saves"] += len(plan.save_src)
-            pool.commit_linear_state_plan(plan)
+                self.counters["saves"] += len(linear.save_src)
+            pool.commit_linear_state_plan(linear)
         self.timers["plans"] += time.perf_counter() - t0
 
     def _swap(self, plan: Any, to_host: bool) -> None:
