@@ -587,10 +587,4 @@ impl PrefixCache {
         }
         Ok(())
     }
-
-    /// The node of a hit boundary: for tests of the marks.
-    #[cfg(test)]
-    pub(crate) fn marks_of(&self, node: u32) -> u8 {
-        self.entries[node as usize].flags & (END | JUNCTION)
-    }
 }
