@@ -95,6 +95,21 @@ class _CheckpointStats(TypedDict):
     evictions: int
     commits: int
 
+_MissReason = Literal[
+    "shorter_than_block", "no_shared_prefix", "evicted", "window_blocks_gone", "no_checkpoint"
+]
+
+class _MissStats(TypedDict):
+    """Admissions whose prefix hit a group cut short of the prompt, per reason (docs/hybrid.md
+    "Why no hit"): the first three are the full-attention group's, then the sliding-window
+    group's and the linear-state group's."""
+
+    shorter_than_block: int
+    no_shared_prefix: int
+    evicted: int
+    window_blocks_gone: int
+    no_checkpoint: int
+
 class _RankStats(_BlockCounts):
     """Statistics of one dp rank of a pool (R20)."""
 
@@ -110,6 +125,9 @@ class _RankStats(_BlockCounts):
     num_checkpoint_evictions: int
     num_checkpoint_commits: int
     window: _WindowCounts | None
+    """The sliding-window group's own store (``swa_num_blocks``); None without one (a window
+    group in the shared store is counted in ``BlockManagerPool.memory()``)."""
+    misses: _MissStats
     xtensor: _MappedMemoryStats | None
     """Mapped memory on elastic pages (the ``xtensor`` option); None without it."""
     host: _HostStats | None
@@ -144,6 +162,30 @@ class _XTensorOption(TypedDict, total=False):
     """A name, or page backend objects (``map_page(page)`` / ``unmap_page(page)``, e.g.
     ``kvpool.xtensor.CudaPageBackend``): a list of one per dp rank, or one object for one rank."""
 
+class _SharedGroupMemory(TypedDict):
+    """One group's blocks in the full-attention group's store."""
+
+    group: int
+    """0 full attention, then the pool's other groups in table order."""
+    cached_blocks: int
+    used_blocks: int
+
+class _LinearStateMemory(TypedDict):
+    group: int
+    slots_in_use: int
+    """Live, pending and committed slots."""
+    slots: int
+
+class _RankMemory(TypedDict):
+    """``BlockManagerPool.memory()``: one rank's store per group (docs/hybrid.md)."""
+
+    num_blocks: int
+    free_blocks: int
+    shared: list[_SharedGroupMemory]
+    own_window: _WindowCounts | None
+    """A sliding-window group with its own store (``swa_num_blocks``), with its ``group``."""
+    linear_state: _LinearStateMemory | None
+
 class _PoolStats(_RankStats):
     """``BlockManagerPool.stats()``: totals over all ranks plus ``ranks``, one dict per rank."""
 
@@ -175,6 +217,7 @@ class _HierarchyRankStats(_BlockCounts):
     num_checkpoint_evictions: int
     num_checkpoint_commits: int
     window: _WindowCounts | None
+    misses: _MissStats
     xtensor: None
     host: _HostStats
 
@@ -1020,7 +1063,19 @@ class BlockManagerPool:
     sliding_window : int or None
         Window in tokens of a sliding-window group 1 (R25).
     swa_num_blocks : int or None
-        Block ids per rank of the sliding-window group; None: ``num_blocks``.
+        Block ids per rank of a sliding-window group with a store of its own. None (the
+        default): the window group draws its blocks from the full-attention group's store, one
+        free list and one id space of ``num_blocks`` ids for both (docs/hybrid.md "One block
+        store").
+    shared_blocks : bool or None
+        Whether the sliding-window group shares the full-attention group's store; None: shared
+        unless ``swa_num_blocks``, ``xtensor`` or a host tier is given (with a host tier, a
+        window store of its own keeps the runs of chains whose blocks went to the host).
+    retention_tokens : int
+        With a shared store, the window runs kept longest (evicted last): those of the
+        boundaries in the first ``retention_tokens`` tokens of every chain (where system prompts
+        end) and in the last ``retention_tokens`` computed tokens of each released sequence
+        (where the next turn of a conversation diverges); default 512.
     linear_state_save : {"copy", "promote"}
         Save a checkpoint by copying the live state into a pending slot, or by promoting the
         live slot (zero-copy; the sequence continues in a fresh slot) (R22).
@@ -1072,6 +1127,8 @@ class BlockManagerPool:
         hash_seed: int | None = None,
         sliding_window: int | None = None,
         swa_num_blocks: int | None = None,
+        shared_blocks: bool | None = None,
+        retention_tokens: int = 512,
         linear_state_save: _LinearStateSave = "copy",
         debug_hash_bits: int | None = None,
         xtensor: _XTensorOption | None = None,
@@ -1330,6 +1387,10 @@ class BlockManagerPool:
     def stats(self) -> _PoolStats:
         """Counts, prefix-cache and slot statistics, totals and per rank (R20)."""
 
+    def memory(self) -> list[_RankMemory]:
+        """Every rank's memory per group: a census of its store (O(blocks), not for every
+        step; ``stats()`` has the totals)."""
+
     def debug_counters(self) -> _DebugCounters:
         """Chain walks of the device and host prefix caches so far (for tests of one walk per
         admission; not part of ``stats``)."""
@@ -1505,6 +1566,20 @@ class AllocationPlan:
     @property
     def restore_checkpoint(self) -> bytes | None:
         """Prefix hash (16 bytes) of the checkpoint the linear state is restored from (R23)."""
+
+    @property
+    def kv_hit_tokens(self) -> int:
+        """Tokens of the prefix the full-attention caches hold (device and host, R8 applied):
+        the hit the full-attention group alone could serve, before the other groups' limits."""
+
+    @property
+    def miss_group(self) -> int | None:
+        """The group that cut the hit short of the prompt (0 full attention, then the pool's
+        other groups in table order); None for a full hit (docs/hybrid.md "Why no hit")."""
+
+    @property
+    def miss_reason(self) -> _MissReason | None:
+        """Why the hit stops short of the prompt; None for a full hit."""
 
 # --- hybrid models (R22-R25) ------------------------------------------------------------------
 
@@ -1852,6 +1927,8 @@ class HierarchyBlockManagerPool(BlockManagerPool):
         hash_seed: int | None = None,
         sliding_window: int | None = None,
         swa_num_blocks: int | None = None,
+        shared_blocks: bool | None = None,
+        retention_tokens: int = 512,
         debug_hash_bits: int | None = None,
         dedup: bool = True,
     ) -> Self: ...

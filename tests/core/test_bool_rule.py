@@ -33,6 +33,7 @@ from kvpool.xtensor import CudaPageBackend
 
 COUNT = "count"  # an int (a count, an id, a rank, a size, a seed): no bool, no float
 FLAG = "flag"  # a bool: no None, no int, no float, no str
+OPTIONAL_FLAG = "optional flag"  # a bool, or None for the default: no int, no float, no str
 
 TOKENS = list(range(8))
 
@@ -158,6 +159,8 @@ POOL_OPTIONS = {
     "swa_num_blocks": COUNT,
     "debug_hash_bits": COUNT,
     "dedup": FLAG,
+    "retention_tokens": COUNT,
+    "shared_blocks": OPTIONAL_FLAG,
 }
 MANAGER_ARGS = {
     "num_blocks": COUNT,
@@ -641,6 +644,24 @@ def test_a_flag_is_a_bool(entry, name):
             call(**{name: bad})
     for good in (True, False, np.bool_(True)):
         call(**{name: good})
+
+
+# Arguments an optional flag needs beside it to be valid (a shared store needs a window group).
+BESIDE = {
+    ("BlockManagerPool.__new__", "shared_blocks"): {"sliding_window": 8},
+    ("HierarchyBlockManagerPool.__new__", "shared_blocks"): {"sliding_window": 8},
+}
+
+
+@pytest.mark.parametrize(("entry", "name"), _rows(OPTIONAL_FLAG))
+def test_an_optional_flag_is_a_bool_or_none(entry, name):
+    call, _ = TABLE[entry]
+    beside = BESIDE.get((entry, name), {})
+    for bad in (1, 0, 1.0, "yes"):
+        with pytest.raises(TypeError, match=_names(name)):
+            call(**beside, **{name: bad})
+    for good in (True, False, np.bool_(True), None):
+        call(**beside, **{name: good})
 
 
 # --- the table covers every typed int and bool parameter -----------------------------------------

@@ -191,6 +191,13 @@ CONFIGS = {
     "full": {},
     "full+no_dedup": {"dedup": False},
     "window": {"sliding_window": 3, "swa_num_blocks": 48},
+    # one block store: window blocks attach to the verified full-attention entries
+    "window+shared": {"sliding_window": 3},
+    "window+linear+shared": {
+        "sliding_window": 4,
+        "linear_state_slots": 8,
+        "checkpoint_interval": 2,
+    },
     "linear": {"linear_state_slots": 8, "checkpoint_interval": 2},
     "linear+contiguous+promote": {
         "linear_state_slots": 10,

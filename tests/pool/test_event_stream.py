@@ -493,8 +493,43 @@ def test_sliding_window_group_events_follow_what_the_pool_can_hit(window):
     assert (trimmed > 0) == (window > 1), "full attention alone claims hits the window cannot serve"
 
 
+def test_shared_window_store_events_follow_the_attachments():
+    """One block store (R25, docs/hybrid.md): a window block is "stored" when it is attached to
+    its node (one event per run) and stays findable after it slides out or its sequence goes
+    (kept, evictable); it is "removed" only when it is evicted or its node is; a reset's device
+    "cleared" covers the group. After every drain the index agrees with what a hit can find."""
+    pool = kvpool.BlockManagerPool(12, BS, sliding_window=8, enable_events=True)
+    tokens = list(range(4 * BS + 1))
+    hashes = kvpool.hash_blocks(tokens, BS, extra_key=b"k")
+    seq = kvpool.Sequence(tokens, extra_key=b"k")
+    assert pool.allocate(seq)
+    seq.num_computed_tokens = 4 * BS
+    pool.cache(seq)
+    window = [e for e in pool.drain_events() if e.group == 1]
+    assert [(e.kind, e.block_hashes, e.parent_hash, e.extra_key) for e in window] == [
+        ("stored", hashes, None, b"k")
+    ], "one event for the run, nothing removed by the slide"
+    assert window[0].group_kind == "sliding_window" and window[0].sliding_window == 8
+    del seq  # the blocks stay cached: nothing is removed
+    assert [e for e in pool.drain_events() if e.group == 1] == []
+    # a new chain takes every id: the old chain and its window blocks are evicted
+    other = kvpool.Sequence([100 + t for t in tokens])
+    assert pool.allocate(other)
+    removed = [e for e in pool.drain_events() if e.group == 1]
+    assert removed and all(e.kind == "removed" for e in removed)
+    assert sorted(h for e in removed for h in e.block_hashes) == sorted(hashes)
+    other.num_computed_tokens = 4 * BS
+    pool.deallocate(other)
+    pool.drain_events()
+    pool.reset_prefix_cache()
+    events = pool.drain_events()
+    assert [(e.kind, e.group) for e in events] == [("cleared", 0)], "one cleared covers every group"
+    pool.check()
+
+
 def test_window_removal_after_a_lock_free_drop_and_the_reset_clears_the_group():
-    pool = kvpool.BlockManagerPool(32, BS, sliding_window=8, enable_events=True)
+    # a window group with a store of its own: slid-out blocks are freed at once
+    pool = kvpool.BlockManagerPool(32, BS, sliding_window=8, swa_num_blocks=32, enable_events=True)
     tokens = list(range(4 * BS + 1))
     seq = kvpool.Sequence(tokens, extra_key=b"k")
     assert pool.allocate(seq)

@@ -37,7 +37,12 @@ def test_a_hierarchy_pool_is_a_block_manager_pool():
     assert pool.num_groups == 2 and pool.dp_size == 2 and pool.host_num_blocks == 16
     assert pool.linear_state_cache(1).num_slots == 8
     stats = pool.stats()
-    assert stats["host"]["num_total_blocks"] == 30 and stats["window"] is not None
+    assert stats["host"]["num_total_blocks"] == 30
+    # with a host tier the window group keeps a store of its own by default
+    assert stats["window"]["num_total_blocks"] == 62
+    shared = kvpool.HierarchyBlockManagerPool(32, 16, BS, sliding_window=8, shared_blocks=True)
+    assert shared.stats()["window"] is None
+    assert [[g["group"] for g in r["shared"]] for r in shared.memory()] == [[0, 1]]
     assert [r["host"]["num_total_blocks"] for r in stats["ranks"]] == [15, 15]
     plain = kvpool.BlockManagerPool(32, BS)
     assert plain.stats()["host"] is None, "R20: host only with a host tier"

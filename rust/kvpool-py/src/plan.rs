@@ -97,6 +97,24 @@ impl PyAllocationPlan {
             .restore_checkpoint()
             .map(|h| PyBytes::new(py, &h.to_bytes()))
     }
+    /// Tokens of the prefix the full-attention caches hold (device and host): the hit the
+    /// full-attention group alone could serve, before the other groups' limits.
+    #[getter]
+    fn kv_hit_tokens(&self) -> usize {
+        self.plan.num_kv_hit_blocks() * self.block_size
+    }
+    /// The group that cut the hit short of the prompt (0 full attention, then the pool's other
+    /// groups in table order), or None (docs/hybrid.md "Why no hit").
+    #[getter]
+    fn miss_group(&self) -> Option<usize> {
+        self.plan.miss().map(|m| m.group)
+    }
+    /// Why the hit stops short: "shorter_than_block", "no_shared_prefix", "evicted",
+    /// "window_blocks_gone" or "no_checkpoint"; None for a full hit.
+    #[getter]
+    fn miss_reason(&self) -> Option<&'static str> {
+        self.plan.miss().map(|m| m.reason.as_str())
+    }
     fn __repr__(&self) -> String {
         format!(
             "AllocationPlan(dp_rank={}, num_cached_tokens={}, device_hit_tokens={}, host_hit_tokens={}, remote_hit_tokens={}, num_new_blocks={})",

@@ -478,6 +478,47 @@ impl PyBlockManagerPool {
         Ok(self.stats_dict(py)?.0)
     }
 
+    /// Memory per group of every rank (docs/hybrid.md "One block store"): a census of the
+    /// store, O(blocks); `stats()` has the totals.
+    fn memory<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, pyo3::types::PyList>> {
+        let ranks = self.lock(py)?.memory();
+        let out = pyo3::types::PyList::empty(py);
+        for rank in ranks {
+            let d = PyDict::new(py);
+            d.set_item("num_blocks", rank.num_blocks)?;
+            d.set_item("free_blocks", rank.free_blocks)?;
+            let groups = pyo3::types::PyList::empty(py);
+            for (position, cached, used) in rank.shared {
+                let g = PyDict::new(py);
+                g.set_item("group", position)?;
+                g.set_item("cached_blocks", cached)?;
+                g.set_item("used_blocks", used)?;
+                groups.append(g)?;
+            }
+            d.set_item("shared", groups)?;
+            match rank.own_window {
+                Some((position, counts)) => {
+                    let w = crate::stats::counts_dict(py, &counts)?;
+                    w.set_item("group", position)?;
+                    d.set_item("own_window", w)?;
+                }
+                None => d.set_item("own_window", py.None())?,
+            }
+            match rank.linear_slots {
+                Some((position, in_use, total)) => {
+                    let l = PyDict::new(py);
+                    l.set_item("group", position)?;
+                    l.set_item("slots_in_use", in_use)?;
+                    l.set_item("slots", total)?;
+                    d.set_item("linear_state", l)?;
+                }
+                None => d.set_item("linear_state", py.None())?,
+            }
+            out.append(d)?;
+        }
+        Ok(out)
+    }
+
     /// Chain walks of the device and host caches so far (a debug counter, for tests).
     fn debug_counters<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let c = self.lock(py)?.debug_counters();

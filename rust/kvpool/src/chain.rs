@@ -52,6 +52,12 @@ impl<'a> QueryChain<'a> {
         }
     }
 
+    /// The device cache with the ids its walk verified (a group of the shared store reads the
+    /// runs attached to them).
+    pub(crate) fn device(&self) -> Option<(&'a PrefixCache, &'a [u32])> {
+        self.device
+    }
+
     /// Whether `link` (recorded for position `i` by [`OwnChain::link`], with `root_key`, the
     /// extra key stored beside a [`ROOT`] link) is this chain's at position `i`: a walk that
     /// verified position `i - 1` reached the entry that carries its anchor, or `i` is 0 and the
@@ -113,6 +119,16 @@ impl<'a> OwnChain<'a> {
             reach,
             memo: None,
         }
+    }
+
+    /// The sequence's full-attention table.
+    pub(crate) fn blocks(&self) -> &'a [Block] {
+        self.blocks
+    }
+
+    /// The device cache (a group of the shared store attaches its blocks to its entries).
+    pub(crate) fn cache_mut(&mut self) -> Option<&mut PrefixCache> {
+        self.cache.as_deref_mut()
     }
 
     /// Positions `..reach()` went through the full-attention publication: the groups publish no

@@ -237,8 +237,10 @@ fn sliding_window_releases_blocks_behind_the_window() {
 
 #[test]
 fn window_hits_only_while_the_window_is_held_or_kept() {
+    // A window group with a store of its own (slid-out blocks are freed at once).
     let mut config = PoolConfig::new(64, 4);
     config.sliding_window = Some(8);
+    config.swa_num_blocks = Some(64);
     let mut pool = BlockManagerPool::new(config).unwrap();
     let prompt: Vec<u32> = (0..33).collect();
     let mut a = Sequence::new(prompt.clone(), None, None);
@@ -543,7 +545,8 @@ fn window_group_events_carry_every_field_and_follow_the_blocks() {
 
 #[test]
 fn a_sequence_dropped_on_another_thread_is_removed_at_the_next_drain() {
-    let mut pool = window_pool(64, 8, None, 1);
+    // A window group with a store of its own: its blocks die with their last handle.
+    let mut pool = window_pool(64, 8, Some(64), 1);
     let tokens: Vec<u32> = (0..17).collect();
     let mut a = Sequence::new(tokens.clone(), None, None);
     assert!(pool.allocate(&mut a, None).unwrap());

@@ -24,26 +24,32 @@
 
 pub(crate) mod full;
 pub(crate) mod linear;
+pub(crate) mod misses;
+pub(crate) mod shared_window;
 pub(crate) mod window;
 
 use crate::error::{ensure_invariant, Result};
 use crate::hash::BlockHash;
 use crate::manager::BlockCounts;
-use crate::prefix_cache::Anchor;
+use crate::prefix_cache::{Anchor, PrefixCache};
 use crate::sliding_window::WindowTable;
 
 pub(crate) use crate::chain::{OwnChain, QueryChain};
 pub(crate) use full::{FullGroup, Walk};
 pub(crate) use linear::{Ledger, LinearGroup, LinearTable, OpKind};
 pub use linear::{LinearStateMatch, LinearStateSave};
+pub use misses::{Miss, MissReason};
+pub(crate) use shared_window::SharedWindowGroup;
 pub(crate) use window::WindowGroup;
 
 /// A group of a rank besides full attention.
 // One per rank, never moved on a hot path: both kinds stay inline (no indirection per call).
 #[allow(clippy::large_enum_variant)]
 pub(crate) enum Group {
-    /// Sliding-window attention layers (R25).
+    /// Sliding-window attention layers with their own block store (R25).
     Window(WindowGroup),
+    /// Sliding-window attention layers in the full-attention group's store (R25, one store).
+    SharedWindow(SharedWindowGroup),
     /// Recurrent (linear-attention) state and its checkpoints (R22).
     Linear(LinearGroup),
 }
@@ -96,6 +102,24 @@ pub(crate) struct GroupCounters {
     pub(crate) checkpoint_commits: u64,
 }
 
+/// What a group's hit takes a chain from: the query's chain with the ids its device walk
+/// verified and the host cache's walk; a group verifies it as a [`QueryChain`] over the
+/// full-attention cache, a group of the shared store retains the runs attached to the walked
+/// entries (R7 either way).
+pub(crate) struct HitQuery<'a> {
+    pub(crate) chain: (&'a [BlockHash], &'a [u32], Option<&'a [u8]>),
+    pub(crate) device_ids: &'a [u32],
+    pub(crate) host: Option<(&'a PrefixCache, &'a [u32])>,
+}
+
+impl<'a> HitQuery<'a> {
+    /// The chain as a group verifies it, over `full`'s cache.
+    fn chain<'b>(&'b self, full: &'b FullGroup) -> QueryChain<'b> {
+        let device = full.cache().map(|c| (c, self.device_ids));
+        QueryChain::new(self.chain, device, self.host)
+    }
+}
+
 /// A table of the wrong kind for its group: an invariant the pool keeps, reported, never a panic.
 fn mismatch() -> bool {
     debug_assert!(false, "a group got the table of another kind");
@@ -106,7 +130,7 @@ impl Group {
     /// Whether a new sequence could get what it needs of this group here (R13).
     pub(crate) fn admits(&self) -> bool {
         match self {
-            Self::Window(_) => true,
+            Self::Window(_) | Self::SharedWindow(_) => true,
             Self::Linear(g) => g.admits(),
         }
     }
@@ -115,23 +139,51 @@ impl Group {
     pub(crate) fn hit_limit(&self, chain: &QueryChain<'_>, limit: usize) -> usize {
         match self {
             Self::Window(g) => g.hit_limit(chain, limit),
+            Self::SharedWindow(g) => g.hit_limit(chain.device(), limit),
             Self::Linear(g) => g.hit_limit(chain, limit),
         }
     }
 
-    /// Whether a hit at `k`, then a table of `entries` entries, fit in this group.
+    /// Why this group cuts a hit (docs/hybrid.md "Why no hit").
+    pub(crate) fn miss_reason(&self) -> MissReason {
+        match self {
+            Self::Window(_) | Self::SharedWindow(_) => MissReason::WindowBlocksGone,
+            Self::Linear(_) => MissReason::NoCheckpoint,
+        }
+    }
+
+    /// Whether a hit at `k`, then a table of `entries` entries, fit in this group's own store
+    /// (a group of the shared store counts in [`Self::demand`] instead).
     pub(crate) fn fits(&self, chain: &QueryChain<'_>, k: usize, entries: usize) -> bool {
         match self {
             Self::Window(g) => g.fits(chain, k, entries),
+            Self::SharedWindow(_) => true,
             Self::Linear(g) => g.fits(chain, k),
         }
     }
 
-    /// Takes the hit at `k` (pins or shares what it found); `None` if it vanished meanwhile.
-    pub(crate) fn take_hit(&mut self, chain: &QueryChain<'_>, k: usize) -> Option<GroupTable> {
+    /// Blocks of the full-attention group's store a hit at `k` and then a table of `entries`
+    /// entries take in this group (0 for a group with its own store).
+    pub(crate) fn demand(&self, chain: &QueryChain<'_>, k: usize, entries: usize) -> usize {
         match self {
-            Self::Window(g) => g.take_hit(chain, k).map(GroupTable::Window),
-            Self::Linear(g) => g.take_hit(chain, k).map(GroupTable::Linear),
+            Self::SharedWindow(g) => g.demand(chain.device(), k, entries),
+            Self::Window(_) | Self::Linear(_) => 0,
+        }
+    }
+
+    /// Takes the hit at `k` (pins or shares what it found); `None` if it vanished meanwhile.
+    pub(crate) fn take_hit(
+        &mut self,
+        full: &mut FullGroup,
+        query: &HitQuery<'_>,
+        k: usize,
+    ) -> Option<GroupTable> {
+        match self {
+            Self::Window(g) => g.take_hit(&query.chain(full), k).map(GroupTable::Window),
+            Self::SharedWindow(g) => g
+                .take_hit(full, query.device_ids, k)
+                .map(GroupTable::Window),
+            Self::Linear(g) => g.take_hit(&query.chain(full), k).map(GroupTable::Linear),
         }
     }
 
@@ -139,7 +191,7 @@ impl Group {
     pub(crate) fn take_slot(&mut self, table: &mut GroupTable) -> bool {
         match (self, table) {
             (Self::Linear(g), GroupTable::Linear(t)) => g.take_slot(t),
-            (Self::Window(_), GroupTable::Window(_)) => true,
+            (Self::Window(_) | Self::SharedWindow(_), GroupTable::Window(_)) => true,
             _ => mismatch(),
         }
     }
@@ -148,28 +200,56 @@ impl Group {
     pub(crate) fn undo(&mut self, table: GroupTable) {
         match (self, table) {
             (Self::Linear(g), GroupTable::Linear(t)) => g.undo(t),
-            (Self::Window(_), GroupTable::Window(t)) => drop(t),
+            (Self::Window(_) | Self::SharedWindow(_), GroupTable::Window(t)) => drop(t),
             _ => {
                 mismatch();
             }
         }
     }
 
-    /// Grows the table to `entries` entries (all-or-nothing).
-    pub(crate) fn grow(&mut self, table: &mut GroupTable, entries: usize) -> bool {
+    /// Grows the table to `entries` entries (all-or-nothing); a group of the shared store
+    /// takes its blocks from `full`'s allocator.
+    pub(crate) fn grow(
+        &mut self,
+        full: &mut FullGroup,
+        table: &mut GroupTable,
+        entries: usize,
+    ) -> bool {
         match (self, table) {
             (Self::Window(g), GroupTable::Window(t)) => g.grow(t, entries),
+            (Self::SharedWindow(g), GroupTable::Window(t)) => g.grow(full, t, entries),
             (Self::Linear(_), GroupTable::Linear(_)) => true,
             _ => mismatch(),
         }
     }
 
-    /// Whether `need` more entries can be had for a table whose sequence computed `computed`.
+    /// Whether `need` more entries can be had for a table whose sequence computed `computed`,
+    /// in this group's own store (a group of the shared store answers with
+    /// [`Self::shared_growth`]).
     pub(crate) fn room(&self, table: &GroupTable, computed: usize, need: usize) -> bool {
         match (self, table) {
             (Self::Window(g), GroupTable::Window(t)) => g.room(t, computed, need),
+            (Self::SharedWindow(_), GroupTable::Window(_)) => true,
             (Self::Linear(_), GroupTable::Linear(_)) => true,
             _ => mismatch(),
+        }
+    }
+
+    /// For a group of the shared store, (blocks a growth of the table to `entries` entries
+    /// takes, blocks its slide to `computed` makes available first); (0, 0) otherwise.
+    pub(crate) fn shared_growth(
+        &self,
+        full: &FullGroup,
+        table: &GroupTable,
+        computed: usize,
+        entries: usize,
+    ) -> (usize, usize) {
+        match (self, table) {
+            (Self::SharedWindow(g), GroupTable::Window(t)) => (
+                entries.saturating_sub(t.len()),
+                g.releasable(full, t, computed),
+            ),
+            _ => (0, 0),
         }
     }
 
@@ -183,35 +263,43 @@ impl Group {
     /// Whether the group publishes or slides at all (most decode steps of a plain pool skip
     /// these calls).
     pub(crate) fn publishes(&self) -> bool {
-        matches!(self, Self::Window(_))
+        matches!(self, Self::Window(_) | Self::SharedWindow(_))
     }
 
     /// Whether [`Self::publish`] has work below `full` full computed blocks.
     pub(crate) fn wants_publish(&self, table: &GroupTable, full: usize) -> bool {
         match (self, table) {
             (Self::Window(g), GroupTable::Window(t)) => g.wants_publish(t, full),
+            (Self::SharedWindow(g), GroupTable::Window(t)) => g.wants_publish(t, full),
             _ => false,
         }
     }
 
     /// Publishes the table's full computed blocks `..full` under their chain hashes, linked to
-    /// the chain's full-attention entries.
+    /// the chain's full-attention entries (a group of the shared store attaches them to those
+    /// entries).
     pub(crate) fn publish(
         &mut self,
         table: &mut GroupTable,
         chain: &mut OwnChain<'_>,
         full: usize,
     ) {
-        if let (Self::Window(g), GroupTable::Window(t)) = (self, table) {
-            g.publish(t, chain, full);
+        match (self, table) {
+            (Self::Window(g), GroupTable::Window(t)) => g.publish(t, chain, full),
+            (Self::SharedWindow(g), GroupTable::Window(t)) => g.publish(t, chain, full),
+            _ => {}
         }
     }
 
     /// Releases what no future query needs once `computed` tokens exist (R25).
     #[inline]
     pub(crate) fn slide(&mut self, table: &mut GroupTable, computed: usize) {
-        if let (Self::Window(g), GroupTable::Window(t)) = (self, table) {
-            g.slide(t, computed);
+        match (self, table) {
+            (Self::Window(g), GroupTable::Window(t)) => g.slide(t, computed),
+            (Self::SharedWindow(g), GroupTable::Window(t)) => {
+                g.slide(t, computed);
+            }
+            _ => {}
         }
     }
 
@@ -258,10 +346,19 @@ impl Group {
         matches!(self, Self::Linear(_))
     }
 
-    /// The sequence is released (R18): keeps or cancels what outlives it.
-    pub(crate) fn release(&mut self, table: &mut GroupTable, ledger: &mut Ledger) {
+    /// The sequence is released (R18): keeps or cancels what outlives it. `end`: the block of
+    /// its full-attention table holding its last computed full block (the end mark of a group
+    /// of the shared store).
+    pub(crate) fn release(
+        &mut self,
+        full: &mut FullGroup,
+        table: &mut GroupTable,
+        ledger: &mut Ledger,
+        end: Option<u32>,
+    ) {
         match (self, table) {
             (Self::Window(g), GroupTable::Window(t)) => g.release(t),
+            (Self::SharedWindow(g), GroupTable::Window(_)) => g.release(full, end),
             (Self::Linear(g), GroupTable::Linear(t)) => g.release(t, ledger),
             _ => {
                 mismatch();
@@ -269,10 +366,12 @@ impl Group {
         }
     }
 
-    /// Drops everything cached that nothing holds (R12, R24, R25).
+    /// Drops everything cached that nothing holds (R12, R24, R25); a group of the shared store
+    /// has nothing of its own (the full-attention cache's reset drops its attachments).
     pub(crate) fn reset(&mut self) {
         match self {
             Self::Window(g) => g.reset(),
+            Self::SharedWindow(_) => {}
             Self::Linear(g) => g.reset(),
         }
     }
@@ -282,6 +381,9 @@ impl Group {
         match self {
             Self::Window(g) => {
                 c.window = Some(g.counts());
+                c.window_releases = g.releases();
+            }
+            Self::SharedWindow(g) => {
                 c.window_releases = g.releases();
             }
             Self::Linear(g) => {
@@ -302,6 +404,7 @@ impl Group {
     pub(crate) fn check(&self, ledger: &Ledger) -> Result<()> {
         match self {
             Self::Window(g) => g.check(),
+            Self::SharedWindow(_) => Ok(()), // the full-attention cache's check covers it
             Self::Linear(g) => g.check(ledger),
         }
     }
@@ -309,12 +412,16 @@ impl Group {
     /// Checks a sequence's table of this group (`entries`: its full-attention table's length).
     pub(crate) fn check_table(
         &self,
+        full: &FullGroup,
         table: &GroupTable,
         entries: usize,
         seq_id: u64,
     ) -> Result<()> {
         match (self, table) {
             (Self::Window(g), GroupTable::Window(t)) => g.check_table(t, entries, seq_id),
+            (Self::SharedWindow(g), GroupTable::Window(t)) => {
+                g.check_table(full, t, entries, seq_id)
+            }
             (Self::Linear(g), GroupTable::Linear(t)) => g.check_table(t, seq_id),
             _ => {
                 ensure_invariant!(
@@ -329,28 +436,35 @@ impl Group {
     pub(crate) fn as_window(&self) -> Option<&WindowGroup> {
         match self {
             Self::Window(g) => Some(g),
-            Self::Linear(_) => None,
+            _ => None,
         }
     }
 
     pub(crate) fn as_window_mut(&mut self) -> Option<&mut WindowGroup> {
         match self {
             Self::Window(g) => Some(g),
-            Self::Linear(_) => None,
+            _ => None,
+        }
+    }
+
+    pub(crate) fn as_shared_window(&self) -> Option<&SharedWindowGroup> {
+        match self {
+            Self::SharedWindow(g) => Some(g),
+            _ => None,
         }
     }
 
     pub(crate) fn as_linear(&self) -> Option<&LinearGroup> {
         match self {
             Self::Linear(g) => Some(g),
-            Self::Window(_) => None,
+            _ => None,
         }
     }
 
     pub(crate) fn as_linear_mut(&mut self) -> Option<&mut LinearGroup> {
         match self {
             Self::Linear(g) => Some(g),
-            Self::Window(_) => None,
+            _ => None,
         }
     }
 }

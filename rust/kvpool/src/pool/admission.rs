@@ -18,12 +18,14 @@
 //! everything back. With a host part, the load is attached to the fresh table entries.
 
 use crate::error::{ensure_arg, Result};
-use crate::groups::{Group, QueryChain, Walk};
+use crate::groups::{Group, HitQuery, QueryChain, Walk};
 use crate::hash::BlockHash;
 use crate::sequence::{Allocation, Sequence};
 use crate::tiers::{ChainRef, HostPart, HostTier, RemoteHits};
 
+use super::plan::{AllocationPlan, Decision, Kind, Survey, TableExtent};
 use super::BlockManagerPool;
+use crate::groups::{Miss, MissReason};
 
 /// Chain walks of a pool's caches so far (debug counters; not part of `stats`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -32,195 +34,6 @@ pub struct DebugCounters {
     pub device_chain_walks: u64,
     /// Walks of a chain through the host prefix caches.
     pub host_chain_walks: u64,
-}
-
-/// How many tokens an allocation's table holds (R14).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum TableExtent {
-    /// `allocate(seq, num_tokens)`: this many tokens, in `1..=len(seq)` (and at least the hit).
-    Tokens(usize),
-    /// `allocate(seq, num_new_tokens=n)`: the computed tokens after the match (the hit over
-    /// every tier; on an allocated sequence its `num_computed_tokens`) plus `n >= 1`, at most
-    /// `len(seq)`: a chunked prefill's chunk sized without planning first.
-    NewTokens(usize),
-}
-
-impl TableExtent {
-    /// `num_tokens` (`None`: `len(seq)`) or `num_new_tokens`; both given is an error naming
-    /// `num_new_tokens`.
-    pub fn from_args(
-        num_tokens: Option<usize>,
-        num_new_tokens: Option<usize>,
-    ) -> Result<Option<Self>> {
-        match (num_tokens, num_new_tokens) {
-            (Some(_), Some(_)) => Err(crate::error::KvPoolError::invalid(
-                "num_new_tokens",
-                "give num_tokens or num_new_tokens, not both",
-            )),
-            (n, None) => Ok(n.map(Self::Tokens)),
-            (None, Some(n)) => Ok(Some(Self::NewTokens(n))),
-        }
-    }
-
-    /// Tokens the table holds for a sequence of `len` tokens with `base` computed tokens.
-    fn tokens(self, len: usize, base: usize) -> usize {
-        match self {
-            Self::Tokens(n) => n,
-            Self::NewTokens(n) => base.saturating_add(n).min(len),
-        }
-    }
-}
-
-/// An allocation decided by [`BlockManagerPool::plan`], with no side effect (see the module
-/// doc). Pass it to [`BlockManagerPool::allocate_planned`] to carry it out.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct AllocationPlan {
-    pool: u64,
-    generation: u64,
-    seq: u64,
-    seq_len: usize,
-    /// The call's extent, and the tokens it resolved to.
-    extent: TableExtent,
-    num_tokens: usize,
-    block_size: usize,
-    rank: usize,
-    kind: Kind,
-}
-
-#[derive(Clone, Debug, PartialEq, Eq)]
-enum Kind {
-    /// The sequence holds blocks: its tables grow by `need` blocks.
-    Grow { need: usize, entries: usize },
-    /// A first allocation.
-    Admit(Survey, Decision),
-}
-
-/// The walks of an admission.
-#[derive(Clone, Debug, PartialEq, Eq)]
-struct Survey {
-    /// Full blocks looked up (R8: at least one token is left to compute).
-    query: usize,
-    device: Walk,
-    /// The host walk, when there is a host tier and the device walk stopped short of `query`.
-    host: Option<Walk>,
-}
-
-/// What an admission takes.
-#[derive(Clone, Debug, PartialEq, Eq)]
-struct Decision {
-    /// Blocks of the hit after the groups' limits (device, host and remote parts).
-    hit: usize,
-    /// Device blocks the hit retains.
-    device_hit: usize,
-    /// The host (and remote) part, loaded into fresh table entries.
-    host: Option<HostPart>,
-    /// Table entries after the allocation.
-    entries: usize,
-    /// Prefix hash of the checkpoint the linear state is restored from.
-    restore: Option<BlockHash>,
-}
-
-impl AllocationPlan {
-    /// The dp rank the sequence goes (or is) to (R13).
-    pub fn dp_rank(&self) -> usize {
-        self.rank
-    }
-
-    /// Tokens the table will hold (`num_tokens` of the call, or what `num_new_tokens` resolved
-    /// to).
-    pub fn num_tokens(&self) -> usize {
-        self.num_tokens
-    }
-
-    /// Whether the sequence already holds blocks (the plan grows its table).
-    pub fn is_growth(&self) -> bool {
-        matches!(self.kind, Kind::Grow { .. })
-    }
-
-    fn decision(&self) -> Option<&Decision> {
-        match &self.kind {
-            Kind::Admit(_, d) => Some(d),
-            Kind::Grow { .. } => None,
-        }
-    }
-
-    /// Blocks of the prefix hit, every tier together (what the sequence counts as cached once
-    /// its loads are confirmed); 0 for a growth.
-    pub fn num_cached_blocks(&self) -> usize {
-        self.decision().map_or(0, |d| d.hit)
-    }
-
-    /// [`Self::num_cached_blocks`] in tokens.
-    pub fn num_cached_tokens(&self) -> usize {
-        self.num_cached_blocks() * self.block_size
-    }
-
-    /// Hit blocks already on the device (retained, counted as cached at allocation).
-    pub fn device_hit_blocks(&self) -> usize {
-        self.decision().map_or(0, |d| d.device_hit)
-    }
-
-    /// Hit blocks loaded from the host tier and from the remote tier (through host staging).
-    fn tier_split(&self) -> (usize, usize) {
-        match self.decision() {
-            Some(Decision {
-                device_hit,
-                host: Some(part),
-                ..
-            }) => {
-                let host_end = part.host_end.min(part.end).max(*device_hit);
-                (host_end - device_hit, part.end - host_end)
-            }
-            _ => (0, 0),
-        }
-    }
-
-    /// Hit blocks loaded from the host tier.
-    pub fn host_hit_blocks(&self) -> usize {
-        self.tier_split().0
-    }
-
-    /// Hit blocks fetched from the remote tier (then loaded from host).
-    pub fn remote_hit_blocks(&self) -> usize {
-        self.tier_split().1
-    }
-
-    /// Fresh device blocks the allocation takes (load destinations included).
-    pub fn num_new_blocks(&self) -> usize {
-        match &self.kind {
-            Kind::Grow { need, .. } => *need,
-            Kind::Admit(_, d) => d.entries.saturating_sub(d.device_hit),
-        }
-    }
-
-    /// Entries of the full-attention table after the allocation.
-    pub fn num_blocks(&self) -> usize {
-        match &self.kind {
-            Kind::Grow { entries, .. } => *entries,
-            Kind::Admit(_, d) => d.entries.max(d.device_hit),
-        }
-    }
-
-    /// The prefix hash of the checkpoint the linear state is restored from (R23), if any.
-    pub fn restore_checkpoint(&self) -> Option<BlockHash> {
-        self.decision().and_then(|d| d.restore)
-    }
-
-    /// The full blocks looked up and how far the device and host walks reached.
-    pub(crate) fn local_reach(&self) -> Option<(usize, usize)> {
-        match &self.kind {
-            Kind::Admit(survey, _) => {
-                let host = survey.host.as_ref().map_or(0, Walk::len);
-                Some((survey.query, host.max(survey.device.len())))
-            }
-            Kind::Grow { .. } => None,
-        }
-    }
-
-    /// Whether the plan was made for this very sequence object at its current length.
-    pub(crate) fn is_for(&self, seq: &Sequence) -> bool {
-        self.seq == seq.uid() && self.seq_len == seq.len()
-    }
 }
 
 impl BlockManagerPool {
@@ -502,12 +315,40 @@ impl BlockManagerPool {
                 }
             }
         };
+        // The full-attention group's store also gives the shared groups their blocks.
         let fits = |k: usize, device_hit: usize, entries: usize| {
-            r.full.fits(&survey.device, device_hit, entries)
+            let shared: usize = r.groups.iter().map(|g| g.demand(&chain, k, entries)).sum();
+            r.full.fits(&survey.device, device_hit, entries, shared)
                 && r.groups.iter().all(|g| g.fits(&chain, k, entries))
         };
         let linear = r.groups.iter().any(|g| matches!(g, Group::Linear(_)));
         let restore = |k: usize| (linear && k > 0).then(|| hashes[k - 1]);
+        // Why no hit past `hit` when the full-attention chain reached `reach`.
+        let miss = |hit: usize, reach: usize| -> Option<Miss> {
+            let cache = r.full.cache()?;
+            if survey.query == 0 {
+                return Some(Miss {
+                    group: 0,
+                    reason: MissReason::ShorterThanBlock,
+                });
+            }
+            if hit >= survey.query {
+                return None;
+            }
+            if hit < reach {
+                return r.groups.iter().enumerate().find_map(|(i, g)| {
+                    (g.hit_limit(&chain, reach) < reach).then(|| Miss {
+                        group: i + 1,
+                        reason: g.miss_reason(),
+                    })
+                });
+            }
+            let reason = match cache.was_evicted(hashes[reach]) {
+                true => MissReason::Evicted,
+                false => MissReason::NoSharedPrefix,
+            };
+            Some(Miss { group: 0, reason })
+        };
         let d = survey.device.len();
         let kd = narrow(d);
         let entries = if shared { kd } else { entries_at(kd) };
@@ -520,6 +361,7 @@ impl BlockManagerPool {
             host: None,
             entries,
             restore: restore(kd),
+            miss: miss(kd, d.max(survey.host.as_ref().map_or(0, Walk::len))),
         };
         let (Some(host), Some(walk), false) = (&self.host, &survey.host, shared) else {
             return Some(device_only);
@@ -548,6 +390,7 @@ impl BlockManagerPool {
                     }),
                     entries: table,
                     restore: restore(k),
+                    miss: miss(k, reach),
                 });
             }
             k = narrow(k - 1);
@@ -604,14 +447,18 @@ impl BlockManagerPool {
         let mut ok = true;
         {
             // The walks' ids are still entries: nothing but retains ran since the plan (R7).
-            let device = r.full.cache().map(|c| (c, survey.device.ids.as_slice()));
-            let host_cache = host.as_ref().and_then(|h| h.cache(rank));
-            let host_walk = host_cache
+            let host_walk = host
+                .as_ref()
+                .and_then(|h| h.cache(rank))
                 .zip(survey.host.as_ref())
                 .map(|(c, walk)| (c, walk.ids.as_slice()));
-            let chain = QueryChain::new((hashes, tokens, seq.extra_key()), device, host_walk);
+            let query = HitQuery {
+                chain: (hashes, tokens, seq.extra_key()),
+                device_ids: survey.device.ids.as_slice(),
+                host: host_walk,
+            };
             for group in &mut r.groups {
-                match group.take_hit(&chain, decision.hit) {
+                match group.take_hit(&mut r.full, &query, decision.hit) {
                     Some(table) => tables.push(table),
                     None => {
                         ok = false;
@@ -628,7 +475,7 @@ impl BlockManagerPool {
         let need = decision.entries.saturating_sub(blocks.len());
         ok = ok && r.full.grow(&mut blocks, need);
         for (group, table) in r.groups.iter_mut().zip(tables.iter_mut()) {
-            ok = ok && group.grow(table, decision.entries);
+            ok = ok && group.grow(&mut r.full, table, decision.entries);
         }
         let Some(single) = single.filter(|_| ok) else {
             for (group, table) in r.groups.iter_mut().zip(tables) {
@@ -640,6 +487,9 @@ impl BlockManagerPool {
         };
         r.query_tokens += (survey.query * bs) as u64;
         r.hit_tokens += (decision.device_hit * bs) as u64;
+        if let Some(miss) = decision.miss {
+            r.misses[miss.reason.index()] += 1;
+        }
         for (group, table) in r.groups.iter_mut().zip(tables.iter_mut()) {
             group.admitted(table, ledger);
         }

@@ -213,6 +213,26 @@ impl BlockManagerPool {
         if let Some(cache) = self.host.as_mut().and_then(|h| h.cache_mut(rank)) {
             log.record_cache(cache, Medium::Host, bs, rank);
         }
+        let r = &mut self.ranks[rank];
+        for (position, group) in r.groups.iter().enumerate() {
+            // A window group of the shared store: its attachments' events, from the cache.
+            let (Some(shared), Some(cache)) = (group.as_shared_window(), r.full.cache_mut()) else {
+                continue;
+            };
+            let window = u32::try_from(shared.window()).unwrap_or(u32::MAX);
+            for attached in cache.take_attach_events() {
+                if attached.group != shared.attach_group() {
+                    continue;
+                }
+                if attached.event == CacheEvent::Cleared {
+                    continue; // the rank's device "cleared" covers every group
+                }
+                let mut event = KvEvent::of_cache(attached.event, Medium::Device, bs, rank);
+                event.group = position as u32 + 1;
+                event.group_kind = GroupKind::SlidingWindow { window };
+                log.record(event);
+            }
+        }
         for (position, group) in self.ranks[rank].groups.iter_mut().enumerate() {
             // Groups after full attention (0), in the order of a sequence's tables.
             let group_index = position as u32 + 1;

@@ -78,8 +78,8 @@ impl PrefixCache {
         let Some(entry) = self.entries.get_mut(id as usize).filter(|e| e.live) else {
             return 0;
         };
-        if !entry.anchored {
-            entry.anchored = true;
+        if !entry.anchored() {
+            entry.set_anchored();
             // Relaxed: only uniqueness matters.
             self.anchors[id as usize] = NEXT_ANCHOR.fetch_add(1, Ordering::Relaxed);
         }
@@ -95,9 +95,9 @@ impl PrefixCache {
         if let Some(entry) = self
             .entries
             .get_mut(id as usize)
-            .filter(|e| e.live && !e.anchored)
+            .filter(|e| e.live && !e.anchored())
         {
-            entry.anchored = true;
+            entry.set_anchored();
             self.anchors[id as usize] = anchor;
         }
     }

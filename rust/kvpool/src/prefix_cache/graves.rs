@@ -145,7 +145,7 @@ impl PrefixCache {
     /// without an anchor: no grave can name it.
     pub(super) fn raise(&mut self, id: u32, hash: BlockHash) {
         let entry = &self.entries[id as usize];
-        if entry.parent != NIL && !self.entries[entry.parent as usize].anchored {
+        if entry.parent != NIL && !self.entries[entry.parent as usize].anchored() {
             return;
         }
         let slot = self.graves.slot(hash.0);

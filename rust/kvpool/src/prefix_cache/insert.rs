@@ -70,9 +70,8 @@ impl PrefixCache {
         let depth = if parent == NIL {
             0
         } else {
-            let p = &mut self.entries[parent as usize];
-            p.children += 1;
-            p.depth + 1
+            self.child_added(parent);
+            self.entries[parent as usize].depth + 1
         };
         self.entries[id as usize] = Entry {
             hash,
