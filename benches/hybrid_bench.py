@@ -539,14 +539,15 @@ def versions(managers) -> dict:
     return out
 
 
-def machine() -> str:
+def machine(load_at_start: float) -> str:
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
             cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
     except OSError:
         pass
-    return f"{cpu}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}"
+    return (f"{cpu}, {os.cpu_count()} CPUs, load {load_at_start:.1f} at the start, "
+            f"{os.getloadavg()[0]:.1f} at the end")
 
 
 def pct(res: dict | None) -> str:
@@ -660,7 +661,7 @@ def main(argv: list[str] | None = None) -> int:
             except (TypeError, ValueError) as e:
                 p.error(f"--kvpool-options for {job['config']}: {e}")
     jobs.sort(key=lambda j: (j["manager"] != "vllm", -j["tokens"]))  # the long runs first
-    started = time.perf_counter()
+    started, load = time.perf_counter(), os.getloadavg()[0]
 
     def note(res: dict) -> None:
         print(f"[{time.perf_counter() - started:6.0f} s] {res['trace']} {res['config']} {res['size']} "
@@ -677,7 +678,7 @@ def main(argv: list[str] | None = None) -> int:
             for fut in as_completed([ex.submit(run_job, job) for job in jobs]):
                 results.append(fut.result())
                 note(results[-1])
-    doc = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "machine": machine(),
+    doc = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "machine": machine(load),
            "versions": versions(managers),
            "args": {"traces": traces, "requests": a.requests, "sizes": sizes, "configs": configs,
                     "managers": managers, "kvpool_options": options, "kvpool_preset": a.kvpool_preset,
