@@ -83,6 +83,8 @@ Usage (``make build``, ``make .venv-vllm/.vllm-stamp``, then kvpool into that ve
 
     .venv-vllm/bin/python benches/hybrid_bench.py --trace conversation --sizes 1M,4M,16M --jobs 2
     .venv/bin/python benches/hybrid_bench.py --managers kvpool --kvpool-preset contiguous --check
+    .venv-vllm/bin/python benches/hybrid_bench.py --trace conversation,synthetic --jobs 2 --json > t.json
+    .venv/bin/python benches/hybrid_bench.py --render t.json     # the tables of a saved run
 
 A run of one (config, size, manager) takes from seconds (kvpool) to minutes (vLLM, whose import
 alone is 15-80 s); ``--jobs N`` runs them in N processes (the whole table: ``--jobs 2``).
