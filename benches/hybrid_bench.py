@@ -113,7 +113,9 @@ BS = 16  # the block size of every full-attention and window group
 PAGE = 544  # the linear-state page in tokens (Qwen3-Next's attention block at equal bytes)
 MOONCAKE_BLOCK = 512  # tokens per Mooncake hash id
 MAX_MODEL_LEN = 262_144
-TRACE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "data", "mooncake")
+TRACE_DIR = os.path.join(
+    os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "data", "mooncake"
+)
 TRACES = {"conversation": "conversation_trace.jsonl", "synthetic": "synthetic_trace.jsonl"}
 MANAGERS = ("kvpool", "vllm")
 
@@ -130,16 +132,35 @@ class Config:
     vllm: bool = True
 
 
-CONFIGS = {c.name: c for c in (
-    Config("full", "full attention only", "full"),
-    Config("w1024", "+ window 1024", "window", window=1024),
-    Config("w128", "+ window 128", "window", window=128),
-    Config("w1024-dense", "+ window 1024, vLLM keeping every window block", "window", window=1024,
-           dense=True, kvpool=False),
-    Config("ls512", "+ linear state, checkpoint every 512 (kvpool) / vLLM \"align\" at 544", "linear",
-           checkpoint_interval=512),
-    Config("ls2048", "+ linear state, checkpoint every 2048", "linear", checkpoint_interval=2048, vllm=False),
-)}
+CONFIGS = {
+    c.name: c
+    for c in (
+        Config("full", "full attention only", "full"),
+        Config("w1024", "+ window 1024", "window", window=1024),
+        Config("w128", "+ window 128", "window", window=128),
+        Config(
+            "w1024-dense",
+            "+ window 1024, vLLM keeping every window block",
+            "window",
+            window=1024,
+            dense=True,
+            kvpool=False,
+        ),
+        Config(
+            "ls512",
+            '+ linear state, checkpoint every 512 (kvpool) / vLLM "align" at 544',
+            "linear",
+            checkpoint_interval=512,
+        ),
+        Config(
+            "ls2048",
+            "+ linear state, checkpoint every 2048",
+            "linear",
+            checkpoint_interval=2048,
+            vllm=False,
+        ),
+    )
+}
 
 # Named kvpool option sets (the format of --kvpool-options). "today" is kvpool's API as it is;
 # add a preset here for each new pool option worth a standing comparison.
@@ -168,13 +189,20 @@ def size_label(tokens: int) -> str:
     return str(tokens)
 
 
-_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
-        ast.FloorDiv: operator.floordiv, ast.Div: operator.truediv, ast.Mod: operator.mod,
-        ast.USub: operator.neg}
+_OPS = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.FloorDiv: operator.floordiv,
+    ast.Div: operator.truediv,
+    ast.Mod: operator.mod,
+    ast.USub: operator.neg,
+}
 
 
 def eval_expr(text: str, names: dict[str, int]) -> int:
     """An integer expression of ``names`` (``+ - * / // %``, parentheses), for ``=...`` options."""
+
     def ev(node):
         if isinstance(node, ast.Expression):
             return ev(node.body)
@@ -186,7 +214,10 @@ def eval_expr(text: str, names: dict[str, int]) -> int:
             return _OPS[type(node.op)](ev(node.left), ev(node.right))
         if isinstance(node, ast.UnaryOp) and type(node.op) in _OPS:
             return _OPS[type(node.op)](ev(node.operand))
-        raise ValueError(f"option expression {text!r}: only numbers, {sorted(names)} and + - * / // %")
+        raise ValueError(
+            f"option expression {text!r}: only numbers, {sorted(names)} and + - * / // %"
+        )
+
     return int(ev(ast.parse(text, mode="eval")))
 
 
@@ -209,7 +240,13 @@ def kvpool_kwargs(cfg: Config, tokens: int, options: dict) -> dict:
         kw.update(sliding_window=cfg.window, swa_num_blocks=tokens // BS)
     elif cfg.kind == "linear":
         kw.update(linear_state_slots=tokens // PAGE, checkpoint_interval=cfg.checkpoint_interval)
-    names = {"C": tokens, "BS": BS, "W": cfg.window or 0, "CI": cfg.checkpoint_interval or 0, "PAGE": PAGE}
+    names = {
+        "C": tokens,
+        "BS": BS,
+        "W": cfg.window or 0,
+        "CI": cfg.checkpoint_interval or 0,
+        "PAGE": PAGE,
+    }
     for key, value in scoped_options(options, cfg)[0].items():
         if value is None:
             kw.pop(key, None)
@@ -298,8 +335,10 @@ def run_kvpool(cfg: Config, tokens: int, trace, options: dict, check_every: int)
             t0 = time.perf_counter_ns()
             seq = kvpool.Sequence(toks)
             if not pool.allocate(seq):
-                raise RuntimeError(f"kvpool {cfg.name} at {size_label(tokens)}: request {i} "
-                                   f"({length} tokens) does not fit")
+                raise RuntimeError(
+                    f"kvpool {cfg.name} at {size_label(tokens)}: request {i} "
+                    f"({length} tokens) does not fit"
+                )
             hit = seq.num_cached_tokens
             if ci is not None:
                 ends = set(range((hit // ci + 1) * ci, length, ci))
@@ -321,22 +360,35 @@ def run_kvpool(cfg: Config, tokens: int, trace, options: dict, check_every: int)
             if oracle is not None:
                 bound = oracle.bound_and_add(ids, length)
                 if not 0 <= hit <= min(bound, length - 1):
-                    raise AssertionError(f"kvpool request {i}: hit {hit} beyond the shared prefix {bound}")
+                    raise AssertionError(
+                        f"kvpool request {i}: hit {hit} beyond the shared prefix {bound}"
+                    )
                 if pool.num_used_blocks:
-                    raise AssertionError(f"kvpool request {i}: {pool.num_used_blocks} blocks held "
-                                         "after deallocate")
+                    raise AssertionError(
+                        f"kvpool request {i}: {pool.num_used_blocks} blocks held after deallocate"
+                    )
                 if (i + 1) % check_every == 0 or i + 1 == len(trace):
                     pool.check()
                     checks += 1
     finally:
         gc.enable()
     st = pool.stats()
-    extra = {"evictions": st.get("num_evictions", 0), "pool_hit_tokens": st.get("prefix_hit_tokens")}
+    extra = {
+        "evictions": st.get("num_evictions", 0),
+        "pool_hit_tokens": st.get("prefix_hit_tokens"),
+    }
     if ci is not None:
         extra["linear_state_hits"] = st.get("linear_state_hits")
         extra["checkpoint_evictions"] = st.get("num_checkpoint_evictions")
-    return {"hit_tokens": hits, "prompt_tokens": total, "us_per_request": ns / len(trace) / 1e3,
-            "hash_us_per_request": None, "kvpool_kwargs": shown, "checks": checks, **extra}
+    return {
+        "hit_tokens": hits,
+        "prompt_tokens": total,
+        "us_per_request": ns / len(trace) / 1e3,
+        "hash_us_per_request": None,
+        "kvpool_kwargs": shown,
+        "checks": checks,
+        **extra,
+    }
 
 
 # --------------------------------------------------------------------------------- vLLM
@@ -347,13 +399,29 @@ def _model_dir() -> str:
     """A Llama-shaped config.json (no weights, no tokenizer, no hub) for ModelConfig."""
     if not _MODEL_DIR:
         import tempfile
+
         path = tempfile.mkdtemp(prefix="kvpool-hybrid-bench-")
         with open(os.path.join(path, "config.json"), "w") as f:
-            json.dump({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 128,
-                       "intermediate_size": 256, "num_attention_heads": 2, "num_key_value_heads": 2,
-                       "num_hidden_layers": 2, "max_position_embeddings": MAX_MODEL_LEN, "vocab_size": 32000,
-                       "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "torch_dtype": "bfloat16",
-                       "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": False}, f)
+            json.dump(
+                {
+                    "architectures": ["LlamaForCausalLM"],
+                    "model_type": "llama",
+                    "hidden_size": 128,
+                    "intermediate_size": 256,
+                    "num_attention_heads": 2,
+                    "num_key_value_heads": 2,
+                    "num_hidden_layers": 2,
+                    "max_position_embeddings": MAX_MODEL_LEN,
+                    "vocab_size": 32000,
+                    "rms_norm_eps": 1e-5,
+                    "rope_theta": 10000.0,
+                    "torch_dtype": "bfloat16",
+                    "bos_token_id": 1,
+                    "eos_token_id": 2,
+                    "tie_word_embeddings": False,
+                },
+                f,
+            )
         _MODEL_DIR.append(path)
     return _MODEL_DIR[0]
 
@@ -373,13 +441,20 @@ def qwen3_next_specs():
     shapes = MambaStateShapeCalculator.gated_delta_net_state_shape(1, 16, 32, 128, 128, 4, 0)
     dtypes = MambaStateDtypeCalculator.gated_delta_net_state_dtype(torch.bfloat16, "auto", "auto")
     mamba_page = MambaSpec(block_size=-1, shapes=shapes, dtypes=dtypes).page_size_bytes
-    attn_1 = FullAttentionSpec(block_size=1, num_kv_heads=2, head_size=256,
-                               dtype=torch.bfloat16).page_size_bytes
+    attn_1 = FullAttentionSpec(
+        block_size=1, num_kv_heads=2, head_size=256, dtype=torch.bfloat16
+    ).page_size_bytes
     block = BS * cdiv(mamba_page, BS * attn_1)  # Platform._align_hybrid_block_size, kernel block 16
     assert block == PAGE, f"attention block {block}, expected {PAGE}"
     attn = FullAttentionSpec(block_size=block, num_kv_heads=2, head_size=256, dtype=torch.bfloat16)
-    mamba = MambaSpec(block_size=block, shapes=shapes, dtypes=dtypes, page_size_padded=attn.page_size_bytes,
-                      mamba_type=MambaAttentionBackendEnum.GDN_ATTN, mamba_cache_mode="align")
+    mamba = MambaSpec(
+        block_size=block,
+        shapes=shapes,
+        dtypes=dtypes,
+        page_size_padded=attn.page_size_bytes,
+        mamba_type=MambaAttentionBackendEnum.GDN_ATTN,
+        mamba_cache_mode="align",
+    )
     return attn, mamba
 
 
@@ -399,18 +474,35 @@ def build_vllm(cfg: Config, tokens: int):
         block, num_blocks = PAGE, 2 * tokens // PAGE
     else:
         attn = FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=256, dtype=torch.bfloat16)
-        other = None if cfg.kind == "full" else SlidingWindowSpec(
-            block_size=BS, num_kv_heads=2, head_size=256, dtype=torch.bfloat16, sliding_window=cfg.window)
+        other = (
+            None
+            if cfg.kind == "full"
+            else SlidingWindowSpec(
+                block_size=BS,
+                num_kv_heads=2,
+                head_size=256,
+                dtype=torch.bfloat16,
+                sliding_window=cfg.window,
+            )
+        )
         block, num_blocks = BS, (1 if cfg.kind == "full" else 2) * tokens // BS
-    cache = CacheConfig(block_size=block, enable_prefix_caching=True, num_gpu_blocks_override=num_blocks,
-                        prefix_cache_retention_interval=None if cfg.dense else 0,
-                        mamba_cache_mode="align" if cfg.kind == "linear" else "none")
+    cache = CacheConfig(
+        block_size=block,
+        enable_prefix_caching=True,
+        num_gpu_blocks_override=num_blocks,
+        prefix_cache_retention_interval=None if cfg.dense else 0,
+        mamba_cache_mode="align" if cfg.kind == "linear" else "none",
+    )
     if cfg.kind == "linear":
         cache.mamba_block_size = block
     cache.kv_cache_layout = "NHD"  # tensors only; the manager never reads it
     model = ModelConfig(model=_model_dir(), skip_tokenizer_init=True, max_model_len=MAX_MODEL_LEN)
-    sched = SchedulerConfig(max_num_batched_tokens=MAX_MODEL_LEN, max_num_seqs=16,
-                            max_model_len=MAX_MODEL_LEN, is_encoder_decoder=False)
+    sched = SchedulerConfig(
+        max_num_batched_tokens=MAX_MODEL_LEN,
+        max_num_seqs=16,
+        max_model_len=MAX_MODEL_LEN,
+        is_encoder_decoder=False,
+    )
     config = VllmConfig(model_config=model, cache_config=cache, scheduler_config=sched)
     specs = {"model.layers.0.self_attn.attn": attn}
     if other is not None:
@@ -422,10 +514,15 @@ def build_vllm(cfg: Config, tokens: int):
     scheduler_block, hash_block = resolve_kv_cache_block_sizes(kv_cache_config, config)
     kv_cache_config.hash_block_size = hash_block
     config.cache_config.num_gpu_blocks = num_blocks
-    scheduler = Scheduler(vllm_config=config, kv_cache_config=kv_cache_config,
-                          structured_output_manager=StructuredOutputManager(config),
-                          block_size=scheduler_block, hash_block_size=hash_block,
-                          include_finished_set=False, log_stats=True)
+    scheduler = Scheduler(
+        vllm_config=config,
+        kv_cache_config=kv_cache_config,
+        structured_output_manager=StructuredOutputManager(config),
+        block_size=scheduler_block,
+        hash_block_size=hash_block,
+        include_finished_set=False,
+        log_stats=True,
+    )
     return scheduler, hash_block, num_blocks, scheduler_block
 
 
@@ -461,13 +558,24 @@ def run_vllm(cfg: Config, tokens: int, trace, check_every: int) -> dict:
             if split:
                 n = scheduler._mamba_block_aligned_split(req, n, hit, 0)
             new = manager.allocate_slots(
-                req, n, num_new_computed_tokens=hit, new_computed_blocks=blocks, num_lookahead_tokens=0,
-                num_external_computed_tokens=0, delay_cache_blocks=False, skip_zeroing_group_ids=(),
-                num_encoder_tokens=0, full_sequence_must_fit=scheduler.scheduler_reserve_full_isl,
-                reserved_blocks=0, has_scheduled_reqs=False)
+                req,
+                n,
+                num_new_computed_tokens=hit,
+                new_computed_blocks=blocks,
+                num_lookahead_tokens=0,
+                num_external_computed_tokens=0,
+                delay_cache_blocks=False,
+                skip_zeroing_group_ids=(),
+                num_encoder_tokens=0,
+                full_sequence_must_fit=scheduler.scheduler_reserve_full_isl,
+                reserved_blocks=0,
+                has_scheduled_reqs=False,
+            )
             if new is None:
-                raise RuntimeError(f"vLLM {cfg.name} at {size_label(tokens)}: request {i} ({length} tokens) "
-                                   "does not fit")
+                raise RuntimeError(
+                    f"vLLM {cfg.name} at {size_label(tokens)}: request {i} ({length} tokens) "
+                    "does not fit"
+                )
             req.status = RequestStatus.RUNNING
             req.num_computed_tokens = hit + n
             chunks += 1
@@ -477,7 +585,9 @@ def run_vllm(cfg: Config, tokens: int, trace, check_every: int) -> dict:
                 if split:
                     n = scheduler._mamba_block_aligned_split(req, n)
                 if manager.allocate_slots(req, n, num_lookahead_tokens=0) is None:
-                    raise RuntimeError(f"vLLM {cfg.name}: request {i} ran out of blocks mid-prefill")
+                    raise RuntimeError(
+                        f"vLLM {cfg.name}: request {i} ran out of blocks mid-prefill"
+                    )
                 req.num_computed_tokens += n
                 chunks += 1
             req.status = RequestStatus.FINISHED_LENGTH_CAPPED
@@ -490,18 +600,26 @@ def run_vllm(cfg: Config, tokens: int, trace, check_every: int) -> dict:
             if oracle is not None:
                 bound = oracle.bound_and_add(ids, length)
                 if not 0 <= hit <= min(bound, length - 1):
-                    raise AssertionError(f"vLLM request {i}: hit {hit} beyond the shared prefix {bound}")
+                    raise AssertionError(
+                        f"vLLM request {i}: hit {hit} beyond the shared prefix {bound}"
+                    )
                 if manager.block_pool.get_num_free_blocks() != num_blocks - 1:
                     raise AssertionError(f"vLLM request {i}: blocks held after free")
     finally:
         gc.enable()
     if check_every and not manager.reset_prefix_cache():
         raise AssertionError("vLLM: reset_prefix_cache failed with nothing running")
-    return {"hit_tokens": hits, "prompt_tokens": total, "us_per_request": ns / len(trace) / 1e3,
-            "hash_us_per_request": hash_ns / len(trace) / 1e3, "chunks_per_request": chunks / len(trace),
-            "vllm_num_blocks": num_blocks, "vllm_block_size": scheduler_block,
-            "vllm_hash_block_size": hash_block,
-            "vllm_retention_interval": None if cfg.dense else 0}
+    return {
+        "hit_tokens": hits,
+        "prompt_tokens": total,
+        "us_per_request": ns / len(trace) / 1e3,
+        "hash_us_per_request": hash_ns / len(trace) / 1e3,
+        "chunks_per_request": chunks / len(trace),
+        "vllm_num_blocks": num_blocks,
+        "vllm_block_size": scheduler_block,
+        "vllm_hash_block_size": hash_block,
+        "vllm_retention_interval": None if cfg.dense else 0,
+    }
 
 
 # ------------------------------------------------------------------------------ running
@@ -517,14 +635,22 @@ def run_job(job: dict) -> dict:
         res = run_kvpool(cfg, job["tokens"], trace, job["options"], job["check_every"])
     else:
         res = run_vllm(cfg, job["tokens"], trace, job["check_every"])
-    res.update(trace=job["trace"], config=cfg.name, size=size_label(job["tokens"]), tokens=job["tokens"],
-               manager=job["manager"], requests=len(trace), hit_rate=res["hit_tokens"] / res["prompt_tokens"],
-               wall_s=time.perf_counter() - t0)
+    res.update(
+        trace=job["trace"],
+        config=cfg.name,
+        size=size_label(job["tokens"]),
+        tokens=job["tokens"],
+        manager=job["manager"],
+        requests=len(trace),
+        hit_rate=res["hit_tokens"] / res["prompt_tokens"],
+        wall_s=time.perf_counter() - t0,
+    )
     return res
 
 
 def versions(managers) -> dict:
     import importlib.metadata as md
+
     out = {"python": platform.python_version()}
     for dist in ("kvpool", *(["vllm", "torch"] if "vllm" in managers else [])):
         try:
@@ -533,9 +659,14 @@ def versions(managers) -> dict:
             out[dist] = None
     try:
         import subprocess
+
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        out["kvpool_commit"] = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"],
-                                              capture_output=True, text=True).stdout.strip() or None
+        out["kvpool_commit"] = (
+            subprocess.run(
+                ["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+            ).stdout.strip()
+            or None
+        )
     except OSError:
         out["kvpool_commit"] = None
     return out
@@ -545,11 +676,15 @@ def machine(load_at_start: float) -> str:
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+            cpu = next(
+                (line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu
+            )
     except OSError:
         pass
-    return (f"{cpu}, {os.cpu_count()} CPUs, load {load_at_start:.1f} at the start, "
-            f"{os.getloadavg()[0]:.1f} at the end")
+    return (
+        f"{cpu}, {os.cpu_count()} CPUs, load {load_at_start:.1f} at the start, "
+        f"{os.getloadavg()[0]:.1f} at the end"
+    )
 
 
 def pct(res: dict | None) -> str:
@@ -560,11 +695,14 @@ def render(doc: dict) -> str:
     rows = {(r["trace"], r["config"], r["size"], r["manager"]): r for r in doc["results"]}
     a = doc["args"]
     sizes = [size_label(t) for t in a["sizes"]]
-    lines = [f"# hybrid prefix-cache hit rates, {a['requests']:,} requests in order, block size {BS}",
-             f"# {doc['date']}, {doc['machine']}; "
-             + ", ".join(f"{k} {v}" for k, v in doc["versions"].items()),
-             f"# kvpool options: {json.dumps(a['kvpool_options'])}" + (
-                 f" (preset {a['kvpool_preset']})" if a["kvpool_preset"] else ""), ""]
+    lines = [
+        f"# hybrid prefix-cache hit rates, {a['requests']:,} requests in order, block size {BS}",
+        f"# {doc['date']}, {doc['machine']}; "
+        + ", ".join(f"{k} {v}" for k, v in doc["versions"].items()),
+        f"# kvpool options: {json.dumps(a['kvpool_options'])}"
+        + (f" (preset {a['kvpool_preset']})" if a["kvpool_preset"] else ""),
+        "",
+    ]
     traces = a["traces"]
     # the issue's layout: hit rate at each size, joined
     head = ["config"] + [f"{m}, {t}" for t in traces for m in a["managers"]]
@@ -575,44 +713,70 @@ def render(doc: dict) -> str:
         for t in traces:
             for m in a["managers"]:
                 got = [rows.get((t, name, s, m)) for s in sizes]
-                cells.append("" if all(g is None for g in got) else
-                             " / ".join(pct(g) or "-" for g in got) + "%")
+                cells.append(
+                    ""
+                    if all(g is None for g in got)
+                    else " / ".join(pct(g) or "-" for g in got) + "%"
+                )
         lines.append("| " + " | ".join(cells) + " |")
     for t in traces:
         for s in sizes:
-            lines += ["", f"## {t}, cache {s} tokens",
-                      "| config | kvpool hit % | vLLM hit % | kvpool us/req | vLLM us/req (hashing) |",
-                      "|---|---:|---:|---:|---:|"]
+            lines += [
+                "",
+                f"## {t}, cache {s} tokens",
+                "| config | kvpool hit % | vLLM hit % | kvpool us/req | vLLM us/req (hashing) |",
+                "|---|---:|---:|---:|---:|",
+            ]
             for name in a["configs"]:
                 k, v = rows.get((t, name, s, "kvpool")), rows.get((t, name, s, "vllm"))
                 if k is None and v is None:
                     continue
                 kus = "" if k is None else f"{k['us_per_request']:.0f}"
-                vus = "" if v is None else f"{v['us_per_request']:.0f} ({v['hash_us_per_request']:.0f})"
+                vus = (
+                    ""
+                    if v is None
+                    else f"{v['us_per_request']:.0f} ({v['hash_us_per_request']:.0f})"
+                )
                 lines.append(f"| {name} | {pct(k)} | {pct(v)} | {kus} | {vus} |")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--trace", default="conversation",
-                   help="conversation, synthetic, a comma list of them, or a path to a Mooncake JSONL trace")
+    p.add_argument(
+        "--trace",
+        default="conversation",
+        help="conversation, synthetic, a comma list of them, or a path to a Mooncake JSONL trace",
+    )
     p.add_argument("--requests", type=int, default=3000)
     p.add_argument("--sizes", default="1M,4M,16M", help="cache sizes in tokens (k/M/G decimal)")
     p.add_argument("--configs", default=",".join(CONFIGS), help=f"of {', '.join(CONFIGS)}")
     p.add_argument("--managers", default=",".join(MANAGERS))
-    p.add_argument("--kvpool-options", default="{}",
-                   help="JSON: BlockManagerPool keyword arguments (module doc)")
-    p.add_argument("--kvpool-preset", default=None, choices=sorted(PRESETS),
-                   help="named kvpool options, applied before --kvpool-options")
-    p.add_argument("--jobs", type=int, default=1,
-                   help="worker processes, one run each (the machine: 2 cores)")
-    p.add_argument("--check", action="store_true",
-                   help="check every hit against the shared prefix, nothing held after each request, "
-                        "kvpool's check() every --check-every requests, vLLM's reset at the end")
+    p.add_argument(
+        "--kvpool-options",
+        default="{}",
+        help="JSON: BlockManagerPool keyword arguments (module doc)",
+    )
+    p.add_argument(
+        "--kvpool-preset",
+        default=None,
+        choices=sorted(PRESETS),
+        help="named kvpool options, applied before --kvpool-options",
+    )
+    p.add_argument(
+        "--jobs", type=int, default=1, help="worker processes, one run each (the machine: 2 cores)"
+    )
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="check every hit against the shared prefix, nothing held after each request, "
+        "kvpool's check() every --check-every requests, vLLM's reset at the end",
+    )
     p.add_argument("--check-every", type=int, default=250)
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
-    p.add_argument("--render", metavar="JSON", help="print the tables of a saved --json output and exit")
+    p.add_argument(
+        "--render", metavar="JSON", help="print the tables of a saved --json output and exit"
+    )
     a = p.parse_args(argv)
     if a.render:
         with open(a.render) as f:
@@ -648,15 +812,29 @@ def main(argv: list[str] | None = None) -> int:
     if a.jobs < 1 or a.requests < 1 or a.check_every < 1:
         p.error("--jobs, --requests and --check-every must be positive")
 
-    jobs = [{"trace": t, "path": paths[t], "config": c, "tokens": s, "manager": m, "requests": a.requests,
-             "options": options, "check_every": a.check_every if a.check else 0}
-            for t in traces for c in configs for s in sizes for m in managers
-            if runs_on(CONFIGS[c], m, options)]
+    jobs = [
+        {
+            "trace": t,
+            "path": paths[t],
+            "config": c,
+            "tokens": s,
+            "manager": m,
+            "requests": a.requests,
+            "options": options,
+            "check_every": a.check_every if a.check else 0,
+        }
+        for t in traces
+        for c in configs
+        for s in sizes
+        for m in managers
+        if runs_on(CONFIGS[c], m, options)
+    ]
     checked = set()
     for job in jobs:  # option errors before any run: each kvpool config's pool at the smallest size
         if job["manager"] == "kvpool" and job["config"] not in checked:
             checked.add(job["config"])
             import kvpool
+
             kw = kvpool_kwargs(CONFIGS[job["config"]], min(sizes), options)
             try:
                 kvpool.BlockManagerPool(kw.pop("num_blocks"), BS, **kw).check()
@@ -666,9 +844,13 @@ def main(argv: list[str] | None = None) -> int:
     started, load = time.perf_counter(), os.getloadavg()[0]
 
     def note(res: dict) -> None:
-        print(f"[{time.perf_counter() - started:6.0f} s] {res['trace']} {res['config']} {res['size']} "
-              f"{res['manager']}: hit {100 * res['hit_rate']:.2f}%, {res['us_per_request']:.0f} us/req, "
-              f"{res['wall_s']:.0f} s", file=sys.stderr, flush=True)
+        print(
+            f"[{time.perf_counter() - started:6.0f} s] {res['trace']} {res['config']} {res['size']} "
+            f"{res['manager']}: hit {100 * res['hit_rate']:.2f}%, {res['us_per_request']:.0f} us/req, "
+            f"{res['wall_s']:.0f} s",
+            file=sys.stderr,
+            flush=True,
+        )
 
     results = []
     if a.jobs == 1:
@@ -680,13 +862,30 @@ def main(argv: list[str] | None = None) -> int:
             for fut in as_completed([ex.submit(run_job, job) for job in jobs]):
                 results.append(fut.result())
                 note(results[-1])
-    doc = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "machine": machine(load),
-           "versions": versions(managers),
-           "args": {"traces": traces, "requests": a.requests, "sizes": sizes, "configs": configs,
-                    "managers": managers, "kvpool_options": options, "kvpool_preset": a.kvpool_preset,
-                    "check": a.check},
-           "results": sorted(results, key=lambda r: (traces.index(r["trace"]), configs.index(r["config"]),
-                                                     r["tokens"], r["manager"]))}
+    doc = {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "machine": machine(load),
+        "versions": versions(managers),
+        "args": {
+            "traces": traces,
+            "requests": a.requests,
+            "sizes": sizes,
+            "configs": configs,
+            "managers": managers,
+            "kvpool_options": options,
+            "kvpool_preset": a.kvpool_preset,
+            "check": a.check,
+        },
+        "results": sorted(
+            results,
+            key=lambda r: (
+                traces.index(r["trace"]),
+                configs.index(r["config"]),
+                r["tokens"],
+                r["manager"],
+            ),
+        ),
+    }
     print(json.dumps(doc, indent=1) if a.json else render(doc))
     return 0
 

@@ -33,8 +33,12 @@ def write_trace(path: Path, n: int, seed: int = 0) -> list[tuple[list[int], int]
                 break
     with open(path, "w") as f:
         for ids, length in out:
-            f.write(json.dumps({"timestamp": 0, "input_length": length, "output_length": 1,
-                                "hash_ids": ids}) + "\n")
+            f.write(
+                json.dumps(
+                    {"timestamp": 0, "input_length": length, "output_length": 1, "hash_ids": ids}
+                )
+                + "\n"
+            )
     return out
 
 
@@ -60,7 +64,11 @@ def test_oracle_is_the_longest_shared_prefix(tmp_path):
 
 def test_tokens_of_a_hash_id():
     toks = hb.prompt_tokens(np.asarray([0, 7]), 515)
-    assert toks[:3].tolist() == [0, 1, 2] and toks[512:].tolist() == [7 * 512, 7 * 512 + 1, 7 * 512 + 2]
+    assert toks[:3].tolist() == [0, 1, 2] and toks[512:].tolist() == [
+        7 * 512,
+        7 * 512 + 1,
+        7 * 512 + 2,
+    ]
 
 
 def test_sizes_and_expressions():
@@ -73,12 +81,22 @@ def test_sizes_and_expressions():
 
 
 def test_options_scope_by_kind_and_name():
-    opts = {"enable_events": True, "window": {"num_blocks": "=2*C//BS", "swa_num_blocks": None},
-            "w128": {"sliding_window": 256}, "linear": {"linear_state_slots": "=C//PAGE//2"}}
+    opts = {
+        "enable_events": True,
+        "window": {"num_blocks": "=2*C//BS", "swa_num_blocks": None},
+        "w128": {"sliding_window": 256},
+        "linear": {"linear_state_slots": "=C//PAGE//2"},
+    }
     c = 1_000_000
-    assert hb.kvpool_kwargs(hb.CONFIGS["full"], c, opts) == {"num_blocks": 62500, "enable_events": True}
+    assert hb.kvpool_kwargs(hb.CONFIGS["full"], c, opts) == {
+        "num_blocks": 62500,
+        "enable_events": True,
+    }
     assert hb.kvpool_kwargs(hb.CONFIGS["w1024"], c, opts) == {
-        "num_blocks": 125000, "sliding_window": 1024, "enable_events": True}
+        "num_blocks": 125000,
+        "sliding_window": 1024,
+        "enable_events": True,
+    }
     assert hb.kvpool_kwargs(hb.CONFIGS["w128"], c, opts)["sliding_window"] == 256
     assert hb.kvpool_kwargs(hb.CONFIGS["ls512"], c, opts)["linear_state_slots"] == c // 544 // 2
     # a config with no kvpool counterpart runs kvpool only when the options name it
@@ -95,20 +113,46 @@ def run(argv, capsys) -> dict:
 def test_kvpool_runs_checked_and_full_attention_matches_the_oracle(tmp_path, capsys):
     path = tmp_path / "t.jsonl"
     trace = write_trace(path, 120, seed=1)
-    doc = run(["--trace", str(path), "--managers", "kvpool", "--requests", "120", "--sizes", "20k,10M",
-               "--check", "--check-every", "7"], capsys)
+    doc = run(
+        [
+            "--trace",
+            str(path),
+            "--managers",
+            "kvpool",
+            "--requests",
+            "120",
+            "--sizes",
+            "20k,10M",
+            "--check",
+            "--check-every",
+            "7",
+        ],
+        capsys,
+    )
     got = {(r["config"], r["size"]): r for r in doc["results"]}
-    assert set(got) == {(c, s) for c in ("full", "w1024", "w128", "ls512", "ls2048") for s in ("20k", "10M")}
+    assert set(got) == {
+        (c, s) for c in ("full", "w1024", "w128", "ls512", "ls2048") for s in ("20k", "10M")
+    }
     assert all(r["checks"] >= 120 // 7 for r in doc["results"])
     # an unbounded full-attention cache serves exactly the shared full blocks (last token recomputed)
     oracle = hb.PrefixOracle()
-    want = sum((min(oracle.bound_and_add(np.asarray(ids), n), n - 1) // 16) * 16 for ids, n in trace)
+    want = sum(
+        (min(oracle.bound_and_add(np.asarray(ids), n), n - 1) // 16) * 16 for ids, n in trace
+    )
     assert got[("full", "10M")]["hit_tokens"] == want > 0
     assert got[("full", "20k")]["hit_tokens"] < want
-    for name in ("w1024", "w128", "ls512", "ls2048"):  # a hybrid never serves more than full attention
+    for name in (
+        "w1024",
+        "w128",
+        "ls512",
+        "ls2048",
+    ):  # a hybrid never serves more than full attention
         assert 0 < got[(name, "10M")]["hit_tokens"] <= want
     assert got[("ls512", "10M")]["kvpool_kwargs"] == {
-        "num_blocks": 625000, "linear_state_slots": 10_000_000 // 544, "checkpoint_interval": 512}
+        "num_blocks": 625000,
+        "linear_state_slots": 10_000_000 // 544,
+        "checkpoint_interval": 512,
+    }
     # the tables render from the JSON document
     (tmp_path / "doc.json").write_text(json.dumps(doc))
     assert hb.main(["--render", str(tmp_path / "doc.json")]) == 0
@@ -119,8 +163,18 @@ def test_kvpool_runs_checked_and_full_attention_matches_the_oracle(tmp_path, cap
 def test_kvpool_jobs_in_processes_give_the_same_hits(tmp_path, capsys):
     path = tmp_path / "t.jsonl"
     write_trace(path, 60, seed=2)
-    argv = ["--trace", str(path), "--managers", "kvpool", "--requests", "60", "--sizes", "30k",
-            "--configs", "full,ls2048"]
+    argv = [
+        "--trace",
+        str(path),
+        "--managers",
+        "kvpool",
+        "--requests",
+        "60",
+        "--sizes",
+        "30k",
+        "--configs",
+        "full,ls2048",
+    ]
     one = run(argv, capsys)
     two = run([*argv, "--jobs", "2"], capsys)
     assert [r["hit_tokens"] for r in one["results"]] == [r["hit_tokens"] for r in two["results"]]
@@ -130,7 +184,16 @@ def test_bad_options_fail_before_any_run(tmp_path, capsys):
     path = tmp_path / "t.jsonl"
     write_trace(path, 5)
     with pytest.raises(SystemExit):
-        hb.main(["--trace", str(path), "--managers", "kvpool", "--kvpool-options", '{"no_such_option": 1}'])
+        hb.main(
+            [
+                "--trace",
+                str(path),
+                "--managers",
+                "kvpool",
+                "--kvpool-options",
+                '{"no_such_option": 1}',
+            ]
+        )
     assert "no_such_option" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         hb.main(["--trace", str(path), "--configs", "full,w64"])

@@ -36,8 +36,23 @@ def doc(tmp_path_factory):
     trace = write_trace(path, 100, seed=5)
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
-        assert hb.main(["--trace", str(path), "--requests", "100", "--sizes", "100k,10M", "--check",
-                        "--check-every", "10", "--json"]) == 0
+        assert (
+            hb.main(
+                [
+                    "--trace",
+                    str(path),
+                    "--requests",
+                    "100",
+                    "--sizes",
+                    "100k,10M",
+                    "--check",
+                    "--check-every",
+                    "10",
+                    "--json",
+                ]
+            )
+            == 0
+        )
     return json.loads(buf.getvalue()), trace
 
 
@@ -49,10 +64,16 @@ def test_every_config_runs_on_the_resolved_vllm_config(doc):
         for name in ("w1024", "w128", "w1024-dense"):
             r = got[(name, size, "vllm")]
             assert (r["vllm_num_blocks"], r["vllm_block_size"], r["vllm_hash_block_size"]) == (
-                2 * tokens // 16, 16, 16)
+                2 * tokens // 16,
+                16,
+                16,
+            )
         r = got[("ls512", size, "vllm")]
         assert (r["vllm_num_blocks"], r["vllm_block_size"], r["vllm_hash_block_size"]) == (
-            2 * tokens // 544, 544, 544)
+            2 * tokens // 544,
+            544,
+            544,
+        )
         assert r["chunks_per_request"] > 1  # the Scheduler's Mamba split cut the prefills
         assert got[("w1024", size, "vllm")]["vllm_retention_interval"] == 0
         assert got[("w1024-dense", size, "vllm")]["vllm_retention_interval"] is None
@@ -63,7 +84,9 @@ def test_unbounded_hits(doc):
     d, trace = doc
     got = {(r["config"], r["size"], r["manager"]): r["hit_tokens"] for r in d["results"]}
     oracle = hb.PrefixOracle()
-    full = sum((min(oracle.bound_and_add(np.asarray(ids), n), n - 1) // 16) * 16 for ids, n in trace)
+    full = sum(
+        (min(oracle.bound_and_add(np.asarray(ids), n), n - 1) // 16) * 16 for ids, n in trace
+    )
     # both managers serve every shared full block when nothing is evicted
     assert got[("full", "10M", "vllm")] == got[("full", "10M", "kvpool")] == full > 0
     # keeping every window block, a window hit is the full-attention hit
