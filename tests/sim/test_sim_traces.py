@@ -20,7 +20,7 @@ from kvpool.sim.workloads import Request, load_trace
 pytestmark = pytest.mark.skipif(not hasattr(kvpool, "BlockManagerPool"), reason="pool not built")
 
 from kvpool.sim.capacity import MODELS  # noqa: E402
-from kvpool.sim.engine import SimConfig, SimError, run_simulation  # noqa: E402
+from kvpool.sim.engine import SimConfig, run_simulation  # noqa: E402
 from kvpool.sim.timing import GPUS, FixedStepTime, Roofline, StepWork, chunk_work  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -318,9 +318,28 @@ def test_tiny_budget_and_preemption_from_the_decode_batch(dp: int) -> None:
     assert max(r.batched_tokens for r in res.timeline) <= 6 * dp
 
 
-def test_request_order_rejects_hybrid_options() -> None:
-    with pytest.raises(SimError, match="--order request"):
-        run_simulation(SimConfig(order="request", linear_state_slots=8), [])
+def test_request_order_takes_a_window_and_linear_state() -> None:
+    """--order request with hybrid groups: a window in the shared store keeps every block that
+    slides out while memory lasts, so with room for the whole trace it hits exactly what full
+    attention hits; linear state hits only where a checkpoint was saved (the interval's
+    multiples and each prompt's last full block), restoring one per hit; check() every request."""
+    reqs = load_trace(MOONCAKE)
+    blocks = 2 * sum(-(-r.prompt_len // 16) for r in reqs) + 1
+
+    def summary(**kw: object) -> dict:
+        cfg = SimConfig(num_blocks=blocks, block_size=16, order="request", check=True, **kw)
+        return run_simulation(cfg, reqs).summary
+
+    full = summary()
+    window = summary(sliding_window=1024)
+    assert window["prefix_hit_tokens"] == full["prefix_hit_tokens"] > 0
+    assert window["evictions"] == 0
+    memory = window["group_memory"]
+    assert memory["window_cached_blocks"] > 0 and memory["window_used_blocks"] == 0
+    linear = summary(linear_state_slots=64, checkpoint_interval=512)
+    assert 0 < linear["prefix_hit_tokens"] <= full["prefix_hit_tokens"]
+    assert linear["checkpoint_hits"] > 0 and linear["checkpoint_saves"] > 0
+    assert linear["group_memory"]["linear_state_slots_in_use"] > 0
 
 
 def test_malformed_trace_line_stops_the_command(tmp_path: Path) -> None:

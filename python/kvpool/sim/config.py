@@ -143,11 +143,6 @@ class SimConfig:
             )
         if self.order not in ORDERS:
             raise SimError(f"order must be one of {', '.join(ORDERS)}, got {self.order!r}")
-        if self.order == "request" and (self.linear_state_slots or self.sliding_window is not None):
-            raise SimError(
-                "--order request replays prompts through the prefix cache only: it takes no linear "
-                "state or sliding window"
-            )
         if not self.step_ms > 0:
             raise SimError(f"step_ms must be > 0, got {self.step_ms}")
         if self.memory_limit_schedule and self.xtensor is None:

@@ -5,6 +5,11 @@ marked computed, released (its full blocks published); no batching, no decode. T
 then a property of the trace and the cache size only, as in the Mooncake paper's capacity curve
 (its Figure 9; docs/simulate.md). ``kvpool.sim.engine.Simulator.run`` calls
 :func:`run_request_order` for it.
+
+A sliding window publishes and slides at the release. With linear state the prompt is computed
+in chunks that end at each checkpoint boundary (``BlockManagerPool.next_checkpoint_boundary``:
+the multiples of ``checkpoint_interval`` and the prompt's last full block), each followed by
+``cache`` and the step's linear-state plan (R24), as an engine's prefill would.
 """
 
 from __future__ import annotations
@@ -54,6 +59,13 @@ def run_request_order(sim: Any) -> SimResult:
         sim.admit_cached += cached
         sim.prefill_tokens += L - cached
         lv.first_cached = cached
+        if sim.cfg.linear_state_slots:
+            sim.ckpt_restores += seq.linear_state_restore_slot is not None
+            sim._linear_state_plan()  # the restore (or zeroing) of the admission
+            while (end := pool.next_checkpoint_boundary(seq)) is not None:
+                seq.num_computed_tokens = end
+                pool.cache(seq)
+                sim._linear_state_plan()
         seq.num_computed_tokens = L
         dt = timer.seconds(chunk_work(cached, L))
         sim.busy_s += dt

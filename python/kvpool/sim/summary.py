@@ -146,6 +146,8 @@ def summarize(sim: Any, wall: float) -> dict[str, Any]:
     }
     if sim.trace_read_s is not None:
         out["trace_read_s"] = sim.trace_read_s
+    if sim.cfg.sliding_window is not None or sim.cfg.linear_state_slots:
+        out["group_memory"] = group_memory(sim.pool)
     if sim.mapped is not None:
         out.update(sim.mapped.summary(st, sim.now_s))
     sessions = [lv for lv in fin if lv.req.session is not None]
@@ -166,6 +168,31 @@ def summarize(sim: Any, wall: float) -> dict[str, Any]:
                 "follow_up_hit_rate": hit(follow),
             }
         )
+    return out
+
+
+def group_memory(pool: Any) -> dict[str, int]:
+    """The store's blocks per group at the end of the run, over the ranks (``pool.memory()``):
+    ``full_*`` and ``window_*`` cached and used blocks (a window with its own store counts its
+    own), free blocks of the shared store, and the linear-state slots in use."""
+    out = {"free_blocks": 0}
+    for rank in pool.memory():
+        out["free_blocks"] += rank["free_blocks"]
+        for g in rank["shared"]:
+            name = "full" if g["group"] == 0 else "window"
+            for kind in ("cached", "used"):
+                key = f"{name}_{kind}_blocks"
+                out[key] = out.get(key, 0) + g[f"{kind}_blocks"]
+        own = rank["own_window"]
+        if own is not None:
+            for kind in ("cached", "used"):
+                key = f"window_{kind}_blocks"
+                out[key] = out.get(key, 0) + own[f"num_{kind}_blocks"]
+        linear = rank["linear_state"]
+        if linear is not None:
+            out["linear_state_slots_in_use"] = (
+                out.get("linear_state_slots_in_use", 0) + linear["slots_in_use"]
+            )
     return out
 
 
