@@ -13,8 +13,8 @@ Configs (``--configs``; a blank means the manager has no counterpart)::
 
     name         kvpool.BlockManagerPool               vLLM 0.33.0 (one pool shared by all groups)
     full         C/16 blocks                           FullAttentionSpec(16), C/16 blocks
-    w1024, w128  C/16 full + C/16 window blocks        FullAttentionSpec(16) + SlidingWindowSpec(16, w):
-                 (sliding_window=w, swa_num_blocks)    2C/16 blocks, prefix_cache_retention_interval 0
+    w1024, w128  2C/16 blocks, one store for both      FullAttentionSpec(16) + SlidingWindowSpec(16, w):
+                 groups (sliding_window=w)             2C/16 blocks, prefix_cache_retention_interval 0
     w1024-dense  (none today)                          as w1024, retention None (every window block)
     ls512        C/16 blocks + C/544 state slots,      FullAttentionSpec(544) + MambaSpec(544, "align"):
                  checkpoint_interval=512               2C/544 blocks, retention 0
@@ -22,9 +22,10 @@ Configs (``--configs``; a blank means the manager has no counterpart)::
 
 kvpool, per request: ``Sequence(tokens)``, ``allocate`` (the whole prompt), hit =
 ``num_cached_tokens``; then ``num_computed_tokens`` = each chunk end and ``cache``; ``deallocate``.
-With linear state the chunks end at each multiple of ``checkpoint_interval`` past the hit and at
-the prompt's last full-block boundary (R24: where a checkpoint can be saved; kvpool's simulator
-ends its chunks there too), then at the prompt's end, each followed by
+With linear state the chunks end where ``pool.next_checkpoint_boundary(seq)`` says (R24: each
+multiple of ``checkpoint_interval`` past the hit, the junction where the prompt left the cached
+chains, the prompt's last full-block boundary; kvpool's simulator and its transformers engine
+end their chunks there too), then at the prompt's end, each followed by
 ``take_linear_state_plan`` / ``commit_linear_state_plan``. Without linear state there is one
 chunk (the whole prompt).
 
@@ -166,6 +167,8 @@ CONFIGS = {
 # add a preset here for each new pool option worth a standing comparison.
 PRESETS: dict[str, dict] = {
     "today": {},
+    # the window group's own store beside the full-attention one, C/16 blocks each
+    "split": {"window": {"num_blocks": "=C//BS", "swa_num_blocks": "=C//BS"}},
     "contiguous": {"linear": {"linear_state_match": "contiguous"}},
     "promote": {"linear": {"linear_state_save": "promote"}},
 }
@@ -237,7 +240,8 @@ def kvpool_kwargs(cfg: Config, tokens: int, options: dict) -> dict:
     included), after the options."""
     kw: dict = {"num_blocks": tokens // BS}
     if cfg.kind == "window":
-        kw.update(sliding_window=cfg.window, swa_num_blocks=tokens // BS)
+        # one block store of 2C/16 for both groups, as vLLM's one pool (preset "split": C/16 each)
+        kw.update(num_blocks=2 * tokens // BS, sliding_window=cfg.window)
     elif cfg.kind == "linear":
         kw.update(linear_state_slots=tokens // PAGE, checkpoint_interval=cfg.checkpoint_interval)
     names = {
@@ -341,11 +345,8 @@ def run_kvpool(cfg: Config, tokens: int, trace, options: dict, check_every: int)
                 )
             hit = seq.num_cached_tokens
             if ci is not None:
-                ends = set(range((hit // ci + 1) * ci, length, ci))
-                last_boundary = length // BS * BS
-                if hit < last_boundary < length:
-                    ends.add(last_boundary)
-                for end in sorted(ends):
+                pool.commit_linear_state_plan(pool.take_linear_state_plan())  # the restore
+                while (end := pool.next_checkpoint_boundary(seq)) is not None and end < length:
                     seq.num_computed_tokens = end
                     pool.cache(seq)
                     pool.commit_linear_state_plan(pool.take_linear_state_plan())

@@ -1203,8 +1203,9 @@ class BlockManagerPool:
 
         The smallest computed-token count above ``seq.num_computed_tokens``, at most
         ``len(seq)``, at which ``cache(seq)`` plans a checkpoint save: the next multiple of
-        ``checkpoint_interval`` or the prompt's last block boundary. A chunk that passes a
-        boundary without ending on it saves nothing there.
+        ``checkpoint_interval``, the prompt's last block boundary, or its junction (where the
+        prompt left the cached prefix tree at admission, past the restored checkpoint). A chunk
+        that passes a boundary without ending on it saves nothing there.
 
         Returns
         -------

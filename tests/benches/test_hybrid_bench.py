@@ -98,6 +98,17 @@ def test_options_scope_by_kind_and_name():
         "enable_events": True,
     }
     assert hb.kvpool_kwargs(hb.CONFIGS["w128"], c, opts)["sliding_window"] == 256
+    # by default the window shares one store of 2C/16 blocks; the "split" preset gives each group
+    # its own C/16
+    assert hb.kvpool_kwargs(hb.CONFIGS["w1024"], c, {}) == {
+        "num_blocks": 125000,
+        "sliding_window": 1024,
+    }
+    assert hb.kvpool_kwargs(hb.CONFIGS["w1024"], c, hb.PRESETS["split"]) == {
+        "num_blocks": 62500,
+        "sliding_window": 1024,
+        "swa_num_blocks": 62500,
+    }
     assert hb.kvpool_kwargs(hb.CONFIGS["ls512"], c, opts)["linear_state_slots"] == c // 544 // 2
     # a config with no kvpool counterpart runs kvpool only when the options name it
     assert not hb.runs_on(hb.CONFIGS["w1024-dense"], "kvpool", opts)

@@ -11,6 +11,7 @@ plans"), found while putting a Gated DeltaNet model's state in kvpool's slots:
 from __future__ import annotations
 
 import kvpool
+import kvpool.kernels
 import numpy as np
 import pytest
 from conftest import raises_bad_arg
@@ -167,4 +168,50 @@ def test_r23_contiguous_needs_a_checkpoint_at_every_block():
     pool.deallocate(seq)
     again = kvpool.Sequence(tokens)
     assert pool.allocate(again) and again.num_cached_tokens == 12
+    pool.check()
+
+
+def _prefill(pool, seq, state):
+    """An engine's prefill: chunks end at the pool's checkpoint boundaries; returns the
+    computed-token counts where a save was planned."""
+    saved = []
+    run_plan(pool, state)  # the admission's restore or zero
+    while (end := pool.next_checkpoint_boundary(seq)) is not None:
+        seq.num_computed_tokens = end
+        pool.cache(seq)
+        saved += [end] * len(run_plan(pool, state).save_src)
+    seq.num_computed_tokens = len(seq)
+    pool.cache(seq)
+    run_plan(pool, state)
+    return saved
+
+
+@pytest.mark.parametrize("tier", ["device", "host"])
+def test_a_junction_is_saved_and_restored(tier):
+    """R24's junction save: a prompt whose KV hit reaches past its restored checkpoint saves the
+    state where it left the cached chains, so the next prompt of that prefix restores there
+    instead of at the grid below it."""
+    if tier == "host":
+        pool = kvpool.HierarchyBlockManagerPool(
+            64, 64, BS, linear_state_slots=12, checkpoint_interval=16
+        )
+    else:
+        pool = kvpool.BlockManagerPool(64, BS, linear_state_slots=12, checkpoint_interval=16)
+    state = np.zeros((12, 3), np.float32)
+    shared = list(range(1000, 1040))  # 10 blocks: the grid saves at 16 and 32 only
+    first = kvpool.Sequence(shared + list(range(8)))
+    assert pool.allocate(first) and first.num_cached_tokens == 0
+    assert _prefill(pool, first, state) == [16, 32, 48]
+    pool.deallocate(first)
+    second = kvpool.Sequence(shared + list(range(100, 108)))
+    assert pool.allocate(second)
+    assert second.num_cached_tokens == 32, "the grid: the checkpoint at 32, the KV reaches 40"
+    assert pool.next_checkpoint_boundary(second) == 40, "the junction comes first"
+    assert _prefill(pool, second, state) == [40, 48]
+    pool.deallocate(second)
+    third = kvpool.Sequence(shared + list(range(200, 208)))
+    assert pool.allocate(third)
+    assert third.num_cached_tokens == 40, "restored at the junction"
+    assert third.linear_state_restore_slot is not None
+    pool.deallocate(third)
     pool.check()

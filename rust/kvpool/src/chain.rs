@@ -52,6 +52,13 @@ impl<'a> QueryChain<'a> {
         }
     }
 
+    /// How many chain positions the walks verified (device, or host past it): where the query
+    /// leaves the cached prefix tree.
+    pub(crate) fn walked(&self) -> usize {
+        let len = |tier: Option<(&PrefixCache, &[u32])>| tier.map_or(0, |(_, ids)| ids.len());
+        len(self.device).max(len(self.host))
+    }
+
     /// The device cache with the ids its walk verified (a group of the shared store reads the
     /// runs attached to them).
     pub(crate) fn device(&self) -> Option<(&'a PrefixCache, &'a [u32])> {

@@ -104,6 +104,9 @@ pub(crate) struct LinearTable {
     /// Saves planned with a ticket for their link: (the boundary's last block, prefix hash,
     /// ticket).
     unanchored: Vec<(usize, BlockHash, Anchor)>,
+    /// Computed tokens where the prompt left the cached prefix tree, past the restored
+    /// boundary (0: none): a shared boundary, saved as a checkpoint (R24's junction save).
+    junction: usize,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -346,7 +349,18 @@ impl LinearGroup {
             table.restore_slot = Some(self.cache.pin(hash).ok()?);
             table.restore = Some(hash);
         }
+        // The KV reaches further than the checkpoint: the prompt shares the chain up to the
+        // end of the walk, where another prompt of the same prefix will come back.
+        let walked = chain.walked();
+        if walked > k {
+            table.junction = walked * self.block_size;
+        }
         Some(table)
+    }
+
+    /// The junction save of the table (R24), in computed tokens, if still ahead.
+    pub(crate) fn junction(&self, table: &LinearTable) -> Option<usize> {
+        (table.junction > table.last_saved_boundary).then_some(table.junction)
     }
 
     /// Takes the live slot (after the single block, R14); false if none can be had.
@@ -396,7 +410,9 @@ impl LinearGroup {
         if computed == 0 || computed % bs != 0 || saved {
             return false;
         }
-        self.checkpoint_interval.is_some_and(|t| computed % t == 0) || computed == prompt / bs * bs
+        self.checkpoint_interval.is_some_and(|t| computed % t == 0)
+            || computed == prompt / bs * bs
+            || computed == table.junction
     }
 
     /// At a step: drops stale saves (F6), then, when `save` names the prefix hash of the

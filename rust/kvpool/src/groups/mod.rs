@@ -312,6 +312,14 @@ impl Group {
         }
     }
 
+    /// The computed-token count of the table's junction save still ahead (R24), if any.
+    pub(crate) fn junction(&self, table: &GroupTable) -> Option<usize> {
+        match (self, table) {
+            (Self::Linear(g), GroupTable::Linear(t)) => g.junction(t),
+            _ => None,
+        }
+    }
+
     /// After a forward step (`cache(seq)`): what the group plans at a step (R24); `save`: the
     /// prefix hash of the boundary at `computed`, its last block's link and tokens.
     pub(crate) fn step(

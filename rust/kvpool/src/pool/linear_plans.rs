@@ -126,8 +126,9 @@ impl BlockManagerPool {
     }
 
     /// R24: the smallest computed-token count in `(num_computed_tokens, len(seq)]` at which
-    /// `cache(seq)` plans a checkpoint save: the next multiple of `checkpoint_interval`, or the
-    /// prompt's last block boundary. `None` without linear state or when no boundary is left.
+    /// `cache(seq)` plans a checkpoint save: the next multiple of `checkpoint_interval`, the
+    /// prompt's last block boundary, or its junction (where the prompt left the cached prefix
+    /// tree at admission). `None` without linear state or when no boundary is left.
     /// A prefill chunk that passes a boundary without ending on it saves nothing for it, so
     /// engines end their chunks here. A sequence of another pool is an error naming `seq`.
     pub fn next_checkpoint_boundary(&self, seq: &mut Sequence) -> Result<Option<usize>> {
@@ -142,10 +143,21 @@ impl BlockManagerPool {
             .config
             .checkpoint_interval
             .and_then(|t| (computed / t).checked_add(1)?.checked_mul(t));
-        let boundary = [Some(prompt_end).filter(|&b| b > computed), interval]
-            .into_iter()
-            .flatten()
-            .min();
+        let junction = seq.alloc().and_then(|alloc| {
+            let groups = &self.ranks[alloc.rank].groups;
+            groups
+                .iter()
+                .zip(&alloc.groups)
+                .find_map(|(group, table)| group.junction(table))
+        });
+        let boundary = [
+            Some(prompt_end).filter(|&b| b > computed),
+            interval,
+            junction.filter(|&b| b > computed),
+        ]
+        .into_iter()
+        .flatten()
+        .min();
         Ok(boundary.filter(|&b| b <= seq.len()))
     }
 
