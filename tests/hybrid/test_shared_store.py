@@ -304,3 +304,27 @@ def test_shared_blocks_conflicts_are_named():
         kvpool.BlockManagerPool(16, BS, shared_blocks=True)
     with pytest.raises(TypeError, match="shared_blocks"):
         kvpool.BlockManagerPool(16, BS, sliding_window=8, shared_blocks=1)
+
+
+@pytest.mark.parametrize("computed", range(9, 21))
+@pytest.mark.parametrize("store", ["shared", "own"])
+def test_r25_the_next_turn_hits_where_full_attention_does(computed, store):
+    """The kept window tail is never one block short (../shared/hybrid/repro_window_tail_short.py):
+    a turn that computed C tokens (its last sampled token has no KV yet) is deallocated; the next
+    turn resends it plus new tokens and hits as much as full attention alone, for every
+    C % block_size (window 8, block size 4), in one store and in a window store of its own."""
+    turn1 = list(range(1, computed + 2))
+    turn2 = turn1 + [900 + i for i in range(6)]
+    hits = []
+    for window in (8, None):
+        own = {"swa_num_blocks": 64} if store == "own" and window else {}
+        pool = kvpool.BlockManagerPool(64, 4, sliding_window=window, **own)
+        first = kvpool.Sequence(turn1[:computed])
+        assert pool.allocate(first)
+        first.num_computed_tokens = computed
+        pool.cache(first)
+        first.append_token(turn1[computed])
+        pool.deallocate(first)
+        hits.append(pool.plan(kvpool.Sequence(turn2)).num_cached_tokens)
+        pool.check()
+    assert hits[0] == hits[1] > 0

@@ -321,11 +321,22 @@ impl SlidingWindowBlockManager {
         num_computed_tokens.saturating_sub(self.window - 1) / self.block_size()
     }
 
-    /// Releases the blocks of `table` no future query can attend to (R25); returns how many.
+    /// The first block a slide at `num_computed_tokens` keeps: the first one a query at the last
+    /// full block boundary can attend to. A later request sharing the prefix can only hit at a
+    /// block boundary, so the tail is kept for that query, not for the one at
+    /// `num_computed_tokens` (a block more when the window ends inside the last block).
+    #[inline]
+    fn first_kept_block(&self, num_computed_tokens: usize) -> usize {
+        let bs = self.block_size();
+        self.first_needed_block(num_computed_tokens / bs * bs)
+    }
+
+    /// Releases the blocks of `table` that neither a future query of the sequence nor a hit at
+    /// one of its block boundaries can attend to (R25); returns how many.
     #[inline]
     pub fn slide(&self, table: &mut WindowTable, num_computed_tokens: usize) -> usize {
         let first = self
-            .first_needed_block(num_computed_tokens)
+            .first_kept_block(num_computed_tokens)
             .min(table.len());
         if first <= table.released {
             return 0; // most steps: the window did not pass a block boundary
@@ -347,7 +358,7 @@ impl SlidingWindowBlockManager {
     /// whose only other holder is the table (evictable once it lets go, F4).
     pub fn releasable(&self, table: &WindowTable, num_computed_tokens: usize) -> usize {
         let first = self
-            .first_needed_block(num_computed_tokens)
+            .first_kept_block(num_computed_tokens)
             .min(table.len());
         let store = &self.inner.store;
         (table.released..first)
