@@ -9,7 +9,7 @@ PIP := $(PY) -m pip install -q --disable-pip-version-check
 export VIRTUAL_ENV := $(abspath $(VENV))
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: run test build wheel wheel-from-sdist test-deps redis-server test-rust test-loom test-python test-vllm lint bench bench-index-peers clean
+.PHONY: run test build wheel wheel-from-sdist test-deps redis-server test-rust test-loom test-python test-vllm vllm-venv-kvpool test-models test-models-slow lint bench bench-index-peers clean
 
 $(PY):
 	@$(PYTHON) -m venv $(VENV)
@@ -92,7 +92,7 @@ test-loom:
 test-python: test-deps build
 	$(PY) -m pytest -q
 
-# kvpool under vLLM 0.33.0's real Scheduler, on CPU (issue 19, tests/vllm). Its own venv: vllm
+# kvpool under vLLM 0.33.0's real Scheduler, on CPU (tests/vllm). Its own venv: vllm
 # pins torch 2.14.0, whose CUDA build (with its nvidia-* wheels, about 9 GB) imports without a
 # GPU; uv installs it from PyPI in about a minute, once per machine (the stamp). kvpool goes in
 # with maturin develop (the warm cargo target of `make build`).
@@ -108,16 +108,35 @@ $(VLLM_STAMP): $(RUN_DEPS)
 		"hypothesis>=6.100" "numpy>=1.24" >>$(VLLM_VENV)/install.log 2>&1 || (cat $(VLLM_VENV)/install.log >&2; exit 1)
 	@touch $@
 
-test-vllm: $(VLLM_STAMP)
+vllm-venv-kvpool: $(VLLM_STAMP)
 	@echo "== installing kvpool into $(VLLM_VENV)"
 	@VIRTUAL_ENV=$(abspath $(VLLM_VENV)) PATH=$(abspath $(VLLM_VENV))/bin:$$PATH $(VENV)/bin/maturin develop --release \
 		>$(VLLM_VENV)/build.log 2>&1 || (cat $(VLLM_VENV)/build.log >&2; exit 1)
+
+test-vllm: vllm-venv-kvpool
 	VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 $(VLLM_VENV)/bin/python -m pytest -q tests/vllm
+
+# ruff format decides the layout of every Python file (100 columns, pyproject.toml); mypy checks
+# the package and its stub ([tool.mypy]); clippy denies an unsafe block without `// SAFETY:`.
+PY_SOURCES := python tests benches examples .ci
+
+# Real models on kvpool (tests/models, docs/engine.md): tiny random-weight Qwen3, Gemma 3 text and
+# Qwen3-Next through kvpool.integrations.transformers, every logit against the model's own
+# forward, on CPU with the numpy kernel backend. In the vLLM venv: vLLM brings torch and
+# transformers. The emulated-backend variants (the kernels' CUDA sources on the CPU, a few
+# minutes) are marked slow: make test-models-slow, outside .ci/run.
+test-models: vllm-venv-kvpool
+	HF_HUB_OFFLINE=1 $(VLLM_VENV)/bin/python -m pytest -q -m "not slow" tests/models
+
+test-models-slow: vllm-venv-kvpool
+	HF_HUB_OFFLINE=1 $(VLLM_VENV)/bin/python -m pytest -q -m slow tests/models
 
 lint: $(DEPS) build
 	cargo fmt --all --check
 	cargo clippy --workspace --all-targets -- -D warnings
-	$(VENV)/bin/ruff check python tests benches examples .ci
+	$(VENV)/bin/ruff format --check $(PY_SOURCES)
+	$(VENV)/bin/ruff check $(PY_SOURCES)
+	$(PY) -m mypy
 	$(PY) -m mypy.stubtest kvpool._core --allowlist stubtest-allowlist.txt
 
 bench:

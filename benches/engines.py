@@ -1,4 +1,4 @@
-"""Scheduler time per step of a nano-vllm-shaped engine loop (issue 18), side by side in one run:
+"""Scheduler time per step of a nano-vllm-shaped engine loop, side by side in one run:
 kvpool's drop-in ``kvpool.integrations.nanovllm.BlockManager`` against the nano-vllm-semantics
 reference (benches/compare/nanovllm_reference.py) and, with ``--nanovllm-src`` naming a checkout of
 GeeeekExplorer/nano-vllm, nano-vllm's own ``BlockManager`` in the same loop.

@@ -1,4 +1,4 @@
-"""The fleet simulation on the Mooncake traces (issue 21): every routing policy, with local caches
+"""The fleet simulation on the Mooncake traces: every routing policy, with local caches
 and with one shared remote tier, as the markdown table of docs/simulate.md and RESULTS.md.
 
     .venv/bin/python benches/fleet_bench.py /work/shared/data/mooncake/conversation_trace.jsonl \
@@ -25,7 +25,9 @@ from kvpool.sim.workloads import load_trace
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("trace")
     p.add_argument("--instances", type=int, default=4)
     p.add_argument("--block-size", type=int, default=512)
@@ -42,23 +44,41 @@ def main() -> None:
     reqs = load_trace(a.trace)
     read_s = time.perf_counter() - t0
     bs = a.block_size
-    cfg = SimConfig(num_blocks=math.ceil(a.cache_tokens / bs) + 1, block_size=bs,
-                    host_num_blocks=math.ceil(a.host_tokens / bs) + 1, gpu=a.gpu, tp=a.tp,
-                    model_shape=MODELS[a.model], max_num_batched_tokens=8192)
+    cfg = SimConfig(
+        num_blocks=math.ceil(a.cache_tokens / bs) + 1,
+        block_size=bs,
+        host_num_blocks=math.ceil(a.host_tokens / bs) + 1,
+        gpu=a.gpu,
+        tp=a.tp,
+        model_shape=MODELS[a.model],
+        max_num_batched_tokens=8192,
+    )
     rows = []
     for remote in (None if r == "none" else r for r in a.remotes.split(",")):
         for policy in a.policies.split(","):
             res = run_fleet(cfg, reqs, a.instances, policy, remote=remote)
             f = res.fleet
             rows.append(res.to_json())
-            print(f"| {policy} | {'shared remote' if remote else 'local'} | {100 * f['hit_rate']:.1f}% | "
-                  f"{f['ttft_s_mean']:.2f} | {f['ttft_s_p50']:.2f} | {f['ttft_s_p90']:.2f} | {f['ttft_s_p99']:.2f} | "
-                  f"{f['busy_imbalance']:.2f} | {f['min_requests']:,}-{f['max_requests']:,} | "
-                  f"{f['remote_hit_blocks']:,} | {f['wall_s']:.0f} s |", flush=True)
+            print(
+                f"| {policy} | {'shared remote' if remote else 'local'} | {100 * f['hit_rate']:.1f}% | "
+                f"{f['ttft_s_mean']:.2f} | {f['ttft_s_p50']:.2f} | {f['ttft_s_p90']:.2f} | {f['ttft_s_p99']:.2f} | "
+                f"{f['busy_imbalance']:.2f} | {f['min_requests']:,}-{f['max_requests']:,} | "
+                f"{f['remote_hit_blocks']:,} | {f['wall_s']:.0f} s |",
+                flush=True,
+            )
     if a.json:
         with open(a.json, "w") as fh:
-            json.dump({"trace": a.trace, "trace_read_s": read_s, "instances": a.instances,
-                       "config": {k: str(v) for k, v in vars(cfg).items()}, "runs": rows}, fh, indent=1)
+            json.dump(
+                {
+                    "trace": a.trace,
+                    "trace_read_s": read_s,
+                    "instances": a.instances,
+                    "config": {k: str(v) for k, v in vars(cfg).items()},
+                    "runs": rows,
+                },
+                fh,
+                indent=1,
+            )
 
 
 if __name__ == "__main__":

@@ -56,8 +56,17 @@ class Bench:
 
     def row(self, name, shape, sec, nbytes, ceiling, note=""):
         bw = nbytes / sec
-        self.rows.append((name, shape, f"{sec * 1e6:9.1f}", f"{nbytes / 2**20:9.1f}",
-                          f"{bw / 1e9:8.1f}", f"{bw / ceiling:6.1%}", note))
+        self.rows.append(
+            (
+                name,
+                shape,
+                f"{sec * 1e6:9.1f}",
+                f"{nbytes / 2**20:9.1f}",
+                f"{bw / 1e9:8.1f}",
+                f"{bw / ceiling:6.1%}",
+                note,
+            )
+        )
 
     def rand(self, shape):
         """Values in [0.5, 2): bit patterns around 1.0 of bf16 / fp16."""
@@ -85,12 +94,18 @@ def ceilings(b: Bench) -> tuple[float, float, float]:
     pin = cupyx.empty_pinned((256 << 20,), np.uint8)
     dbuf = cp.empty(pin.nbytes, np.uint8)
     rt, stream = cp.cuda.runtime, cp.cuda.get_current_stream()
-    t = b.timeit(lambda: rt.memcpyAsync(pin.ctypes.data, dbuf.data.ptr, pin.nbytes,
-                                        rt.memcpyDeviceToHost, stream.ptr))
+    t = b.timeit(
+        lambda: rt.memcpyAsync(
+            pin.ctypes.data, dbuf.data.ptr, pin.nbytes, rt.memcpyDeviceToHost, stream.ptr
+        )
+    )
     d2h = pin.nbytes / t
     b.row("memcpy D2H (PCIe ceiling)", "256 MiB", t, pin.nbytes, d2h)
-    t = b.timeit(lambda: rt.memcpyAsync(dbuf.data.ptr, pin.ctypes.data, pin.nbytes,
-                                        rt.memcpyHostToDevice, stream.ptr))
+    t = b.timeit(
+        lambda: rt.memcpyAsync(
+            dbuf.data.ptr, pin.ctypes.data, pin.nbytes, rt.memcpyHostToDevice, stream.ptr
+        )
+    )
     h2d = pin.nbytes / t
     b.row("memcpy H2D (PCIe ceiling)", "256 MiB", t, pin.nbytes, h2d)
     return d2d, d2h, h2d
@@ -148,8 +163,9 @@ def torch_decode(b: Bench, q, kc, vc, bt, ctx):
     def run():
         kk = tk[tb].reshape(batch, ctx, HKV, D).transpose(1, 2)
         vv = tv[tb].reshape(batch, ctx, HKV, D).transpose(1, 2)
-        return F.scaled_dot_product_attention(tq[:, :, None], kk, vv, scale=D**-0.5,
-                                              enable_gqa=True)[:, :, 0]
+        return F.scaled_dot_product_attention(
+            tq[:, :, None], kk, vv, scale=D**-0.5, enable_gqa=True
+        )[:, :, 0]
 
     return run, (lambda out: torch.as_tensor(out.view(np.uint16), device="cuda").view(tdt))
 
@@ -164,8 +180,11 @@ def decode(b: Bench, d2d: float) -> None:
             kc, vc, bt, lens = b.paged(batch, ctx, rng)
             q = b.rand((batch, HQ, D))
             out = cp.empty_like(q)
-            t = b.timeit(lambda q=q, kc=kc, vc=vc, bt=bt, lens=lens, out=out: K.paged_decode_attention(
-                q, kc, vc, bt, lens, D**-0.5, out, backend="cupy", validate=False))
+            t = b.timeit(
+                lambda q=q, kc=kc, vc=vc, bt=bt, lens=lens, out=out: K.paged_decode_attention(
+                    q, kc, vc, bt, lens, D**-0.5, out, backend="cupy", validate=False
+                )
+            )
             kv_bytes = 2 * batch * ctx * HKV * D * b.dt.itemsize
             note = ""
             ref = torch_decode(b, q, kc, vc, bt, ctx)
@@ -173,8 +192,10 @@ def decode(b: Bench, d2d: float) -> None:
                 run, as_torch = ref
                 tt = b.timeit(run, repeat=5)
                 diff = (as_torch(out).float() - run().float()).abs().max().item()
-                note = (f"torch gather+SDPA {tt * 1e6:.0f} us ({kv_bytes / tt / 1e9:.0f} GB/s), "
-                        f"max|diff| {diff:.1e}")
+                note = (
+                    f"torch gather+SDPA {tt * 1e6:.0f} us ({kv_bytes / tt / 1e9:.0f} GB/s), "
+                    f"max|diff| {diff:.1e}"
+                )
             b.row("paged_decode", f"b{batch} ctx{ctx // 1024}k {b.dt_name}", t, kv_bytes, d2d, note)
             del kc, vc, ref
             cp.get_default_memory_pool().free_all_blocks()
@@ -189,12 +210,21 @@ def prefill(b: Bench, d2d: float) -> None:
     cu = cp.arange(0, (batch + 1) * chunk, chunk, dtype=np.int32)
     q = b.rand((batch * chunk, HQ, D))
     out = cp.empty_like(q)
-    t = b.timeit(lambda: K.paged_prefill_attention(q, kc, vc, bt, cu, lens, D**-0.5, out=out,
-                                                   backend="cupy", validate=False), repeat=5)
+    t = b.timeit(
+        lambda: K.paged_prefill_attention(
+            q, kc, vc, bt, cu, lens, D**-0.5, out=out, backend="cupy", validate=False
+        ),
+        repeat=5,
+    )
     flops = 4 * batch * HQ * D * chunk * (prefix + chunk / 2)
-    b.row("paged_prefill", f"b{batch} {prefix}+{chunk} {b.dt_name}", t,
-          2 * batch * (prefix + chunk) * HKV * D * b.dt.itemsize, d2d,
-          f"{flops / t / 1e12:.1f} TFLOP/s (CUDA cores)")
+    b.row(
+        "paged_prefill",
+        f"b{batch} {prefix}+{chunk} {b.dt_name}",
+        t,
+        2 * batch * (prefix + chunk) * HKV * D * b.dt.itemsize,
+        d2d,
+        f"{flops / t / 1e12:.1f} TFLOP/s (CUDA cores)",
+    )
 
 
 def main() -> int:

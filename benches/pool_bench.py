@@ -1,4 +1,4 @@
-"""Microbenchmarks of the Python API of ``kvpool.BlockManagerPool`` (issue 3).
+"""Microbenchmarks of the Python API of ``kvpool.BlockManagerPool``.
 
     python benches/pool_bench.py [--iterations N] [--json PATH] [--no-references]
 

@@ -1,4 +1,4 @@
-"""Remote-tier benchmark (issue 10): put/get throughput of Llama-8B-shaped KV blocks against a
+"""Remote-tier benchmark: put/get throughput of Llama-8B-shaped KV blocks against a
 local Redis, and the scheduler overhead the remote tier adds per request when nothing is found.
 
 Block: 16 tokens x 32 layers x (K, V) x 8 kv heads x 128 head dim x fp16 = 2 MiB per block.
@@ -19,7 +19,8 @@ from pathlib import Path
 
 import kvpool
 import numpy as np
-from kvpool.remote import RedisRemoteTier, decode_payload, encode_payload, make_namespace
+from kvpool.tiers.payload import decode_payload, encode_payload, make_namespace
+from kvpool.tiers.redis import RedisRemoteTier
 
 BS, LAYERS, KVH, HD = 16, 32, 8, 128
 
@@ -46,8 +47,14 @@ def main() -> int:
         raise SystemExit("--url: only loopback (127.0.0.1) servers are allowed")
     deadline = time.monotonic() + args.time_limit
     try:
-        ns = make_namespace("llama-3-8b", dtype="float16", num_kv_heads=KVH, head_dim=HD,
-                            block_size=BS, num_layers=LAYERS)
+        ns = make_namespace(
+            "llama-3-8b",
+            dtype="float16",
+            num_kv_heads=KVH,
+            head_dim=HD,
+            block_size=BS,
+            num_layers=LAYERS,
+        )
         tier = RedisRemoteTier(url, ns, timeout_ms=10_000)
         rng = np.random.default_rng(0)
         block = rng.standard_normal((2 * LAYERS, BS, KVH, HD)).astype(np.float16)
@@ -62,26 +69,36 @@ def main() -> int:
             toks = [int(x) for x in rng.integers(0, 50_000, size=args.blocks * BS)]
             keys = kvpool.hash_blocks(toks, BS)
             for i in range(0, len(keys), args.batch):
-                ks = keys[i:i + args.batch]
+                ks = keys[i : i + args.batch]
                 t0 = time.perf_counter()
                 tier.put_many(ks, [encode_payload(k, spec, body) for k in ks])
                 put_t += time.perf_counter() - t0
             for i in range(0, len(keys), args.batch):
-                ks = keys[i:i + args.batch]
+                ks = keys[i : i + args.batch]
                 t0 = time.perf_counter()
                 got = tier.get_many(ks)
-                assert all(decode_payload(k, spec, p, len(body)) is not None for k, p in zip(ks, got, strict=True))
+                assert all(
+                    decode_payload(k, spec, p, len(body)) is not None
+                    for k, p in zip(ks, got, strict=True)
+                )
                 get_t += time.perf_counter() - t0
             tier.delete_many(keys)
             n_done += len(keys)
         mb = n_done * len(body) / 1e6
-        results.update(put_blocks_per_s=n_done / put_t, put_MB_per_s=mb / put_t,
-                       get_blocks_per_s=n_done / get_t, get_MB_per_s=mb / get_t,
-                       blocks=n_done, batch=args.batch)
+        results.update(
+            put_blocks_per_s=n_done / put_t,
+            put_MB_per_s=mb / put_t,
+            get_blocks_per_s=n_done / get_t,
+            get_MB_per_s=mb / get_t,
+            blocks=n_done,
+            batch=args.batch,
+        )
 
         # Scheduler overhead when nothing is found: allocate+deallocate of unique 2k-token prompts.
         def run(remote: RedisRemoteTier | None) -> tuple[float, int]:
-            pool = kvpool.HierarchyBlockManagerPool(4096, 4096, BS, remote=remote, remote_budget_ms=50)
+            pool = kvpool.HierarchyBlockManagerPool(
+                4096, 4096, BS, remote=remote, remote_budget_ms=50
+            )
             r = random.Random(1)
             t = 0.0
             n = 0
@@ -101,10 +118,13 @@ def main() -> int:
         base, _ = run(None)
         remote = RedisRemoteTier(url, ns + "/overhead")
         with_remote, calls = run(remote)
-        results.update(allocate_us_without_remote=base * 1e6, allocate_us_with_remote=with_remote * 1e6,
-                       remote_overhead_us_per_request=(with_remote - base) * 1e6,
-                       exists_round_trips_per_request=calls / max(args.requests, 1),
-                       blocks_asked_per_request=2047 // BS)
+        results.update(
+            allocate_us_without_remote=base * 1e6,
+            allocate_us_with_remote=with_remote * 1e6,
+            remote_overhead_us_per_request=(with_remote - base) * 1e6,
+            exists_round_trips_per_request=calls / max(args.requests, 1),
+            blocks_asked_per_request=2047 // BS,
+        )
         print(json.dumps(results, indent=2))
     finally:
         if server is not None:

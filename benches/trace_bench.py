@@ -1,4 +1,4 @@
-"""``kvpool simulate`` on the whole Mooncake conversation trace: wall time of the command (issue 20).
+"""``kvpool simulate`` on the whole Mooncake conversation trace: wall time of the command.
 
 Runs each command ``--repeat`` times (default 3) as a subprocess and prints, per command, the
 median, min and max of its wall time, the CPU time of its processes (user + system: the machine
@@ -40,10 +40,22 @@ def _children_cpu() -> float:
 
 
 def run_once(trace: str, args: list[str]) -> tuple[float, float, list[float], dict]:
-    cmd = [sys.executable, "-m", "kvpool", "simulate", "--trace", trace, *args, "--json", "--no-progress"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvpool",
+        "simulate",
+        "--trace",
+        trace,
+        *args,
+        "--json",
+        "--no-progress",
+    ]
     cpu0 = _children_cpu()
     t0 = time.perf_counter()
-    p = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OPENBLAS_NUM_THREADS="1"))
+    p = subprocess.run(
+        cmd, capture_output=True, text=True, env=dict(os.environ, OPENBLAS_NUM_THREADS="1")
+    )
     wall = time.perf_counter() - t0
     cpu = _children_cpu() - cpu0
     if p.returncode != 0:
@@ -59,8 +71,12 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--only", default=",".join(COMMANDS))
     a = ap.parse_args()
-    print(f"# {a.trace}, {a.repeat} runs each, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}")
-    print("| command | wall s median (min-max) | CPU s median | trace read in s (median) | last point |")
+    print(
+        f"# {a.trace}, {a.repeat} runs each, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}"
+    )
+    print(
+        "| command | wall s median (min-max) | CPU s median | trace read in s (median) | last point |"
+    )
     print("|---|---:|---:|---:|---|")
     for name in a.only.split(","):
         walls, cpus, reads, last = [], [], [], {}
@@ -69,10 +85,15 @@ def main() -> None:
             walls.append(w)
             cpus.append(c)
             reads.extend(r)
-        info = (f"{last['steps']:,} steps, from cache {100 * last['first_admission_cached_fraction']:.1f}%, "
-                f"TTFT {last['ttft_s_mean']:.2f} s")
-        print(f"| {name} | {statistics.median(walls):.1f} ({min(walls):.1f}-{max(walls):.1f}) | "
-              f"{statistics.median(cpus):.1f} | {statistics.median(reads):.2f} | {info} |", flush=True)
+        info = (
+            f"{last['steps']:,} steps, from cache {100 * last['first_admission_cached_fraction']:.1f}%, "
+            f"TTFT {last['ttft_s_mean']:.2f} s"
+        )
+        print(
+            f"| {name} | {statistics.median(walls):.1f} ({min(walls):.1f}-{max(walls):.1f}) | "
+            f"{statistics.median(cpus):.1f} | {statistics.median(reads):.2f} | {info} |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

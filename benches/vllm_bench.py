@@ -1,4 +1,4 @@
-"""kvpool's vLLM manager against vLLM 0.33.0's own, same trace, same run (issue 19).
+"""kvpool's vLLM manager against vLLM 0.33.0's own, same trace, same run.
 
 Two measurements, each round interleaving the managers (the fastest round of each is kept):
 
@@ -42,8 +42,15 @@ BS = 16
 
 
 def issue_trace(n: int, seed: int = 0) -> list[h.Item]:
-    return h.chat_trace(n, seed, system_prompt_len=2445, user_mean=180.0, output_len=34,
-                        max_turns=8, max_prompt_len=8000)
+    return h.chat_trace(
+        n,
+        seed,
+        system_prompt_len=2445,
+        user_mean=180.0,
+        output_len=34,
+        max_turns=8,
+        max_prompt_len=8000,
+    )
 
 
 class NullManager:
@@ -77,7 +84,9 @@ class NullManager:
     def new_step_starts(self, *args):
         pass
 
-    record_prefix_cache_stats = take_boundary_state_offloads = take_kv_cache_block_copies = new_step_starts
+    record_prefix_cache_stats = take_boundary_state_offloads = take_kv_cache_block_copies = (
+        new_step_starts
+    )
     take_new_block_ids = take_events = make_prefix_cache_stats = free = new_step_starts
 
 
@@ -98,11 +107,20 @@ def manager_round(kind: str, trace, num_blocks: int, budget: int, algo: str | No
         kv.new_step_starts()
         blocks, hit, _ = kv.get_computed_blocks(req)
         n = min(req.num_tokens - hit, budget)
-        new = kv.allocate_slots(req, n, num_new_computed_tokens=hit, new_computed_blocks=blocks,
-                                num_lookahead_tokens=0, num_external_computed_tokens=0,
-                                delay_cache_blocks=False, skip_zeroing_group_ids=(),
-                                num_encoder_tokens=0, full_sequence_must_fit=True,
-                                reserved_blocks=0, has_scheduled_reqs=False)
+        new = kv.allocate_slots(
+            req,
+            n,
+            num_new_computed_tokens=hit,
+            new_computed_blocks=blocks,
+            num_lookahead_tokens=0,
+            num_external_computed_tokens=0,
+            delay_cache_blocks=False,
+            skip_zeroing_group_ids=(),
+            num_encoder_tokens=0,
+            full_sequence_must_fit=True,
+            reserved_blocks=0,
+            has_scheduled_reqs=False,
+        )
         assert new is not None, "cannot admit"
         kv.record_prefix_cache_stats(req, hit)
         kv.get_blocks(req.request_id).get_block_ids()
@@ -136,12 +154,20 @@ def manager_round(kind: str, trace, num_blocks: int, budget: int, algo: str | No
     gc.enable()
     assert kv.block_pool.get_num_free_blocks() == num_blocks - 1
     per = len(trace) * 1e3
-    return {"us": wall / per, "hash_us": hash_ns / per, "manager_us": (wall - hash_ns) / per, "hits": hits}
+    return {
+        "us": wall / per,
+        "hash_us": hash_ns / per,
+        "manager_us": (wall - hash_ns) / per,
+        "hits": hits,
+    }
 
 
-def scheduler_round(kind: str, trace, num_blocks: int, budget: int, scale: float, algo: str) -> dict:
-    scheduler, config = h.build_scheduler(kind, num_blocks, budget=budget, max_seqs=128,
-                                          max_model_len=16384, hash_algo=algo)
+def scheduler_round(
+    kind: str, trace, num_blocks: int, budget: int, scale: float, algo: str
+) -> dict:
+    scheduler, config = h.build_scheduler(
+        kind, num_blocks, budget=budget, max_seqs=128, max_model_len=16384, hash_algo=algo
+    )
     hasher = h.block_hasher(BS, algo) if kind == "vllm" else None
     gc.collect()
     gc.disable()
@@ -149,11 +175,16 @@ def scheduler_round(kind: str, trace, num_blocks: int, budget: int, scale: float
     gc.enable()
     steps = len(run.schedule_ns)
     total = sum(run.schedule_ns) + sum(run.update_ns)
-    return {"steps": steps, "schedule_us": sum(run.schedule_ns) / steps / 1e3,
-            "update_us": sum(run.update_ns) / max(len(run.update_ns), 1) / 1e3,
-            "step_us": total / steps / 1e3, "request_us": total / len(trace) / 1e3,
-            "hash_us": run.hash_ns / len(trace) / 1e3, "hits": run.hits,
-            "preemptions": run.preemptions}
+    return {
+        "steps": steps,
+        "schedule_us": sum(run.schedule_ns) / steps / 1e3,
+        "update_us": sum(run.update_ns) / max(len(run.update_ns), 1) / 1e3,
+        "step_us": total / steps / 1e3,
+        "request_us": total / len(trace) / 1e3,
+        "hash_us": run.hash_ns / len(trace) / 1e3,
+        "hits": run.hits,
+        "preemptions": run.preemptions,
+    }
 
 
 def best(rounds: list[dict], key: str) -> dict:
@@ -166,56 +197,75 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--num-blocks", type=int, default=4096)
     p.add_argument("--budget", type=int, default=2048)
-    p.add_argument("--arrival-scale", type=float, default=0.2, help="scheduler steps per trace time unit")
+    p.add_argument(
+        "--arrival-scale", type=float, default=0.2, help="scheduler steps per trace time unit"
+    )
     p.add_argument("--only", default="manager,scheduler")
     a = p.parse_args()
     trace = issue_trace(a.requests)
     mean = sum(len(it.prompt) for it in trace) / len(trace)
-    print(f"trace: {len(trace)} requests, {mean:.0f} prompt tokens mean, {len(trace[0].output)} output; "
-          f"block size {BS}, {a.num_blocks} blocks, chunk {a.budget}; best of {a.repeat} interleaved rounds")
+    print(
+        f"trace: {len(trace)} requests, {mean:.0f} prompt tokens mean, {len(trace[0].output)} output; "
+        f"block size {BS}, {a.num_blocks} blocks, chunk {a.budget}; best of {a.repeat} interleaved rounds"
+    )
     if "manager" in a.only:
         peers = [("vllm", "sha256"), ("vllm", "xxhash"), ("kvpool", None), ("null", None)]
         rounds: dict = {peer: [] for peer in peers}
         for _ in range(a.repeat):
             for kind, algo in peers:
-                rounds[(kind, algo)].append(manager_round(kind, trace, a.num_blocks, a.budget, algo))
+                rounds[(kind, algo)].append(
+                    manager_round(kind, trace, a.num_blocks, a.budget, algo)
+                )
         # the loop's own cost without the Request construction, which manager_us excludes
         null = best(rounds[("null", None)], "us")
         loop = best(rounds[("null", None)], "manager_us")["manager_us"]
         ours = best(rounds[("kvpool", None)], "us")
-        print("\nmanager calls alone, one request at a time (us per request). 'calls' excludes the "
-              f"driving loop ({loop:.0f} us, a manager that does nothing) and the Request construction; "
-              "'calls + hashing' adds vLLM's block hashing of the request, what vLLM's manager needs "
-              "and kvpool's does itself (total minus the null manager's total, "
-              f"{null['us']:.0f} us; the issue's accounting)")
-        print(f"{'manager':<18} {'total':>7} {'hashing':>8} {'calls':>7} {'calls + hashing':>16} "
-              f"{'hit tokens':>11} {'kvpool is (calls + hashing)':>28} {'(calls)':>8}")
+        print(
+            "\nmanager calls alone, one request at a time (us per request). 'calls' excludes the "
+            f"driving loop ({loop:.0f} us, a manager that does nothing) and the Request construction; "
+            "'calls + hashing' adds vLLM's block hashing of the request, what vLLM's manager needs "
+            "and kvpool's does itself (total minus the null manager's total, "
+            f"{null['us']:.0f} us; the issue's accounting)"
+        )
+        print(
+            f"{'manager':<18} {'total':>7} {'hashing':>8} {'calls':>7} {'calls + hashing':>16} "
+            f"{'hit tokens':>11} {'kvpool is (calls + hashing)':>28} {'(calls)':>8}"
+        )
         for kind, algo in peers[:3]:
             r = best(rounds[(kind, algo)], "us")
             name = f"{kind} ({algo})" if algo else "kvpool"
             calls, with_hashing = r["manager_us"] - loop, r["us"] - null["us"]
-            print(f"{name:<18} {r['us']:>7.0f} {r['hash_us']:>8.0f} {calls:>7.0f} {with_hashing:>16.0f} "
-                  f"{r['hits']:>11} {with_hashing / (ours['us'] - null['us']):>27.1f}x "
-                  f"{calls / (ours['manager_us'] - loop):>7.1f}x")
+            print(
+                f"{name:<18} {r['us']:>7.0f} {r['hash_us']:>8.0f} {calls:>7.0f} {with_hashing:>16.0f} "
+                f"{r['hits']:>11} {with_hashing / (ours['us'] - null['us']):>27.1f}x "
+                f"{calls / (ours['manager_us'] - loop):>7.1f}x"
+            )
     if "scheduler" in a.only:
         peers = [("vllm", "sha256"), ("vllm", "xxhash"), ("kvpool", "sha256")]
         rounds = {peer: [] for peer in peers}
         for _ in range(a.repeat):
             for kind, algo in peers:
-                rounds[(kind, algo)].append(scheduler_round(kind, trace, a.num_blocks, a.budget,
-                                                            a.arrival_scale, algo))
+                rounds[(kind, algo)].append(
+                    scheduler_round(kind, trace, a.num_blocks, a.budget, a.arrival_scale, algo)
+                )
         ours = best(rounds[("kvpool", "sha256")], "request_us")
-        print(f"\nvLLM's Scheduler step (schedule + update_from_output), sync, arrivals x{a.arrival_scale}")
-        print(f"{'manager':<22} {'steps':>6} {'schedule':>9} {'update':>8} {'per step':>9} "
-              f"{'per req':>8} {'+ hashing':>10} {'hits':>9} {'kvpool is':>10}")
+        print(
+            f"\nvLLM's Scheduler step (schedule + update_from_output), sync, arrivals x{a.arrival_scale}"
+        )
+        print(
+            f"{'manager':<22} {'steps':>6} {'schedule':>9} {'update':>8} {'per step':>9} "
+            f"{'per req':>8} {'+ hashing':>10} {'hits':>9} {'kvpool is':>10}"
+        )
         for kind, algo in peers:
             r = best(rounds[(kind, algo)], "request_us")
             name = f"{kind} ({algo})" if kind == "vllm" else "kvpool"
             with_hash = r["request_us"] + r["hash_us"]
             ratio = with_hash / (ours["request_us"] + ours["hash_us"])
-            print(f"{name:<22} {r['steps']:>6} {r['schedule_us']:>9.0f} {r['update_us']:>8.0f} "
-                  f"{r['step_us']:>9.0f} {r['request_us']:>8.0f} {with_hash:>10.0f} {r['hits']:>9} "
-                  f"{ratio:>9.1f}x")
+            print(
+                f"{name:<22} {r['steps']:>6} {r['schedule_us']:>9.0f} {r['update_us']:>8.0f} "
+                f"{r['step_us']:>9.0f} {r['request_us']:>8.0f} {with_hash:>10.0f} {r['hits']:>9} "
+                f"{ratio:>9.1f}x"
+            )
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""The seeds' two scenarios on the real library, step by step (the same as ``kvpool tour``).
+"""Two scenarios on the real library, step by step (the same as ``kvpool tour``).
 
 Run: ``python examples/tour.py``. Read python/kvpool/tour.py for the calls behind each row:
 seed 003 (paged blocks: allocate, can_append / may_append, release, block size 4 against 8) and

@@ -1,4 +1,4 @@
-"""Shared fixtures and helpers for the kvpool test-suite (issues 2 and 3).
+"""Shared fixtures and helpers for the kvpool test-suite.
 
 The suite is grouped by area, in plain folders (no packages): ``core/`` (the physical block
 managers, the prefix cache, bad input, reliability), ``pool/`` (the sequence-level pool, its

@@ -180,9 +180,7 @@ class KvpoolAdapter(Adapter):
 class NanoRefAdapter(Adapter):
     name = "nano-vllm-ref"
     hash_name = _nano.HASH_BACKEND
-    description = (
-        "nanovllm_reference.py (nano-vllm's BlockManager algorithm, pure Python)"
-    )
+    description = "nanovllm_reference.py (nano-vllm's BlockManager algorithm, pure Python)"
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         super().__init__(num_blocks, block_size)
@@ -353,9 +351,7 @@ class VllmRefAdapter(Adapter):
     name = "vllm-v1-ref"
     publish_on_allocate = True
     hash_algo = "sha256"
-    description = (
-        "vllm_reference.py (vLLM v1's BlockPool / KVCacheManager algorithm, pure Python)"
-    )
+    description = "vllm_reference.py (vLLM v1's BlockPool / KVCacheManager algorithm, pure Python)"
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         super().__init__(num_blocks, block_size)

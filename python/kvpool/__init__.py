@@ -2,11 +2,12 @@
 
 The Rust core (``kvpool._core``) provides block handles, free lists, the prefix cache and the
 sequence-level pool; ``kvpool.kernels`` holds the GPU data plane; ``kvpool simulate`` is a
-serving-workload simulator built on the pool. The rules cited as "R<n>" are those of the
-contract (docs/contract.md).
+serving-workload simulator built on the pool; ``kvpool.tiers`` holds the tiers below the device
+(``HierarchyBlockManagerPool`` adds the remote tier to the core's host tier), ``kvpool.index``
+the router side. docs/architecture.md maps the package. The rules cited as "R<n>" are those of
+the contract (docs/contract.md).
 """
 
-from kvpool import router  # noqa: E402  (policies on KVIndex; imports _core)
 from kvpool._core import (
     DEFAULT_HASH_SEED,
     AllocationPlan,
@@ -15,7 +16,6 @@ from kvpool._core import (
     BlockManagerPool,
     CompositeBlockManager,
     ConcurrentBlockManager,
-    HierarchyBlockManagerPool,
     InvariantError,
     KVEvent,
     KVIndex,
@@ -35,6 +35,8 @@ from kvpool._core import (
     encode_events,
     hash_blocks,
 )
+from kvpool.index import router
+from kvpool.tiers.hierarchy import HierarchyBlockManagerPool
 
 __all__ = [
     "DEFAULT_HASH_SEED",

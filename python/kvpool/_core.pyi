@@ -13,8 +13,6 @@ from typing import (
     Any,
     Final,
     Literal,
-    Required,
-    Self,
     SupportsIndex,
     TypeAlias,
     TypedDict,
@@ -24,7 +22,7 @@ from typing import (
 
 import numpy as np
 from numpy.typing import NDArray
-from typing_extensions import disjoint_base
+from typing_extensions import Required, Self, disjoint_base
 
 __all__ = [
     "__version__",
@@ -97,6 +95,21 @@ class _CheckpointStats(TypedDict):
     evictions: int
     commits: int
 
+_MissReason = Literal[
+    "shorter_than_block", "no_shared_prefix", "evicted", "window_blocks_gone", "no_checkpoint"
+]
+
+class _MissStats(TypedDict):
+    """Admissions whose prefix hit a group cut short of the prompt, per reason (docs/hybrid.md
+    "Why no hit"): the first three are the full-attention group's, then the sliding-window
+    group's and the linear-state group's."""
+
+    shorter_than_block: int
+    no_shared_prefix: int
+    evicted: int
+    window_blocks_gone: int
+    no_checkpoint: int
+
 class _RankStats(_BlockCounts):
     """Statistics of one dp rank of a pool (R20)."""
 
@@ -112,12 +125,16 @@ class _RankStats(_BlockCounts):
     num_checkpoint_evictions: int
     num_checkpoint_commits: int
     window: _WindowCounts | None
+    """The sliding-window group's own store (``swa_num_blocks``); None without one (a window
+    group in the shared store is counted in ``BlockManagerPool.memory()``)."""
+    misses: _MissStats
     xtensor: _MappedMemoryStats | None
     """Mapped memory on elastic pages (the ``xtensor`` option); None without it."""
     host: _HostStats | None
 
 class _MappedMemoryStats(TypedDict):
-    """Mapped memory of one rank of a pool on elastic pages, or the sum over the ranks."""
+    """Mapped memory of one rank of a pool on elastic pages, or the sum over the ranks
+    (docs/xtensor.md)."""
 
     num_pages: int
     mapped_pages: int
@@ -144,6 +161,30 @@ class _XTensorOption(TypedDict, total=False):
     backend: Literal["accounting", "host"] | Any
     """A name, or page backend objects (``map_page(page)`` / ``unmap_page(page)``, e.g.
     ``kvpool.xtensor.CudaPageBackend``): a list of one per dp rank, or one object for one rank."""
+
+class _SharedGroupMemory(TypedDict):
+    """One group's blocks in the full-attention group's store."""
+
+    group: int
+    """0 full attention, then the pool's other groups in table order."""
+    cached_blocks: int
+    used_blocks: int
+
+class _LinearStateMemory(TypedDict):
+    group: int
+    slots_in_use: int
+    """Live, pending and committed slots."""
+    slots: int
+
+class _RankMemory(TypedDict):
+    """``BlockManagerPool.memory()``: one rank's store per group (docs/hybrid.md)."""
+
+    num_blocks: int
+    free_blocks: int
+    shared: list[_SharedGroupMemory]
+    own_window: _WindowCounts | None
+    """A sliding-window group with its own store (``swa_num_blocks``), with its ``group``."""
+    linear_state: _LinearStateMemory | None
 
 class _PoolStats(_RankStats):
     """``BlockManagerPool.stats()``: totals over all ranks plus ``ranks``, one dict per rank."""
@@ -176,6 +217,7 @@ class _HierarchyRankStats(_BlockCounts):
     num_checkpoint_evictions: int
     num_checkpoint_commits: int
     window: _WindowCounts | None
+    misses: _MissStats
     xtensor: None
     host: _HostStats
 
@@ -187,10 +229,19 @@ class _DebugCounters(TypedDict):
 
 class _HierarchyPoolStats(_HierarchyRankStats, total=False):
     """``HierarchyBlockManagerPool.stats()``: totals plus ``ranks``, one dict per rank; with a
-    remote tier, ``remote`` (lookups, hit/miss/fetched/failed blocks, the tier's counters)."""
+    remote tier (``kvpool.HierarchyBlockManagerPool``, python/kvpool/tiers/hierarchy.py),
+    ``remote`` (lookups, hit/miss/fetched/failed blocks, the tier's counters)."""
 
     ranks: list[_HierarchyRankStats]
     remote: dict[str, Any]
+
+class _RemoteCounters(TypedDict):
+    """The core's part of ``stats()["remote"]``, totals over ranks (R26)."""
+
+    hit_blocks: int
+    fetched_blocks: int
+    failed_fetch_blocks: int
+    pending_fetch_blocks: int
 
 _OffloadPolicy: TypeAlias = Literal["on_deallocate", "on_evict"]
 
@@ -249,13 +300,14 @@ class Block:
 
 @final
 class BlockManager:
-    """Plain block allocator with a prefix cache (the seed's BlockManagerImpl, R1-R12).
+    """Plain block allocator with a prefix cache (xLLM's BlockManagerImpl, R1-R12).
 
     Parameters
     ----------
     num_blocks : int
         Ids in the pool, padding block 0 included (``num_total_blocks == num_blocks - 1``), at
-        most ``2**30``; ``num_blocks * block_size`` below ``2**40`` (docs/contract_choices.md).
+        most ``2**30``; ``num_blocks * block_size`` below ``2**40`` (docs/contract.md, "Choice:
+        sizes and counts").
     block_size : int
         Tokens per block, at least 1.
     enable_prefix_cache : bool
@@ -392,7 +444,7 @@ class BlockManager:
 
 @final
 class ConcurrentBlockManager:
-    """Thread-safe block allocator with a prefix cache (the seed's ConcurrentBlockManagerImpl).
+    """Thread-safe block allocator with a prefix cache (xLLM's ConcurrentBlockManagerImpl).
 
     The same API and behaviour as :class:`BlockManager` (R1-R12), for many threads at once
     (R27): allocation from the free list and every handle release are lock-free, the prefix
@@ -404,7 +456,8 @@ class ConcurrentBlockManager:
     ----------
     num_blocks : int
         Ids in the pool, padding block 0 included (``num_total_blocks == num_blocks - 1``), at
-        most ``2**30``; ``num_blocks * block_size`` below ``2**40`` (docs/contract_choices.md).
+        most ``2**30``; ``num_blocks * block_size`` below ``2**40`` (docs/contract.md, "Choice:
+        sizes and counts").
     block_size : int
         Tokens per block, at least 1.
     enable_prefix_cache : bool
@@ -983,7 +1036,7 @@ class BlockManagerPool:
     num_blocks : int
         Block ids per rank, padding block 0 included; at most ``2**30`` (as are
         ``num_single_blocks``, ``linear_state_slots`` and ``swa_num_blocks``; ``block_size`` at
-        most ``2**16``, ``dp_size`` at most 1024: docs/contract_choices.md).
+        most ``2**16``, ``dp_size`` at most 1024: docs/contract.md, "Choice: sizes and counts").
     block_size : int
         Tokens per block.
     dp_size : int
@@ -1010,7 +1063,19 @@ class BlockManagerPool:
     sliding_window : int or None
         Window in tokens of a sliding-window group 1 (R25).
     swa_num_blocks : int or None
-        Block ids per rank of the sliding-window group; None: ``num_blocks``.
+        Block ids per rank of a sliding-window group with a store of its own. None (the
+        default): the window group draws its blocks from the full-attention group's store, one
+        free list and one id space of ``num_blocks`` ids for both (docs/hybrid.md "One block
+        store").
+    shared_blocks : bool or None
+        Whether the sliding-window group shares the full-attention group's store; None: shared
+        unless ``swa_num_blocks``, ``xtensor`` or a host tier is given (with a host tier, a
+        window store of its own keeps the runs of chains whose blocks went to the host).
+    retention_tokens : int
+        With a shared store, the window runs kept longest (evicted last): those of the
+        boundaries in the first ``retention_tokens`` tokens of every chain (where system prompts
+        end) and in the last ``retention_tokens`` computed tokens of each released sequence
+        (where the next turn of a conversation diverges); default 512.
     linear_state_save : {"copy", "promote"}
         Save a checkpoint by copying the live state into a pending slot, or by promoting the
         live slot (zero-copy; the sequence continues in a fresh slot) (R22).
@@ -1062,6 +1127,8 @@ class BlockManagerPool:
         hash_seed: int | None = None,
         sliding_window: int | None = None,
         swa_num_blocks: int | None = None,
+        shared_blocks: bool | None = None,
+        retention_tokens: int = 512,
         linear_state_save: _LinearStateSave = "copy",
         debug_hash_bits: int | None = None,
         xtensor: _XTensorOption | None = None,
@@ -1103,10 +1170,14 @@ class BlockManagerPool:
     def num_groups(self) -> int:
         """Block groups of every sequence: 1, or 2 with ``sliding_window`` (R25)."""
 
-    def can_allocate(self, seq: Sequence, num_tokens: int | None = None) -> bool:
+    def can_allocate(
+        self, seq: Sequence, num_tokens: int | None = None, *, num_new_tokens: int | None = None
+    ) -> bool:
         """What ``allocate(seq, num_tokens)`` would return, with no side effect (R15)."""
 
-    def plan(self, seq: Sequence, num_tokens: int | None = None) -> AllocationPlan | None:
+    def plan(
+        self, seq: Sequence, num_tokens: int | None = None, *, num_new_tokens: int | None = None
+    ) -> AllocationPlan | None:
         """The allocation ``allocate(seq, num_tokens)`` would make, with no side effect of any kind.
 
         One walk of the prefix chain per tier (device, then host); the plan carries what the
@@ -1127,8 +1198,28 @@ class BlockManagerPool:
             ``plan`` is not an ``AllocationPlan``.
         """
 
+    def next_checkpoint_boundary(self, seq: Sequence) -> int | None:
+        """Where ``seq``'s next prefill chunk must end for a checkpoint to be saved (R24).
+
+        The smallest computed-token count above ``seq.num_computed_tokens``, at most
+        ``len(seq)``, at which ``cache(seq)`` plans a checkpoint save: the next multiple of
+        ``checkpoint_interval``, the prompt's last block boundary, or its junction (where the
+        prompt left the cached prefix tree at admission, past the restored checkpoint). A chunk
+        that passes a boundary without ending on it saves nothing there.
+
+        Returns
+        -------
+        int or None
+            None without linear state, or when no boundary is left before ``len(seq)``.
+
+        Raises
+        ------
+        ValueError
+            ``seq`` holds blocks of another pool.
+        """
+
     def allocate_shared(self, seq: Sequence) -> bool:
-        """The prefix hit only, into a sequence that holds nothing (the seed's ``allocate_shared``).
+        """The prefix hit only, into a sequence that holds nothing (xLLM's ``allocate_shared``).
 
         Takes the hit's blocks (trimmed as ``allocate`` trims it), the single block and the
         live slot, but no new blocks; ``num_computed_tokens`` is the hit. ``allocate`` then grows
@@ -1145,8 +1236,14 @@ class BlockManagerPool:
             ``seq`` already holds blocks, has no tokens, or holds blocks of another pool.
         """
 
-    def allocate(self, seq: Sequence, num_tokens: int | None = None, *,
-                 plan: AllocationPlan | None = None) -> bool:
+    def allocate(
+        self,
+        seq: Sequence,
+        num_tokens: int | None = None,
+        *,
+        plan: AllocationPlan | None = None,
+        num_new_tokens: int | None = None,
+    ) -> bool:
         """Give ``seq`` blocks for ``num_tokens`` tokens after a prefix-cache match (R8, R13, R14).
 
         On a sequence that holds blocks, grows its table (chunked prefill).
@@ -1157,6 +1254,10 @@ class BlockManagerPool:
             The sequence; gets ``num_cached_tokens``, ``num_computed_tokens`` and ``dp_rank``.
         num_tokens : int or None
             Tokens the table must hold, in ``1..len(seq)``; None is ``len(seq)``.
+        num_new_tokens : int or None
+            Instead of ``num_tokens``: the table holds the computed tokens after the match (the
+            hit over every tier; on an allocated sequence its ``num_computed_tokens``) plus
+            ``num_new_tokens >= 1``, at most ``len(seq)``: a first chunk sized in one walk.
         plan : AllocationPlan or None
             A plan from ``plan(seq, num_tokens)``: carried out when nothing changed since
             (this pool, this sequence at its length, no pool call in between), else the pool
@@ -1170,7 +1271,8 @@ class BlockManagerPool:
         Raises
         ------
         ValueError
-            ``num_tokens`` out of range, or ``seq`` holds blocks of another pool.
+            ``num_tokens`` or ``num_new_tokens`` out of range, both given, or ``seq`` holds
+            blocks of another pool.
         """
 
     def can_append(self, seq: Sequence, lookahead: int = 0) -> bool:
@@ -1181,7 +1283,7 @@ class BlockManagerPool:
         """
 
     def may_append(self, seq: Sequence, lookahead: int = 0) -> bool:
-        """Take the blocks ``can_append`` asks about (all or nothing; False if they cannot be had)."""
+        """Take the blocks ``can_append`` asks about, all or nothing (False: they cannot be had)."""
 
     def cache(self, seq: Sequence) -> None:
         """Publish the full blocks inside ``seq.num_computed_tokens`` in the prefix cache (R17)."""
@@ -1286,6 +1388,10 @@ class BlockManagerPool:
     def stats(self) -> _PoolStats:
         """Counts, prefix-cache and slot statistics, totals and per rank (R20)."""
 
+    def memory(self) -> list[_RankMemory]:
+        """Every rank's memory per group: a census of its store (O(blocks), not for every
+        step; ``stats()`` has the totals)."""
+
     def debug_counters(self) -> _DebugCounters:
         """Chain walks of the device and host prefix caches so far (for tests of one walk per
         admission; not part of ``stats``)."""
@@ -1305,8 +1411,26 @@ class BlockManagerPool:
         First records the removals of sliding-window blocks that stopped being findable since
         the last call (their last handle may drop anywhere, lock-free; docs/events.md)."""
 
-    def drain_block_switches(self) -> list[tuple[int, int, int]]:
+    @overload
+    def drain_block_switches(
+        self, *, with_group: Literal[False] = False
+    ) -> list[tuple[int, int, int]]: ...
+    @overload
+    def drain_block_switches(
+        self, *, with_group: Literal[True]
+    ) -> list[tuple[int, int, int, int]]: ...
+    @overload
+    def drain_block_switches(
+        self, *, with_group: bool = False
+    ) -> list[tuple[int, int, int]] | list[tuple[int, int, int, int]]:
         """Return and clear the table entries dedup on publish switched (R9 revised).
+
+        Parameters
+        ----------
+        with_group : bool
+            Return ``(seq_id, group, old_id, new_id)``: ``group`` as in
+            ``block_tables(seqs, group)``. Only the full-attention group (0) dedups: the
+            sliding-window group keeps the first writer (R25), linear-state slots are not blocks.
 
         Returns
         -------
@@ -1329,11 +1453,12 @@ class BlockManagerPool:
         far (the consumer then calls ``KVIndex.resync``). ``sequence`` past the next number is
         a ValueError."""
 
-    def record_remote_events(self, dp_rank: int, kind: Literal["stored", "removed"],
-                             block_hashes: _Sequence[bytes]) -> int:
+    def record_remote_events(
+        self, dp_rank: int, kind: Literal["stored", "removed"], block_hashes: _Sequence[bytes]
+    ) -> int:
         """Record the remote tier's stores or removals of rank ``dp_rank``'s blocks as
-        ``"remote"`` events in its stream (``kvpool.remote.RemoteTransfer`` calls it: the pool
-        does no I/O); returns the events recorded (0 without ``enable_events``)."""
+        ``"remote"`` events in its stream (``kvpool.tiers.remote_transfer.RemoteTransfer`` calls
+        it: the pool does no I/O); returns the events recorded (0 without ``enable_events``)."""
 
     def reset_prefix_cache(self) -> None:
         """Drop every cached entry of every rank, every committed checkpoint nothing pins and
@@ -1344,7 +1469,9 @@ class BlockManagerPool:
         """The ``xtensor`` option with its defaults filled in (``backend`` ``"custom"`` for
         objects), or None (fixed memory)."""
 
-    def set_memory_limit(self, limit: int | None, *, dp_rank: int | None = None) -> list[_MemoryLimitReport]:
+    def set_memory_limit(
+        self, limit: int | None, *, dp_rank: int | None = None
+    ) -> list[_MemoryLimitReport]:
         """Set the memory limit in bytes (None: the whole range) of rank ``dp_rank``, or of every
         rank; one report per rank set. Lowering it unmaps spares, evicts cached blocks page by page
         and unmaps what empties; what sequences hold stays mapped (``excess_bytes``) and returns
@@ -1389,7 +1516,8 @@ class BlockManagerPool:
 
 @final
 class AllocationPlan:
-    """An allocation decided by ``BlockManagerPool.plan``, with no side effect (issue "One pool").
+    """An allocation decided by ``BlockManagerPool.plan``, with no side effect (docs/contract.md,
+    "Plan once").
 
     Hand it to ``allocate(seq, num_tokens, plan=plan)``. Read-only; tokens are multiples of the
     block size. ``num_cached_tokens`` is what ``seq.num_cached_tokens`` becomes once every load
@@ -1439,6 +1567,20 @@ class AllocationPlan:
     @property
     def restore_checkpoint(self) -> bytes | None:
         """Prefix hash (16 bytes) of the checkpoint the linear state is restored from (R23)."""
+
+    @property
+    def kv_hit_tokens(self) -> int:
+        """Tokens of the prefix the full-attention caches hold (device and host, R8 applied):
+        the hit the full-attention group alone could serve, before the other groups' limits."""
+
+    @property
+    def miss_group(self) -> int | None:
+        """The group that cut the hit short of the prompt (0 full attention, then the pool's
+        other groups in table order); None for a full hit (docs/hybrid.md "Why no hit")."""
+
+    @property
+    def miss_reason(self) -> _MissReason | None:
+        """Why the hit stops short of the prompt; None for a full hit."""
 
 # --- hybrid models (R22-R25) ------------------------------------------------------------------
 
@@ -1546,16 +1688,26 @@ class LinearStatePrefixCache:
 
 @final
 class LinearStatePlan:
-    """Recurrent-state copies for the worker (R24), from ``take_linear_state_plan``.
+    """What the worker does to the recurrent state (R24), from ``take_linear_state_plan``.
 
-    Execute every restore (``restore_src[i] -> restore_dst[i]``, e.g. with
-    ``kvpool.kernels.copy_linear_state``), then every save (``save_src[i] -> save_dst[i]``), then
-    call ``commit_linear_state_plan``. Slot arrays are int32 of shape ``[n]``.
+    First fill every slot of ``zero_slots`` with zeros (live slots taken without a restore: a
+    recycled slot holds an earlier sequence's state), then execute every restore
+    (``restore_src[i] -> restore_dst[i]``, e.g. with ``kvpool.kernels.copy_linear_state``), then
+    every save (``save_src[i] -> save_dst[i]``), then call ``commit_linear_state_plan``. Slot
+    arrays are int32 of shape ``[n]``.
     """
 
     @property
     def dp_rank(self) -> NDArray[np.int32]:
         """dp rank of every copy: the restores' ranks, then the saves'."""
+
+    @property
+    def zero_dp_rank(self) -> NDArray[np.int32]:
+        """dp rank of each zeroed slot."""
+
+    @property
+    def zero_slots(self) -> NDArray[np.int32]:
+        """Live slots to fill with zeros before anything else (taken without a restore)."""
 
     @property
     def restore_dp_rank(self) -> NDArray[np.int32]:
@@ -1586,7 +1738,7 @@ class LinearStatePlan:
         """Prefix hash (16 bytes) of each saved checkpoint."""
 
     def __len__(self) -> int:
-        """Number of copies."""
+        """Number of operations: zeroed slots, restores and saves."""
 
     def __bool__(self) -> bool: ...
 
@@ -1607,7 +1759,9 @@ class SlidingWindowBlockManager:
         Window in tokens.
     """
 
-    def __new__(cls, num_blocks: int, block_size: int, window: int) -> SlidingWindowBlockManager: ...
+    def __new__(
+        cls, num_blocks: int, block_size: int, window: int
+    ) -> SlidingWindowBlockManager: ...
     @property
     def num_blocks(self) -> int:
         """Ids, padding block included."""
@@ -1679,8 +1833,9 @@ class TransferPlan:
     """Block copies of one dp rank in one direction: copy block ``src[i]`` to block ``dst[i]``.
 
     Made by ``HierarchyBlockManagerPool.take_load_plans`` / ``take_offload_plans``; run it with
-    one ``kvpool.kernels.swap_blocks`` call per cache array (or ``kvpool.transfer``'s executors),
-    then hand it back to ``complete_loads`` / ``complete_offloads``.
+    one ``kvpool.kernels.swap_blocks`` call per cache array (or the executors of
+    ``kvpool.tiers.host_transfer``), then hand it back to ``complete_loads`` /
+    ``complete_offloads``.
     """
 
     @property
@@ -1693,7 +1848,7 @@ class TransferPlan:
 
     @property
     def dst(self) -> NDArray[np.int32]:
-        """Destination block ids, int32 ``[n]``, distinct: device ids for a load, host for an offload."""
+        """Destination block ids, int32 ``[n]``, distinct (device ids of a load, host ids else)."""
 
     @property
     def direction(self) -> Literal["load", "offload", "fetch"]:
@@ -1707,9 +1862,14 @@ class TransferPlan:
 
     def __len__(self) -> int: ...
 
-@final
+@disjoint_base
 class HierarchyBlockManagerPool(BlockManagerPool):
     """A ``BlockManagerPool`` with a host-memory KV tier per dp rank (R26).
+
+    Subclassable: ``kvpool.HierarchyBlockManagerPool`` (python/kvpool/tiers/hierarchy.py) is the
+    Python subclass that adds a remote tier (``remote=``, ``remote_policy=``,
+    ``remote_budget_ms=``): it runs the remote lookup with ``remote_query`` and
+    ``allocate_with_remote``. This class does no I/O.
 
     Each rank has a host manager (ids ``1..host_num_blocks-1``) with its own prefix cache beside
     the device groups. ``allocate`` continues the device prefix match in the host cache and
@@ -1735,16 +1895,10 @@ class HierarchyBlockManagerPool(BlockManagerPool):
         offloaded. ``"on_evict"``: only the blocks that the release makes evictable (held by
         nothing but the device cache); a block another sequence holds goes when its last
         holder releases it.
-    dp_size, enable_prefix_cache, num_single_blocks, linear_state_slots, checkpoint_interval, linear_state_match, linear_state_save, concurrent, enable_events, event_replay, hash_seed, sliding_window, swa_num_blocks, debug_hash_bits
+    dp_size, enable_prefix_cache, num_single_blocks, linear_state_slots, checkpoint_interval,
+    linear_state_match, linear_state_save, concurrent, enable_events, event_replay, hash_seed,
+    sliding_window, swa_num_blocks, debug_hash_bits
         As for ``BlockManagerPool``. Without the device prefix cache the host tier stays idle.
-    remote : kvpool.remote.RemoteTier or None
-        A shared remote tier (issue 10): ``allocate`` makes one ``exists_many`` call past the
-        device+host reach (``kvpool.tiers.remote.RemoteLookup``); remote hits get host staging
-        blocks and fetch plans. Only ranks of full attention alone take remote hits.
-    remote_policy : {"write_through", "on_host_evict"}
-        When the executor sends offloaded host blocks to the remote tier.
-    remote_budget_ms : float
-        Timeout passed to the lookup (``timeout=`` seconds); failures and timeouts are misses.
 
     Raises
     ------
@@ -1774,24 +1928,11 @@ class HierarchyBlockManagerPool(BlockManagerPool):
         hash_seed: int | None = None,
         sliding_window: int | None = None,
         swa_num_blocks: int | None = None,
+        shared_blocks: bool | None = None,
+        retention_tokens: int = 512,
         debug_hash_bits: int | None = None,
         dedup: bool = True,
-        remote: Any = None,
-        remote_policy: Literal["write_through", "on_host_evict"] = "write_through",
-        remote_budget_ms: float = 50.0,
-    ) -> HierarchyBlockManagerPool: ...
-    @property
-    def remote(self) -> Any:
-        """The remote tier, or None."""
-
-    @property
-    def remote_policy(self) -> Literal["write_through", "on_host_evict"]:
-        """When offloaded host blocks go to the remote tier."""
-
-    @property
-    def remote_budget_ms(self) -> float:
-        """Scheduler budget of the one remote lookup per allocate, in milliseconds."""
-
+    ) -> Self: ...
     @property
     def host_num_blocks(self) -> int:
         """Host block ids per rank, padding block included."""
@@ -1800,14 +1941,19 @@ class HierarchyBlockManagerPool(BlockManagerPool):
     def offload_policy(self) -> _OffloadPolicy:
         """``"on_deallocate"`` or ``"on_evict"``."""
 
-    def allocate(self, seq: Sequence, num_tokens: int | None = None, *,
-                 plan: AllocationPlan | None = None) -> bool:
+    def allocate(
+        self,
+        seq: Sequence,
+        num_tokens: int | None = None,
+        *,
+        plan: AllocationPlan | None = None,
+        num_new_tokens: int | None = None,
+    ) -> bool:
         """Device match, host match past it, then new blocks (R8, R13, R14, R26).
 
         Host hits get fresh device blocks (their table entries) and a load plan; they are
         trimmed to what the device can hold and to the boundary every group can serve, so
-        success is decided exactly as for ``BlockManagerPool``. With a remote tier, one lookup
-        of the chain past the local reach extends the hit. On a sequence that holds blocks,
+        success is decided exactly as for ``BlockManagerPool``. On a sequence that holds blocks,
         grows its table.
 
         Returns
@@ -1816,15 +1962,21 @@ class HierarchyBlockManagerPool(BlockManagerPool):
             False if the blocks cannot be had; both tiers and ``seq`` are then unchanged.
         """
 
-    def remote_query(self, seq: Sequence, num_tokens: int | None = None, *,
-                     plan: AllocationPlan | None = None) -> tuple[int, list[bytes]] | None:
+    def remote_query(
+        self, seq: Sequence, num_tokens: int | None = None, *, plan: AllocationPlan | None = None
+    ) -> tuple[int, list[bytes]] | None:
         """What to ask the remote tier before allocating ``seq``: ``(from, keys)``, the chain
         hashes of blocks ``from..`` past the device and host reach (R8), or None when there is
         nothing to ask. With ``plan`` (from ``plan(seq)``), no walk of its own. No side effect."""
 
-    def allocate_with_remote(self, seq: Sequence, num_tokens: int | None = None, *,
-                             remote_hits: tuple[int, int] | None = None,
-                             plan: AllocationPlan | None = None) -> bool:
+    def allocate_with_remote(
+        self,
+        seq: Sequence,
+        num_tokens: int | None = None,
+        *,
+        remote_hits: tuple[int, int] | None = None,
+        plan: AllocationPlan | None = None,
+    ) -> bool:
         """``allocate`` where chain blocks ``remote_hits = (from, to)`` exist on the remote tier
         (the answer to ``remote_query``): the same answer as ``allocate`` (R14, R15); remote hits
         get host staging blocks and a fetch plan (``take_fetch_plans``)."""
@@ -1839,10 +1991,11 @@ class HierarchyBlockManagerPool(BlockManagerPool):
         """Offload plans (device -> host) made since the last call, one per rank that has any."""
 
     def take_fetch_plans(self) -> list[TransferPlan]:
-        """Fetch plans (remote -> host staging) made since the last call, one per rank that has any."""
+        """Fetch plans (remote -> host staging) made since the last call, one per rank with any."""
 
-    def complete_fetches(self, plans: Iterable[TransferPlan],
-                         arrived: Iterable[Iterable[bool]] | None = None) -> None:
+    def complete_fetches(
+        self, plans: Iterable[TransferPlan], arrived: Iterable[Iterable[bool]] | None = None
+    ) -> None:
         """Report which fetched blocks arrived intact (``arrived[i][j]``; None: all).
 
         Each sequence keeps the leading run of its chain; its load becomes takeable and its
@@ -1855,7 +2008,7 @@ class HierarchyBlockManagerPool(BlockManagerPool):
         """
 
     def fail_fetches(self, plans: Iterable[TransferPlan]) -> None:
-        """``complete_fetches`` with nothing arrived: host hits still load, remote hits recompute."""
+        """``complete_fetches``, nothing arrived: host hits still load, remote hits recompute."""
 
     def complete_loads(self, plans: Iterable[TransferPlan]) -> None:
         """Confirm that ``plans`` ran: loaded tokens count as cached and computed (R26).
@@ -1881,7 +2034,11 @@ class HierarchyBlockManagerPool(BlockManagerPool):
         """Device statistics (R20) with ``host`` (host counts and transfers), totals and per rank;
         with a remote tier, ``remote`` (lookups, hit/miss/fetched/failed blocks, the tier's own)."""
 
-# --- prefix index over KV events (issue "Beyond one instance") --------------------------------
+    def stats_with_remote(self) -> tuple[_HierarchyPoolStats, _RemoteCounters]:
+        """``stats()`` and the core's remote counters, from one snapshot: what the Python
+        subclass merges with its lookup's counters into ``stats()["remote"]``."""
+
+# --- prefix index over KV events (docs/events.md) ----------------------------------------------
 
 _Medium: TypeAlias = Literal["device", "host", "remote"]
 _GroupKind: TypeAlias = Literal["full_attention", "sliding_window", "linear_state"]
@@ -2023,8 +2180,10 @@ class KVIndex:
         block_size: int | None = None,
         now: float = 0.0,
         depths: bool,
-    ) -> list[tuple[int, int, _Medium, int, int]] | list[tuple[int, int, _Medium, int, int, int, int]]: ...
-
+    ) -> (
+        list[tuple[int, int, _Medium, int, int]]
+        | list[tuple[int, int, _Medium, int, int, int, int]]
+    ): ...
     def insert_speculative(
         self,
         instance: int,
@@ -2098,7 +2257,7 @@ def encode_events(events: Iterable[_IndexEvent | Any]) -> bytes:
 def decode_events(data: bytes) -> list[_IndexEvent]:
     """The events of a msgpack batch, as dicts with every field."""
 
-# --- elastic pages: XTensorBlockManager ----------------------------------------------------
+# --- elastic pages: XTensorBlockManager (docs/xtensor.md) -------------------------------------
 
 __all__ += ["XTensorBlockManager"]
 

@@ -1,4 +1,4 @@
-"""The ``kvpool`` command: ``kvpool simulate ...`` and ``kvpool tour``.
+"""The ``kvpool`` command: ``kvpool simulate ...``, ``kvpool tour`` and ``kvpool generate ...``.
 
 The side-by-side benchmark against nano-vllm / vLLM-style block managers is not a library command:
 it runs from a checkout, ``python benches/compare.py`` (benches/compare/).
@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import sys
 
-USAGE = """usage: kvpool {simulate,tour} [options]
+USAGE = """usage: kvpool {simulate,tour,generate} [options]
 
 commands:
   simulate   replay a serving workload (synthetic, or a Mooncake / Qwen-Bailian trace) through
              a scheduler built on BlockManagerPool and report KV-cache usage, prefix hits,
              preemptions, time in seconds (`kvpool simulate --help`; docs/simulate.md)
-  tour       the seeds' scenarios replayed on the library, step by step (a minute's read)
+  tour       two scenarios (nano-vllm's paged blocks, xLLM's request life) replayed on the
+             library, step by step (a minute's read)
+  generate   a Hugging Face causal LM (hub id, path, config or tiny-<family>) on prompts from a
+             file, its KV in kvpool (needs torch and transformers; docs/engine.md)
 """
 
 
@@ -32,11 +35,21 @@ def main(argv: list[str] | None = None) -> int:
         from kvpool.tour import main as tour_main
 
         return tour_main(rest)
+    if cmd == "generate":
+        from kvpool.integrations.transformers.cli import main as generate_main
+
+        return generate_main(rest)
     print(USAGE, end="", file=sys.stderr)
     if cmd == "bench":
-        print("kvpool: the comparison with nano-vllm / vLLM runs from a checkout of the repository:"
-              " python benches/compare.py --help", file=sys.stderr)
-    print(f"kvpool: error: unknown command {cmd!r} (choose from simulate, tour)", file=sys.stderr)
+        print(
+            "kvpool: the comparison with nano-vllm / vLLM runs from a checkout of the repository:"
+            " python benches/compare.py --help",
+            file=sys.stderr,
+        )
+    print(
+        f"kvpool: error: unknown command {cmd!r} (choose from simulate, tour, generate)",
+        file=sys.stderr,
+    )
     return 2
 
 

@@ -1,13 +1,13 @@
 """Elastic KV memory on CUDA virtual memory: the GPU page backend of ``kvpool.XTensorBlockManager``.
 
-The KV cache is the NHD layout of DESIGN K1, one ``[num_blocks, block_size, num_kv_heads,
-head_dim]`` tensor for K and one for V per layer. :class:`CudaPageBackend` reserves a virtual
-range for each of those ``2 * num_layers`` tensors (``cuMemAddressReserve``) and backs page ``p``
-(blocks ``p * blocks_per_page ..``) with one physical allocation per tensor only while the
+The KV cache is the NHD layout of docs/contract.md's K1, one ``[num_blocks, block_size,
+num_kv_heads, head_dim]`` tensor for K and one for V per layer. :class:`CudaPageBackend` reserves a
+virtual range for each of those ``2 * num_layers`` tensors (``cuMemAddressReserve``) and backs page
+``p`` (blocks ``p * blocks_per_page ..``) with one physical allocation per tensor only while the
 manager needs it (``cuMemCreate`` + ``cuMemMap`` + ``cuMemSetAccess``; ``cuMemUnmap`` +
 ``cuMemRelease`` to give it back). The tensors are CuPy arrays over the reserved ranges, so
-``kvpool.kernels`` work on them unchanged; only blocks of mapped pages may be touched, which is
-what the manager guarantees for every block it hands out (and for the padding block 0).
+``kvpool.kernels`` work on them unchanged; only blocks of mapped pages may be touched, which is what
+the manager guarantees for every block it hands out (and for the padding block 0).
 
 The driver is reached through ``ctypes`` on ``libcuda`` (:class:`CudaDriver`); any object with the
 same eight methods can stand in for it (the tests use a fake one, so the paging logic is tested
@@ -106,7 +106,11 @@ class CudaDriver:
         self._check("cuCtxSetCurrent", self._cuda.cuCtxSetCurrent(context))
         u64, size_t = ctypes.c_ulonglong, ctypes.c_size_t
         for name, args in {
-            "cuMemGetAllocationGranularity": [ctypes.POINTER(size_t), ctypes.c_void_p, ctypes.c_int],
+            "cuMemGetAllocationGranularity": [
+                ctypes.POINTER(size_t),
+                ctypes.c_void_p,
+                ctypes.c_int,
+            ],
             "cuMemAddressReserve": [ctypes.POINTER(u64), size_t, size_t, u64, u64],
             "cuMemAddressFree": [u64, size_t],
             "cuMemCreate": [ctypes.POINTER(u64), size_t, ctypes.c_void_p, u64],
@@ -129,19 +133,26 @@ class CudaDriver:
 
     @staticmethod
     def _prop(device: int) -> _AllocationProp:
-        return _AllocationProp(type=_ALLOCATION_PINNED, location=_Location(_LOCATION_DEVICE, device))
+        return _AllocationProp(
+            type=_ALLOCATION_PINNED, location=_Location(_LOCATION_DEVICE, device)
+        )
 
     def granularity(self, device: int) -> int:
         out, prop = ctypes.c_size_t(), self._prop(device)
         self._check(
             "cuMemGetAllocationGranularity",
-            self._cuda.cuMemGetAllocationGranularity(ctypes.byref(out), ctypes.byref(prop), _GRANULARITY_MINIMUM),
+            self._cuda.cuMemGetAllocationGranularity(
+                ctypes.byref(out), ctypes.byref(prop), _GRANULARITY_MINIMUM
+            ),
         )
         return out.value
 
     def reserve(self, size: int, alignment: int) -> int:
         out = ctypes.c_ulonglong()
-        self._check("cuMemAddressReserve", self._cuda.cuMemAddressReserve(ctypes.byref(out), size, alignment, 0, 0))
+        self._check(
+            "cuMemAddressReserve",
+            self._cuda.cuMemAddressReserve(ctypes.byref(out), size, alignment, 0, 0),
+        )
         return out.value
 
     def free_address(self, address: int, size: int) -> None:
@@ -149,7 +160,9 @@ class CudaDriver:
 
     def create(self, size: int, device: int) -> int:
         out, prop = ctypes.c_ulonglong(), self._prop(device)
-        self._check("cuMemCreate", self._cuda.cuMemCreate(ctypes.byref(out), size, ctypes.byref(prop), 0))
+        self._check(
+            "cuMemCreate", self._cuda.cuMemCreate(ctypes.byref(out), size, ctypes.byref(prop), 0)
+        )
         return out.value
 
     def map(self, address: int, size: int, handle: int) -> None:
@@ -157,7 +170,9 @@ class CudaDriver:
 
     def set_access(self, address: int, size: int, device: int) -> None:
         desc = _AccessDesc(location=_Location(_LOCATION_DEVICE, device), flags=_ACCESS_READ_WRITE)
-        self._check("cuMemSetAccess", self._cuda.cuMemSetAccess(address, size, ctypes.byref(desc), 1))
+        self._check(
+            "cuMemSetAccess", self._cuda.cuMemSetAccess(address, size, ctypes.byref(desc), 1)
+        )
 
     def unmap(self, address: int, size: int) -> None:
         self._check("cuMemUnmap", self._cuda.cuMemUnmap(address, size))
@@ -172,7 +187,7 @@ class CudaPageBackend:
     Parameters
     ----------
     num_blocks, block_size : the manager's (block 0, the padding block, included).
-    num_kv_heads, head_dim : the KV layout, DESIGN K1.
+    num_kv_heads, head_dim : the KV layout, docs/contract.md's K1.
     num_layers : layers; each has a K and a V tensor.
     dtype : element type (``"float16"``, ``"bfloat16"``, ``"float32"`` or a NumPy dtype).
     blocks_per_page : blocks per page; default the fewest whose bytes per tensor are a multiple
@@ -225,11 +240,14 @@ class CudaPageBackend:
         if blocks_per_page is None:
             blocks_per_page = fewest
         elif isinstance(blocks_per_page, bool) or not isinstance(blocks_per_page, int):
-            raise TypeError(f"blocks_per_page: must be an int, got {type(blocks_per_page).__name__}")
+            raise TypeError(
+                f"blocks_per_page: must be an int, got {type(blocks_per_page).__name__}"
+            )
         elif blocks_per_page < 1 or blocks_per_page % fewest:
             raise ValueError(
-                f"blocks_per_page: must be a positive multiple of {fewest} (pages of {self.block_bytes}-byte "
-                f"blocks must fill whole {granularity}-byte allocations), got {blocks_per_page}"
+                f"blocks_per_page: must be a positive multiple of {fewest} (pages of "
+                f"{self.block_bytes}-byte blocks must fill whole {granularity}-byte allocations), "
+                f"got {blocks_per_page}"
             )
         self.blocks_per_page = blocks_per_page
         self.num_pages = -(-num_blocks // blocks_per_page)
@@ -306,7 +324,9 @@ class CudaPageBackend:
         shape = (self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         arrays = []
         for which in ("k", "v"):
-            memory = cupy.cuda.UnownedMemory(self.tensor_address(layer, which), self.tensor_bytes, self, self.device)
+            memory = cupy.cuda.UnownedMemory(
+                self.tensor_address(layer, which), self.tensor_bytes, self, self.device
+            )
             arrays.append(cupy.ndarray(shape, self.dtype, cupy.cuda.MemoryPointer(memory, 0)))
         return arrays[0], arrays[1]
 

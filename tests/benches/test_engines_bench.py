@@ -1,4 +1,4 @@
-"""benches/engines.py (issue 18) runs: a quick smoke run of the nano-vllm-shaped loop on the
+"""benches/engines.py runs: a quick smoke run of the nano-vllm-shaped loop on the
 drop-in and the reference, with the schedule equal to the reference's when roomy."""
 
 from __future__ import annotations

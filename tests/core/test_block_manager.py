@@ -1,4 +1,4 @@
-"""kvpool.BlockManager / kvpool.Block / kvpool.SingleBlockManager: rules R1-R5 and R10 (issue 2).
+"""kvpool.BlockManager / kvpool.Block / kvpool.SingleBlockManager: rules R1-R5 and R10.
 
 Prefix-cache specific behaviour (R6-R12) lives in test_prefix_cache.py; bad input (R29) in
 test_bad_input.py; the model-based test in test_manager_stateful.py.

@@ -33,6 +33,7 @@ from kvpool.xtensor import CudaPageBackend
 
 COUNT = "count"  # an int (a count, an id, a rank, a size, a seed): no bool, no float
 FLAG = "flag"  # a bool: no None, no int, no float, no str
+OPTIONAL_FLAG = "optional flag"  # a bool, or None for the default: no int, no float, no str
 
 TOKENS = list(range(8))
 
@@ -111,7 +112,8 @@ def _decode(**kw):
 def _prefill(**kw):
     q, k, v, bt, lens = _kernel_arrays()
     return kernels.paged_prefill_attention(
-        q, k, v, bt, np.array([0, 1], dtype=np.int32), lens, 0.5, **{"backend": "numpy", **kw})
+        q, k, v, bt, np.array([0, 1], dtype=np.int32), lens, 0.5, **{"backend": "numpy", **kw}
+    )
 
 
 def _write_kv(**kw):
@@ -144,197 +146,420 @@ def _with(defaults: dict, call: Callable) -> Callable:
 
 # The pool options of both pool classes: one list (they share their option extractor).
 POOL_OPTIONS = {
-    "dp_size": COUNT, "enable_prefix_cache": FLAG, "num_single_blocks": COUNT,
-    "linear_state_slots": COUNT, "checkpoint_interval": COUNT, "concurrent": FLAG,
-    "enable_events": FLAG, "event_replay": COUNT, "hash_seed": COUNT, "sliding_window": COUNT,
-    "swa_num_blocks": COUNT, "debug_hash_bits": COUNT, "dedup": FLAG,
+    "dp_size": COUNT,
+    "enable_prefix_cache": FLAG,
+    "num_single_blocks": COUNT,
+    "linear_state_slots": COUNT,
+    "checkpoint_interval": COUNT,
+    "concurrent": FLAG,
+    "enable_events": FLAG,
+    "event_replay": COUNT,
+    "hash_seed": COUNT,
+    "sliding_window": COUNT,
+    "swa_num_blocks": COUNT,
+    "debug_hash_bits": COUNT,
+    "dedup": FLAG,
+    "retention_tokens": COUNT,
+    "shared_blocks": OPTIONAL_FLAG,
 }
-MANAGER_ARGS = {"num_blocks": COUNT, "block_size": COUNT, "enable_prefix_cache": FLAG,
-                "hash_seed": COUNT, "debug_hash_bits": COUNT}
+MANAGER_ARGS = {
+    "num_blocks": COUNT,
+    "block_size": COUNT,
+    "enable_prefix_cache": FLAG,
+    "hash_seed": COUNT,
+    "debug_hash_bits": COUNT,
+}
 
 # entry point (as the stubs or the module name it) -> (valid call with keyword overrides, args)
 TABLE: dict[str, tuple[Callable, dict[str, str]]] = {
     # --- the physical managers
-    "BlockManager.__new__": (_with({"num_blocks": 8, "block_size": 4}, kvpool.BlockManager), MANAGER_ARGS),
-    "BlockManager.allocate": (_with({"n": 1}, lambda **kw: kvpool.BlockManager(8, 4).allocate(**kw)), {"n": COUNT}),
-    "BlockManager.evict": (_with({"n": 1}, lambda **kw: kvpool.BlockManager(8, 4).evict(**kw)), {"n": COUNT}),
+    "BlockManager.__new__": (
+        _with({"num_blocks": 8, "block_size": 4}, kvpool.BlockManager),
+        MANAGER_ARGS,
+    ),
+    "BlockManager.allocate": (
+        _with({"n": 1}, lambda **kw: kvpool.BlockManager(8, 4).allocate(**kw)),
+        {"n": COUNT},
+    ),
+    "BlockManager.evict": (
+        _with({"n": 1}, lambda **kw: kvpool.BlockManager(8, 4).evict(**kw)),
+        {"n": COUNT},
+    ),
     "ConcurrentBlockManager.__new__": (
-        _with({"num_blocks": 8, "block_size": 4}, kvpool.ConcurrentBlockManager), MANAGER_ARGS),
+        _with({"num_blocks": 8, "block_size": 4}, kvpool.ConcurrentBlockManager),
+        MANAGER_ARGS,
+    ),
     "ConcurrentBlockManager.allocate": (
-        _with({"n": 1}, lambda **kw: kvpool.ConcurrentBlockManager(8, 4).allocate(**kw)), {"n": COUNT}),
+        _with({"n": 1}, lambda **kw: kvpool.ConcurrentBlockManager(8, 4).allocate(**kw)),
+        {"n": COUNT},
+    ),
     "ConcurrentBlockManager.evict": (
-        _with({"n": 1}, lambda **kw: kvpool.ConcurrentBlockManager(8, 4).evict(**kw)), {"n": COUNT}),
-    "SingleBlockManager.__new__": (_with({"num_slots": 8}, kvpool.SingleBlockManager), {"num_slots": COUNT}),
+        _with({"n": 1}, lambda **kw: kvpool.ConcurrentBlockManager(8, 4).evict(**kw)),
+        {"n": COUNT},
+    ),
+    "SingleBlockManager.__new__": (
+        _with({"num_slots": 8}, kvpool.SingleBlockManager),
+        {"num_slots": COUNT},
+    ),
     "SingleBlockManager.allocate": (
-        _with({"n": 1}, lambda **kw: kvpool.SingleBlockManager(8).allocate(**kw)), {"n": COUNT}),
+        _with({"n": 1}, lambda **kw: kvpool.SingleBlockManager(8).allocate(**kw)),
+        {"n": COUNT},
+    ),
     "SingleBlockManager.evict": (
-        _with({"n": 1}, lambda **kw: kvpool.SingleBlockManager(8).evict(**kw)), {"n": COUNT}),
-    "hash_blocks": (_with({"token_ids": TOKENS, "block_size": 4}, kvpool.hash_blocks),
-                    {"block_size": COUNT, "hash_seed": COUNT}),
+        _with({"n": 1}, lambda **kw: kvpool.SingleBlockManager(8).evict(**kw)),
+        {"n": COUNT},
+    ),
+    "hash_blocks": (
+        _with({"token_ids": TOKENS, "block_size": 4}, kvpool.hash_blocks),
+        {"block_size": COUNT, "hash_seed": COUNT},
+    ),
     "SlidingWindowBlockManager.__new__": (
         _with({"num_blocks": 8, "block_size": 4, "window": 8}, kvpool.SlidingWindowBlockManager),
-        {"num_blocks": COUNT, "block_size": COUNT, "window": COUNT}),
+        {"num_blocks": COUNT, "block_size": COUNT, "window": COUNT},
+    ),
     "SlidingWindowBlockManager.first_needed_block": (
-        _with({"num_computed_tokens": 9},
-              lambda **kw: kvpool.SlidingWindowBlockManager(8, 4, 8).first_needed_block(**kw)),
-        {"num_computed_tokens": COUNT}),
+        _with(
+            {"num_computed_tokens": 9},
+            lambda **kw: kvpool.SlidingWindowBlockManager(8, 4, 8).first_needed_block(**kw),
+        ),
+        {"num_computed_tokens": COUNT},
+    ),
     "SlidingWindowBlockManager.allocate": (
-        _with({"n": 1}, lambda **kw: kvpool.SlidingWindowBlockManager(8, 4, 8).allocate(**kw)), {"n": COUNT}),
-    "CompositeBlockManager.block_size": (_with({"group": 1}, lambda **kw: _composite().block_size(**kw)),
-                                         {"group": COUNT}),
-    "CompositeBlockManager.window": (_with({"group": 1}, lambda **kw: _composite().window(**kw)), {"group": COUNT}),
-    "CompositeBlockManager.counts": (_with({"group": 1}, lambda **kw: _composite().counts(**kw)), {"group": COUNT}),
+        _with({"n": 1}, lambda **kw: kvpool.SlidingWindowBlockManager(8, 4, 8).allocate(**kw)),
+        {"n": COUNT},
+    ),
+    "CompositeBlockManager.block_size": (
+        _with({"group": 1}, lambda **kw: _composite().block_size(**kw)),
+        {"group": COUNT},
+    ),
+    "CompositeBlockManager.window": (
+        _with({"group": 1}, lambda **kw: _composite().window(**kw)),
+        {"group": COUNT},
+    ),
+    "CompositeBlockManager.counts": (
+        _with({"group": 1}, lambda **kw: _composite().counts(**kw)),
+        {"group": COUNT},
+    ),
     "CompositeBlockManager.allocate": (
-        _with({"group": 0, "n": 1}, lambda **kw: _composite().allocate(**kw)), {"group": COUNT, "n": COUNT}),
-    "LinearStatePrefixCache.__new__": (_with({"num_slots": 4}, kvpool.LinearStatePrefixCache),
-                                       {"num_slots": COUNT}),
+        _with({"group": 0, "n": 1}, lambda **kw: _composite().allocate(**kw)),
+        {"group": COUNT, "n": COUNT},
+    ),
+    "LinearStatePrefixCache.__new__": (
+        _with({"num_slots": 4}, kvpool.LinearStatePrefixCache),
+        {"num_slots": COUNT},
+    ),
     "LinearStatePrefixCache.release_live_slot": (
         lambda **kw: (lambda c: c.release_live_slot(**{"slot": c.acquire_live_slot(), **kw}))(
-            kvpool.LinearStatePrefixCache(4)),
-        {"slot": COUNT}),
+            kvpool.LinearStatePrefixCache(4)
+        ),
+        {"slot": COUNT},
+    ),
     "LinearStatePrefixCache.promote": (
-        lambda **kw: (lambda c: c.promote(**{"live_slot": c.acquire_live_slot(), "prefix_hash": b"x" * 16, **kw}))(
-            kvpool.LinearStatePrefixCache(4)),
-        {"live_slot": COUNT}),
+        lambda **kw: (
+            lambda c: c.promote(
+                **{"live_slot": c.acquire_live_slot(), "prefix_hash": b"x" * 16, **kw}
+            )
+        )(kvpool.LinearStatePrefixCache(4)),
+        {"live_slot": COUNT},
+    ),
     "LinearStatePrefixCache.evict": (
-        _with({"n": 1}, lambda **kw: kvpool.LinearStatePrefixCache(4).evict(**kw)), {"n": COUNT}),
+        _with({"n": 1}, lambda **kw: kvpool.LinearStatePrefixCache(4).evict(**kw)),
+        {"n": COUNT},
+    ),
     "XTensorBlockManager.__new__": (
-        _with({"num_blocks": 16, "block_size": 4, "blocks_per_page": 2, "page_bytes": 1024},
-              kvpool.XTensorBlockManager),
-        {"num_blocks": COUNT, "block_size": COUNT, "blocks_per_page": COUNT, "page_bytes": COUNT,
-         "spare_pages": COUNT, "memory_limit": COUNT, "enable_prefix_cache": FLAG, "hash_seed": COUNT,
-         "debug_hash_bits": COUNT}),
-    "XTensorBlockManager.allocate": (_with({"n": 1}, lambda **kw: _xtensor().allocate(**kw)), {"n": COUNT}),
-    "XTensorBlockManager.evict": (_with({"n": 1}, lambda **kw: _xtensor().evict(**kw)), {"n": COUNT}),
-    "XTensorBlockManager.try_reserve": (_with({"n": 1}, lambda **kw: _xtensor().try_reserve(**kw)), {"n": COUNT}),
+        _with(
+            {"num_blocks": 16, "block_size": 4, "blocks_per_page": 2, "page_bytes": 1024},
+            kvpool.XTensorBlockManager,
+        ),
+        {
+            "num_blocks": COUNT,
+            "block_size": COUNT,
+            "blocks_per_page": COUNT,
+            "page_bytes": COUNT,
+            "spare_pages": COUNT,
+            "memory_limit": COUNT,
+            "enable_prefix_cache": FLAG,
+            "hash_seed": COUNT,
+            "debug_hash_bits": COUNT,
+        },
+    ),
+    "XTensorBlockManager.allocate": (
+        _with({"n": 1}, lambda **kw: _xtensor().allocate(**kw)),
+        {"n": COUNT},
+    ),
+    "XTensorBlockManager.evict": (
+        _with({"n": 1}, lambda **kw: _xtensor().evict(**kw)),
+        {"n": COUNT},
+    ),
+    "XTensorBlockManager.try_reserve": (
+        _with({"n": 1}, lambda **kw: _xtensor().try_reserve(**kw)),
+        {"n": COUNT},
+    ),
     "XTensorBlockManager.set_memory_limit": (
-        _with({"limit": 4096}, lambda **kw: _xtensor().set_memory_limit(**kw)), {"limit": COUNT}),
-    "XTensorBlockManager.page_of": (_with({"block_id": 3}, lambda **kw: _xtensor().page_of(**kw)),
-                                    {"block_id": COUNT}),
+        _with({"limit": 4096}, lambda **kw: _xtensor().set_memory_limit(**kw)),
+        {"limit": COUNT},
+    ),
+    "XTensorBlockManager.page_of": (
+        _with({"block_id": 3}, lambda **kw: _xtensor().page_of(**kw)),
+        {"block_id": COUNT},
+    ),
     "XTensorBlockManager.is_page_mapped": (
-        _with({"page": 1}, lambda **kw: _xtensor().is_page_mapped(**kw)), {"page": COUNT}),
+        _with({"page": 1}, lambda **kw: _xtensor().is_page_mapped(**kw)),
+        {"page": COUNT},
+    ),
     # --- sequences
     "Sequence.__new__": (_with({"token_ids": TOKENS}, kvpool.Sequence), {"seq_id": COUNT}),
     "Sequence.group_block_table": (
-        _with({"group": 0}, lambda **kw: _seq_in(_pool()).group_block_table(**kw)), {"group": COUNT}),
-    "Sequence.block_id": (_with({"i": 0}, lambda **kw: _seq_in(_pool()).block_id(**kw)), {"i": COUNT}),
-    "Sequence.append_token": (_with({"token": 7}, lambda **kw: kvpool.Sequence(TOKENS).append_token(**kw)),
-                              {"token": COUNT}),
+        _with({"group": 0}, lambda **kw: _seq_in(_pool()).group_block_table(**kw)),
+        {"group": COUNT},
+    ),
+    "Sequence.block_id": (
+        _with({"i": 0}, lambda **kw: _seq_in(_pool()).block_id(**kw)),
+        {"i": COUNT},
+    ),
+    "Sequence.append_token": (
+        _with({"token": 7}, lambda **kw: kvpool.Sequence(TOKENS).append_token(**kw)),
+        {"token": COUNT},
+    ),
     "SequenceBatch.__getitem__": (
-        lambda index=0: kvpool.SequenceBatch([kvpool.Sequence(TOKENS)])[index], {"index": COUNT}),
+        lambda index=0: kvpool.SequenceBatch([kvpool.Sequence(TOKENS)])[index],
+        {"index": COUNT},
+    ),
     "Sequence.num_computed_tokens": (
-        lambda value=3: setattr(_seq_in(_pool()), "num_computed_tokens", value), {"value": COUNT}),
+        lambda value=3: setattr(_seq_in(_pool()), "num_computed_tokens", value),
+        {"value": COUNT},
+    ),
     # --- the pools
-    "BlockManagerPool.__new__": (_with({"num_blocks": 16, "block_size": 4}, kvpool.BlockManagerPool),
-                                 {"num_blocks": COUNT, "block_size": COUNT, **POOL_OPTIONS}),
+    "BlockManagerPool.__new__": (
+        _with({"num_blocks": 16, "block_size": 4}, kvpool.BlockManagerPool),
+        {"num_blocks": COUNT, "block_size": COUNT, **POOL_OPTIONS},
+    ),
     "BlockManagerPool.can_allocate": (
-        lambda **kw: _pool().can_allocate(kvpool.Sequence(TOKENS), **kw), {"num_tokens": COUNT}),
-    "BlockManagerPool.plan": (lambda **kw: _pool().plan(kvpool.Sequence(TOKENS), **kw), {"num_tokens": COUNT}),
+        lambda **kw: _pool().can_allocate(kvpool.Sequence(TOKENS), **kw),
+        {"num_tokens": COUNT, "num_new_tokens": COUNT},
+    ),
+    "BlockManagerPool.plan": (
+        lambda **kw: _pool().plan(kvpool.Sequence(TOKENS), **kw),
+        {"num_tokens": COUNT, "num_new_tokens": COUNT},
+    ),
     "BlockManagerPool.allocate": (
-        lambda **kw: _pool().allocate(kvpool.Sequence(TOKENS), **kw), {"num_tokens": COUNT}),
+        lambda **kw: _pool().allocate(kvpool.Sequence(TOKENS), **kw),
+        {"num_tokens": COUNT, "num_new_tokens": COUNT},
+    ),
+    "BlockManagerPool.drain_block_switches": (
+        lambda **kw: _pool().drain_block_switches(**kw),
+        {"with_group": FLAG},
+    ),
     "BlockManagerPool.can_append": (
-        lambda **kw: (lambda p: p.can_append(_seq_in(p), **kw))(_pool()), {"lookahead": COUNT}),
+        lambda **kw: (lambda p: p.can_append(_seq_in(p), **kw))(_pool()),
+        {"lookahead": COUNT},
+    ),
     "BlockManagerPool.may_append": (
-        lambda **kw: (lambda p: p.may_append(_seq_in(p), **kw))(_pool()), {"lookahead": COUNT}),
+        lambda **kw: (lambda p: p.may_append(_seq_in(p), **kw))(_pool()),
+        {"lookahead": COUNT},
+    ),
     "BlockManagerPool.block_tables": (
-        lambda **kw: (lambda p: p.block_tables([_seq_in(p)], **kw))(_pool()), {"group": COUNT, "pad": COUNT}),
+        lambda **kw: (lambda p: p.block_tables([_seq_in(p)], **kw))(_pool()),
+        {"group": COUNT, "pad": COUNT},
+    ),
     "BlockManagerPool.slot_mapping": (
-        lambda **kw: (lambda p: p.slot_mapping([_seq_in(p)], **kw))(_pool()), {"group": COUNT}),
+        lambda **kw: (lambda p: p.slot_mapping([_seq_in(p)], **kw))(_pool()),
+        {"group": COUNT},
+    ),
     "BlockManagerPool.advance": (
-        lambda **kw: (lambda p: p.advance([_seq_in(p)], [9], **kw))(_pool()), {"lookahead": COUNT}),
+        lambda **kw: (lambda p: p.advance([_seq_in(p)], [9], **kw))(_pool()),
+        {"lookahead": COUNT},
+    ),
     "BlockManagerPool.may_append_all": (
-        lambda **kw: (lambda p: p.may_append_all([_seq_in(p)], **kw))(_pool()), {"lookahead": COUNT}),
+        lambda **kw: (lambda p: p.may_append_all([_seq_in(p)], **kw))(_pool()),
+        {"lookahead": COUNT},
+    ),
     "BlockManagerPool.last_event_sequence": (
         _with({"dp_rank": 0}, lambda **kw: _pool(enable_events=True).last_event_sequence(**kw)),
-        {"dp_rank": COUNT}),
+        {"dp_rank": COUNT},
+    ),
     "BlockManagerPool.events_since": (
-        _with({"dp_rank": 0, "sequence": 1}, lambda **kw: _pool(enable_events=True).events_since(**kw)),
-        {"dp_rank": COUNT, "sequence": COUNT}),
+        _with(
+            {"dp_rank": 0, "sequence": 1}, lambda **kw: _pool(enable_events=True).events_since(**kw)
+        ),
+        {"dp_rank": COUNT, "sequence": COUNT},
+    ),
     "BlockManagerPool.record_remote_events": (
-        _with({"dp_rank": 0, "kind": "stored", "block_hashes": []},
-              lambda **kw: _pool(enable_events=True).record_remote_events(**kw)),
-        {"dp_rank": COUNT}),
+        _with(
+            {"dp_rank": 0, "kind": "stored", "block_hashes": []},
+            lambda **kw: _pool(enable_events=True).record_remote_events(**kw),
+        ),
+        {"dp_rank": COUNT},
+    ),
     "BlockManagerPool.set_memory_limit": (
-        _with({"limit": 4096}, lambda **kw: _elastic().set_memory_limit(**kw)), {"limit": COUNT, "dp_rank": COUNT}),
+        _with({"limit": 4096}, lambda **kw: _elastic().set_memory_limit(**kw)),
+        {"limit": COUNT, "dp_rank": COUNT},
+    ),
     "BlockManagerPool.mapped_page_ids": (
-        _with({"dp_rank": 0}, lambda **kw: _elastic().mapped_page_ids(**kw)), {"dp_rank": COUNT}),
+        _with({"dp_rank": 0}, lambda **kw: _elastic().mapped_page_ids(**kw)),
+        {"dp_rank": COUNT},
+    ),
     "BlockManagerPool.linear_state_cache": (
         _with({"dp_rank": 0}, lambda **kw: _pool(linear_state_slots=4).linear_state_cache(**kw)),
-        {"dp_rank": COUNT}),
+        {"dp_rank": COUNT},
+    ),
     "HierarchyBlockManagerPool.__new__": (
-        _with({"num_blocks": 16, "host_num_blocks": 16, "block_size": 4}, kvpool.HierarchyBlockManagerPool),
-        {"num_blocks": COUNT, "host_num_blocks": COUNT, "block_size": COUNT, **POOL_OPTIONS}),
+        _with(
+            {"num_blocks": 16, "host_num_blocks": 16, "block_size": 4},
+            kvpool.HierarchyBlockManagerPool,
+        ),
+        {"num_blocks": COUNT, "host_num_blocks": COUNT, "block_size": COUNT, **POOL_OPTIONS},
+    ),
     "HierarchyBlockManagerPool.allocate": (
-        lambda **kw: _hier().allocate(kvpool.Sequence(TOKENS), **kw), {"num_tokens": COUNT}),
+        lambda **kw: _hier().allocate(kvpool.Sequence(TOKENS), **kw),
+        {"num_tokens": COUNT, "num_new_tokens": COUNT},
+    ),
     "HierarchyBlockManagerPool.remote_query": (
-        lambda **kw: _hier().remote_query(kvpool.Sequence(TOKENS), **kw), {"num_tokens": COUNT}),
+        lambda **kw: _hier().remote_query(kvpool.Sequence(TOKENS), **kw),
+        {"num_tokens": COUNT},
+    ),
     "HierarchyBlockManagerPool.allocate_with_remote": (
-        lambda **kw: _hier().allocate_with_remote(kvpool.Sequence(TOKENS), **kw), {"num_tokens": COUNT}),
+        lambda **kw: _hier().allocate_with_remote(kvpool.Sequence(TOKENS), **kw),
+        {"num_tokens": COUNT},
+    ),
     # --- the index
-    "KVIndex.__new__": (kvpool.KVIndex, {"max_entries": COUNT, "hash_seed": COUNT, "writers": COUNT}),
-    "KVIndex.apply": (_with({"instance": 1, "events": []}, lambda **kw: kvpool.KVIndex().apply(**kw)),
-                      {"instance": COUNT}),
+    "KVIndex.__new__": (
+        kvpool.KVIndex,
+        {"max_entries": COUNT, "hash_seed": COUNT, "writers": COUNT},
+    ),
+    "KVIndex.apply": (
+        _with({"instance": 1, "events": []}, lambda **kw: kvpool.KVIndex().apply(**kw)),
+        {"instance": COUNT},
+    ),
     "KVIndex.apply_msgpack": (
-        _with({"instance": 1, "data": kvpool.encode_events([])},
-              lambda **kw: kvpool.KVIndex().apply_msgpack(**kw)),
-        {"instance": COUNT}),
+        _with(
+            {"instance": 1, "data": kvpool.encode_events([])},
+            lambda **kw: kvpool.KVIndex().apply_msgpack(**kw),
+        ),
+        {"instance": COUNT},
+    ),
     "KVIndex.lookup": (
         lambda **kw: kvpool.KVIndex().lookup(**{"block_hashes": _hashes(), "block_size": 4, **kw}),
-        {"block_size": COUNT, "depths": FLAG}),
-    "KVIndex.writer_of": (_with({"instance": 1}, lambda **kw: kvpool.KVIndex().writer_of(**kw)),
-                          {"instance": COUNT}),
+        {"block_size": COUNT, "depths": FLAG},
+    ),
+    "KVIndex.writer_of": (
+        _with({"instance": 1}, lambda **kw: kvpool.KVIndex().writer_of(**kw)),
+        {"instance": COUNT},
+    ),
     "KVIndex.insert_speculative": (
-        _with({"instance": 1, "token_ids": TOKENS, "block_size": 4, "now": 0.0, "ttl": 1.0},
-              lambda **kw: kvpool.KVIndex().insert_speculative(**kw)),
-        {"instance": COUNT, "block_size": COUNT, "dp_rank": COUNT}),
+        _with(
+            {"instance": 1, "token_ids": TOKENS, "block_size": 4, "now": 0.0, "ttl": 1.0},
+            lambda **kw: kvpool.KVIndex().insert_speculative(**kw),
+        ),
+        {"instance": COUNT, "block_size": COUNT, "dp_rank": COUNT},
+    ),
     "KVIndex.hash_blocks": (
-        _with({"token_ids": TOKENS, "block_size": 4}, lambda **kw: kvpool.KVIndex().hash_blocks(**kw)),
-        {"block_size": COUNT}),
-    "KVIndex.resync": (_with({"instance": 1}, lambda **kw: kvpool.KVIndex().resync(**kw)),
-                       {"instance": COUNT, "dp_rank": COUNT}),
+        _with(
+            {"token_ids": TOKENS, "block_size": 4}, lambda **kw: kvpool.KVIndex().hash_blocks(**kw)
+        ),
+        {"block_size": COUNT},
+    ),
+    "KVIndex.resync": (
+        _with({"instance": 1}, lambda **kw: kvpool.KVIndex().resync(**kw)),
+        {"instance": COUNT, "dp_rank": COUNT},
+    ),
     "KVIndex.can_apply": (
         _with({"instance": 1, "sequence": 1}, lambda **kw: kvpool.KVIndex().can_apply(**kw)),
-        {"instance": COUNT, "sequence": COUNT, "dp_rank": COUNT}),
+        {"instance": COUNT, "sequence": COUNT, "dp_rank": COUNT},
+    ),
     "KVIndex.remove_instance": (
-        _with({"instance": 1}, lambda **kw: kvpool.KVIndex().remove_instance(**kw)), {"instance": COUNT}),
-    "KVIndex.load": (_with({"data": kvpool.KVIndex().dump()}, kvpool.KVIndex.load), {"max_entries": COUNT}),
+        _with({"instance": 1}, lambda **kw: kvpool.KVIndex().remove_instance(**kw)),
+        {"instance": COUNT},
+    ),
+    "KVIndex.load": (
+        _with({"data": kvpool.KVIndex().dump()}, kvpool.KVIndex.load),
+        {"max_entries": COUNT},
+    ),
     # --- the Python modules
-    "kvpool.router.Router.__init__": (
+    "kvpool.index.router.Router.__init__": (
         _with({"instances": 2, "policy": "round_robin"}, Router),
-        {"instances": COUNT, "block_size": COUNT, "shared_remote": FLAG}),
+        {"instances": COUNT, "block_size": COUNT, "shared_remote": FLAG},
+    ),
     "kvpool.integrations.nanovllm.BlockManager.__init__": (
-        _with({"num_blocks": 8, "block_size": 4}, NanoBlockManager), {"num_blocks": COUNT, "block_size": COUNT}),
+        _with({"num_blocks": 8, "block_size": 4}, NanoBlockManager),
+        {"num_blocks": COUNT, "block_size": COUNT},
+    ),
     "kvpool.integrations.nanovllm.BlockManager.allocate": (
         lambda num_cached_blocks=0: (lambda bm, s: bm.allocate(s, num_cached_blocks))(
-            NanoBlockManager(8, 4), _NanoSeq()),
-        {"num_cached_blocks": COUNT}),
+            NanoBlockManager(8, 4), _NanoSeq()
+        ),
+        {"num_cached_blocks": COUNT},
+    ),
     "kvpool.tiers.memory.MemoryRemoteTier.__init__": (MemoryRemoteTier, {"capacity": COUNT}),
-    "kvpool.remote.make_namespace": (
-        _with({"model": "m", "dtype": "float16", "num_kv_heads": 1, "head_dim": 8, "block_size": 4,
-               "num_layers": 1}, make_namespace),
-        {"num_kv_heads": COUNT, "head_dim": COUNT, "block_size": COUNT, "num_layers": COUNT, "hash_seed": COUNT}),
+    "kvpool.tiers.payload.make_namespace": (
+        _with(
+            {
+                "model": "m",
+                "dtype": "float16",
+                "num_kv_heads": 1,
+                "head_dim": 8,
+                "block_size": 4,
+                "num_layers": 1,
+            },
+            make_namespace,
+        ),
+        {
+            "num_kv_heads": COUNT,
+            "head_dim": COUNT,
+            "block_size": COUNT,
+            "num_layers": COUNT,
+            "hash_seed": COUNT,
+        },
+    ),
     # no connection is made by these calls (redis-py connects on the first command)
-    "kvpool.remote.RedisRemoteTier.__init__": (
+    "kvpool.tiers.redis.RedisRemoteTier.__init__": (
         _with({"url": "redis://127.0.0.1:1", "namespace": "ns"}, RedisRemoteTier),
-        {"cluster": FLAG, "ttl_s": COUNT}),
-    "kvpool.remote.RedisEventPublisher.__init__": (
-        _with({"url": "redis://127.0.0.1:1", "instance_id": "a"}, RedisEventPublisher), {"maxlen": COUNT}),
-    "kvpool.remote.read_events": (
+        {"cluster": FLAG, "ttl_s": COUNT},
+    ),
+    "kvpool.index.streams.RedisEventPublisher.__init__": (
+        _with({"url": "redis://127.0.0.1:1", "instance_id": "a"}, RedisEventPublisher),
+        {"maxlen": COUNT},
+    ),
+    "kvpool.index.streams.read_events": (
         _with({"url": "redis://127.0.0.1:1", "max_entries": 0}, read_events),
-        {"count": COUNT, "max_entries": COUNT}),
-    "kvpool.transfer.TransferExecutor.transfer": (
-        _with({"plans": [], "to_device": True},
-              lambda **kw: NumpyTransferExecutor(np.zeros((2, 4)), np.zeros((2, 4))).transfer(**kw)),
-        {"to_device": FLAG}),
+        {"count": COUNT, "max_entries": COUNT},
+    ),
+    "kvpool.tiers.host_transfer.TransferExecutor.transfer": (
+        _with(
+            {"plans": [], "to_device": True},
+            lambda **kw: NumpyTransferExecutor(np.zeros((2, 4)), np.zeros((2, 4))).transfer(**kw),
+        ),
+        {"to_device": FLAG},
+    ),
     "kvpool.xtensor.CudaPageBackend.__init__": (
-        _with({"num_blocks": 8, "block_size": 4, "num_kv_heads": 1, "head_dim": 8, "driver": _Driver()},
-              CudaPageBackend),
-        {"num_blocks": COUNT, "block_size": COUNT, "num_kv_heads": COUNT, "head_dim": COUNT,
-         "num_layers": COUNT, "blocks_per_page": COUNT, "device": COUNT}),
+        _with(
+            {
+                "num_blocks": 8,
+                "block_size": 4,
+                "num_kv_heads": 1,
+                "head_dim": 8,
+                "driver": _Driver(),
+            },
+            CudaPageBackend,
+        ),
+        {
+            "num_blocks": COUNT,
+            "block_size": COUNT,
+            "num_kv_heads": COUNT,
+            "head_dim": COUNT,
+            "num_layers": COUNT,
+            "blocks_per_page": COUNT,
+            "device": COUNT,
+        },
+    ),
     "kvpool.kernels.paged_decode_attention": (
-        _decode, {"window": COUNT, "num_splits": COUNT, "validate": FLAG}),
+        _decode,
+        {"window": COUNT, "num_splits": COUNT, "validate": FLAG},
+    ),
     "kvpool.kernels.paged_prefill_attention": (
-        _prefill, {"window": COUNT, "causal": FLAG, "validate": FLAG}),
+        _prefill,
+        {"window": COUNT, "causal": FLAG, "validate": FLAG},
+    ),
     "kvpool.kernels.write_kv": (_write_kv, {"validate": FLAG}),
     "kvpool.kernels.copy_blocks": (_copy_blocks, {"validate": FLAG}),
     "kvpool.kernels.copy_linear_state": (_copy_linear_state, {"validate": FLAG}),
@@ -352,7 +577,7 @@ class _NanoSeq:
 
 # Int or bool parameters of scanned signatures that are not user arguments, with the reason.
 EXEMPT = {
-    "kvpool.integrations.vllm.KVCacheManager.*": "vLLM's KVCacheManager interface: vLLM's Scheduler "
+    "kvpool.integrations._vllm_manager.KVCacheManager.*": "vLLM's KVCacheManager interface: vLLM's Scheduler "
     "passes its own ints and flags, and the drop-in keeps vLLM's signatures",
     "kvpool.xtensor.Driver.*": "the CUDA driver seam (addresses and handles from the driver)",
     "kvpool.xtensor.CudaDriver.*": "the ctypes CUDA driver (addresses and handles from the driver)",
@@ -361,18 +586,29 @@ EXEMPT = {
     "kvpool.xtensor.CudaPageBackend.unmap_page": "the PageBackend protocol: the manager passes its pages",
     "kvpool.xtensor.CudaPageBackend.tensor_address": "needs a mapped device range",
     "kvpool.xtensor.CudaPageBackend.kv_cache": "needs CuPy and a device",
-    "kvpool.remote.RemoteTier.note": "a tier's own statistics counter (called by the tier)",
-    "kvpool.remote.HostBlockIO.*": "the protocol RemoteTransfer calls with the pool's ranks",
-    "kvpool.transfer.TransferExecutor.host_block_spec": "HostBlockIO: RemoteTransfer passes the pool's ranks",
-    "kvpool.transfer.TransferExecutor.host_block_nbytes": "HostBlockIO: RemoteTransfer passes the pool's ranks",
-    "kvpool.transfer.TransferExecutor.read_host_blocks": "HostBlockIO: RemoteTransfer passes the pool's ranks",
-    "kvpool.transfer.TransferExecutor.write_host_blocks": "HostBlockIO: RemoteTransfer passes the pool's ranks",
-    "kvpool.remote.PrefixIndex.admits": "the write-behind admission's own query",
-    "kvpool.remote.decode_payload": "the wire codec: body_len is the length the reply carries",
+    "kvpool.tiers.base.RemoteTier.note": "a tier's own statistics counter (called by the tier)",
+    "kvpool.tiers.remote_transfer.HostBlockIO.*": "the protocol RemoteTransfer calls with the pool's ranks",
+    "kvpool.tiers.host_transfer.TransferExecutor.host_block_spec": "HostBlockIO: RemoteTransfer passes the pool's ranks",
+    "kvpool.tiers.host_transfer.TransferExecutor.host_block_nbytes": "HostBlockIO: RemoteTransfer passes the pool's ranks",
+    "kvpool.tiers.host_transfer.TransferExecutor.read_host_blocks": "HostBlockIO: RemoteTransfer passes the pool's ranks",
+    "kvpool.tiers.host_transfer.TransferExecutor.write_host_blocks": "HostBlockIO: RemoteTransfer passes the pool's ranks",
+    "kvpool.index.streams.PrefixIndex.admits": "the write-behind admission's own query",
+    "kvpool.tiers.payload.decode_payload": "the wire codec: body_len is the length the reply carries",
 }
 
-SCANNED = ["kvpool.router", "kvpool.integrations.nanovllm", "kvpool.integrations.vllm",
-           "kvpool.tiers.memory", "kvpool.xtensor", "kvpool.remote", "kvpool.transfer"]
+SCANNED = [
+    "kvpool.index.router",
+    "kvpool.index.streams",
+    "kvpool.integrations.nanovllm",
+    "kvpool.integrations._vllm_manager",
+    "kvpool.tiers.base",
+    "kvpool.tiers.host_transfer",
+    "kvpool.tiers.memory",
+    "kvpool.tiers.payload",
+    "kvpool.tiers.redis",
+    "kvpool.tiers.remote_transfer",
+    "kvpool.xtensor",
+]
 
 
 # A property setter's value is named by the property in messages.
@@ -380,8 +616,12 @@ SETTERS = {("Sequence.num_computed_tokens", "value"): "num_computed_tokens"}
 
 
 def _rows(kind):
-    return [pytest.param(entry, name, id=f"{entry}:{name}")
-            for entry, (_, args) in TABLE.items() for name, k in args.items() if k == kind]
+    return [
+        pytest.param(entry, name, id=f"{entry}:{name}")
+        for entry, (_, args) in TABLE.items()
+        for name, k in args.items()
+        if k == kind
+    ]
 
 
 def _names(name: str) -> str:
@@ -413,6 +653,24 @@ def test_a_flag_is_a_bool(entry, name):
         call(**{name: good})
 
 
+# Arguments an optional flag needs beside it to be valid (a shared store needs a window group).
+BESIDE = {
+    ("BlockManagerPool.__new__", "shared_blocks"): {"sliding_window": 8},
+    ("HierarchyBlockManagerPool.__new__", "shared_blocks"): {"sliding_window": 8},
+}
+
+
+@pytest.mark.parametrize(("entry", "name"), _rows(OPTIONAL_FLAG))
+def test_an_optional_flag_is_a_bool_or_none(entry, name):
+    call, _ = TABLE[entry]
+    beside = BESIDE.get((entry, name), {})
+    for bad in (1, 0, 1.0, "yes"):
+        with pytest.raises(TypeError, match=_names(name)):
+            call(**beside, **{name: bad})
+    for good in (True, False, np.bool_(True), None):
+        call(**beside, **{name: good})
+
+
 # --- the table covers every typed int and bool parameter -----------------------------------------
 
 
@@ -438,7 +696,11 @@ def _typed_params(tree: ast.Module, prefix: str, public_only: bool) -> set[tuple
                 if not (public_only and node.name.startswith("_")):
                     walk(node.body, qual + node.name + ".")
             elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                if public_only and node.name.startswith("_") and node.name not in ("__init__", "__new__"):
+                if (
+                    public_only
+                    and node.name.startswith("_")
+                    and node.name not in ("__init__", "__new__")
+                ):
                     continue
                 a = node.args
                 for p in a.posonlyargs + a.args + a.kwonlyargs:
@@ -450,7 +712,9 @@ def _typed_params(tree: ast.Module, prefix: str, public_only: bool) -> set[tuple
 
 
 def _exempt(entry: str) -> bool:
-    return any(entry == key or (key.endswith(".*") and entry.startswith(key[:-1])) for key in EXEMPT)
+    return any(
+        entry == key or (key.endswith(".*") and entry.startswith(key[:-1])) for key in EXEMPT
+    )
 
 
 def test_the_table_lists_every_int_and_bool_parameter_of_the_typed_api():
@@ -461,7 +725,9 @@ def test_the_table_lists_every_int_and_bool_parameter_of_the_typed_api():
         found |= _typed_params(ast.parse(source), name + ".", public_only=True)
     listed = {(entry, name) for entry, (_, args) in TABLE.items() for name in args}
     missing = sorted((e, n) for e, n in found - listed if not _exempt(e))
-    assert not missing, f"int/bool parameters missing from TABLE (add them, or to EXEMPT): {missing}"
+    assert not missing, (
+        f"int/bool parameters missing from TABLE (add them, or to EXEMPT): {missing}"
+    )
     assert len(found) > 100, "the scan found almost nothing: is the stub parser broken?"
     stale = sorted((e, n) for e, n in listed - found if not e.startswith("kvpool.kernels."))
     assert not stale, f"TABLE lists parameters the signatures do not have: {stale}"

@@ -1,5 +1,5 @@
 """kvpool.ConcurrentBlockManager: the same API and behaviour as kvpool.BlockManager (R1-R12,
-R29), shareable between Python threads with the GIL released (R27, R28) (issue 5).
+R29), shareable between Python threads with the GIL released (R27, R28).
 
 Same behaviour: every manager-level test of test_block_manager.py, test_prefix_cache.py and
 test_bad_input.py (those that build a ``kvpool.BlockManager`` and no pool or sequence) is
@@ -72,9 +72,9 @@ def test_fixture_substitution_is_active(bm):
 # API parity
 # ---------------------------------------------------------------------------------------------
 
-PUBLIC = sorted(
-    name for name in dir(kvpool.ConcurrentBlockManager) if not name.startswith("_")
-) + ["__repr__"]
+PUBLIC = sorted(name for name in dir(kvpool.ConcurrentBlockManager) if not name.startswith("_")) + [
+    "__repr__"
+]
 
 
 def test_r27_exported():
@@ -254,9 +254,10 @@ def test_r27_r28_eight_threads_stress_then_every_id_free():
                     bm.reset_prefix_cache()
                 else:
                     c = bm.stats()
-                    assert c["num_free_blocks"] + c["num_cached_blocks"] + c[
-                        "num_used_blocks"
-                    ] == c["num_total_blocks"]
+                    assert (
+                        c["num_free_blocks"] + c["num_cached_blocks"] + c["num_used_blocks"]
+                        == c["num_total_blocks"]
+                    )
                 stats["ops"] += 1
             for group in held:
                 bm.deallocate(group)

@@ -1,4 +1,4 @@
-"""Model-based test of kvpool.BlockManager (issue 2): R2-R5, R7, R9, R10, R12 against a Python model.
+"""Model-based test of kvpool.BlockManager: R2-R5, R7, R9, R10, R12 against a Python model.
 
 The model knows, for every allocatable id, how many test-held handles point at it and whether the
 prefix cache holds it (with which (extra_key, token prefix)). It predicts exactly:

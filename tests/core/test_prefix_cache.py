@@ -1,4 +1,4 @@
-"""Prefix cache at the manager level: R6 (hashing), R7 (token verification), R8-R12 (issue 2).
+"""Prefix cache at the manager level: R6 (hashing), R7 (token verification), R8-R12.
 
 `debug_hash_bits=k` is the test hook that keeps only the low k bits of every block hash, so hash
 collisions are easy to forge (R7: a hit compares tokens, so the wrong block is never returned).

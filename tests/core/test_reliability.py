@@ -1,4 +1,4 @@
-"""Issue 15 ("Reliability"): the findings F1-F13 of an outside differential/fuzz campaign, each
+"""Reliability: the findings F1-F13 of an outside differential/fuzz campaign, each
 as a regression test asserting what the contract requires (the reproducers of
 ``../shared/reliability/`` turned into assertions), plus the checks that would have caught them:
 
@@ -27,15 +27,10 @@ import textwrap
 import kvpool
 import numpy as np
 import pytest
-from kvpool.remote import (
-    RedisRemoteTier,
-    RemoteTier,
-    block_spec,
-    decode_payload,
-    encode_payload,
-    make_namespace,
-)
-from kvpool.transfer import NumpyTransferExecutor
+from kvpool.tiers.base import RemoteTier
+from kvpool.tiers.host_transfer import NumpyTransferExecutor
+from kvpool.tiers.payload import block_spec, decode_payload, encode_payload, make_namespace
+from kvpool.tiers.redis import RedisRemoteTier
 from redis_helpers import RedisServer  # tests/tiers/, on the path through tests/conftest.py
 
 HUGE = [2**31, 2**40, 2**62, 2**63, 2**64 - 1]
@@ -47,9 +42,14 @@ def h(tokens, bs=4):
 
 def slots(pool, rank=0):
     lsc = pool.linear_state_cache(rank)
-    return dict(free=lsc.num_free_slots, live=lsc.num_live_slots,
-                committed=lsc.num_committed_checkpoints, pinned=lsc.num_pinned_checkpoints,
-                pending=lsc.num_pending_checkpoints, lru=lsc.lru_order())
+    return dict(
+        free=lsc.num_free_slots,
+        live=lsc.num_live_slots,
+        committed=lsc.num_committed_checkpoints,
+        pinned=lsc.num_pinned_checkpoints,
+        pending=lsc.num_pending_checkpoints,
+        lru=lsc.lru_order(),
+    )
 
 
 # ============================================================================ F1-F9 reproducers
@@ -75,7 +75,9 @@ F1_SCRIPT = textwrap.dedent("""
 def test_f1_huge_allocate_is_out_of_blocks_on_every_manager():
     """repro_panic.py: allocate(2**40) aborted the process, n >= 2**62 raised PanicException;
     now OutOfBlocksError (an Exception) on all three managers, nothing changed (R3, R29)."""
-    r = subprocess.run([sys.executable, "-c", F1_SCRIPT], capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-c", F1_SCRIPT], capture_output=True, text=True, timeout=60
+    )
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stdout + r.stderr
 
 
@@ -83,8 +85,9 @@ def test_f2_promote_keeps_a_checkpoint_an_in_flight_copy_holds_pinned():
     """repro_promote.py: a committed checkpoint whose slot an earlier, taken-but-uncommitted
     promote copy still holds counted as evictable: can_allocate True, allocate False (R15), and
     the failed allocate evicted a checkpoint (R14). Now it is pinned until that copy is done."""
-    p = kvpool.BlockManagerPool(32, 4, linear_state_slots=4, linear_state_save="promote",
-                                checkpoint_interval=4)
+    p = kvpool.BlockManagerPool(
+        32, 4, linear_state_slots=4, linear_state_save="promote", checkpoint_interval=4
+    )
     a = kvpool.Sequence(list(range(1, 14)))
     assert p.allocate(a)
     a.num_computed_tokens = 4
@@ -176,8 +179,9 @@ def test_f4_can_append_counts_the_kept_tail_the_slide_makes_evictable():
 def test_f4_can_allocate_predicts_the_growth_of_an_allocated_sequence():
     """repro_swa_cangrow.py: the same slide-accounting gap in can_allocate for chunked prefill
     growth (R15)."""
-    p = kvpool.BlockManagerPool(19, 2, dp_size=2, enable_prefix_cache=True, sliding_window=11,
-                                swa_num_blocks=11)
+    p = kvpool.BlockManagerPool(
+        19, 2, dp_size=2, enable_prefix_cache=True, sliding_window=11, swa_num_blocks=11
+    )
     s = kvpool.Sequence([44, 6, 33, 40, 10, 27, 25, 2, 13, 5, 16, 5])
     assert p.allocate(s)
     s.append_tokens([32, 34, 40, 23, 40])
@@ -206,8 +210,10 @@ def test_f4_a_failed_may_append_changes_nothing_not_even_the_slide():
     p.check()
 
 
-@pytest.mark.parametrize("make", [lambda: kvpool.BlockManagerPool(16, 4),
-                                  lambda: kvpool.HierarchyBlockManagerPool(16, 16, 4)])
+@pytest.mark.parametrize(
+    "make",
+    [lambda: kvpool.BlockManagerPool(16, 4), lambda: kvpool.HierarchyBlockManagerPool(16, 16, 4)],
+)
 def test_f5_len_plus_lookahead_never_wraps(make):
     """repro_lookahead_wrap.py: lookahead=2**64-1 wrapped len + lookahead and answered yes in
     can_append, may_append, may_append_all and advance. Now a correct no (R16)."""
@@ -332,23 +338,27 @@ def raises_naming(exc, name, fn, *args, **kwargs):
     return e.value
 
 
-@pytest.mark.parametrize("value, exc", [(-1, ValueError), (2**64, OverflowError),
-                                        (1.5, TypeError), (True, TypeError)])
+@pytest.mark.parametrize(
+    "value, exc", [(-1, ValueError), (2**64, OverflowError), (1.5, TypeError), (True, TypeError)]
+)
 def test_f10_seq_id_errors_name_seq_id(value, exc):
     raises_naming(exc, "seq_id", kvpool.Sequence, [1, 2], seq_id=value)
     assert kvpool.Sequence([1], seq_id=2**64 - 1).seq_id == 2**64 - 1
 
 
-@pytest.mark.parametrize("make, option", [
-    (lambda **kw: kvpool.BlockManager(8, 4, **kw), "enable_prefix_cache"),
-    (lambda **kw: kvpool.ConcurrentBlockManager(8, 4, **kw), "enable_prefix_cache"),
-    (lambda **kw: kvpool.BlockManagerPool(8, 4, **kw), "enable_prefix_cache"),
-    (lambda **kw: kvpool.BlockManagerPool(8, 4, **kw), "concurrent"),
-    (lambda **kw: kvpool.BlockManagerPool(8, 4, **kw), "enable_events"),
-    (lambda **kw: kvpool.HierarchyBlockManagerPool(8, 8, 4, **kw), "enable_prefix_cache"),
-    (lambda **kw: kvpool.HierarchyBlockManagerPool(8, 8, 4, **kw), "concurrent"),
-    (lambda **kw: kvpool.HierarchyBlockManagerPool(8, 8, 4, **kw), "enable_events"),
-])
+@pytest.mark.parametrize(
+    "make, option",
+    [
+        (lambda **kw: kvpool.BlockManager(8, 4, **kw), "enable_prefix_cache"),
+        (lambda **kw: kvpool.ConcurrentBlockManager(8, 4, **kw), "enable_prefix_cache"),
+        (lambda **kw: kvpool.BlockManagerPool(8, 4, **kw), "enable_prefix_cache"),
+        (lambda **kw: kvpool.BlockManagerPool(8, 4, **kw), "concurrent"),
+        (lambda **kw: kvpool.BlockManagerPool(8, 4, **kw), "enable_events"),
+        (lambda **kw: kvpool.HierarchyBlockManagerPool(8, 8, 4, **kw), "enable_prefix_cache"),
+        (lambda **kw: kvpool.HierarchyBlockManagerPool(8, 8, 4, **kw), "concurrent"),
+        (lambda **kw: kvpool.HierarchyBlockManagerPool(8, 8, 4, **kw), "enable_events"),
+    ],
+)
 def test_f10_bool_options_name_themselves(make, option):
     for bad in ("yes", 1, 0, 0.0, [True]):
         raises_naming(TypeError, option, make, **{option: bad})
@@ -396,10 +406,13 @@ def test_f10_big_endian_token_arrays_are_token_arrays():
 
 def test_f10_debug_hash_bits_message_names_the_value_given():
     for bad in (0, 129, 2**20 + 1, 2**40):
-        e = raises_naming(ValueError, "debug_hash_bits", kvpool.BlockManager, 8, 4,
-                          debug_hash_bits=bad)
+        e = raises_naming(
+            ValueError, "debug_hash_bits", kvpool.BlockManager, 8, 4, debug_hash_bits=bad
+        )
         assert str(bad) in str(e)
-    raises_naming(OverflowError, "debug_hash_bits", kvpool.BlockManager, 8, 4, debug_hash_bits=2**64)
+    raises_naming(
+        OverflowError, "debug_hash_bits", kvpool.BlockManager, 8, 4, debug_hash_bits=2**64
+    )
 
 
 def test_f10_one_rule_for_bools_never_an_int():
@@ -423,8 +436,14 @@ def test_f10_one_rule_for_bools_never_an_int():
 BS = 4
 LAYERS = 2
 SHAPE = (BS, 2, 8)  # block_size, kv heads, head dim
-NS = make_namespace("reliability-model", dtype="float16", num_kv_heads=2, head_dim=8,
-                    block_size=BS, num_layers=LAYERS)
+NS = make_namespace(
+    "reliability-model",
+    dtype="float16",
+    num_kv_heads=2,
+    head_dim=8,
+    block_size=BS,
+    num_layers=LAYERS,
+)
 SECRET = bytes(range(32))
 
 
@@ -447,8 +466,9 @@ class Instance:
     """A hierarchy pool with NumPy caches and an executor: one serving instance."""
 
     def __init__(self, tier, num_blocks=48, host_blocks=48):
-        self.pool = kvpool.HierarchyBlockManagerPool(num_blocks, host_blocks, BS, remote=tier,
-                                                     remote_budget_ms=500.0)
+        self.pool = kvpool.HierarchyBlockManagerPool(
+            num_blocks, host_blocks, BS, remote=tier, remote_budget_ms=500.0
+        )
         self.dev = [np.zeros((num_blocks, *SHAPE), np.float16) for _ in range(2 * LAYERS)]
         self.host = [np.zeros((host_blocks, *SHAPE), np.float16) for _ in range(2 * LAYERS)]
         self.ex = NumpyTransferExecutor(self.dev, self.host)
@@ -464,7 +484,9 @@ class Instance:
             table, toks = [int(b) for b in s.block_table], list(s.token_ids)
             for i in range(s.num_cached_tokens // BS):
                 for a, arr in enumerate(self.dev):
-                    np.testing.assert_array_equal(arr[table[i]], kv_of(toks[i * BS:(i + 1) * BS], a // 2, a % 2))
+                    np.testing.assert_array_equal(
+                        arr[table[i]], kv_of(toks[i * BS : (i + 1) * BS], a // 2, a % 2)
+                    )
         return seqs, [s.num_cached_tokens for s in seqs]
 
     def serve(self, prompts):
@@ -473,7 +495,7 @@ class Instance:
             table, toks = [int(b) for b in s.block_table], list(s.token_ids)
             for i in range(s.num_computed_tokens // BS, len(s) // BS):
                 for a, arr in enumerate(self.dev):
-                    arr[table[i]] = kv_of(toks[i * BS:(i + 1) * BS], a // 2, a % 2)
+                    arr[table[i]] = kv_of(toks[i * BS : (i + 1) * BS], a // 2, a % 2)
             s.num_computed_tokens = len(s)
             self.pool.deallocate(s)
         self.ex.step(self.pool)
@@ -602,8 +624,9 @@ def test_f13_mac_through_redis_a_forger_without_the_key_is_never_loaded(server):
     forger = RedisRemoteTier(server.url, NS)
     spec = block_spec(writer.host)
     chain = kvpool.hash_blocks(q, BS)
-    forger.put_many(chain[:4], [encode_payload(k, spec, b"\x07" * (64 * 2 * LAYERS * 2))
-                                for k in chain[:4]])
+    forger.put_many(
+        chain[:4], [encode_payload(k, spec, b"\x07" * (64 * 2 * LAYERS * 2)) for k in chain[:4]]
+    )
     assert reader.serve([q]) == [0], "forged payloads are misses, never wrong KV"
     assert reader.pool.stats()["remote"]["corrupt"] >= 1
     with pytest.raises(ValueError, match="mac_key"):
@@ -812,8 +835,9 @@ SWEEP = textwrap.dedent('''
 
 
 def run_sweep(family):
-    r = subprocess.run([sys.executable, "-c", SWEEP, family], capture_output=True, text=True,
-                       timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-c", SWEEP, family], capture_output=True, text=True, timeout=120
+    )
     assert r.returncode == 0, f"the sweep aborted (rc {r.returncode}): {r.stderr[-2000:]}"
     return [json.loads(line) for line in r.stdout.splitlines()]
 
@@ -826,8 +850,9 @@ EXACT = {
     "Sequence.append_token(token)": {2**31: "None"},
     "Sequence.append_tokens(token_ids)": {2**31: "None"},
     "hash_blocks(token_ids)": {2**31: None},
-    "SlidingWindowBlockManager.first_needed_block(num_computed_tokens)":
-        {v: repr(max(v - 7, 0) // 4) for v in HUGE},
+    "SlidingWindowBlockManager.first_needed_block(num_computed_tokens)": {
+        v: repr(max(v - 7, 0) // 4) for v in HUGE
+    },
     "SlidingWindowBlockManager(window)": {v: "0" for v in HUGE},
     "hash_blocks(block_size)": {v: "[]" for v in HUGE},  # no full block of that size
     "BlockManagerPool.advance(token_ids)": {2**31: "None"},  # a valid token id
@@ -855,8 +880,14 @@ def test_huge_count_sweep_nothing_aborts_panics_or_wraps(family):
                 assert expected is None or r["result"] == expected, r
             elif "(" in case and case.split("(")[0] in NO or method in NO:
                 assert r["result"] in ("False", "[0]"), r
-            elif case.endswith(("(hash_seed)", "(checkpoint_interval)", "(sliding_window)",
-                                "CompositeBlockManager(window)")):
+            elif case.endswith(
+                (
+                    "(hash_seed)",
+                    "(checkpoint_interval)",
+                    "(sliding_window)",
+                    "CompositeBlockManager(window)",
+                )
+            ):
                 pass  # valid values: a seed, an interval, a window (no size, no cap)
             elif method == "evict":
                 assert r["result"] in ("0", "1", "2"), r
@@ -870,20 +901,26 @@ def test_huge_count_sweep_nothing_aborts_panics_or_wraps(family):
 CAP_BLOCKS = 2**30  # kvpool::MAX_BLOCKS (docs/contract.md, "Choice: sizes and counts")
 
 
-@pytest.mark.parametrize("arg, make", [
-    ("num_blocks", lambda n: kvpool.BlockManager(n, 1)),
-    ("num_blocks", lambda n: kvpool.ConcurrentBlockManager(n, 1)),
-    ("num_slots", lambda n: kvpool.SingleBlockManager(n)),
-    ("num_slots", lambda n: kvpool.LinearStatePrefixCache(n)),
-    ("num_blocks", lambda n: kvpool.SlidingWindowBlockManager(n, 1, 8)),
-    ("groups", lambda n: kvpool.CompositeBlockManager([(16, 4, None), (n, 1, 8)])),
-    ("num_blocks", lambda n: kvpool.BlockManagerPool(n, 1)),
-    ("num_single_blocks", lambda n: kvpool.BlockManagerPool(16, 4, num_single_blocks=n)),
-    ("linear_state_slots", lambda n: kvpool.BlockManagerPool(16, 4, linear_state_slots=n)),
-    ("swa_num_blocks", lambda n: kvpool.BlockManagerPool(16, 4, sliding_window=8, swa_num_blocks=n)),
-    ("num_blocks", lambda n: kvpool.HierarchyBlockManagerPool(n, 16, 1)),
-    ("host_num_blocks", lambda n: kvpool.HierarchyBlockManagerPool(16, n, 1)),
-])
+@pytest.mark.parametrize(
+    "arg, make",
+    [
+        ("num_blocks", lambda n: kvpool.BlockManager(n, 1)),
+        ("num_blocks", lambda n: kvpool.ConcurrentBlockManager(n, 1)),
+        ("num_slots", lambda n: kvpool.SingleBlockManager(n)),
+        ("num_slots", lambda n: kvpool.LinearStatePrefixCache(n)),
+        ("num_blocks", lambda n: kvpool.SlidingWindowBlockManager(n, 1, 8)),
+        ("groups", lambda n: kvpool.CompositeBlockManager([(16, 4, None), (n, 1, 8)])),
+        ("num_blocks", lambda n: kvpool.BlockManagerPool(n, 1)),
+        ("num_single_blocks", lambda n: kvpool.BlockManagerPool(16, 4, num_single_blocks=n)),
+        ("linear_state_slots", lambda n: kvpool.BlockManagerPool(16, 4, linear_state_slots=n)),
+        (
+            "swa_num_blocks",
+            lambda n: kvpool.BlockManagerPool(16, 4, sliding_window=8, swa_num_blocks=n),
+        ),
+        ("num_blocks", lambda n: kvpool.HierarchyBlockManagerPool(n, 16, 1)),
+        ("host_num_blocks", lambda n: kvpool.HierarchyBlockManagerPool(16, n, 1)),
+    ],
+)
 def test_block_and_slot_counts_are_capped_at_2_to_the_30(arg, make):
     """Above the cap: a ValueError naming the argument and the cap, never an attempt."""
     for n in (CAP_BLOCKS + 1, 2**31, 2**40):
@@ -891,11 +928,16 @@ def test_block_and_slot_counts_are_capped_at_2_to_the_30(arg, make):
         assert str(CAP_BLOCKS) in str(e), str(e)
 
 
-@pytest.mark.parametrize("make", [
-    lambda bs: kvpool.BlockManager(16, bs), lambda bs: kvpool.ConcurrentBlockManager(16, bs),
-    lambda bs: kvpool.SlidingWindowBlockManager(16, bs, 8), lambda bs: kvpool.BlockManagerPool(16, bs),
-    lambda bs: kvpool.HierarchyBlockManagerPool(16, 16, bs),
-])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda bs: kvpool.BlockManager(16, bs),
+        lambda bs: kvpool.ConcurrentBlockManager(16, bs),
+        lambda bs: kvpool.SlidingWindowBlockManager(16, bs, 8),
+        lambda bs: kvpool.BlockManagerPool(16, bs),
+        lambda bs: kvpool.HierarchyBlockManagerPool(16, 16, bs),
+    ],
+)
 def test_block_size_is_capped_at_2_to_the_16(make):
     for bs in (2**16 + 1, 2**31):
         e = raises_naming(ValueError, "block_size", make, bs)
@@ -907,20 +949,28 @@ def test_tokens_per_manager_are_capped_below_2_to_the_40():
     raises_naming(ValueError, "num_blocks", kvpool.BlockManager, 2**25, 2**15)
 
 
-@pytest.mark.parametrize("make", [lambda n: kvpool.BlockManagerPool(16, 4, dp_size=n),
-                                  lambda n: kvpool.HierarchyBlockManagerPool(16, 16, 4, dp_size=n)])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda n: kvpool.BlockManagerPool(16, 4, dp_size=n),
+        lambda n: kvpool.HierarchyBlockManagerPool(16, 16, 4, dp_size=n),
+    ],
+)
 def test_dp_size_is_capped_at_1024(make):
     raises_naming(ValueError, "dp_size", make, 1025)
     make(2)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs RLIMIT_AS")
-@pytest.mark.parametrize("make", [
-    "kvpool.BlockManager(2**30, 2**9)",
-    "kvpool.BlockManagerPool(2**29, 16, dp_size=64)",
-    "kvpool.HierarchyBlockManagerPool(16, 2**30, 2**9)",
-    "kvpool.LinearStatePrefixCache(2**30)",
-])
+@pytest.mark.parametrize(
+    "make",
+    [
+        "kvpool.BlockManager(2**30, 2**9)",
+        "kvpool.BlockManagerPool(2**29, 16, dp_size=64)",
+        "kvpool.HierarchyBlockManagerPool(16, 2**30, 2**9)",
+        "kvpool.LinearStatePrefixCache(2**30)",
+    ],
+)
 def test_within_the_caps_an_impossible_size_is_a_value_error_not_an_abort(make):
     """Sizes inside the caps that the machine cannot hold: the whole footprint is asked for in
     one request before any array is filled, so it is a ValueError, never an abort or the OOM
@@ -940,8 +990,9 @@ def test_within_the_caps_an_impossible_size_is_a_value_error_not_an_abort(make):
             assert "num_" in str(e), e
             print("refused")
     """)
-    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                       timeout=60, preexec_fn=limit)
+    r = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, preexec_fn=limit
+    )
     assert r.returncode == 0 and r.stdout.strip() == "refused", r.stdout + r.stderr[-2000:]
 
 
@@ -996,8 +1047,9 @@ def test_dp_rank_is_kept_across_pools_when_the_other_pool_has_it():
 
 
 def test_cache_and_deallocate_of_a_sequence_holding_nothing_are_no_ops():
-    p = kvpool.BlockManagerPool(16, 4, linear_state_slots=4, checkpoint_interval=4,
-                                enable_events=True)
+    p = kvpool.BlockManagerPool(
+        16, 4, linear_state_slots=4, checkpoint_interval=4, enable_events=True
+    )
     s = kvpool.Sequence(list(range(9)))
     before = p.stats()
     p.cache(s)

@@ -1,4 +1,4 @@
-"""kvpool.XTensorBlockManager (issue 17): elastic KV memory on virtual-memory pages.
+"""kvpool.XTensorBlockManager: elastic KV memory on virtual-memory pages.
 
 The BlockManager protocol (R1-R5, R10, R29), the page rules (mapped pages = page 0, pages holding a
 used or cached block, spares), the memory limit, the reservation, page-aware eviction, Python
@@ -328,7 +328,9 @@ def resident_bytes_of_process():
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs Linux /proc")
 def test_host_backend_resident_memory_falls_when_the_load_falls():
-    m = kvpool.XTensorBlockManager(64 * 64, 16, blocks_per_page=64, page_bytes=2 * MiB, backend="host")
+    m = kvpool.XTensorBlockManager(
+        64 * 64, 16, blocks_per_page=64, page_bytes=2 * MiB, backend="host"
+    )
     assert m.resident_bytes == 2 * 2 * MiB, "page 0 and the spare"
     idle = resident_bytes_of_process()
     load = m.allocate(48 * 64)  # 48 pages: 96 MiB
@@ -338,7 +340,9 @@ def test_host_backend_resident_memory_falls_when_the_load_falls():
     m.deallocate(load)
     after = resident_bytes_of_process()
     assert m.resident_bytes == m.mapped_bytes <= 3 * 2 * MiB
-    assert busy - after >= 80 * MiB, f"freed pages left the process: -{(busy - after) / MiB:.0f} MiB"
+    assert busy - after >= 80 * MiB, (
+        f"freed pages left the process: -{(busy - after) / MiB:.0f} MiB"
+    )
     m.check()
 
 
@@ -346,7 +350,7 @@ def test_host_backend_resident_memory_falls_when_the_load_falls():
 
 
 class XTensorMachine(RuleBasedStateMachine):
-    """Random workloads with check() and the page rules after every step (issue 17)."""
+    """Random workloads with check() and the page rules after every step."""
 
     def __init__(self):
         super().__init__()
@@ -370,7 +374,9 @@ class XTensorMachine(RuleBasedStateMachine):
             assert n > available or self.m.stats()["num_map_failures"] > 0
             return
         assert len(blocks) == n <= available
-        tokens = [family * 100 + i if i < 2 * shared else self.salt * 1000 + i for i in range(2 * n)]
+        tokens = [
+            family * 100 + i if i < 2 * shared else self.salt * 1000 + i for i in range(2 * n)
+        ]
         self.groups.append((tokens, blocks))
 
     @rule(family=st.integers(0, 2), shared=st.integers(1, 4))
@@ -519,7 +525,9 @@ def test_cuda_backend_pages_every_tensor_and_the_manager_drives_it():
     backend = cuda_backend(driver)
     assert backend.blocks_per_page == 64 and backend.num_pages == 4
     assert backend.page_bytes == 4 * 2 * MiB, "one 2 MiB allocation per tensor (2 layers, K and V)"
-    m = kvpool.XTensorBlockManager(256, 16, blocks_per_page=backend.blocks_per_page, backend=backend)
+    m = kvpool.XTensorBlockManager(
+        256, 16, blocks_per_page=backend.blocks_per_page, backend=backend
+    )
     assert m.page_bytes == backend.page_bytes
     assert backend.mapped_pages() == [0, 1] and len(driver.mappings) == 2 * 4
     assert driver.accessible == set(driver.mappings), "access set on every mapped range"
@@ -552,10 +560,12 @@ def test_cuda_backend_out_of_memory_rolls_back_the_page():
 
 def test_cuda_backends_drive_the_pool_one_per_rank():
     """BlockManagerPool(..., xtensor={"backend": [CudaPageBackend per rank]}): each rank's device
-    maps exactly its rank's pages (issue 17, the pool option)."""
+    maps exactly its rank's pages (the pool option)."""
     drivers = [FakeDriver(), FakeDriver()]
     backends = [cuda_backend(d) for d in drivers]
-    pool = kvpool.BlockManagerPool(256, 16, dp_size=2, xtensor={"blocks_per_page": 64, "backend": backends})
+    pool = kvpool.BlockManagerPool(
+        256, 16, dp_size=2, xtensor={"blocks_per_page": 64, "backend": backends}
+    )
     assert pool.xtensor["page_bytes"] == backends[0].page_bytes, "page_bytes from the backends"
     seqs = [kvpool.Sequence([i * 10_000 + t for t in range(16 * 70)]) for i in range(2)]
     for seq in seqs:
@@ -563,13 +573,18 @@ def test_cuda_backends_drive_the_pool_one_per_rank():
     assert {seq.dp_rank for seq in seqs} == {0, 1}
     for rank, (backend, driver) in enumerate(zip(backends, drivers, strict=True)):
         assert backend.mapped_pages() == pool.mapped_page_ids(rank)
-        assert len(driver.mappings) == 4 * len(backend.mapped_pages()) and driver.accessible == set(driver.mappings)
+        assert len(driver.mappings) == 4 * len(backend.mapped_pages()) and driver.accessible == set(
+            driver.mappings
+        )
     pool.set_memory_limit(2 * backends[0].page_bytes)
     for seq in seqs:
         pool.deallocate(seq)
     pool.check()
     for rank, backend in enumerate(backends):
-        assert backend.mapped_pages() == pool.mapped_page_ids(rank) and len(backend.mapped_pages()) <= 2
+        assert (
+            backend.mapped_pages() == pool.mapped_page_ids(rank)
+            and len(backend.mapped_pages()) <= 2
+        )
 
 
 def test_cuda_backend_validates_its_layout():
@@ -598,7 +613,9 @@ def test_cuda_backend_on_a_gpu_kernels_write_into_mapped_pages():
     import kvpool.kernels as K
 
     backend = CudaPageBackend(512, 16, 8, 128, num_layers=2)
-    m = kvpool.XTensorBlockManager(512, 16, blocks_per_page=backend.blocks_per_page, backend=backend)
+    m = kvpool.XTensorBlockManager(
+        512, 16, blocks_per_page=backend.blocks_per_page, backend=backend
+    )
     free_before = cp.cuda.runtime.memGetInfo()[0]
     blocks = m.allocate(300)
     assert cp.cuda.runtime.memGetInfo()[0] < free_before, "pages took device memory"

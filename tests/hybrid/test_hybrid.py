@@ -1,4 +1,4 @@
-"""Hybrid models (issue 4): LinearStatePrefixCache, linear-state checkpoints in the pool,
+"""Hybrid models: LinearStatePrefixCache, linear-state checkpoints in the pool,
 SlidingWindowBlockManager / CompositeBlockManager and sliding-window pools (R22-R25)."""
 
 from __future__ import annotations
@@ -540,7 +540,7 @@ def test_random_hybrid_workload_check_every_step(options, seed):
                     rng.randrange(1000) for _ in range(rng.randrange(1, 12))
                 ]
                 seq = kvpool.Sequence(tokens)
-            n = rng.choice([None, max(1, len(tokens) // 2)])
+            n = rng.choice([None, max(1, len(seq) // 2)])  # seq: a preempted one is not tokens
             can = pool.can_allocate(seq, n)
             before = pool.stats()
             ok = pool.allocate(seq, n)
@@ -594,3 +594,49 @@ def test_random_hybrid_workload_check_every_step(options, seed):
     assert stats["num_live_slots"] == 0 and stats["num_pending_checkpoints"] == 0
     if stats["window"] is not None:
         assert stats["window"]["num_free_blocks"] == stats["window"]["num_total_blocks"]
+
+
+def test_c1_a_reset_forgets_the_saved_boundary():
+    """docs/contract.md (R24's choices, C1): after reset_prefix_cache dropped a committed
+    checkpoint, cache() at the boundary the sequence stands at saves it again; without a reset
+    a boundary is saved once."""
+    p = kvpool.BlockManagerPool(32, BS, linear_state_slots=4, checkpoint_interval=4)
+    view = p.linear_state_cache(0)
+    a = kvpool.Sequence(list(range(10)))
+    assert p.allocate(a)
+    a.num_computed_tokens = 8
+    p.cache(a)
+    plan = p.take_linear_state_plan()
+    assert plan.save_hashes == [kvpool.hash_blocks(list(range(8)), BS)[1]]
+    p.commit_linear_state_plan(plan)
+    p.cache(a)  # the same boundary again: saved already
+    plan = p.take_linear_state_plan()
+    assert len(plan.save_dst) == 0
+    p.commit_linear_state_plan(plan)
+    view.evict(1)  # an LRU eviction is not undone by the same sequence
+    p.cache(a)
+    plan = p.take_linear_state_plan()
+    assert len(plan.save_dst) == 0
+    p.commit_linear_state_plan(plan)
+    a2 = kvpool.Sequence(list(range(10)))
+    assert p.allocate(a2)
+    a2.num_computed_tokens = 8
+    p.cache(a2)  # another sequence at the same boundary saves it
+    plan = p.take_linear_state_plan()
+    assert len(plan.save_dst) == 1
+    p.commit_linear_state_plan(plan)
+    p.deallocate(a2)
+    p.reset_prefix_cache()
+    assert view.num_committed_checkpoints == 0
+    p.cache(a)  # the reset forgot it: the boundary is unsaved again
+    plan = p.take_linear_state_plan()
+    assert plan.save_hashes == [kvpool.hash_blocks(list(range(8)), BS)[1]], "C1: saved again"
+    p.commit_linear_state_plan(plan)
+    p.cache(a)
+    plan = p.take_linear_state_plan()
+    assert len(plan.save_dst) == 0, "and once only"
+    p.commit_linear_state_plan(plan)
+    p.deallocate(a)
+    b = kvpool.Sequence(list(range(8)) + [50, 51])
+    assert p.allocate(b) and b.num_cached_tokens == 8, "the new checkpoint restores"
+    p.check()

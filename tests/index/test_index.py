@@ -1,4 +1,4 @@
-"""kvpool.KVIndex from Python (issue "Beyond one instance"): events as dicts and objects (the
+"""kvpool.KVIndex from Python: events as dicts and objects (the
 pool's R21 events), the msgpack wire format, vLLM 0.33.0's KV event messages, speculative
 entries, gaps, dump/load, bad input, threads, and a randomized comparison with a plain model."""
 
@@ -12,7 +12,7 @@ import msgpack
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kvpool.vllm_events import VllmEventReader, vllm_extra_key
+from kvpool.index.vllm_events import VllmEventReader, vllm_extra_key
 
 DATA = pathlib.Path(__file__).parent / "data"
 BS = 4
@@ -39,7 +39,10 @@ def test_every_instance_and_medium_in_one_call():
     rows = idx.lookup(tokens)
     assert sorted(rows) == [(1, 0, "device", 8, 32), (2, 0, "device", 3, 12), (2, 0, "host", 5, 20)]
     assert sorted(idx.lookup(block_hashes=c[:4], block_size=BS)) == [
-        (1, 0, "device", 4, 16), (2, 0, "device", 3, 12), (2, 0, "host", 4, 16)]
+        (1, 0, "device", 4, 16),
+        (2, 0, "device", 3, 12),
+        (2, 0, "host", 4, 16),
+    ]
     idx.apply(1, [{"kind": "removed", "block_size": BS, "block_hashes": [c[4]]}])
     assert best(idx.lookup(tokens), 1) == 4
     idx.apply(2, [{"kind": "cleared", "block_size": BS, "medium": "host"}])
@@ -107,22 +110,53 @@ def test_bad_events_are_named_errors_and_apply_nothing():
 def test_wire_format_round_trip_and_documented_shape():
     c = chain(list(range(8)))
     events = [
-        stored(c, sequence=5, medium="host", dp_rank=1, group=1, group_kind="sliding_window",
-               sliding_window=128, extra_key=b"salt", token_ids=list(range(8))),
+        stored(
+            c,
+            sequence=5,
+            medium="host",
+            dp_rank=1,
+            group=1,
+            group_kind="sliding_window",
+            sliding_window=128,
+            extra_key=b"salt",
+            token_ids=list(range(8)),
+        ),
         {"kind": "removed", "block_size": BS, "block_hashes": [c[1]], "sequence": 6},
         {"kind": "cleared", "block_size": BS, "sequence": 7},
     ]
     data = kvpool.encode_events(events)
     decoded = kvpool.decode_events(data)
-    assert decoded[0] == {"sequence": 5, "kind": "stored", "medium": "host", "dp_rank": 1, "group": 1,
-                          "group_kind": "sliding_window", "sliding_window": 128, "block_size": BS,
-                          "extra_key": b"salt", "parent_hash": None, "block_hashes": c,
-                          "token_ids": list(range(8))}
+    assert decoded[0] == {
+        "sequence": 5,
+        "kind": "stored",
+        "medium": "host",
+        "dp_rank": 1,
+        "group": 1,
+        "group_kind": "sliding_window",
+        "sliding_window": 128,
+        "block_size": BS,
+        "extra_key": b"salt",
+        "parent_hash": None,
+        "block_hashes": c,
+        "token_ids": list(range(8)),
+    }
     assert [e["kind"] for e in decoded] == ["stored", "removed", "cleared"]
     assert kvpool.encode_events(decoded) == data
     # The msgpack package writes the documented map by hand; defaults may be left out.
-    by_hand = msgpack.packb({"version": 1, "events": [
-        {"sequence": 0, "kind": "stored", "block_size": BS, "block_hashes": c, "future_field": 1}]})
+    by_hand = msgpack.packb(
+        {
+            "version": 1,
+            "events": [
+                {
+                    "sequence": 0,
+                    "kind": "stored",
+                    "block_size": BS,
+                    "block_hashes": c,
+                    "future_field": 1,
+                }
+            ],
+        }
+    )
     idx = kvpool.KVIndex()
     assert idx.apply_msgpack(9, by_hand)["applied"] == 1
     assert idx.lookup(list(range(8))) == [(9, 0, "device", 2, 8)]
@@ -142,8 +176,12 @@ def test_speculative_entries_lapse_or_are_confirmed():
     assert idx.stats()["speculative_entries"] == 4
     assert idx.expire(12.0) == 4
     assert idx.lookup(tokens, now=99.0) == [(4, 0, "device", 2, 8)]
-    assert idx.insert_speculative(4, block_hashes=chain(tokens), block_size=BS, now=20.0, ttl=1.0,
-                                  dp_rank=1) == 6
+    assert (
+        idx.insert_speculative(
+            4, block_hashes=chain(tokens), block_size=BS, now=20.0, ttl=1.0, dp_rank=1
+        )
+        == 6
+    )
     assert (4, 1, "device", 6, 24) in idx.lookup(tokens, now=20.5)
     idx.check()
 
@@ -177,7 +215,13 @@ def test_g4_c3_the_last_unit_during_a_stall_is_applied_and_the_stall_stays():
     assert idx.can_apply(1, 1) and idx.can_apply(1, 2)
     assert not idx.can_apply(1, 0) and not idx.can_apply(1, 5) and idx.can_apply(1, 0, dp_rank=1)
     # unit 1 again, with more of it: applied (its content counts), the stall stays
-    more = {"kind": "stored", "block_size": BS, "block_hashes": c[:2], "medium": "host", "sequence": 1}
+    more = {
+        "kind": "stored",
+        "block_size": BS,
+        "block_hashes": c[:2],
+        "medium": "host",
+        "sequence": 1,
+    }
     report = idx.apply(1, [ev[1], more])
     assert (report["applied"], report["gaps"]) == (2, [])
     assert (1, 0, "host", 2, 8) in idx.lookup(list(range(24)))
@@ -200,24 +244,49 @@ def test_c4_apply_msgpack_is_strict():
     for bin, bin for a list, arrays for maps, repeated keys and trailing bytes are refused,
     naming `data`, and the index is unchanged. Unknown keys stay ignored."""
     c = chain(list(range(8)))
-    event = {"sequence": 0, "kind": "stored", "block_size": BS, "block_hashes": c,
-             "token_ids": list(range(8))}
+    event = {
+        "sequence": 0,
+        "kind": "stored",
+        "block_size": BS,
+        "block_hashes": c,
+        "token_ids": list(range(8)),
+    }
     idx = kvpool.KVIndex()
-    assert idx.apply_msgpack(1, msgpack.packb({"version": 1, "events": [dict(event, later=[1, b"x"])]},
-                                              ))["applied"] == 1
+    assert (
+        idx.apply_msgpack(
+            1,
+            msgpack.packb(
+                {"version": 1, "events": [dict(event, later=[1, b"x"])]},
+            ),
+        )["applied"]
+        == 1
+    )
     before = idx.dump()
     text_hash = "0123456789abcdef"
     bad = {
         "bin keys": msgpack.packb({b"version": 1, b"events": []}),
-        "a bin key in an event": msgpack.packb({"version": 1, "events": [
-            {b"kind": "stored", "block_size": BS, "block_hashes": c}]}),
+        "a bin key in an event": msgpack.packb(
+            {"version": 1, "events": [{b"kind": "stored", "block_size": BS, "block_hashes": c}]}
+        ),
         "a bin enum": msgpack.packb({"version": 1, "events": [dict(event, kind=b"stored")]}),
-        "a str hash": msgpack.packb({"version": 1, "events": [dict(event, block_hashes=[text_hash],
-                                                                                  token_ids=list(range(4)))]}),
-        "a str parent": msgpack.packb({"version": 1, "events": [dict(event, block_hashes=c[1:], parent_hash=text_hash,
-                                                                     token_ids=list(range(4)))]}),
+        "a str hash": msgpack.packb(
+            {
+                "version": 1,
+                "events": [dict(event, block_hashes=[text_hash], token_ids=list(range(4)))],
+            }
+        ),
+        "a str parent": msgpack.packb(
+            {
+                "version": 1,
+                "events": [
+                    dict(event, block_hashes=c[1:], parent_hash=text_hash, token_ids=list(range(4)))
+                ],
+            }
+        ),
         "a str extra key": msgpack.packb({"version": 1, "events": [dict(event, extra_key="salt")]}),
-        "bin token ids": msgpack.packb({"version": 1, "events": [dict(event, token_ids=bytes(range(8)))]}),
+        "bin token ids": msgpack.packb(
+            {"version": 1, "events": [dict(event, token_ids=bytes(range(8)))]}
+        ),
         "a float": msgpack.packb({"version": 1, "events": [dict(event, block_size=4.0)]}),
         "a bool": msgpack.packb({"version": 1, "events": [dict(event, dp_rank=False)]}),
         "a batch as an array": msgpack.packb([1, [event]]),
@@ -251,8 +320,10 @@ def test_dump_load_round_trip():
     assert len(small) <= 3
     # The hash seed is part of the index: lookups hash tokens with it.
     assert idx.hash_blocks(tokens, BS) == kvpool.hash_blocks(tokens, BS, hash_seed=7)
-    assert idx.hash_blocks(tokens[BS:], BS, parent_hash=idx.hash_blocks(tokens, BS)[0]) == \
-        idx.hash_blocks(tokens, BS)[1:]
+    assert (
+        idx.hash_blocks(tokens[BS:], BS, parent_hash=idx.hash_blocks(tokens, BS)[0])
+        == idx.hash_blocks(tokens, BS)[1:]
+    )
 
 
 def test_reads_run_beside_the_writer_in_threads():
@@ -275,11 +346,16 @@ def test_reads_run_beside_the_writer_in_threads():
     for round_ in range(200):
         for i in range(8):
             if round_ % 2:
-                idx.apply(i, [stored(c[:i + 1])])
+                idx.apply(i, [stored(c[: i + 1])])
             else:
-                idx.apply(i, [stored(c[i + 1:], c[i]), {"kind": "removed", "block_size": BS,
-                                                       "block_hashes": c[i + 1:]},
-                              stored(c[i + 1:], c[i])])
+                idx.apply(
+                    i,
+                    [
+                        stored(c[i + 1 :], c[i]),
+                        {"kind": "removed", "block_size": BS, "block_hashes": c[i + 1 :]},
+                        stored(c[i + 1 :], c[i]),
+                    ],
+                )
     done.set()
     for t in threads:
         t.join()
@@ -329,27 +405,56 @@ def test_vllm_media_groups_tokenless_and_multimodal_blocks():
     reader = VllmEventReader(idx)
     tokens = list(range(16))
     h = [101, 102, 103, 104]
-    gpu = {"type": "BlockStored", "block_hashes": h, "parent_block_hash": None, "token_ids": tokens,
-           "block_size": 4, "lora_id": None, "medium": "GPU", "lora_name": None, "group_idx": 0,
-           "kv_cache_spec_kind": "full_attention"}
-    swa = dict(gpu, group_idx=1, kv_cache_spec_kind="sliding_window", kv_cache_spec_sliding_window=5)
+    gpu = {
+        "type": "BlockStored",
+        "block_hashes": h,
+        "parent_block_hash": None,
+        "token_ids": tokens,
+        "block_size": 4,
+        "lora_id": None,
+        "medium": "GPU",
+        "lora_name": None,
+        "group_idx": 0,
+        "kv_cache_spec_kind": "full_attention",
+    }
+    swa = dict(
+        gpu, group_idx=1, kv_cache_spec_kind="sliding_window", kv_cache_spec_sliding_window=5
+    )
     # CPU offload: tokenless, in the older array form; resolves through the GPU mapping.
     cpu = ["BlockStored", h[:2], None, [], 4, None, "CPU", None]
     reader.apply(3, vllm_batch([gpu, swa, cpu], dp_rank=1), sequence=0)
     rows = sorted(idx.lookup(tokens))
     assert rows == [(3, 1, "device", 4, 16), (3, 1, "host", 2, 8)]
     # The window group dropping its old blocks keeps the hit (a 5-token window needs block 3).
-    reader.apply(3, vllm_batch([{"type": "BlockRemoved", "block_hashes": [101, 102], "medium": "GPU",
-                                 "group_idx": 1}], dp_rank=1), sequence=1)
+    reader.apply(
+        3,
+        vllm_batch(
+            [{"type": "BlockRemoved", "block_hashes": [101, 102], "medium": "GPU", "group_idx": 1}],
+            dp_rank=1,
+        ),
+        sequence=1,
+    )
     assert (3, 1, "device", 4, 16) in idx.lookup(tokens)
     # The full group losing block 2 caps a hit at 2 blocks, which needs window block 1: gone,
     # so no device hit at all (not a false 2-block hit).
-    reader.apply(3, vllm_batch([{"type": "BlockRemoved", "block_hashes": [103], "medium": "GPU",
-                                 "group_idx": 0}], dp_rank=1), sequence=2)
+    reader.apply(
+        3,
+        vllm_batch(
+            [{"type": "BlockRemoved", "block_hashes": [103], "medium": "GPU", "group_idx": 0}],
+            dp_rank=1,
+        ),
+        sequence=2,
+    )
     assert idx.lookup(tokens) == [(3, 1, "host", 2, 8)]
     # A removal of blocks never stored still carries its batch's number (no false gap later).
-    report = reader.apply(3, vllm_batch([{"type": "BlockRemoved", "block_hashes": [999], "medium": "GPU",
-                                          "group_idx": 0}], dp_rank=1), sequence=3)
+    report = reader.apply(
+        3,
+        vllm_batch(
+            [{"type": "BlockRemoved", "block_hashes": [999], "medium": "GPU", "group_idx": 0}],
+            dp_rank=1,
+        ),
+        sequence=3,
+    )
     assert report["applied"] == 1 and idx.sources()[0]["last"] == 3
     # Multimodal extra keys: an opaque key that token lookups never match.
     mm = dict(gpu, block_hashes=[b"\x01" * 32], token_ids=tokens[:4], extra_keys=[[["img-9", 0]]])
@@ -365,9 +470,17 @@ def test_vllm_media_groups_tokenless_and_multimodal_blocks():
 
 
 # ------------------------------------------------------------------------------- randomized
-ops = st.lists(st.tuples(st.sampled_from(["stored", "removed", "cleared"]), st.integers(0, 3),
-                         st.sampled_from(["device", "host", "remote"]), st.integers(0, 2),
-                         st.integers(0, 7), st.integers(1, 8)), max_size=40)
+ops = st.lists(
+    st.tuples(
+        st.sampled_from(["stored", "removed", "cleared"]),
+        st.integers(0, 3),
+        st.sampled_from(["device", "host", "remote"]),
+        st.integers(0, 2),
+        st.integers(0, 7),
+        st.integers(1, 8),
+    ),
+    max_size=40,
+)
 
 
 @settings(max_examples=60, deadline=None)
@@ -379,13 +492,16 @@ def test_lookups_match_a_dict_of_sets_model(steps):
     model: dict[tuple[int, str], set[bytes]] = {}
     for kind, instance, medium, doc, start, length in steps:
         c = chains[doc]
-        part = c[start:start + length]
+        part = c[start : start + length]
         held = model.setdefault((instance, medium), set())
         if kind == "stored":
             idx.apply(instance, [stored(part, c[start - 1] if start else None, medium=medium)])
             held.update(part)
         elif kind == "removed":
-            idx.apply(instance, [{"kind": "removed", "block_size": BS, "medium": medium, "block_hashes": part}])
+            idx.apply(
+                instance,
+                [{"kind": "removed", "block_size": BS, "medium": medium, "block_hashes": part}],
+            )
             held.difference_update(part)
         else:
             idx.apply(instance, [{"kind": "cleared", "block_size": BS, "medium": medium}])
@@ -407,16 +523,24 @@ def test_groups_announced_up_front_and_depths():
     idx = kvpool.KVIndex()
     tokens = list(range(32))
     c = chain(tokens)
-    groups = [{"kind": "group", "block_size": BS, "group": 0},
-              {"kind": "group", "block_size": BS, "group": 1, "group_kind": "linear_state"}]
+    groups = [
+        {"kind": "group", "block_size": BS, "group": 0},
+        {"kind": "group", "block_size": BS, "group": 1, "group_kind": "linear_state"},
+    ]
     idx.apply(1, groups + [stored(c)])
     idx.apply(2, [stored(c)])  # the same stores, no announcement: a plain location
     assert best(idx.lookup(tokens), 1) == 0, "no checkpoint: no hit"
     assert best(idx.lookup(tokens), 2) == 8, "without the announcement: credited"
     rows = {r[0]: r for r in idx.lookup(tokens, depths=True)}
     assert rows[1] == (1, 0, "device", 0, 0, 8, 32) and rows[2] == (2, 0, "device", 8, 32, 8, 32)
-    checkpoint = {"kind": "stored", "block_size": BS, "group": 1, "group_kind": "linear_state",
-                  "parent_hash": c[4], "block_hashes": [c[5]]}
+    checkpoint = {
+        "kind": "stored",
+        "block_size": BS,
+        "group": 1,
+        "group_kind": "linear_state",
+        "parent_hash": c[4],
+        "block_hashes": [c[5]],
+    }
     idx.apply(1, [checkpoint])
     rows = {r[0]: r for r in idx.lookup(tokens, depths=True)}
     assert rows[1] == (1, 0, "device", 6, 24, 8, 32)
@@ -435,7 +559,10 @@ def test_several_writers_from_threads():
     idx, one = kvpool.KVIndex(writers=n), kvpool.KVIndex()
     assert idx.stats()["writers"] == n and one.stats()["writers"] == 1
     docs = [[1000 * d + i for i in range(32)] for d in range(6)]
-    batches = {i: [[stored(chain(docs[(i + k) % 6])[: 2 + (i * k) % 7])] for k in range(20)] for i in range(24)}
+    batches = {
+        i: [[stored(chain(docs[(i + k) % 6])[: 2 + (i * k) % 7])] for k in range(20)]
+        for i in range(24)
+    }
     assert {idx.writer_of(i) for i in batches} == set(range(n))
     stop = threading.Event()
     errors = []

@@ -1,11 +1,11 @@
-"""kvpool.router: round_robin, least_loaded and kv_aware on KVIndex, with speculative entries."""
+"""kvpool.index.router: round_robin, least_loaded and kv_aware on KVIndex, with speculative entries."""
 
 from __future__ import annotations
 
 import kvpool
 import numpy as np
 import pytest
-from kvpool.router import Router
+from kvpool.index.router import Router
 
 BS = 4
 
@@ -16,7 +16,9 @@ def prompt(doc, n=32):
 
 def store(idx, instance, tokens, medium="device", n=None):
     hashes = kvpool.hash_blocks(tokens, BS)[:n]
-    idx.apply(instance, [{"kind": "stored", "block_size": BS, "block_hashes": hashes, "medium": medium}])
+    idx.apply(
+        instance, [{"kind": "stored", "block_size": BS, "block_hashes": hashes, "medium": medium}]
+    )
 
 
 def test_round_robin_cycles():
@@ -60,19 +62,22 @@ def test_kv_aware_follows_the_cached_prefix_until_load_outweighs_it():
 def test_kv_aware_weighs_media():
     idx = kvpool.KVIndex()
     p = prompt(3)
-    store(idx, 0, p, medium="host")      # 32 on host: saves 0.8 each
+    store(idx, 0, p, medium="host")  # 32 on host: saves 0.8 each
     store(idx, 1, p, medium="device", n=6)  # 24 on device: saves 1.0 each
     r = Router(2, "kv_aware", index=idx, block_size=BS, speculative_ttl=None)
     assert r.costs(p).tolist() == pytest.approx([32 - 0.8 * 32, 32 - 24.0])
     assert r.route(p).instance == 0  # 6.4 < 8
-    r = Router(2, "kv_aware", index=idx, block_size=BS, speculative_ttl=None,
-               medium_weights={"host": 0.5})
+    r = Router(
+        2, "kv_aware", index=idx, block_size=BS, speculative_ttl=None, medium_weights={"host": 0.5}
+    )
     assert r.route(p).instance == 1  # 16 > 8
     # A shared remote tier counts for every instance; a private one only for its own.
     store(idx, 1, p, medium="remote")
     shared = Router(3, "kv_aware", index=idx, block_size=BS, speculative_ttl=None)
     assert shared.cached(p)[2].tolist() == [0.0, 0.0, 32.0]
-    private = Router(3, "kv_aware", index=idx, block_size=BS, speculative_ttl=None, shared_remote=False)
+    private = Router(
+        3, "kv_aware", index=idx, block_size=BS, speculative_ttl=None, shared_remote=False
+    )
     assert private.cached(p)[2].tolist() == [0.0, 0.0, 0.0]
 
 
@@ -118,12 +123,21 @@ def test_g10_a_rejected_request_changes_nothing(policy):
     r = Router(3, policy, index=idx, block_size=BS)
     first = r.route(prompt(0))
     state = (r._next, r._auto, r.load.tolist(), dict(r.active), idx.stats()["speculative_entries"])
-    for bad, error in [([1, 2, 3, -1, 5, 6, 7, 8], ValueError), ([1, 2, 3, "x", 5, 6, 7, 8], TypeError)]:
+    for bad, error in [
+        ([1, 2, 3, -1, 5, 6, 7, 8], ValueError),
+        ([1, 2, 3, "x", 5, 6, 7, 8], TypeError),
+    ]:
         with pytest.raises(error, match="token_ids"):
             r.route(bad)
     with pytest.raises(ValueError, match="request_id"):
         r.route(prompt(1), request_id=first.request_id)
-    assert (r._next, r._auto, r.load.tolist(), dict(r.active), idx.stats()["speculative_entries"]) == state
+    assert (
+        r._next,
+        r._auto,
+        r.load.tolist(),
+        dict(r.active),
+        idx.stats()["speculative_entries"],
+    ) == state
     second = r.route(prompt(1))
     assert second.request_id == first.request_id + 1
     if policy == "round_robin":
@@ -137,15 +151,25 @@ def test_recompute_weight_costs_kv_past_the_checkpoint():
     idx = kvpool.KVIndex()
     tokens = prompt(0)
     hashes = kvpool.hash_blocks(tokens, BS)
-    groups = [{"kind": "group", "block_size": BS, "group": 0},
-              {"kind": "group", "block_size": BS, "group": 1, "group_kind": "linear_state"}]
-    idx.apply(0, groups + [{"kind": "stored", "block_size": BS, "block_hashes": hashes}])  # 8 blocks, no checkpoint
+    groups = [
+        {"kind": "group", "block_size": BS, "group": 0},
+        {"kind": "group", "block_size": BS, "group": 1, "group_kind": "linear_state"},
+    ]
+    idx.apply(
+        0, groups + [{"kind": "stored", "block_size": BS, "block_hashes": hashes}]
+    )  # 8 blocks, no checkpoint
     store(idx, 1, tokens, n=2)  # a plain instance holding 2 blocks
     plain = Router(2, "kv_aware", index=idx, block_size=BS, speculative_ttl=None)
-    assert plain.costs(tokens).tolist() == [32.0, 24.0], "no checkpoint: instance 0 restores nothing"
+    assert plain.costs(tokens).tolist() == [32.0, 24.0], (
+        "no checkpoint: instance 0 restores nothing"
+    )
     assert plain.route(tokens).instance == 1
-    weighted = Router(2, "kv_aware", index=idx, block_size=BS, speculative_ttl=None, recompute_weight=0.5)
-    assert weighted.costs(tokens).tolist() == [16.0, 24.0], "32 KV tokens past the checkpoint at half"
+    weighted = Router(
+        2, "kv_aware", index=idx, block_size=BS, speculative_ttl=None, recompute_weight=0.5
+    )
+    assert weighted.costs(tokens).tolist() == [16.0, 24.0], (
+        "32 KV tokens past the checkpoint at half"
+    )
     assert weighted.route(tokens).instance == 0
     for bad in (-0.1, 1.5, True):
         with pytest.raises(ValueError, match="recompute_weight"):

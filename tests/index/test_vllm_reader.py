@@ -26,8 +26,15 @@ def batch(events, dp_rank=0):
 
 
 def block_stored(hashes, parent, tokens, medium="GPU"):
-    return {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent, "token_ids": tokens,
-            "block_size": BS, "lora_id": None, "medium": medium}
+    return {
+        "type": "BlockStored",
+        "block_hashes": hashes,
+        "parent_block_hash": parent,
+        "token_ids": tokens,
+        "block_size": BS,
+        "lora_id": None,
+        "medium": medium,
+    }
 
 
 def block_removed(hashes, medium="GPU"):
@@ -146,34 +153,100 @@ def test_g1_frames_and_the_last_batch_during_a_stall():
 
 
 # ------------------------------------------------------------------------------------- G9
-@pytest.mark.parametrize(("event", "error", "field"), [
-    ({"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None, "token_ids": [1, 2]},
-     ValueError, r"events\[1\].block_size"),
-    ({"type": "BlockStored", "block_size": 2, "parent_block_hash": None, "token_ids": [1, 2]},
-     ValueError, r"events\[1\].block_hashes"),
-    ({"type": "BlockRemoved", "medium": "GPU"}, ValueError, r"events\[1\].block_hashes"),
-    ({"type": "BlockStored", "block_hashes": [1], "block_size": "2"}, TypeError, "block_size"),
-    ({"type": "BlockStored", "block_hashes": [1], "block_size": 0}, ValueError, "block_size"),
-    ({"type": "BlockStored", "block_hashes": [1], "block_size": True}, TypeError, "block_size"),
-    ({"type": "BlockStored", "block_hashes": 1, "block_size": 2}, TypeError, "block_hashes"),
-    ({"type": "BlockStored", "block_hashes": [1.5], "block_size": 2}, TypeError, "block_hashes"),
-    ({"type": "BlockStored", "block_hashes": [1, 1], "block_size": 2}, ValueError, "own parent"),
-    ({"type": "BlockStored", "block_hashes": [1], "block_size": 2, "token_ids": [1, -2]}, ValueError, "token_ids"),
-    ({"type": "BlockStored", "block_hashes": [1], "block_size": 2, "token_ids": "ab"}, TypeError, "token_ids"),
-    ({"type": "BlockStored", "block_hashes": [1], "block_size": 2, "parent_block_hash": [3]},
-     TypeError, "parent_block_hash"),
-    ({"type": "BlockStored", "block_hashes": [1], "block_size": 2, "medium": ["GPU"]}, TypeError, "medium"),
-    ({"type": "BlockStored", "block_hashes": [1], "block_size": 2, "group_idx": 31}, ValueError, "group_idx"),
-    ({"type": "BlockStored", "block_hashes": [1], "block_size": 2, "kv_cache_spec_kind": 3},
-     TypeError, "kv_cache_spec_kind"),
-    ({"type": "BlockStored", "block_hashes": [1], "block_size": 2, "kv_cache_spec_kind": "sliding_window",
-      "kv_cache_spec_sliding_window": "8"}, TypeError, "kv_cache_spec_sliding_window"),
-    ({"type": "BlockStored", "block_hashes": [1], "block_size": 2, "extra_keys": 5}, TypeError, "extra_keys"),
-    ({"type": "BlockStored", "block_hashes": [1], "block_size": 2, "lora_name": 5}, TypeError, "lora_name"),
-    ({"type": "BlockRemoved", "block_hashes": [9], "group_idx": -1}, ValueError, "group_idx"),
-    ({"type": "Mystery"}, ValueError, r"events\[1\]: unknown"),
-    (7, ValueError, r"events\[1\]: not a vLLM KV event"),
-])
+@pytest.mark.parametrize(
+    ("event", "error", "field"),
+    [
+        (
+            {
+                "type": "BlockStored",
+                "block_hashes": [1],
+                "parent_block_hash": None,
+                "token_ids": [1, 2],
+            },
+            ValueError,
+            r"events\[1\].block_size",
+        ),
+        (
+            {
+                "type": "BlockStored",
+                "block_size": 2,
+                "parent_block_hash": None,
+                "token_ids": [1, 2],
+            },
+            ValueError,
+            r"events\[1\].block_hashes",
+        ),
+        ({"type": "BlockRemoved", "medium": "GPU"}, ValueError, r"events\[1\].block_hashes"),
+        ({"type": "BlockStored", "block_hashes": [1], "block_size": "2"}, TypeError, "block_size"),
+        ({"type": "BlockStored", "block_hashes": [1], "block_size": 0}, ValueError, "block_size"),
+        ({"type": "BlockStored", "block_hashes": [1], "block_size": True}, TypeError, "block_size"),
+        ({"type": "BlockStored", "block_hashes": 1, "block_size": 2}, TypeError, "block_hashes"),
+        (
+            {"type": "BlockStored", "block_hashes": [1.5], "block_size": 2},
+            TypeError,
+            "block_hashes",
+        ),
+        (
+            {"type": "BlockStored", "block_hashes": [1, 1], "block_size": 2},
+            ValueError,
+            "own parent",
+        ),
+        (
+            {"type": "BlockStored", "block_hashes": [1], "block_size": 2, "token_ids": [1, -2]},
+            ValueError,
+            "token_ids",
+        ),
+        (
+            {"type": "BlockStored", "block_hashes": [1], "block_size": 2, "token_ids": "ab"},
+            TypeError,
+            "token_ids",
+        ),
+        (
+            {"type": "BlockStored", "block_hashes": [1], "block_size": 2, "parent_block_hash": [3]},
+            TypeError,
+            "parent_block_hash",
+        ),
+        (
+            {"type": "BlockStored", "block_hashes": [1], "block_size": 2, "medium": ["GPU"]},
+            TypeError,
+            "medium",
+        ),
+        (
+            {"type": "BlockStored", "block_hashes": [1], "block_size": 2, "group_idx": 31},
+            ValueError,
+            "group_idx",
+        ),
+        (
+            {"type": "BlockStored", "block_hashes": [1], "block_size": 2, "kv_cache_spec_kind": 3},
+            TypeError,
+            "kv_cache_spec_kind",
+        ),
+        (
+            {
+                "type": "BlockStored",
+                "block_hashes": [1],
+                "block_size": 2,
+                "kv_cache_spec_kind": "sliding_window",
+                "kv_cache_spec_sliding_window": "8",
+            },
+            TypeError,
+            "kv_cache_spec_sliding_window",
+        ),
+        (
+            {"type": "BlockStored", "block_hashes": [1], "block_size": 2, "extra_keys": 5},
+            TypeError,
+            "extra_keys",
+        ),
+        (
+            {"type": "BlockStored", "block_hashes": [1], "block_size": 2, "lora_name": 5},
+            TypeError,
+            "lora_name",
+        ),
+        ({"type": "BlockRemoved", "block_hashes": [9], "group_idx": -1}, ValueError, "group_idx"),
+        ({"type": "Mystery"}, ValueError, r"events\[1\]: unknown"),
+        (7, ValueError, r"events\[1\]: not a vLLM KV event"),
+    ],
+)
 def test_g9_a_malformed_event_is_a_named_error_that_changes_nothing(event, error, field):
     idx = kvpool.KVIndex()
     reader = VllmEventReader(idx)
@@ -181,7 +254,9 @@ def test_g9_a_malformed_event_is_a_named_error_that_changes_nothing(event, error
     before = state(reader)
     for call in (reader.apply, reader.read):
         with pytest.raises(error, match=field):
-            call(1, batch([block_stored([8], 9, [6, 6, 6, 6]), event]), sequence=2)  # a good one first
+            call(
+                1, batch([block_stored([8], 9, [6, 6, 6, 6]), event]), sequence=2
+            )  # a good one first
         assert state(reader) == before
     assert idx.sources()[0]["last"] == 1
 
@@ -266,14 +341,18 @@ class Publisher:
 
             def flush():
                 if run:
-                    tokens = DOCS[doc][run[0] * BS:(run[-1] + 1) * BS] if medium == "GPU" else []
+                    tokens = DOCS[doc][run[0] * BS : (run[-1] + 1) * BS] if medium == "GPU" else []
                     parent = vhash(doc, run[0] - 1) if run[0] else None
-                    events.append(block_stored([vhash(doc, j) for j in run], parent, tokens, medium))
+                    events.append(
+                        block_stored([vhash(doc, j) for j in run], parent, tokens, medium)
+                    )
                     run.clear()
 
             for j in range(n):
                 # a CPU copy is an offload of a block on the GPU (vLLM sends it without tokens)
-                if (doc, j) in self.held[medium] or (medium == "CPU" and (doc, j) not in self.held["GPU"]):
+                if (doc, j) in self.held[medium] or (
+                    medium == "CPU" and (doc, j) not in self.held["GPU"]
+                ):
                     flush()
                     continue
                 run.append(j)
@@ -314,18 +393,34 @@ def corrupt(payload, how):
     return batch([block_stored([7, 7], None, [])])  # a block its own parent
 
 
-publish_op = st.tuples(st.sampled_from(["store", "store", "remove", "clear"]), st.integers(0, 2),
-                       st.integers(0, 6), st.sampled_from(["GPU", "GPU", "CPU"]))
-publish = st.tuples(st.just("publish"), publish_op, st.sampled_from(["sent", "sent", "sent", "lost", "corrupt"]),
-                    st.integers(0, 3))
+publish_op = st.tuples(
+    st.sampled_from(["store", "store", "remove", "clear"]),
+    st.integers(0, 2),
+    st.integers(0, 6),
+    st.sampled_from(["GPU", "GPU", "CPU"]),
+)
+publish = st.tuples(
+    st.just("publish"),
+    publish_op,
+    st.sampled_from(["sent", "sent", "sent", "lost", "corrupt"]),
+    st.integers(0, 3),
+)
 deliver = st.tuples(st.just("deliver"), st.integers(0, 15))
-action = st.one_of(publish, deliver, publish, deliver, st.tuples(st.just("redeliver"), st.integers(0, 63)),
-                   st.tuples(st.just("replay")))
+action = st.one_of(
+    publish,
+    deliver,
+    publish,
+    deliver,
+    st.tuples(st.just("redeliver"), st.integers(0, 63)),
+    st.tuples(st.just("replay")),
+)
 
 
 @settings(max_examples=80, deadline=None)
 @given(st.lists(action, min_size=8, max_size=60), st.booleans())
-def test_reader_and_index_match_the_publisher_under_loss_duplicates_reordering_and_replay(actions, via_read):
+def test_reader_and_index_match_the_publisher_under_loss_duplicates_reordering_and_replay(
+    actions, via_read
+):
     """After each step the index holds exactly what the publisher held after batch `last` (the
     source's last applied number), and the reader's mapping is the one a reader fed batches
     1..last in order has; after the final replay, both match the publisher's final state."""
@@ -376,7 +471,10 @@ def test_reader_and_index_match_the_publisher_under_loss_duplicates_reordering_a
         (source,) = idx.sources()
         last = source["last"]
         for doc in DOCS:
-            assert sorted(idx.lookup(doc)) == Publisher.lookup(pub.snapshots[last], doc), (last, doc)
+            assert sorted(idx.lookup(doc)) == Publisher.lookup(pub.snapshots[last], doc), (
+                last,
+                doc,
+            )
         assert reader.keys == mappings[last]
         assert source["stalled"] is None or pending, "a stall always has its gap reported"
     replay(idx.sources()[0]["last"] + 1)  # the tail nobody saw a gap for
@@ -397,7 +495,9 @@ def test_the_reader_announces_the_models_groups():
     reader = VllmEventReader(idx, groups=groups)
     events = reader.read(7, batch([STORED]), sequence=5)
     assert [(e["kind"], e["group"], e["group_kind"], e["sequence"]) for e in events[:2]] == [
-        ("group", 0, "full_attention", 5), ("group", 1, "linear_state", 5)]
+        ("group", 0, "full_attention", 5),
+        ("group", 1, "linear_state", 5),
+    ]
     assert events[2]["kind"] == "stored"
     # read() kept the announcement (the index would apply number 5): apply that batch itself
     idx.apply(7, events)
@@ -413,7 +513,11 @@ def test_the_reader_announces_the_models_groups():
     assert fresh.read(3, batch([STORED]), sequence=9)[0]["kind"] == "group"
     plain = VllmEventReader(kvpool.KVIndex())
     assert all(e["kind"] != "group" for e in plain.read(1, batch([STORED]), sequence=0))
-    for bad, error in [("full_attention", TypeError), ([{"kind": "mamba"}], ValueError),
-                       ([{"block_size": BS, "window": 3}], ValueError), ([[BS]], TypeError)]:
+    for bad, error in [
+        ("full_attention", TypeError),
+        ([{"kind": "mamba"}], ValueError),
+        ([{"block_size": BS, "window": 3}], ValueError),
+        ([[BS]], TypeError),
+    ]:
         with pytest.raises(error, match="groups"):
             VllmEventReader(idx, groups=bad)

@@ -1,4 +1,4 @@
-"""kvpool.integrations.nanovllm.BlockManager, the drop-in for nano-vllm's BlockManager (issue 18).
+"""kvpool.integrations.nanovllm.BlockManager, the drop-in for nano-vllm's BlockManager.
 
 A scheduler loop with nano-vllm's semantics (benches/compare/nanovllm_engine.py: chunked-prefill
 admission, decode, recompute preemption, finish) runs on the drop-in and on the nano-vllm-style

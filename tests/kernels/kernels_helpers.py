@@ -91,8 +91,10 @@ PREFILL = [
 
 
 def prefill_id(c):
-    return (f"{c[0]}-d{c[1]}-g{c[3]}-bs{c[4]}-n{'.'.join(map(str, c[5]))}"
-            f"-q{'.'.join(map(str, c[6]))}-{'causal' if c[7] else 'full'}-w{c[8]}")
+    return (
+        f"{c[0]}-d{c[1]}-g{c[3]}-bs{c[4]}-n{'.'.join(map(str, c[5]))}"
+        f"-q{'.'.join(map(str, c[6]))}-{'causal' if c[7] else 'full'}-w{c[8]}"
+    )
 
 
 def prefill_case(case, seed=0):

@@ -111,11 +111,14 @@ def test_copy_linear_state():
     single = rand(rng, (4, 100), np.float32)
     before = single.copy()
     K.copy_linear_state(single, [3], [1], backend=EMU)
-    assert np.array_equal(single[1], before[3]) and np.array_equal(single[[0, 2, 3]], before[[0, 2, 3]])
+    assert np.array_equal(single[1], before[3]) and np.array_equal(
+        single[[0, 2, 3]], before[[0, 2, 3]]
+    )
 
 
-@pytest.mark.parametrize("shape,dt", [((16, 2, 64), np.float16), ((1, 1, 3), np.float32),
-                                      ((32, 8, 128), "bf16")])
+@pytest.mark.parametrize(
+    "shape,dt", [((16, 2, 64), np.float16), ((1, 1, 3), np.float32), ((32, 8, 128), "bf16")]
+)
 def test_swap_blocks(shape, dt):
     dt = DTYPES.get(dt, dt)
     rng = np.random.default_rng(5)
@@ -132,8 +135,10 @@ def test_swap_blocks(shape, dt):
 # ----------------------------------------------------------------------------- decode
 def run_decode(case, backend, seed=0):
     args, kw = decode_case(case, seed)
-    return (K.paged_decode_attention(*args, **kw, backend=backend),
-            K.paged_decode_attention(*args, window=kw["window"], backend="numpy"))
+    return (
+        K.paged_decode_attention(*args, **kw, backend=backend),
+        K.paged_decode_attention(*args, window=kw["window"], backend="numpy"),
+    )
 
 
 @pytest.mark.parametrize("case", DECODE, ids=decode_id)
@@ -178,8 +183,10 @@ def test_decode_splits():
 # ---------------------------------------------------------------------------- prefill
 def run_prefill(case, backend, seed=0):
     args = prefill_case(case, seed)
-    return (K.paged_prefill_attention(*args, backend=backend),
-            K.paged_prefill_attention(*args, backend="numpy"))
+    return (
+        K.paged_prefill_attention(*args, backend=backend),
+        K.paged_prefill_attention(*args, backend="numpy"),
+    )
 
 
 @pytest.mark.parametrize("case", PREFILL, ids=prefill_id)
@@ -262,8 +269,19 @@ def test_bad_input_decode(be):
         (ValueError, "k_cache", lambda: dec(q, kc[0], vc, bt, sl, 1.0, backend=be)),
         (ValueError, "k_cache", lambda: dec(q, kc[:, ::2], vc[:, ::2], bt, sl, 1.0, backend=be)),
         (ValueError, "v_cache", lambda: dec(q, kc, vc[:-1], bt, sl, 1.0, backend=be)),
-        (ValueError, "head_dim", lambda: dec(q[..., :32].copy(), kc[..., :32].copy(),
-                                             vc[..., :32].copy(), bt, sl, 1.0, backend=be)),
+        (
+            ValueError,
+            "head_dim",
+            lambda: dec(
+                q[..., :32].copy(),
+                kc[..., :32].copy(),
+                vc[..., :32].copy(),
+                bt,
+                sl,
+                1.0,
+                backend=be,
+            ),
+        ),
         (ValueError, "q heads", lambda: dec(q[:, :3].copy(), kc, vc, bt, sl, 1.0, backend=be)),
         (ValueError, "block_tables", lambda: dec(q, kc, vc, bt + 100, sl, 1.0, backend=be)),
         (ValueError, "block_tables", lambda: dec(q, kc, vc, bt[:1], sl, 1.0, backend=be)),
@@ -311,8 +329,9 @@ def test_bad_input_copies(be):
     with pytest.raises(TypeError, match="k"):
         K.write_kv(k.astype(np.float32), k, kc, kc.copy(), [0, 1], backend=be)
     with pytest.raises(ValueError, match="k"):
-        K.write_kv(k[:, :, ::2], k[:, :, ::2], kc[..., :32].copy(), kc[..., :32].copy(), [0, 1],
-                   backend=be)
+        K.write_kv(
+            k[:, :, ::2], k[:, :, ::2], kc[..., :32].copy(), kc[..., :32].copy(), [0, 1], backend=be
+        )
     with pytest.raises(ValueError, match="src"):
         K.copy_blocks([kc], [4], [1], backend=be)
     with pytest.raises(ValueError, match="dst"):

@@ -22,8 +22,9 @@ CXX = _loader.compiler()
 def _libasan() -> str | None:
     if CXX is None:
         return None
-    path = subprocess.run([CXX, "-print-file-name=libasan.so"], capture_output=True,
-                          text=True).stdout.strip()
+    path = subprocess.run(
+        [CXX, "-print-file-name=libasan.so"], capture_output=True, text=True
+    ).stdout.strip()
     return path if os.path.isabs(path) and os.path.exists(path) else None
 
 
@@ -69,10 +70,15 @@ OVERFLOW = textwrap.dedent("""
 
 
 def _run(code: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, LD_PRELOAD=LIBASAN, KVPOOL_EMU_SANITIZE="1",
-               ASAN_OPTIONS="detect_leaks=0:allocator_may_return_null=1")
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                          timeout=900)
+    env = dict(
+        os.environ,
+        LD_PRELOAD=LIBASAN,
+        KVPOOL_EMU_SANITIZE="1",
+        ASAN_OPTIONS="detect_leaks=0:allocator_may_return_null=1",
+    )
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=900
+    )
 
 
 def test_kernels_under_address_sanitizer():

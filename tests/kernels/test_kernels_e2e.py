@@ -66,8 +66,7 @@ def test_pool_write_kv_then_decode_equals_dense(be):
     got = K.paged_prefill_attention(qp, kc, vc, bt, cu, lens, D**-0.5, backend=be)
     for i, p in enumerate(prompts):
         want = dense(qp[cu[i] : cu[i + 1]], p, causal_from=0)
-        np.testing.assert_allclose(got[cu[i] : cu[i + 1]].astype(np.float64), want,
-                                   atol=TOL["f16"])
+        np.testing.assert_allclose(got[cu[i] : cu[i + 1]].astype(np.float64), want, atol=TOL["f16"])
 
     # three decode steps: append a token, may_append, write its K/V, attend
     for _ in range(3):
@@ -84,11 +83,13 @@ def test_pool_write_kv_then_decode_equals_dense(be):
             s.num_computed_tokens = len(s)
         q = RNG.standard_normal((len(seqs), HKV * G, D)).astype(np.float16)
         lens = np.array([len(s) for s in seqs], np.int32)
-        out = K.paged_decode_attention(q, kc, vc, pool.block_tables(seqs), lens, D**-0.5,
-                                       backend=be, num_splits=2)
+        out = K.paged_decode_attention(
+            q, kc, vc, pool.block_tables(seqs), lens, D**-0.5, backend=be, num_splits=2
+        )
         for i, p in enumerate(prompts):
-            np.testing.assert_allclose(out[i].astype(np.float64), dense(q[i : i + 1], p)[0],
-                                       atol=TOL["f16"])
+            np.testing.assert_allclose(
+                out[i].astype(np.float64), dense(q[i : i + 1], p)[0], atol=TOL["f16"]
+            )
 
 
 @pytest.mark.parametrize("be", BACKENDS)
@@ -119,9 +120,10 @@ def test_shared_prefix_blocks_serve_both_sequences(be):
 
     q = RNG.standard_normal((2, HKV * G, D)).astype(np.float16)
     lens = np.array([len(a), len(b)], np.int32)
-    out = K.paged_decode_attention(q, kc, vc, pool.block_tables([a, b]), lens, D**-0.5,
-                                   backend=be)
-    np.testing.assert_allclose(out[0].astype(np.float64), dense(q[:1], a.token_ids)[0],
-                               atol=TOL["f16"])
-    np.testing.assert_allclose(out[1].astype(np.float64), dense(q[1:], b_tokens)[0],
-                               atol=TOL["f16"])
+    out = K.paged_decode_attention(q, kc, vc, pool.block_tables([a, b]), lens, D**-0.5, backend=be)
+    np.testing.assert_allclose(
+        out[0].astype(np.float64), dense(q[:1], a.token_ids)[0], atol=TOL["f16"]
+    )
+    np.testing.assert_allclose(
+        out[1].astype(np.float64), dense(q[1:], b_tokens)[0], atol=TOL["f16"]
+    )

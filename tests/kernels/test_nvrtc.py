@@ -29,8 +29,11 @@ def test_every_kernel_compiles(compiled, arch):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_no_register_spills(compiled, arch):
-    spills = {k: (i.spill_stores, i.spill_loads) for k, i in compiled[arch].items()
-              if i.spill_stores or i.spill_loads}
+    spills = {
+        k: (i.spill_stores, i.spill_loads)
+        for k, i in compiled[arch].items()
+        if i.spill_stores or i.spill_loads
+    }
     assert not spills, f"{arch} kernels spill registers: {spills}"
     stack = {k: i.stack_frame for k, i in compiled[arch].items() if i.stack_frame}
     assert not stack, f"{arch} kernels use local memory: {stack}"
@@ -38,10 +41,17 @@ def test_no_register_spills(compiled, arch):
 
 
 def test_ptxas_log_parser():
-    log = ("ptxas info    : Compiling entry function 'write_kv_v16' for 'sm_90'\n"
-           "ptxas info    : Function properties for write_kv_v16\n"
-           "    16 bytes stack frame, 8 bytes spill stores, 4 bytes spill loads\n"
-           "ptxas info    : Used 32 registers, used 0 barriers, 1024 bytes smem\x00")
+    log = (
+        "ptxas info    : Compiling entry function 'write_kv_v16' for 'sm_90'\n"
+        "ptxas info    : Function properties for write_kv_v16\n"
+        "    16 bytes stack frame, 8 bytes spill stores, 4 bytes spill loads\n"
+        "ptxas info    : Used 32 registers, used 0 barriers, 1024 bytes smem\x00"
+    )
     info = nvrtc.parse_ptxas_log(log)["write_kv_v16"]
     assert (info.registers, info.spill_stores, info.spill_loads, info.stack_frame, info.smem) == (
-        32, 8, 4, 16, 1024)
+        32,
+        8,
+        4,
+        16,
+        1024,
+    )

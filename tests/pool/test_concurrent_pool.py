@@ -1,4 +1,4 @@
-"""BlockManagerPool(concurrent=True) shared by many Python threads (issue 5: R27, R28).
+"""BlockManagerPool(concurrent=True) shared by many Python threads (R27, R28).
 
 Eight threads hammer one pool with random workloads for a bounded time: each thread owns its
 sequences, all share the pool, its prefix cache, its linear-state plans and (through a queue)
@@ -30,7 +30,9 @@ def _worker(pool, seed, prefixes, deadline, graveyard, errors, counts):
             ops += 1
             r = rng.random()
             if r < 0.25 or not mine:
-                tokens = rng.choice(prefixes) + [rng.randrange(5000) for _ in range(rng.randrange(1, 20))]
+                tokens = rng.choice(prefixes) + [
+                    rng.randrange(5000) for _ in range(rng.randrange(1, 20))
+                ]
                 seq = kvpool.Sequence(tokens)
                 if pool.allocate(seq, rng.choice([None, max(1, len(tokens) // 2)])):
                     mine.append(seq)
@@ -106,7 +108,9 @@ def test_r27_r28_eight_threads_hammer_one_concurrent_pool(options):
     reaper = threading.Thread(target=_reaper, args=(graveyard, stop))
     reaper.start()
     workers = [
-        threading.Thread(target=_worker, args=(pool, seed, prefixes, deadline, graveyard, errors, counts))
+        threading.Thread(
+            target=_worker, args=(pool, seed, prefixes, deadline, graveyard, errors, counts)
+        )
         for seed in range(THREADS)
     ]
     for t in workers:

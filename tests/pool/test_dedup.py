@@ -1,4 +1,4 @@
-"""Dedup on publish (R9 revised, issue 18): a computed duplicate of a cached block switches the
+"""Dedup on publish (R9 revised): a computed duplicate of a cached block switches the
 sequence's table entry to the cached copy, frees the duplicate and keeps publishing the chain.
 
 The random workloads keep a shadow of the KV content: a fake worker writes, for every computed

@@ -1,4 +1,4 @@
-"""The engine-shaped API (issue 18): plan() as nano-vllm's can_allocate / vLLM's
+"""The engine-shaped API: plan() as nano-vllm's can_allocate / vLLM's
 get_computed_blocks, a subclassed Sequence with its own attributes, block ids without copying
 the table, block_tables(pad=) and slot_mapping(num_tokens=) for chunked prefill (R14, R15, R19).
 """

@@ -1,4 +1,4 @@
-"""Self-describing KV events (issue 21, item 1; R21): sequence numbers gap-free per pool and dp
+"""Self-describing KV events (R21): sequence numbers gap-free per pool and dp
 rank over every medium, the bounded replay buffer a consumer resyncs from after a gap, device,
 host and remote events of a HierarchyBlockManagerPool, and the same form as vLLM's events."""
 
@@ -9,18 +9,31 @@ import random
 
 import kvpool
 import pytest
-from kvpool.remote import PrefixIndex, RemoteTransfer, event_from_dict, event_to_dict
+from kvpool.index.streams import PrefixIndex, event_from_dict, event_to_dict
+from kvpool.index.vllm_events import VllmEventReader
 from kvpool.tiers.memory import MemoryRemoteTier
-from kvpool.vllm_events import VllmEventReader
+from kvpool.tiers.remote_transfer import RemoteTransfer
 
 BS = 4
-FIELDS = ("sequence", "kind", "medium", "dp_rank", "group", "group_kind", "sliding_window", "block_size",
-          "extra_key", "parent_hash", "block_hashes", "token_ids")
+FIELDS = (
+    "sequence",
+    "kind",
+    "medium",
+    "dp_rank",
+    "group",
+    "group_kind",
+    "sliding_window",
+    "block_size",
+    "extra_key",
+    "parent_hash",
+    "block_hashes",
+    "token_ids",
+)
 DATA = pathlib.Path(__file__).parents[1] / "index" / "data"
 
 
 class NoData:
-    """``kvpool.remote.HostBlockIO`` without KV data (a fixed stand-in body)."""
+    """``kvpool.tiers.remote_transfer.HostBlockIO`` without KV data (a fixed stand-in body)."""
 
     def host_block_spec(self, rank):
         return "test:8"
@@ -57,8 +70,9 @@ def serve(pool, tokens, transfer=None, extra_key=None):
 
 def random_prompt(rng):
     prefix = rng.randrange(6)
-    return [1000 * prefix + i for i in range(rng.randrange(2, 5) * BS)] + [rng.randrange(50) for _ in range(
-        rng.randrange(0, 3) * BS + rng.randrange(BS))]
+    return [1000 * prefix + i for i in range(rng.randrange(2, 5) * BS)] + [
+        rng.randrange(50) for _ in range(rng.randrange(0, 3) * BS + rng.randrange(BS))
+    ]
 
 
 def hierarchy(remote=None, **kw):
@@ -81,7 +95,9 @@ def test_sequence_numbers_are_gap_free_per_pool_and_rank_over_every_medium():
             for e in pool.drain_events():
                 seen[p][e.dp_rank].append(e.sequence)
                 media.add(e.medium)
-                assert e.group == 0 and e.group_kind == "full_attention" and e.sliding_window is None
+                assert (
+                    e.group == 0 and e.group_kind == "full_attention" and e.sliding_window is None
+                )
                 assert e.block_size == BS
         for pool in pools:
             pool.check()
@@ -89,7 +105,9 @@ def test_sequence_numbers_are_gap_free_per_pool_and_rank_over_every_medium():
     for p, pool in enumerate(pools):
         for rank in (0, 1):
             numbers = seen[p][rank]
-            assert numbers == list(range(1, len(numbers) + 1)), "gap-free, from 1, per pool and rank"
+            assert numbers == list(range(1, len(numbers) + 1)), (
+                "gap-free, from 1, per pool and rank"
+            )
             assert pool.last_event_sequence(rank) == len(numbers)
     assert any(seen[0][r] for r in (0, 1)) and any(seen[1][r] for r in (0, 1))
 
@@ -133,7 +151,7 @@ def test_a_consumer_that_sees_a_gap_resyncs_from_the_replay_buffer():
         lossy.apply(7, pool.events_since(rank, max(1, pool.last_event_sequence(rank) - 3)) or [])
     probe = [1000 * p + i for p in range(6) for i in range(4 * BS)]
     for p in range(6):
-        tokens = probe[p * 4 * BS:(p + 1) * 4 * BS]
+        tokens = probe[p * 4 * BS : (p + 1) * 4 * BS]
         assert sorted(lossy.lookup(tokens)) == sorted(full.lookup(tokens))
     assert sorted(s["last"] for s in lossy.sources()) == sorted(s["last"] for s in full.sources())
 
@@ -182,7 +200,9 @@ def test_a_buffer_that_no_longer_reaches_back_answers_none_and_the_consumer_resy
     assert max(r[3] for r in index.lookup(list(range(900, 900 + 2 * BS)))) == 2
     off = kvpool.BlockManagerPool(12, BS)
     assert off.events_since(0, 1) == [] and off.last_event_sequence(0) == 0
-    assert kvpool.BlockManagerPool(12, BS, enable_events=True, event_replay=0).events_since(0, 1) == []
+    assert (
+        kvpool.BlockManagerPool(12, BS, enable_events=True, event_replay=0).events_since(0, 1) == []
+    )
 
 
 def test_every_medium_reaches_the_index_and_the_redis_form():
@@ -215,7 +235,9 @@ def test_every_medium_reaches_the_index_and_the_redis_form():
     RemoteTransfer(reader, NoData()).run_fetches(reader.take_fetch_plans())
     removed = [e for e in reader.drain_events() if e.medium == "remote"]
     assert {e.kind for e in removed} == {"removed"}
-    assert [h for e in removed for h in e.block_hashes] == keys[2:], "blocks the reader never held: one event each"
+    assert [h for e in removed for h in e.block_hashes] == keys[2:], (
+        "blocks the reader never held: one event each"
+    )
     reader.complete_loads(reader.take_load_plans())
     assert seq.num_cached_tokens == 2 * BS, "the chain stops at the first missing block"
 
@@ -226,7 +248,9 @@ def test_record_remote_events_validates_and_groups_chains():
     # blocks neither tier knows: no parent to link them, one event each, no tokens
     assert pool.record_remote_events(0, "stored", hs) == 3
     unknown = pool.drain_events()
-    assert [(len(e.block_hashes), e.parent_hash, list(e.token_ids)) for e in unknown] == [(1, None, [])] * 3
+    assert [(len(e.block_hashes), e.parent_hash, list(e.token_ids)) for e in unknown] == [
+        (1, None, [])
+    ] * 3
     # blocks the host holds: one event per chain, parent and tokens from the host cache
     serve(pool, list(range(3 * BS)))
     pool.drain_events()
@@ -272,14 +296,18 @@ def test_pool_events_travel_in_the_msgpack_wire_format():
     data = kvpool.encode_events(events)
     decoded = kvpool.decode_events(data)
     assert [(d["sequence"], d["medium"], d["kind"]) for d in decoded] == [
-        (e.sequence, e.medium, e.kind) for e in events]
+        (e.sequence, e.medium, e.kind) for e in events
+    ]
     assert {d["medium"] for d in decoded} == {"device", "host"}
     for d, e in zip(decoded, events, strict=True):
         assert d["block_hashes"] == list(e.block_hashes) and d["block_size"] == e.block_size
         assert d["group_kind"] == e.group_kind and d["dp_rank"] == e.dp_rank
     index = kvpool.KVIndex()
     assert index.apply_msgpack(0, data)["applied"] == len(events)
-    assert sorted(index.lookup(list(range(3 * BS)))) == [(0, 0, "device", 3, 12), (0, 0, "host", 3, 12)]
+    assert sorted(index.lookup(list(range(3 * BS)))) == [
+        (0, 0, "device", 3, 12),
+        (0, 0, "host", 3, 12),
+    ]
 
 
 def test_an_index_fed_the_events_agrees_with_the_pool_after_every_step():
@@ -317,7 +345,9 @@ def test_linear_state_checkpoints_are_group_1_events_and_the_index_trims_as_the_
     (``linear_state``), evicted ones removed events; the index then credits an instance with a
     prefix only up to a checkpointed boundary, exactly as the pool's deepest-checkpoint rule."""
     rng = random.Random(6)
-    pool = kvpool.BlockManagerPool(40, BS, linear_state_slots=5, checkpoint_interval=2 * BS, enable_events=True)
+    pool = kvpool.BlockManagerPool(
+        40, BS, linear_state_slots=5, checkpoint_interval=2 * BS, enable_events=True
+    )
     index = kvpool.KVIndex()
     kv_only = kvpool.KVIndex()  # the same events without group 1: full attention alone
     prompts = [[1000 * p + i for i in range(5 * BS + 2)] for p in range(5)]
@@ -337,13 +367,22 @@ def test_linear_state_checkpoints_are_group_1_events_and_the_index_trims_as_the_
         assert all(len(e.block_hashes) == 1 for e in events if e.group == 1 and e.kind != "group")
         assert index.apply(0, events)["gaps"] == []
         # unnumbered: the stream without group 1 has gaps by design (a numbered one would stall)
-        kv_only.apply(0, [{**event_from_dict(event_to_dict(e)), "sequence": None} for e in events if e.group == 0])
+        kv_only.apply(
+            0,
+            [
+                {**event_from_dict(event_to_dict(e)), "sequence": None}
+                for e in events
+                if e.group == 0
+            ],
+        )
         pool.check()
         for probe in prompts:
             plan = pool.plan(kvpool.Sequence(probe))
             assert plan is not None
             held = max((t for _, _, m, _, t in index.lookup(probe) if m == "device"), default=0)
-            assert held == plan.num_cached_tokens, "the index trims to a checkpoint as the pool does"
+            assert held == plan.num_cached_tokens, (
+                "the index trims to a checkpoint as the pool does"
+            )
             kv = max((t for _, _, m, _, t in kv_only.lookup(probe) if m == "device"), default=0)
             trimmed += kv > held
     assert (1, "linear_state", "stored") in kinds and (1, "linear_state", "removed") in kinds
@@ -352,8 +391,9 @@ def test_linear_state_checkpoints_are_group_1_events_and_the_index_trims_as_the_
 
 def window_prompt(rng):
     prefix = rng.randrange(4)
-    return [1000 * prefix + i for i in range(rng.randrange(1, 7) * BS)] + [rng.randrange(50) for _ in range(
-        rng.randrange(0, 3) * BS + rng.randrange(BS))]
+    return [1000 * prefix + i for i in range(rng.randrange(1, 7) * BS)] + [
+        rng.randrange(50) for _ in range(rng.randrange(0, 3) * BS + rng.randrange(BS))
+    ]
 
 
 def small_index_blocks(small, holder, tokens):
@@ -366,15 +406,16 @@ def small_index_blocks(small, holder, tokens):
 
 @pytest.mark.parametrize("window", [1, 5, 8, 13])
 def test_sliding_window_group_events_follow_what_the_pool_can_hit(window):
-    """R21, R25, issue 21 item 1: a pool with a sliding-window group records stored events of
+    """R21, R25: a pool with a sliding-window group records stored events of
     its published window blocks (group 1, ``sliding_window``, every field) and removed events
     once they stop being findable (slid out, evicted, last handle dropped without deallocate),
     numbered gap-free with the rest of the rank's stream; after every step of a random workload,
     an index fed the events (``KVIndex`` and the small ``PrefixIndex``) credits each probe with
     exactly the device hit the pool's side-effect-free plan finds: full attention and window."""
     rng = random.Random(window)
-    pool = kvpool.BlockManagerPool(48, BS, sliding_window=window, swa_num_blocks=16, dp_size=2,
-                                   enable_events=True)
+    pool = kvpool.BlockManagerPool(
+        48, BS, sliding_window=window, swa_num_blocks=16, dp_size=2, enable_events=True
+    )
     index, kv_only, small = kvpool.KVIndex(), kvpool.KVIndex(), PrefixIndex()
     seen = {0: [], 1: []}
     kinds = set()
@@ -404,7 +445,9 @@ def test_sliding_window_group_events_follow_what_the_pool_can_hit(window):
         events = pool.drain_events()
         for e in events:
             seen[e.dp_rank].append(e.sequence)
-            assert all(hasattr(e, f) for f in FIELDS) and e.block_size == BS and e.medium == "device"
+            assert (
+                all(hasattr(e, f) for f in FIELDS) and e.block_size == BS and e.medium == "device"
+            )
             if e.kind == "group":  # the rank's groups, announced before its other events
                 continue
             if e.group == 1:
@@ -417,7 +460,14 @@ def test_sliding_window_group_events_follow_what_the_pool_can_hit(window):
                 assert (e.group, e.group_kind, e.sliding_window) == (0, "full_attention", None)
         assert index.apply(0, events)["gaps"] == []
         # the same without group 1, unnumbered (the filtered stream has gaps by design)
-        kv_only.apply(0, [{**event_from_dict(event_to_dict(e)), "sequence": None} for e in events if e.group == 0])
+        kv_only.apply(
+            0,
+            [
+                {**event_from_dict(event_to_dict(e)), "sequence": None}
+                for e in events
+                if e.group == 0
+            ],
+        )
         for e in events:
             small.apply("a", event_to_dict(e))
         pool.check()
@@ -430,7 +480,10 @@ def test_sliding_window_group_events_follow_what_the_pool_can_hit(window):
             rows = [t for _, r, m, _, t in index.lookup(tokens) if r == rank and m == "device"]
             assert max(rows, default=0) == plan.num_cached_tokens, f"step {step}"
             assert small_index_blocks(small, ("a", rank), tokens) * BS == plan.num_cached_tokens
-            kv = max((t for _, r, m, _, t in kv_only.lookup(tokens) if r == rank and m == "device"), default=0)
+            kv = max(
+                (t for _, r, m, _, t in kv_only.lookup(tokens) if r == rank and m == "device"),
+                default=0,
+            )
             compared += plan.num_cached_tokens
             trimmed += kv > plan.num_cached_tokens
     for rank, numbers in seen.items():
@@ -442,8 +495,43 @@ def test_sliding_window_group_events_follow_what_the_pool_can_hit(window):
     assert (trimmed > 0) == (window > 1), "full attention alone claims hits the window cannot serve"
 
 
+def test_shared_window_store_events_follow_the_attachments():
+    """One block store (R25, docs/hybrid.md): a window block is "stored" when it is attached to
+    its node (one event per run) and stays findable after it slides out or its sequence goes
+    (kept, evictable); it is "removed" only when it is evicted or its node is; a reset's device
+    "cleared" covers the group. After every drain the index agrees with what a hit can find."""
+    pool = kvpool.BlockManagerPool(12, BS, sliding_window=8, enable_events=True)
+    tokens = list(range(4 * BS + 1))
+    hashes = kvpool.hash_blocks(tokens, BS, extra_key=b"k")
+    seq = kvpool.Sequence(tokens, extra_key=b"k")
+    assert pool.allocate(seq)
+    seq.num_computed_tokens = 4 * BS
+    pool.cache(seq)
+    window = [e for e in pool.drain_events() if e.group == 1]
+    assert [(e.kind, e.block_hashes, e.parent_hash, e.extra_key) for e in window] == [
+        ("stored", hashes, None, b"k")
+    ], "one event for the run, nothing removed by the slide"
+    assert window[0].group_kind == "sliding_window" and window[0].sliding_window == 8
+    del seq  # the blocks stay cached: nothing is removed
+    assert [e for e in pool.drain_events() if e.group == 1] == []
+    # a new chain takes every id: the old chain and its window blocks are evicted
+    other = kvpool.Sequence([100 + t for t in tokens])
+    assert pool.allocate(other)
+    removed = [e for e in pool.drain_events() if e.group == 1]
+    assert removed and all(e.kind == "removed" for e in removed)
+    assert sorted(h for e in removed for h in e.block_hashes) == sorted(hashes)
+    other.num_computed_tokens = 4 * BS
+    pool.deallocate(other)
+    pool.drain_events()
+    pool.reset_prefix_cache()
+    events = pool.drain_events()
+    assert [(e.kind, e.group) for e in events] == [("cleared", 0)], "one cleared covers every group"
+    pool.check()
+
+
 def test_window_removal_after_a_lock_free_drop_and_the_reset_clears_the_group():
-    pool = kvpool.BlockManagerPool(32, BS, sliding_window=8, enable_events=True)
+    # a window group with a store of its own: slid-out blocks are freed at once
+    pool = kvpool.BlockManagerPool(32, BS, sliding_window=8, swa_num_blocks=32, enable_events=True)
     tokens = list(range(4 * BS + 1))
     seq = kvpool.Sequence(tokens, extra_key=b"k")
     assert pool.allocate(seq)
@@ -452,11 +540,17 @@ def test_window_removal_after_a_lock_free_drop_and_the_reset_clears_the_group():
     stored = [e for e in pool.drain_events() if e.group == 1 and e.kind != "group"]
     hashes = kvpool.hash_blocks(tokens, BS, extra_key=b"k")
     assert [e.kind for e in stored] == ["stored", "removed"]
-    assert stored[0].block_hashes == hashes and stored[0].parent_hash is None and stored[0].extra_key == b"k"
+    assert (
+        stored[0].block_hashes == hashes
+        and stored[0].parent_hash is None
+        and stored[0].extra_key == b"k"
+    )
     assert stored[1].block_hashes == hashes[:2], "slid out of the window"
     del seq  # its last handles drop where the pool does not see it
     removed = [e for e in pool.drain_events() if e.group == 1]
-    assert [(e.kind, e.block_hashes, e.extra_key) for e in removed] == [("removed", hashes[2:], b"k")]
+    assert [(e.kind, e.block_hashes, e.extra_key) for e in removed] == [
+        ("removed", hashes[2:], b"k")
+    ]
     again = kvpool.Sequence(tokens, extra_key=b"k")
     assert pool.allocate(again)
     again.num_computed_tokens = 4 * BS

@@ -285,8 +285,9 @@ def test_r21_random_workload_events_replay_to_the_cache(seed):
     pool.check()
 
 
-@pytest.mark.parametrize("options", [{"linear_state_slots": 8, "checkpoint_interval": 2 * BS},
-                                     {"sliding_window": 6}])
+@pytest.mark.parametrize(
+    "options", [{"linear_state_slots": 8, "checkpoint_interval": 2 * BS}, {"sliding_window": 6}]
+)
 def test_a_hybrid_pool_announces_its_groups_first(options):
     """A rank with groups besides full attention announces them ("group" events: group 0, then
     its other groups) before any other event of its own; an index fed the stream then asks a
@@ -303,7 +304,9 @@ def test_a_hybrid_pool_announces_its_groups_first(options):
     mine = [e for e in events if e.dp_rank == rank]
     kind = "linear_state" if "linear_state_slots" in options else "sliding_window"
     assert [(e.kind, e.group, e.group_kind) for e in mine[:2]] == [
-        ("group", 0, "full_attention"), ("group", 1, kind)]
+        ("group", 0, "full_attention"),
+        ("group", 1, kind),
+    ]
     assert [e.sequence for e in mine[:2]] == [1, 2] and mine[0].block_hashes == []
     assert all(e.kind != "group" for e in mine[2:])
     assert mine[1].sliding_window == options.get("sliding_window")

@@ -1,6 +1,6 @@
-"""Plan once (issue 16): ``pool.plan(seq)`` decides an allocation with no side effect of any
+"""Plan once: ``pool.plan(seq)`` decides an allocation with no side effect of any
 kind, ``allocate(seq, plan=plan)`` carries it out walking the prefix chain once per tier (R14,
-R15), and the seed's fourth KVCacheManager method, ``allocate_shared(seq)``."""
+R15), and xLLM's fourth KVCacheManager method, ``allocate_shared(seq)``."""
 
 from __future__ import annotations
 
@@ -91,16 +91,28 @@ def _snapshot(pool, seqs):
     for rank in range(pool.dp_size):
         lsc = pool.linear_state_cache(rank)
         views.append((lsc.lru_order(), lsc.stats(), lsc.num_free_slots, lsc.num_pinned_checkpoints))
-    seq_state = [(s.block_table.tolist(), s.num_cached_tokens, s.num_computed_tokens, s.dp_rank,
-                  s.is_allocated, s.linear_state_slot) for s in seqs]
+    seq_state = [
+        (
+            s.block_table.tolist(),
+            s.num_cached_tokens,
+            s.num_computed_tokens,
+            s.dp_rank,
+            s.is_allocated,
+            s.linear_state_slot,
+        )
+        for s in seqs
+    ]
     return pool.stats(), views, seq_state
 
 
 @pytest.mark.parametrize("host", [False, True])
 def test_plan_has_no_side_effect_of_any_kind(host):
     options = dict(linear_state_slots=6, checkpoint_interval=8, dp_size=2, enable_events=True)
-    pool = (kvpool.HierarchyBlockManagerPool(24, 32, BS, **options) if host
-            else kvpool.BlockManagerPool(24, BS, **options))
+    pool = (
+        kvpool.HierarchyBlockManagerPool(24, 32, BS, **options)
+        if host
+        else kvpool.BlockManagerPool(24, BS, **options)
+    )
     first = kvpool.Sequence(list(range(22)))
     assert pool.allocate(first)
     for n in (8, 16, 22):

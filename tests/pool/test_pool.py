@@ -1,4 +1,4 @@
-"""kvpool.Sequence / kvpool.BlockManagerPool: rules R8, R13-R20 (issue 3).
+"""kvpool.Sequence / kvpool.BlockManagerPool: rules R8, R13-R20.
 
 Events (R21) are in test_events.py, bad input (R29) in test_bad_input.py and the model-based
 test in test_pool_stateful.py.
@@ -71,14 +71,17 @@ def test_sequence_extend_to_appends_only_the_tail():
     assert list(s.token_ids)[-2:] == [5, 6] and len(s) == 12
 
 
-@pytest.mark.parametrize("bad, error", [
-    ([1, 2], ValueError),  # shorter than the sequence
-    ([0] * 5 + [True], TypeError),  # a bool is not a token id (F10)
-    ([0] * 5 + ["x"], TypeError),
-    ([0] * 5 + [2**32], ValueError),
-    ([0] * 5 + [-1], ValueError),
-    ("abcdefg", TypeError),
-])
+@pytest.mark.parametrize(
+    "bad, error",
+    [
+        ([1, 2], ValueError),  # shorter than the sequence
+        ([0] * 5 + [True], TypeError),  # a bool is not a token id (F10)
+        ([0] * 5 + ["x"], TypeError),
+        ([0] * 5 + [2**32], ValueError),
+        ([0] * 5 + [-1], ValueError),
+        ("abcdefg", TypeError),
+    ],
+)
 def test_sequence_extend_to_bad_input_changes_nothing(bad, error):
     s = kvpool.Sequence(toks(5))
     with pytest.raises(error, match="token_ids"):
@@ -109,8 +112,17 @@ def test_token_conversions_agree(dtype):
     for bad in ([-1], [2**32], [2**70], np.array([2**32], np.int64), np.array([-1], np.int8)):
         with pytest.raises(ValueError, match="token_ids"):
             kvpool.Sequence(bad)
-    for bad in ([1.5], ["a"], [1, None], "abc", b"ab", np.zeros((2, 2), np.int32), [np.float64(1)],
-                [True, 5], (5, False)):
+    for bad in (
+        [1.5],
+        ["a"],
+        [1, None],
+        "abc",
+        b"ab",
+        np.zeros((2, 2), np.int32),
+        [np.float64(1)],
+        [True, 5],
+        (5, False),
+    ):
         with pytest.raises(TypeError, match="token_ids"):
             kvpool.Sequence(bad)
 

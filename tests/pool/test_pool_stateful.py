@@ -1,4 +1,4 @@
-"""Model-based test of kvpool.BlockManagerPool (issue 3): R2, R8, R13-R19 on random workloads.
+"""Model-based test of kvpool.BlockManagerPool: R2, R8, R13-R19 on random workloads.
 
 The machine drives the pool like an engine (admit, chunked prefill, decode, cache, preempt,
 finish, reset) and checks after every step:

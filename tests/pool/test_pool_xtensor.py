@@ -1,4 +1,4 @@
-"""The pool on elastic pages (issue 17, ``BlockManagerPool(..., xtensor={...})``, the seed's
+"""The pool on elastic pages (``BlockManagerPool(..., xtensor={...})``, xLLM's
 ``enable_xtensor``): every dp rank's full-attention blocks on an XTensorBlockManager.
 
 Random workloads through the pool, with the batch API, dp ranks, the prefix cache, events and
@@ -20,7 +20,12 @@ MIB = 1 << 20
 
 
 def _pool(num_blocks=96, dp_size=2, bpp=4, spare=1, limit=None, **options):
-    xtensor = {"blocks_per_page": bpp, "page_bytes": MIB, "spare_pages": spare, "memory_limit": limit}
+    xtensor = {
+        "blocks_per_page": bpp,
+        "page_bytes": MIB,
+        "spare_pages": spare,
+        "memory_limit": limit,
+    }
     return kvpool.BlockManagerPool(num_blocks, BS, dp_size=dp_size, xtensor=xtensor, **options)
 
 
@@ -52,7 +57,9 @@ def _check_pages(pool, live, bpp, spare, cache_empty=False):
             assert len(mapped) == len(used) + x["spare_pages"], "mapped = held pages + spares"
         total += x["mapped_bytes"]
     assert stats["xtensor"]["mapped_bytes"] == total
-    assert stats["xtensor"]["mapped_pages"] == sum(r["xtensor"]["mapped_pages"] for r in stats["ranks"])
+    assert stats["xtensor"]["mapped_pages"] == sum(
+        r["xtensor"]["mapped_pages"] for r in stats["ranks"]
+    )
 
 
 def _prompt(rng):
@@ -103,7 +110,10 @@ def test_random_workload_keeps_the_page_rules(seed, cache):
             for rank, report in enumerate(reports):
                 x = before["ranks"][rank]["xtensor"]
                 assert report["held_pages"] <= report["mapped_pages"]
-                assert report["excess_bytes"] == max(0, report["mapped_pages"] - report["limit_pages"]) * MIB
+                assert (
+                    report["excess_bytes"]
+                    == max(0, report["mapped_pages"] - report["limit_pages"]) * MIB
+                )
                 assert report["mapped_pages"] <= x["mapped_pages"] or report["mapped_new_pages"] > 0
         _check_pages(pool, live, bpp, spare)
         pool.drain_events()
@@ -199,12 +209,19 @@ def test_options_are_validated_by_name():
     with pytest.raises(TypeError, match="xtensor"):
         kvpool.HierarchyBlockManagerPool(16, 8, BS, xtensor={"blocks_per_page": 4})
     plain = kvpool.BlockManagerPool(16, BS)
-    assert plain.xtensor is None and plain.stats()["xtensor"] is None and plain.mapped_page_ids() == []
+    assert (
+        plain.xtensor is None and plain.stats()["xtensor"] is None and plain.mapped_page_ids() == []
+    )
     with pytest.raises(ValueError, match="limit"):
         plain.set_memory_limit(MIB)
     pool = _pool(num_blocks=16, dp_size=2)
-    assert pool.xtensor == {"blocks_per_page": 4, "page_bytes": MIB, "spare_pages": 1, "memory_limit": None,
-                            "backend": "accounting"}
+    assert pool.xtensor == {
+        "blocks_per_page": 4,
+        "page_bytes": MIB,
+        "spare_pages": 1,
+        "memory_limit": None,
+        "backend": "accounting",
+    }
     with pytest.raises(ValueError, match="dp_rank"):
         pool.set_memory_limit(MIB, dp_rank=2)
     with pytest.raises(ValueError, match="limit"):
@@ -217,7 +234,9 @@ def test_options_are_validated_by_name():
 def test_host_backend_resident_memory_follows_the_pool():
     """The host backend through the pool: page memory is committed on use (backend 'host')."""
     pool = kvpool.BlockManagerPool(
-        256, BS, xtensor={"blocks_per_page": 16, "page_bytes": 4 * MIB, "spare_pages": 0, "backend": "host"}
+        256,
+        BS,
+        xtensor={"blocks_per_page": 16, "page_bytes": 4 * MIB, "spare_pages": 0, "backend": "host"},
     )
     seqs = [kvpool.Sequence([i * 10_000 + t for t in range(16 * BS)]) for i in range(8)]
     for seq in seqs:
@@ -270,7 +289,9 @@ def test_backend_objects_see_exactly_the_mapped_pages(seed):
     rng = random.Random(seed)
     books = [PageBook(24), PageBook(24)]
     pool = _book_pool(books)
-    assert pool.xtensor["backend"] == "custom" and pool.xtensor["page_bytes"] == MIB, "page_bytes from the backends"
+    assert pool.xtensor["backend"] == "custom" and pool.xtensor["page_bytes"] == MIB, (
+        "page_bytes from the backends"
+    )
     running = kvpool.SequenceBatch()
     live = []
     for _ in range(120):
@@ -281,7 +302,9 @@ def test_backend_objects_see_exactly_the_mapped_pages(seed):
                 live.append(seq)
                 running.add(seq)
         elif rng.random() < 0.6 and live:
-            for i in reversed(pool.advance(running, [rng.randrange(10_000) for _ in running], lookahead=0)):
+            for i in reversed(
+                pool.advance(running, [rng.randrange(10_000) for _ in running], lookahead=0)
+            ):
                 seq = running[i]
                 running.remove(seq)
                 live.remove(seq)
@@ -339,7 +362,9 @@ def test_backend_exceptions_propagate_and_reentry_is_refused():
 
 def test_backend_objects_are_validated_by_name():
     with pytest.raises(ValueError, match="one backend object per dp rank"):
-        kvpool.BlockManagerPool(16, BS, dp_size=2, xtensor={"blocks_per_page": 4, "backend": [PageBook(24)]})
+        kvpool.BlockManagerPool(
+            16, BS, dp_size=2, xtensor={"blocks_per_page": 4, "backend": [PageBook(24)]}
+        )
     with pytest.raises(TypeError, match="map_page"):
         kvpool.BlockManagerPool(16, BS, xtensor={"blocks_per_page": 4, "backend": [object()]})
     small = PageBook(2)
@@ -350,7 +375,9 @@ def test_backend_objects_are_validated_by_name():
     with pytest.raises(ValueError, match="xtensor.blocks_per_page"):
         kvpool.BlockManagerPool(16, BS, xtensor={"blocks_per_page": 4, "backend": odd})
     with pytest.raises(ValueError, match="xtensor.page_bytes"):
-        kvpool.BlockManagerPool(16, BS, xtensor={"blocks_per_page": 4, "page_bytes": 2 * MIB, "backend": PageBook(24)})
+        kvpool.BlockManagerPool(
+            16, BS, xtensor={"blocks_per_page": 4, "page_bytes": 2 * MIB, "backend": PageBook(24)}
+        )
     one = PageBook(24)
     kvpool.BlockManagerPool(16, BS, xtensor={"blocks_per_page": 4, "backend": one}).check()
     assert one.mapped == {0, 1}, "a single object for one rank"
@@ -369,7 +396,9 @@ def test_threads_share_a_pool_with_backend_objects():
         try:
             rng = random.Random(salt)
             for _ in range(150):
-                seq = kvpool.Sequence([salt * 100_000 + rng.randrange(50_000) for _ in range(rng.randrange(1, 40))])
+                seq = kvpool.Sequence(
+                    [salt * 100_000 + rng.randrange(50_000) for _ in range(rng.randrange(1, 40))]
+                )
                 if pool.allocate(seq):
                     pool.stats()
                     pool.deallocate(seq)

@@ -1,5 +1,5 @@
 """The stats dicts and the stubs name the same keys (R20): the bindings build every dict from
-the core's one field list per struct (``RankStats``/``HostStats`` visitors, issue 16), and this
+the core's one field list per struct (``RankStats``/``HostStats`` visitors), and this
 test compares what they build with the TypedDicts of ``_core.pyi``."""
 
 from __future__ import annotations
@@ -19,8 +19,11 @@ def _typed_dicts() -> dict[str, dict[str, object]]:
     for node in tree.body:
         if isinstance(node, ast.ClassDef):
             bases = [b.id for b in node.bases if isinstance(b, ast.Name)]
-            fields = {n.target.id: ast.unparse(n.annotation) for n in node.body
-                      if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+            fields = {
+                n.target.id: ast.unparse(n.annotation)
+                for n in node.body
+                if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)
+            }
             own[node.name] = (bases, fields)
 
     def keys(name: str) -> dict[str, object]:
@@ -32,10 +35,16 @@ def _typed_dicts() -> dict[str, dict[str, object]]:
         out.update(fields)
         return out
 
-    return {name: keys(name) for name in own if name.startswith("_") and name.endswith(("Stats", "Counts", "Counters"))}
+    return {
+        name: keys(name)
+        for name in own
+        if name.startswith("_") and name.endswith(("Stats", "Counts", "Counters"))
+    }
 
 
-def _check(d: dict, typed: dict[str, object], dicts: dict[str, dict[str, object]], where: str) -> None:
+def _check(
+    d: dict, typed: dict[str, object], dicts: dict[str, dict[str, object]], where: str
+) -> None:
     assert set(d) == set(typed), (where, set(d) ^ set(typed))
     for key, annotation in typed.items():
         inner = str(annotation).split(" | ")[0].replace("list[", "").rstrip("]")
@@ -48,9 +57,11 @@ def _check(d: dict, typed: dict[str, object], dicts: dict[str, dict[str, object]
 
 def test_pool_stats_keys_match_the_stub():
     dicts = _typed_dicts()
-    for pool in (kvpool.BlockManagerPool(16, 4), kvpool.BlockManagerPool(16, 4, dp_size=2, sliding_window=8,
-                                                                          linear_state_slots=4),
-                 kvpool.BlockManagerPool(16, 4, dp_size=2, xtensor={"blocks_per_page": 4})):
+    for pool in (
+        kvpool.BlockManagerPool(16, 4),
+        kvpool.BlockManagerPool(16, 4, dp_size=2, sliding_window=8, linear_state_slots=4),
+        kvpool.BlockManagerPool(16, 4, dp_size=2, xtensor={"blocks_per_page": 4}),
+    ):
         _check(pool.stats(), dicts["_PoolStats"], dicts, "BlockManagerPool.stats()")
 
 
@@ -65,5 +76,15 @@ def test_hierarchy_stats_keys_match_the_stub():
 def test_manager_and_debug_counter_keys_match_the_stub():
     dicts = _typed_dicts()
     _check(kvpool.BlockManager(8, 2).stats(), dicts["_ManagerStats"], dicts, "BlockManager.stats()")
-    _check(kvpool.ConcurrentBlockManager(8, 2).stats(), dicts["_ManagerStats"], dicts, "ConcurrentBlockManager")
-    _check(kvpool.BlockManagerPool(8, 2).debug_counters(), dicts["_DebugCounters"], dicts, "debug_counters()")
+    _check(
+        kvpool.ConcurrentBlockManager(8, 2).stats(),
+        dicts["_ManagerStats"],
+        dicts,
+        "ConcurrentBlockManager",
+    )
+    _check(
+        kvpool.BlockManagerPool(8, 2).debug_counters(),
+        dicts["_DebugCounters"],
+        dicts,
+        "debug_counters()",
+    )

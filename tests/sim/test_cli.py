@@ -1,7 +1,7 @@
 """`kvpool simulate` end to end, through a subprocess (`python -m kvpool`).
 
-With ``--remote``, two simulator processes share one real redis-server on loopback (issue 10;
-tests/tiers/redis_helpers.py, never a mock).
+With ``--remote``, two simulator processes share one real redis-server on loopback
+(tests/tiers/redis_helpers.py, never a mock).
 """
 
 from __future__ import annotations
@@ -26,8 +26,14 @@ SMALL = ["-n", "40", "--max-prompt-len", "512", "--output-len", "16"]
 
 def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, OPENBLAS_NUM_THREADS="1", COLUMNS="120")
-    return subprocess.run([sys.executable, "-m", "kvpool", *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=ROOT, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "kvpool", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        env=env,
+    )
 
 
 def assert_clean_failure(p: subprocess.CompletedProcess[str], *needles: str) -> None:
@@ -40,7 +46,14 @@ def assert_clean_failure(p: subprocess.CompletedProcess[str], *needles: str) -> 
 def test_default_run() -> None:
     p = run("simulate", timeout=240)
     assert p.returncode == 0, p.stderr
-    for row in ("requests", "prefix hit rate", "peak usage", "preemptions", "evictions", "scheduler overhead"):
+    for row in (
+        "requests",
+        "prefix hit rate",
+        "peak usage",
+        "preemptions",
+        "evictions",
+        "scheduler overhead",
+    ):
         assert row in p.stdout
     assert "5,000 / 5,000" in p.stdout
 
@@ -58,15 +71,29 @@ def test_json_schema(tmp_path: Path) -> None:
     d = json.loads(p.stdout)
     assert set(d) >= {"config", "summary", "execute", "timeline"}
     s = d["summary"]
-    for key, typ in [("requests", int), ("finished", int), ("prompt_tokens", int), ("output_tokens", int),
-                     ("prefix_hit_rate", float), ("peak_usage", float), ("mean_usage", float),
-                     ("preemptions", int), ("evictions", int), ("host_loads", int), ("host_offloads", int),
-                     ("checkpoint_hits", int), ("sched_us_per_step_mean", float), ("steps", int)]:
+    for key, typ in [
+        ("requests", int),
+        ("finished", int),
+        ("prompt_tokens", int),
+        ("output_tokens", int),
+        ("prefix_hit_rate", float),
+        ("peak_usage", float),
+        ("mean_usage", float),
+        ("preemptions", int),
+        ("evictions", int),
+        ("host_loads", int),
+        ("host_offloads", int),
+        ("checkpoint_hits", int),
+        ("sched_us_per_step_mean", float),
+        ("steps", int),
+    ]:
         assert isinstance(s[key], typ), key
     assert s["finished"] == s["requests"] == 40
     assert d["config"]["num_blocks"] == 6144 and d["config"]["workload"] == "mixed"
     assert d["execute"] is None
-    assert len(d["timeline"]) == s["steps"] and {"usage", "running", "waiting", "hit_rate"} <= set(d["timeline"][0])
+    assert len(d["timeline"]) == s["steps"] and {"usage", "running", "waiting", "hit_rate"} <= set(
+        d["timeline"][0]
+    )
     # the saved workload replays to the same result
     q = run("simulate", "--trace", str(tmp_path / "w.jsonl"), "--json")
     assert q.returncode == 0, q.stderr
@@ -82,8 +109,25 @@ def test_plot_writes_png(tmp_path: Path) -> None:
 
 
 def test_execute_cpu_backend() -> None:
-    p = run("simulate", "-w", "system_prompt", "-n", "8", "--max-prompt-len", "256", "--output-len", "8",
-            "--num-blocks", "256", "--execute", "--backend", "numpy", "--check-every", "4", "--json")
+    p = run(
+        "simulate",
+        "-w",
+        "system_prompt",
+        "-n",
+        "8",
+        "--max-prompt-len",
+        "256",
+        "--output-len",
+        "8",
+        "--num-blocks",
+        "256",
+        "--execute",
+        "--backend",
+        "numpy",
+        "--check-every",
+        "4",
+        "--json",
+    )
     assert p.returncode == 0, p.stderr
     e = json.loads(p.stdout)["execute"]
     assert e["backend"] == "numpy" and e["ok"] and e["checked_sequences"] > 0
@@ -133,13 +177,17 @@ def test_missing_trace() -> None:
 def test_request_longer_than_cache(tmp_path: Path) -> None:
     t = tmp_path / "long.jsonl"
     t.write_text('{"prompt_len": 5000, "output_len": 10}\n')
-    assert_clean_failure(run("simulate", "--trace", str(t), "--num-blocks", "64"), "request 0 needs 5009 tokens")
+    assert_clean_failure(
+        run("simulate", "--trace", str(t), "--num-blocks", "64"), "request 0 needs 5009 tokens"
+    )
 
 
 def test_impossible_configurations() -> None:
     assert_clean_failure(run("simulate", "--num-blocks", "1", "-n", "2"), "num_blocks")
     assert_clean_failure(run("simulate", "--gib", "1"), "model shape")
-    assert_clean_failure(run("simulate", "--gib", "1", "--num-blocks", "9", "--model", "llama3-8b"), "not both")
+    assert_clean_failure(
+        run("simulate", "--gib", "1", "--num-blocks", "9", "--model", "llama3-8b"), "not both"
+    )
     assert_clean_failure(run("simulate", "--gib", "0.001", "--model", "llama3-70b"), "too small")
     assert_clean_failure(run("simulate", "--checkpoint-interval", "64"), "linear_state_slots")
 
@@ -154,9 +202,12 @@ def test_unknown_options() -> None:
 
 
 def test_hybrid_and_host_options_run() -> None:
-    """Issue 9's options for hybrid models and the host tier (issues 4 and 6) run end to end."""
+    """The options for hybrid models and the host tier run end to end."""
     cases = [
-        (["--linear-state-slots", "64", "--checkpoint-interval", "64", "-w", "chat"], "checkpoint_hits"),
+        (
+            ["--linear-state-slots", "64", "--checkpoint-interval", "64", "-w", "chat"],
+            "checkpoint_hits",
+        ),
         (["--sliding-window", "256", "-w", "chat"], "prefix_hit_rate"),
         (["--host-blocks", "512", "--num-blocks", "128", "-w", "chat"], "host_loads"),
     ]
@@ -168,7 +219,7 @@ def test_hybrid_and_host_options_run() -> None:
 
 
 def test_a_configuration_the_pool_rejects_fails_cleanly() -> None:
-    # Issue 16: the host tier composes with linear state (tests/sim/test_tier_combinations.py);
+    # The host tier composes with linear state (tests/sim/test_tier_combinations.py);
     # what the pool rejects is still a clean failure naming the option.
     p = run("simulate", *SMALL, "--host-blocks", "1", "--linear-state-slots", "32")
     assert_clean_failure(p, "host_num_blocks")
@@ -182,15 +233,31 @@ def test_help() -> None:
 
 
 def test_two_simulators_share_prefixes_through_a_remote_redis() -> None:
-    """Issue 10: "two simulator processes sharing one Redis show the second one hitting prefixes
+    """The remote tier's promise: "two simulator processes sharing one Redis show the second one hitting prefixes
     the first one computed (reported in its summary)". The second run replays the same workload
     (same seed) after the first exited, so everything it finds remotely was written by the first."""
     server = RedisServer()
     server.start()
     try:
-        args = ("simulate", "-w", "chat", "-n", "30", "--max-prompt-len", "512", "--output-len", "16",
-                "--host-blocks", "256", "--num-blocks", "128", "--remote", server.url, "--json",
-                "--no-progress")
+        args = (
+            "simulate",
+            "-w",
+            "chat",
+            "-n",
+            "30",
+            "--max-prompt-len",
+            "512",
+            "--output-len",
+            "16",
+            "--host-blocks",
+            "256",
+            "--num-blocks",
+            "128",
+            "--remote",
+            server.url,
+            "--json",
+            "--no-progress",
+        )
         summaries = []
         for _ in range(2):
             p = run(*args, timeout=120)
@@ -210,24 +277,42 @@ def test_two_simulators_share_prefixes_through_a_remote_redis() -> None:
     for s in summaries:
         assert s["finished"] == s["requests"] == 30
         assert s["remote_errors"] == 0 and s["remote_failed_blocks"] == 0
-    assert first["remote_hit_blocks"] == first["remote_fetched_blocks"] == 0, "the store starts empty"
-    assert first["remote_puts"] > 0 and stored == first["remote_puts"], "write-through of what it computed"
-    assert second["remote_hit_blocks"] > 0 and second["remote_fetched_blocks"] > 0, "hits the first's prefixes"
+    assert first["remote_hit_blocks"] == first["remote_fetched_blocks"] == 0, (
+        "the store starts empty"
+    )
+    assert first["remote_puts"] > 0 and stored == first["remote_puts"], (
+        "write-through of what it computed"
+    )
+    assert second["remote_hit_blocks"] > 0 and second["remote_fetched_blocks"] > 0, (
+        "hits the first's prefixes"
+    )
     assert second["remote_puts"] < first["remote_puts"], "blocks already stored are not sent again"
     assert second["admitted_cached_tokens"] > first["admitted_cached_tokens"]
     assert second["prefill_tokens_computed"] < first["prefill_tokens_computed"]
 
 
 def test_plot_without_matplotlib_is_one_line(tmp_path: Path) -> None:
-    """matplotlib is only for --plot (issue 20): without it the command says how to get it."""
+    """matplotlib is only for --plot: without it the command says how to get it."""
     fake = tmp_path / "site" / "matplotlib"
     fake.mkdir(parents=True)
     (fake / "__init__.py").write_text("raise ImportError('no matplotlib here')\n")
     env = dict(os.environ, PYTHONPATH=str(fake.parent), COLUMNS="120")
-    p = subprocess.run([sys.executable, "-m", "kvpool", "simulate", "-n", "5", "--plot", str(tmp_path / "x.png")],
-                       capture_output=True, text=True, timeout=60, cwd=ROOT, env=env)
+    p = subprocess.run(
+        [sys.executable, "-m", "kvpool", "simulate", "-n", "5", "--plot", str(tmp_path / "x.png")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+        env=env,
+    )
     assert p.returncode == 1 and "Traceback" not in p.stderr
     assert p.stderr.strip().count("\n") == 0 and "pip install matplotlib" in p.stderr
-    q = subprocess.run([sys.executable, "-m", "kvpool", "simulate", "-n", "5"], capture_output=True, text=True,
-                       timeout=60, cwd=ROOT, env=env)
+    q = subprocess.run(
+        [sys.executable, "-m", "kvpool", "simulate", "-n", "5"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+        env=env,
+    )
     assert q.returncode == 0 and "5 / 5" in q.stdout, q.stderr

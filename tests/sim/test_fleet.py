@@ -1,4 +1,4 @@
-"""``kvpool simulate --instances N --router POLICY`` (issue 21, item 4): N pools in one process,
+"""``kvpool simulate --instances N --router POLICY``: N pools in one process,
 their events into one KVIndex, a router per request; small workloads only."""
 
 from __future__ import annotations
@@ -23,9 +23,18 @@ def shared_prefix_workload(n=120, groups=6, seed=0):
     reqs = []
     for i in range(n):
         g = rng.randrange(groups)
-        prompt = [10_000 * (g + 1) + t for t in range(8 * BS)] + [rng.randrange(5000) for _ in range(rng.randrange(1, 3 * BS))]
-        reqs.append(Request(request_id=i, arrival=0.0, prompt=prompt, output_len=rng.randrange(2, 12),
-                            arrival_s=0.01 * i))
+        prompt = [10_000 * (g + 1) + t for t in range(8 * BS)] + [
+            rng.randrange(5000) for _ in range(rng.randrange(1, 3 * BS))
+        ]
+        reqs.append(
+            Request(
+                request_id=i,
+                arrival=0.0,
+                prompt=prompt,
+                output_len=rng.randrange(2, 12),
+                arrival_s=0.01 * i,
+            )
+        )
     return reqs
 
 
@@ -97,7 +106,9 @@ def test_a_shared_remote_tier_raises_the_hit_rate_of_local_caches():
 
 
 def test_step_clocked_workloads_and_bad_options():
-    reqs = generate("mixed", 30, seed=3, rate=1.0, max_prompt_len=256, output_len=8, max_output_len=16)
+    reqs = generate(
+        "mixed", 30, seed=3, rate=1.0, max_prompt_len=256, output_len=8, max_output_len=16
+    )
     res = run_fleet(config(num_blocks=64), reqs, 2, "least_loaded")
     assert_complete(res, reqs)
     with pytest.raises(SimError, match="policy"):
@@ -112,19 +123,46 @@ def test_step_clocked_workloads_and_bad_options():
 
 def test_cli_compares_routers_and_caches_in_one_table(capsys, monkeypatch):
     monkeypatch.setenv("COLUMNS", "250")
-    argv = ["-n", "40", "--max-prompt-len", "256", "--output-len", "8", "--max-output-len", "16",
-            "--num-blocks", "64", "--host-blocks", "32", "--no-progress", "--instances", "3",
-            "--router", "round_robin,kv_aware", "--remote", "none,memory"]
+    argv = [
+        "-n",
+        "40",
+        "--max-prompt-len",
+        "256",
+        "--output-len",
+        "8",
+        "--max-output-len",
+        "16",
+        "--num-blocks",
+        "64",
+        "--host-blocks",
+        "32",
+        "--no-progress",
+        "--instances",
+        "3",
+        "--router",
+        "round_robin,kv_aware",
+        "--remote",
+        "none,memory",
+    ]
     assert main(argv + ["--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     runs = [(r["policy"], r["remote"]) for r in out["fleet"]]
-    assert runs == [("round_robin", None), ("kv_aware", None), ("round_robin", "memory"), ("kv_aware", "memory")]
+    assert runs == [
+        ("round_robin", None),
+        ("kv_aware", None),
+        ("round_robin", "memory"),
+        ("kv_aware", "memory"),
+    ]
     assert all(len(r["per_instance"]) == 3 and r["fleet"]["finished"] == 40 for r in out["fleet"])
     assert main(argv) == 0
     table = capsys.readouterr().out
     assert "kv_aware" in table and "remote:memory" in table
-    for bad, what in ((["--router", "nope"], "--router"), (["--instances", "0"], "--instances"),
-                      (["--remote", "ftp://x"], "--remote"), (["--sweep", "num_blocks=64,128"], "--sweep")):
+    for bad, what in (
+        (["--router", "nope"], "--router"),
+        (["--instances", "0"], "--instances"),
+        (["--remote", "ftp://x"], "--remote"),
+        (["--sweep", "num_blocks=64,128"], "--sweep"),
+    ):
         assert main(["-n", "5", "--no-progress", "--instances", "2", *bad]) == 2
         assert what in capsys.readouterr().err
     assert main(["-n", "5", "--no-progress", "--instances", "2", "--remote", "memory"]) == 2

@@ -24,7 +24,10 @@ def _assert_complete(res, reqs) -> None:
     assert s["output_tokens"] == sum(r.output_len for r in reqs)
     # every computed token is a prompt token, an output token fed back, or a recompute
     fed_back = sum(r.output_len - 1 for r in reqs)
-    assert s["prefill_tokens_computed"] + s["admitted_cached_tokens"] - s["recomputed_tokens"] <= s["admitted_tokens"]
+    assert (
+        s["prefill_tokens_computed"] + s["admitted_cached_tokens"] - s["recomputed_tokens"]
+        <= s["admitted_tokens"]
+    )
     assert s["decode_tokens"] <= fed_back
     assert 0.0 <= s["prefix_hit_rate"] <= 1.0
     assert 0.0 <= s["mean_usage"] <= s["peak_usage"] <= 1.0
@@ -39,7 +42,9 @@ def test_check_mode_every_step(kind: str) -> None:
 
 def test_pressure_preempts_and_recovers() -> None:
     reqs = _small("system_prompt", 80, seed=2, rate=0)
-    res = run_simulation(SimConfig(num_blocks=160, block_size=8, max_num_batched_tokens=256, check=True), reqs)
+    res = run_simulation(
+        SimConfig(num_blocks=160, block_size=8, max_num_batched_tokens=256, check=True), reqs
+    )
     _assert_complete(res, reqs)
     s = res.summary
     assert s["preemptions"] > 0 and s["recomputed_tokens"] > 0
@@ -50,7 +55,9 @@ def test_pressure_preempts_and_recovers() -> None:
 def test_prefix_cache_on_vs_off() -> None:
     reqs = _small("system_prompt", 50, seed=3)
     on = run_simulation(SimConfig(num_blocks=1024, check=True), reqs).summary
-    off = run_simulation(SimConfig(num_blocks=1024, enable_prefix_cache=False, check=True), reqs).summary
+    off = run_simulation(
+        SimConfig(num_blocks=1024, enable_prefix_cache=False, check=True), reqs
+    ).summary
     assert on["prefix_hit_rate"] > 0.3
     assert off["prefix_hit_tokens"] == 0 and off["admitted_cached_tokens"] == 0
     assert on["prefill_tokens_computed"] < off["prefill_tokens_computed"]
@@ -110,11 +117,13 @@ def test_exact_fit_request() -> None:
     ],
 )
 def test_hybrid_models_check_every_step(options) -> None:
-    """Issue 4 in the scheduler loop: pool.check() after every step, every request finishes."""
+    """Hybrid models in the scheduler loop: pool.check() after every step, every request finishes."""
     options = dict(options)
     dp = options.pop("dp_size", 1)
     reqs = _small("chat", 40, seed=3)
-    res = run_simulation(SimConfig(num_blocks=512, block_size=16, dp_size=dp, check=True, **options), reqs)
+    res = run_simulation(
+        SimConfig(num_blocks=512, block_size=16, dp_size=dp, check=True, **options), reqs
+    )
     _assert_complete(res, reqs)
     s = res.summary
     if "linear_state_match" not in options:  # contiguous needs a checkpoint at every block
@@ -147,7 +156,9 @@ def test_execute_detects_wrong_kv() -> None:
     # corrupt one cached block: the dense comparison must notice
     from kvpool.sim.execute import Executor
 
-    reqs = _small("system_prompt", 6, seed=9, max_prompt_len=200, output_len=4, max_output_len=8, rate=0)
+    reqs = _small(
+        "system_prompt", 6, seed=9, max_prompt_len=200, output_len=4, max_output_len=8, rate=0
+    )
     cfg = SimConfig(num_blocks=128, block_size=16)
     ex = Executor(cfg, backend="numpy", check_every=1)
     sim = Simulator(cfg, reqs, executor=ex)

@@ -1,4 +1,4 @@
-"""Issue 20: kvpool simulate on the production-trace fixtures: request order against an LRU model,
+"""kvpool simulate on the production-trace fixtures: request order against an LRU model,
 exact sharing at kvpool block sizes, capacity in tokens, the parallel sweep and its figure, time
 in seconds, and the batch-API scheduler loop under check mode."""
 
@@ -20,7 +20,7 @@ from kvpool.sim.workloads import Request, load_trace
 pytestmark = pytest.mark.skipif(not hasattr(kvpool, "BlockManagerPool"), reason="pool not built")
 
 from kvpool.sim.capacity import MODELS  # noqa: E402
-from kvpool.sim.engine import SimConfig, SimError, run_simulation  # noqa: E402
+from kvpool.sim.engine import SimConfig, run_simulation  # noqa: E402
 from kvpool.sim.timing import GPUS, FixedStepTime, Roofline, StepWork, chunk_work  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -31,8 +31,14 @@ BAILIAN = FIXTURES / "bailian_synthetic.jsonl"
 
 def run(*args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, OPENBLAS_NUM_THREADS="1", COLUMNS="160")
-    return subprocess.run([sys.executable, "-m", "kvpool", "simulate", *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=ROOT, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "kvpool", "simulate", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        env=env,
+    )
 
 
 def lru_model(prompts: list[np.ndarray], capacity_tokens: int, bs: int) -> tuple[int, int]:
@@ -51,13 +57,15 @@ def lru_model(prompts: list[np.ndarray], capacity_tokens: int, bs: int) -> tuple
         n, raw = len(toks), toks.astype("<u4").tobytes()
         keys, key = [], b""
         for i in range(n // bs):
-            key = hashlib.blake2b(key + raw[4 * i * bs: 4 * (i + 1) * bs], digest_size=16).digest()
+            key = hashlib.blake2b(key + raw[4 * i * bs : 4 * (i + 1) * bs], digest_size=16).digest()
             keys.append(key)
         look = (n - 1) // bs
         h = 0
         while h < look and keys[h] in lru:
             h += 1
-        assert not (n % bs == 0 and h == look and keys[-1] in lru), "a duplicate publication: not modelled"
+        assert not (n % bs == 0 and h == look and keys[-1] in lru), (
+            "a duplicate publication: not modelled"
+        )
         hit, query = hit + h * bs, query + look * bs
         for k in keys[:h]:
             del lru[k]  # held while the request runs
@@ -73,7 +81,9 @@ def lru_model(prompts: list[np.ndarray], capacity_tokens: int, bs: int) -> tuple
 def test_request_order_equals_an_lru_model(capacity: int) -> None:
     """The issue's acceptance check: --order request on the conversation fixture gives the hit
     rate of a few-line LRU model (blocks in request order, capacity in tokens)."""
-    p = run("--trace", str(MOONCAKE), "--order", "request", "--cache-tokens", str(capacity), "--json")
+    p = run(
+        "--trace", str(MOONCAKE), "--order", "request", "--cache-tokens", str(capacity), "--json"
+    )
     assert p.returncode == 0, p.stderr
     s = json.loads(p.stdout)["summary"]
     hit, query = lru_model([r.prompt_tokens() for r in load_trace(MOONCAKE)], capacity, 16)
@@ -107,37 +117,71 @@ def test_sharing_is_exact_at_block_sizes_dividing_the_trace_blocks(bs: int) -> N
     """16, 128, 512 divide Mooncake's 512: kvpool finds exactly the trace's shared prefixes; 48
     and 1024 do not: the shared prefix is rounded down to a multiple of the block size."""
     reqs = load_trace(MOONCAKE)
-    cfg = SimConfig(num_blocks=sum(-(-r.prompt_len // bs) for r in reqs) + 1, block_size=bs, order="request",
-                    check=True)
+    cfg = SimConfig(
+        num_blocks=sum(-(-r.prompt_len // bs) for r in reqs) + 1,
+        block_size=bs,
+        order="request",
+        check=True,
+    )
     summary = run_simulation(cfg, reqs).summary
     assert summary["evictions"] == 0
     assert summary["prefix_hit_tokens"] == _trace_prefix_hits(reqs, bs)
 
 
 def test_cache_tokens_sizes_the_cache() -> None:
-    p = run("--trace", str(MOONCAKE), "--order", "request", "--cache-tokens", "3M", "--block-size", "32",
-            "--host-cache-tokens", "1e6", "--json")
+    p = run(
+        "--trace",
+        str(MOONCAKE),
+        "--order",
+        "request",
+        "--cache-tokens",
+        "3M",
+        "--block-size",
+        "32",
+        "--host-cache-tokens",
+        "1e6",
+        "--json",
+    )
     assert p.returncode == 0, p.stderr
     c = json.loads(p.stdout)["config"]
     assert c["num_blocks"] == 3_000_000 // 32 + 1 and c["capacity_tokens_per_rank"] == 3_000_000
     assert c["host_num_blocks"] == 1_000_000 // 32 + 1
     q = run("--trace", str(MOONCAKE), "--order", "request", "--cache-tokens", "inf", "--json")
     s = json.loads(q.stdout)["summary"]
-    assert s["evictions"] == 0 and s["prefix_hit_tokens"] == _trace_prefix_hits(load_trace(MOONCAKE), 16)
-    for bad, msg in [(["--cache-tokens", "1M", "--num-blocks", "99"], "not both"),
-                     (["--cache-tokens", "lots"], "expected a token count"),
-                     (["--cache-tokens", "1e5"], "request 97 needs 121212 tokens")]:
+    assert s["evictions"] == 0 and s["prefix_hit_tokens"] == _trace_prefix_hits(
+        load_trace(MOONCAKE), 16
+    )
+    for bad, msg in [
+        (["--cache-tokens", "1M", "--num-blocks", "99"], "not both"),
+        (["--cache-tokens", "lots"], "expected a token count"),
+        (["--cache-tokens", "1e5"], "request 97 needs 121212 tokens"),
+    ]:
         r = run("--trace", str(MOONCAKE), *bad)
         assert r.returncode != 0 and msg in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
 def test_parallel_sweep_draws_the_capacity_curve(tmp_path: Path) -> None:
     png = tmp_path / "capacity.png"
-    p = run("--trace", str(MOONCAKE), "--order", "request", "--sweep", "cache_tokens=300k,2M,inf",
-            "--jobs", "2", "--plot", str(png), "--json")
+    p = run(
+        "--trace",
+        str(MOONCAKE),
+        "--order",
+        "request",
+        "--sweep",
+        "cache_tokens=300k,2M,inf",
+        "--jobs",
+        "2",
+        "--plot",
+        str(png),
+        "--json",
+    )
     assert p.returncode == 0, p.stderr
     sweep = json.loads(p.stdout)["sweep"]
-    assert [x["label"] for x in sweep] == ["cache_tokens=300k", "cache_tokens=2M", "cache_tokens=inf"]
+    assert [x["label"] for x in sweep] == [
+        "cache_tokens=300k",
+        "cache_tokens=2M",
+        "cache_tokens=inf",
+    ]
     rates = [x["summary"]["cached_token_fraction"] for x in sweep]
     assert rates == sorted(rates) and rates[0] < rates[-1]
     assert sweep[-1]["summary"]["evictions"] == 0
@@ -151,7 +195,9 @@ def test_parallel_sweep_draws_the_capacity_curve(tmp_path: Path) -> None:
     # the table form, serving order, and a sweep --plot needs a capacity key
     t = run("--trace", str(BAILIAN), "--sweep", "cache_tokens=20k,inf", "-j", "2")
     assert t.returncode == 0, t.stderr
-    assert "cache_tokens=20k" in t.stdout and "cache_tokens=inf" in t.stdout and "TTFT s" in t.stdout
+    assert (
+        "cache_tokens=20k" in t.stdout and "cache_tokens=inf" in t.stdout and "TTFT s" in t.stdout
+    )
     u = run("--trace", str(BAILIAN), "--sweep", "max_seqs=2,4", "--plot", str(png))
     assert u.returncode == 2 and "capacity" in u.stderr
 
@@ -169,7 +215,9 @@ def test_roofline_by_hand() -> None:
     flops = 2 * 8.03e9 * 8192 + 4 * 32 * 32 * 128 * (8192 * 8193 // 2)
     assert r.seconds(w) == pytest.approx(flops / (989e12 * 0.5))
     assert Roofline(shape, h200, tp=2, mfu=0.5).seconds(w) == pytest.approx(r.seconds(w) / 2)
-    assert Roofline(shape, GPUS["a100"], mfu=0.5).seconds(w) > Roofline(shape, GPUS["h100"], mfu=0.5).seconds(w)
+    assert Roofline(shape, GPUS["a100"], mfu=0.5).seconds(w) > Roofline(
+        shape, GPUS["h100"], mfu=0.5
+    ).seconds(w)
     assert r.seconds(StepWork()) == 0.0 and FixedStepTime(20).seconds(w) == 0.02
     with pytest.raises(ValueError, match="parameter count"):
         Roofline(shape.__class__(32, 8, 128), h200)
@@ -180,7 +228,9 @@ def test_roofline_by_hand() -> None:
 def test_seconds_follow_the_step_time_model() -> None:
     """One request alone: TTFT is its prefill's roofline time, every later token one decode step."""
     shape = MODELS["llama3-8b"]
-    cfg = SimConfig(num_blocks=2000, block_size=16, max_num_batched_tokens=8192, gpu="h100", model_shape=shape)
+    cfg = SimConfig(
+        num_blocks=2000, block_size=16, max_num_batched_tokens=8192, gpu="h100", model_shape=shape
+    )
     req = Request(0, 0.0, np.arange(3000, dtype=np.int32), 4, arrival_s=5.0)
     s = run_simulation(cfg, [req]).summary
     r = Roofline(shape, GPUS["h100"])
@@ -189,16 +239,24 @@ def test_seconds_follow_the_step_time_model() -> None:
     assert s["ttft_s_mean"] == pytest.approx(prefill)
     assert s["e2e_s_mean"] == pytest.approx(prefill + sum(decodes))
     assert s["tpot_ms_mean"] == pytest.approx(1e3 * sum(decodes) / 3)
-    assert s["sim_time_s"] == pytest.approx(5.0 + prefill + sum(decodes))  # the clock starts at the arrival
+    assert s["sim_time_s"] == pytest.approx(
+        5.0 + prefill + sum(decodes)
+    )  # the clock starts at the arrival
     # --step-ms: every step the same
-    fixed = run_simulation(SimConfig(num_blocks=2000, max_num_batched_tokens=4096, step_ms=10.0), [req]).summary
-    assert fixed["ttft_s_mean"] == pytest.approx(0.01) and fixed["tbt_ms_mean"] == pytest.approx(10.0)
+    fixed = run_simulation(
+        SimConfig(num_blocks=2000, max_num_batched_tokens=4096, step_ms=10.0), [req]
+    ).summary
+    assert fixed["ttft_s_mean"] == pytest.approx(0.01) and fixed["tbt_ms_mean"] == pytest.approx(
+        10.0
+    )
 
 
 def test_arrivals_replay_on_the_trace_clock(tmp_path: Path) -> None:
     t = tmp_path / "t.jsonl"
-    lines = [{"timestamp": ms, "input_length": 700, "output_length": 5, "hash_ids": [i, i + 1]}
-             for i, ms in enumerate([0, 0, 40_000, 40_000, 120_500])]
+    lines = [
+        {"timestamp": ms, "input_length": 700, "output_length": 5, "hash_ids": [i, i + 1]}
+        for i, ms in enumerate([0, 0, 40_000, 40_000, 120_500])
+    ]
     t.write_text("".join(json.dumps(x) + "\n" for x in lines))
     p = run("--trace", str(t), "--model", "llama3-8b", "--gpu", "h200", "--json")
     assert p.returncode == 0, p.stderr
@@ -210,21 +268,36 @@ def test_arrivals_replay_on_the_trace_clock(tmp_path: Path) -> None:
     assert s["output_tokens_per_s"] == pytest.approx(25 / s["sim_time_s"])
     # the kv cache from the GPU: 0.9 of 141 GiB less 16 GB of weights, 128 KiB per token
     assert d["config"]["kv_gib_from_gpu"] == pytest.approx(141 * 0.9 - 2 * 8.03e9 / 2**30)
-    for bad, msg in [(["--gpu", "h200"], "model shape"), (["--tp", "2"], "need --gpu"),
-                     (["--gpu", "h100", "--model", "llama3-70b"], "do not fit"),
-                     (["--gpu", "h100", "--model", "llama3-8b", "--step-ms", "5"], "not both")]:
+    for bad, msg in [
+        (["--gpu", "h200"], "model shape"),
+        (["--tp", "2"], "need --gpu"),
+        (["--gpu", "h100", "--model", "llama3-70b"], "do not fit"),
+        (["--gpu", "h100", "--model", "llama3-8b", "--step-ms", "5"], "not both"),
+    ]:
         q = run("--trace", str(t), *bad)
         assert q.returncode == 2 and msg in q.stderr, q.stderr
 
 
 def test_serving_the_bailian_fixture_checks_every_step() -> None:
     """The batch-API loop (SequenceBatch, pool.advance) with check mode: sessions, seconds."""
-    p = run("--trace", str(BAILIAN), "--check", "--cache-tokens", "60k", "--max-batched-tokens", "1024",
-            "--json")
+    p = run(
+        "--trace",
+        str(BAILIAN),
+        "--check",
+        "--cache-tokens",
+        "60k",
+        "--max-batched-tokens",
+        "1024",
+        "--json",
+    )
     assert p.returncode == 0, p.stderr
     s = json.loads(p.stdout)["summary"]
-    assert s["finished"] == 300 and s["sessions"] + s["follow_up_turns"] == 300 and s["max_turn"] == 5
-    assert s["follow_up_hit_rate"] > 0.5 and s["output_tokens"] == sum(r.output_len for r in load_trace(BAILIAN))
+    assert (
+        s["finished"] == 300 and s["sessions"] + s["follow_up_turns"] == 300 and s["max_turn"] == 5
+    )
+    assert s["follow_up_hit_rate"] > 0.5 and s["output_tokens"] == sum(
+        r.output_len for r in load_trace(BAILIAN)
+    )
     assert "trace_read_s" in s and s["sim_time_s"] > 0
 
 
@@ -234,7 +307,9 @@ def test_tiny_budget_and_preemption_from_the_decode_batch(dp: int) -> None:
     it) and blocks running out (decoders preempted out of the batch), every step checked."""
     from kvpool.sim.workloads import generate
 
-    reqs = generate("random", 40, seed=4, rate=0, max_prompt_len=128, output_len=80, max_output_len=160)
+    reqs = generate(
+        "random", 40, seed=4, rate=0, max_prompt_len=128, output_len=80, max_output_len=160
+    )
     cfg = SimConfig(num_blocks=60, block_size=8, dp_size=dp, max_num_batched_tokens=6, check=True)
     res = run_simulation(cfg, reqs)
     s = res.summary
@@ -243,9 +318,28 @@ def test_tiny_budget_and_preemption_from_the_decode_batch(dp: int) -> None:
     assert max(r.batched_tokens for r in res.timeline) <= 6 * dp
 
 
-def test_request_order_rejects_hybrid_options() -> None:
-    with pytest.raises(SimError, match="--order request"):
-        run_simulation(SimConfig(order="request", linear_state_slots=8), [])
+def test_request_order_takes_a_window_and_linear_state() -> None:
+    """--order request with hybrid groups: a window in the shared store keeps every block that
+    slides out while memory lasts, so with room for the whole trace it hits exactly what full
+    attention hits; linear state hits only where a checkpoint was saved (the interval's
+    multiples and each prompt's last full block), restoring one per hit; check() every request."""
+    reqs = load_trace(MOONCAKE)
+    blocks = 2 * sum(-(-r.prompt_len // 16) for r in reqs) + 1
+
+    def summary(**kw: object) -> dict:
+        cfg = SimConfig(num_blocks=blocks, block_size=16, order="request", check=True, **kw)
+        return run_simulation(cfg, reqs).summary
+
+    full = summary()
+    window = summary(sliding_window=1024)
+    assert window["prefix_hit_tokens"] == full["prefix_hit_tokens"] > 0
+    assert window["evictions"] == 0
+    memory = window["group_memory"]
+    assert memory["window_cached_blocks"] > 0 and memory["window_used_blocks"] == 0
+    linear = summary(linear_state_slots=64, checkpoint_interval=512)
+    assert 0 < linear["prefix_hit_tokens"] <= full["prefix_hit_tokens"]
+    assert linear["checkpoint_hits"] > 0 and linear["checkpoint_saves"] > 0
+    assert linear["group_memory"]["linear_state_slots_in_use"] > 0
 
 
 def test_malformed_trace_line_stops_the_command(tmp_path: Path) -> None:

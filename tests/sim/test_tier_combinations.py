@@ -1,5 +1,5 @@
-"""`kvpool simulate` with the host tier combined with linear state and sliding windows (issue 16:
-the pools compose, so the simulator accepts every combination and reports host loads, offloads
+"""`kvpool simulate` with the host tier combined with linear state and sliding windows (the
+pools compose, so the simulator accepts every combination and reports host loads, offloads
 and checkpoint hits)."""
 
 from __future__ import annotations
@@ -20,15 +20,29 @@ SMALL = ["-n", "60", "--max-prompt-len", "512", "--output-len", "16", "-w", "cha
 
 def simulate(*args: str) -> dict:
     env = dict(os.environ, OPENBLAS_NUM_THREADS="1", COLUMNS="120")
-    p = subprocess.run([sys.executable, "-m", "kvpool", "simulate", *SMALL, *args, "--check", "--json"],
-                       capture_output=True, text=True, timeout=240, cwd=ROOT, env=env)
+    p = subprocess.run(
+        [sys.executable, "-m", "kvpool", "simulate", *SMALL, *args, "--check", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=ROOT,
+        env=env,
+    )
     assert p.returncode == 0, p.stderr
     return json.loads(p.stdout)["summary"]
 
 
 def test_host_tier_with_linear_state_runs_and_reports_loads_offloads_and_checkpoint_hits():
-    s = simulate("--num-blocks", "128", "--host-blocks", "512", "--linear-state-slots", "64",
-                 "--checkpoint-interval", "64")
+    s = simulate(
+        "--num-blocks",
+        "128",
+        "--host-blocks",
+        "512",
+        "--linear-state-slots",
+        "64",
+        "--checkpoint-interval",
+        "64",
+    )
     assert s["host_loads"] > 0 and s["host_offloads"] > 0 and s["checkpoint_hits"] > 0, s
 
 
@@ -39,9 +53,28 @@ def test_host_tier_with_a_sliding_window_runs_and_reports_loads_and_offloads():
 
 def test_the_text_report_names_the_tier_rows():
     env = dict(os.environ, OPENBLAS_NUM_THREADS="1", COLUMNS="160")
-    p = subprocess.run([sys.executable, "-m", "kvpool", "simulate", *SMALL, "--num-blocks", "128",
-                        "--host-blocks", "512", "--linear-state-slots", "64", "--checkpoint-interval", "64"],
-                       capture_output=True, text=True, timeout=240, cwd=ROOT, env=env)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvpool",
+            "simulate",
+            *SMALL,
+            "--num-blocks",
+            "128",
+            "--host-blocks",
+            "512",
+            "--linear-state-slots",
+            "64",
+            "--checkpoint-interval",
+            "64",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=ROOT,
+        env=env,
+    )
     assert p.returncode == 0, p.stderr
     for row in ("host loads", "host offloads", "checkpoint hits"):
         assert row in p.stdout, p.stdout

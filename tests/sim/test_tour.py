@@ -19,13 +19,13 @@ import pytest
 
 pytestmark = pytest.mark.skipif(not hasattr(kvpool, "BlockManagerPool"), reason="pool not built")
 
-from kvpool.tour import seed_000, seed_003  # noqa: E402
+from kvpool.tour import paged_blocks, request_life  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_seed_003_numbers() -> None:
-    _, facts = seed_003()
+    _, facts = paged_blocks()
     four, eight = facts[4], facts[8]
     assert (four["a_blocks"], four["a_empty"]) == (3, 1)  # ceil(11 / 4) = 3, one empty slot
     assert len(four["a_table"]) == 3 and 0 not in four["a_table"]
@@ -36,7 +36,7 @@ def test_seed_003_numbers() -> None:
 
 
 def test_seed_000_lifecycle_numbers() -> None:
-    _, _, f = seed_000()
+    _, _, f = request_life()
     s1 = f["s1"]
     assert s1["dp_rank"] == 0 and s1["single_block"] is not None and s1["live_slot"] is not None
     assert s1["cached"] == 0 and len(s1["table"]) == 3  # 10 tokens, block size 4: 3 new blocks
@@ -53,15 +53,31 @@ def test_seed_000_lifecycle_numbers() -> None:
 
 def test_kvpool_tour_prints_the_tables() -> None:
     env = dict(os.environ, COLUMNS="120")
-    for cmd in ([sys.executable, "-m", "kvpool", "tour"], [sys.executable, str(ROOT / "examples" / "tour.py")]):
+    for cmd in (
+        [sys.executable, "-m", "kvpool", "tour"],
+        [sys.executable, str(ROOT / "examples" / "tour.py")],
+    ):
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=ROOT, env=env)
         assert p.returncode == 0, p.stderr
         out = p.stdout
-        for needle in ("ceil(11/4) = 3 blocks, 1 empty slot", "ceil(11/8) = 2 blocks, 5 empty slot",
-                       "len(B) = 5", "can_append(B)", "may_append(B)", "True: one id added",
-                       "free 15 of 15", "prefix match 8 tokens", "ref counts [3, 3]", "free 7 of 7",
-                       "internal fragmentation"):
+        for needle in (
+            "ceil(11/4) = 3 blocks, 1 empty slot",
+            "ceil(11/8) = 2 blocks, 5 empty slot",
+            "len(B) = 5",
+            "can_append(B)",
+            "may_append(B)",
+            "True: one id added",
+            "free 15 of 15",
+            "prefix match 8 tokens",
+            "ref counts [3, 3]",
+            "free 7 of 7",
+            "internal fragmentation",
+        ):
             assert needle in out, needle
         # the block tables as printed: A 3 ids then 2 ids; B 1 id, then 2 after may_append
-        assert re.search(r"A \[\d+ \d+ \d+\], free 12", out) and re.search(r"A \[\d+ \d+\], free 13", out)
-        assert re.search(r"B \[\d+\] \(no slot for it yet\)", out) and re.search(r"B \[\d+ \d+\], free 10", out)
+        assert re.search(r"A \[\d+ \d+ \d+\], free 12", out) and re.search(
+            r"A \[\d+ \d+\], free 13", out
+        )
+        assert re.search(r"B \[\d+\] \(no slot for it yet\)", out) and re.search(
+            r"B \[\d+ \d+\], free 10", out
+        )

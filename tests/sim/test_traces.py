@@ -1,4 +1,4 @@
-"""Issue 20: the Mooncake and Qwen-Bailian trace readers (kvpool.sim.traces).
+"""The Mooncake and Qwen-Bailian trace readers (kvpool.sim.traces).
 
 Fixtures (tests/sim/fixtures/README.md): the first 300 requests of Mooncake's conversation trace
 (Apache-2.0, verbatim) and a synthetic trace in the public Qwen-Bailian schema.
@@ -37,7 +37,10 @@ def test_formats_are_detected_from_fields() -> None:
     assert detect_format(_raw(MOONCAKE)[0]) == "mooncake"
     assert detect_format(_raw(BAILIAN)[0]) == "bailian"
     assert detect_format({"prompt_len": 10, "output_len": 2}) == "kvpool"
-    assert detect_format({"hash_ids": [1], "timestamp": 0, "input_length": 3, "output_length": 1}) == "mooncake"
+    assert (
+        detect_format({"hash_ids": [1], "timestamp": 0, "input_length": 3, "output_length": 1})
+        == "mooncake"
+    )
     m, b = load_trace(MOONCAKE), load_trace(BAILIAN)
     assert all(isinstance(r.prompt, HashedPrompt) for r in m + b)
     assert {r.prompt.block_size for r in m} == {MOONCAKE_BLOCK_SIZE}
@@ -57,7 +60,9 @@ def test_hash_ids_expand_to_exact_tokens() -> None:
     t = block_tokens(ids, 5 * 512, 512).reshape(5, 512)
     assert t.dtype == np.int32 and t.min() >= 0
     assert np.array_equal(t[0], t[2])  # equal ids, equal tokens
-    assert not np.intersect1d(t[0], t[1]).size and not np.intersect1d(t[1], t[3]).size  # never shared
+    assert (
+        not np.intersect1d(t[0], t[1]).size and not np.intersect1d(t[1], t[3]).size
+    )  # never shared
     assert all(int(t[i, j]) == mix31(int(ids[i]) * 512 + j) for i in range(5) for j in (0, 1, 511))
     # the map (id, offset) -> token is injective: every token of 2,000 ids x 512 is distinct
     many = block_tokens(np.arange(2000), 2000 * 512, 512)
@@ -81,10 +86,14 @@ def test_partial_last_block_and_lengths() -> None:
         assert 0 < tail <= 512
         # the partial block is the first `tail` tokens of its id's block
         full = block_tokens(np.array(line["hash_ids"][-1:]), 512, 512)
-        assert np.array_equal(toks[(n - 1) * 512:], full[:tail])
+        assert np.array_equal(toks[(n - 1) * 512 :], full[:tail])
     # two requests sharing their first k ids share exactly k * 512 tokens
     a, b = reqs[0], reqs[1]
-    k = next(i for i, (x, y) in enumerate(zip(a.prompt.hash_ids, b.prompt.hash_ids, strict=False)) if x != y)
+    k = next(
+        i
+        for i, (x, y) in enumerate(zip(a.prompt.hash_ids, b.prompt.hash_ids, strict=False))
+        if x != y
+    )
     ta, tb = a.prompt_tokens(), b.prompt_tokens()
     assert np.array_equal(ta[: k * 512], tb[: k * 512]) and ta[k * 512] != tb[k * 512]
 
@@ -113,7 +122,10 @@ def test_bailian_sessions_are_kept() -> None:
     for r in reqs:
         line = raw[r.session.chat_id]
         assert (r.session.parent_chat_id, r.session.turn, r.session.type) == (
-            line["parent_chat_id"], line["turn"], line["type"])
+            line["parent_chat_id"],
+            line["turn"],
+            line["type"],
+        )
     for r in follow:
         parent = by_chat[r.session.parent_chat_id]
         assert parent.arrival_s <= r.arrival_s and r.session.turn == parent.session.turn + 1
@@ -126,18 +138,47 @@ def test_bailian_sessions_are_kept() -> None:
     ("line", "reason"),
     [
         ("{oops", "not valid JSON"),
-        ('[1, 2]', "a line must be a JSON object"),
-        ('{"timestamp": 0, "input_length": 600, "output_length": 1}', r"missing field\(s\) hash_ids"),
-        ('{"timestamp": 0, "input_length": 600, "output_length": 1, "hash_ids": [1]}',
-         r"input_length 600 needs 2 hash id\(s\) of 512 tokens, the line has 1"),
-        ('{"timestamp": 0, "input_length": 600, "output_length": 1, "hash_ids": [1, 2, 3]}', r"input_length 600 needs 2 hash id\(s\) of 512 tokens, the line has 3"),
-        ('{"timestamp": -1, "input_length": 6, "output_length": 1, "hash_ids": [1]}', "timestamp must be"),
-        ('{"timestamp": 0, "input_length": 0, "output_length": 1, "hash_ids": [1]}', "input_length must be"),
-        ('{"timestamp": 0, "input_length": 6, "output_length": 1.5, "hash_ids": [1]}', "output_length must be"),
-        ('{"timestamp": 0, "input_length": 6, "output_length": 1, "hash_ids": ["a"]}', "hash_ids must be a list of integers"),
-        ('{"timestamp": 0, "input_length": 6, "output_length": 1, "hash_ids": [-3]}', r"hash_ids must lie in \[0, 4194304\)"),
-        ('{"timestamp": 0, "input_length": 6, "output_length": 1, "hash_ids": []}', "hash_ids must be a non-empty list"),
-        ('{"timestamp": 0, "input_length": 6, "output_length": 1, "hash_ids": [1], "x": 1}', "unknown field"),
+        ("[1, 2]", "a line must be a JSON object"),
+        (
+            '{"timestamp": 0, "input_length": 600, "output_length": 1}',
+            r"missing field\(s\) hash_ids",
+        ),
+        (
+            '{"timestamp": 0, "input_length": 600, "output_length": 1, "hash_ids": [1]}',
+            r"input_length 600 needs 2 hash id\(s\) of 512 tokens, the line has 1",
+        ),
+        (
+            '{"timestamp": 0, "input_length": 600, "output_length": 1, "hash_ids": [1, 2, 3]}',
+            r"input_length 600 needs 2 hash id\(s\) of 512 tokens, the line has 3",
+        ),
+        (
+            '{"timestamp": -1, "input_length": 6, "output_length": 1, "hash_ids": [1]}',
+            "timestamp must be",
+        ),
+        (
+            '{"timestamp": 0, "input_length": 0, "output_length": 1, "hash_ids": [1]}',
+            "input_length must be",
+        ),
+        (
+            '{"timestamp": 0, "input_length": 6, "output_length": 1.5, "hash_ids": [1]}',
+            "output_length must be",
+        ),
+        (
+            '{"timestamp": 0, "input_length": 6, "output_length": 1, "hash_ids": ["a"]}',
+            "hash_ids must be a list of integers",
+        ),
+        (
+            '{"timestamp": 0, "input_length": 6, "output_length": 1, "hash_ids": [-3]}',
+            r"hash_ids must lie in \[0, 4194304\)",
+        ),
+        (
+            '{"timestamp": 0, "input_length": 6, "output_length": 1, "hash_ids": []}',
+            "hash_ids must be a non-empty list",
+        ),
+        (
+            '{"timestamp": 0, "input_length": 6, "output_length": 1, "hash_ids": [1], "x": 1}',
+            "unknown field",
+        ),
     ],
 )
 def test_malformed_line_names_file_and_line(tmp_path: Path, line: str, reason: str) -> None:
@@ -149,11 +190,23 @@ def test_malformed_line_names_file_and_line(tmp_path: Path, line: str, reason: s
 
 
 def test_bailian_field_errors(tmp_path: Path) -> None:
-    base = {"chat_id": 1, "parent_chat_id": -1, "timestamp": 1.5, "input_length": 20, "output_length": 2,
-            "type": "text", "turn": 1, "hash_ids": [4, 5]}
+    base = {
+        "chat_id": 1,
+        "parent_chat_id": -1,
+        "timestamp": 1.5,
+        "input_length": 20,
+        "output_length": 2,
+        "type": "text",
+        "turn": 1,
+        "hash_ids": [4, 5],
+    }
     t = tmp_path / "b.jsonl"
-    for key, value, reason in [("type", 3, "type must be a string"), ("parent_chat_id", -2, "parent_chat_id must"),
-                               ("turn", "2", "turn must be"), ("hash_ids", [4], "input_length 20 needs 2 hash id")]:
+    for key, value, reason in [
+        ("type", 3, "type must be a string"),
+        ("parent_chat_id", -2, "parent_chat_id must"),
+        ("turn", "2", "turn must be"),
+        ("hash_ids", [4], "input_length 20 needs 2 hash id"),
+    ]:
         t.write_text(json.dumps(base) + "\n" + json.dumps({**base, key: value}) + "\n")
         with pytest.raises(TraceError, match=rf"{t}:2: {reason}"):
             load_trace(t)

@@ -46,7 +46,11 @@ def test_generate_is_deterministic(kind: str) -> None:
     c = generate(kind, 120, seed=6)
     for x, y in zip(a, b, strict=False):
         assert np.array_equal(x.prompt, y.prompt)
-        assert (x.arrival, x.output_len, x.prefix_group) == (y.arrival, y.output_len, y.prefix_group)
+        assert (x.arrival, x.output_len, x.prefix_group) == (
+            y.arrival,
+            y.output_len,
+            y.prefix_group,
+        )
     assert any(not np.array_equal(x.prompt, y.prompt) for x, y in zip(a, c, strict=False))
 
 
@@ -80,7 +84,9 @@ def test_chat_turns_contain_previous_answer() -> None:
 
 
 def test_generate_options_and_errors() -> None:
-    reqs = generate("random", 50, seed=0, rate=0, max_prompt_len=128, output_len=8, max_output_len=16)
+    reqs = generate(
+        "random", 50, seed=0, rate=0, max_prompt_len=128, output_len=8, max_output_len=16
+    )
     assert all(r.arrival == 0 for r in reqs)
     assert all(64 <= len(r.prompt) <= 128 and r.output_len <= 16 for r in reqs)
     assert generate("mixed", 0) == []
@@ -161,7 +167,9 @@ def test_trace_missing_empty_duplicate(tmp_path: Path) -> None:
     with pytest.raises(TraceError, match="no requests"):
         load_trace(e)
     d = tmp_path / "d.jsonl"
-    d.write_text('{"id": 1, "prompt_len": 9, "output_len": 1}\n{"id": 1, "prompt_len": 9, "output_len": 1}\n')
+    d.write_text(
+        '{"id": 1, "prompt_len": 9, "output_len": 1}\n{"id": 1, "prompt_len": 9, "output_len": 1}\n'
+    )
     with pytest.raises(TraceError, match="duplicate"):
         load_trace(d)
 

@@ -1,4 +1,4 @@
-"""A real redis-server on loopback for the remote-tier tests (issue 10): never a mock.
+"""A real redis-server on loopback for the remote-tier tests: never a mock.
 
 ``RedisServer`` starts ``redis-server`` on a free 127.0.0.1 port with no persistence, waits
 (bounded) until it answers PING, and stops it. The binary must be installed (Debian:
@@ -51,8 +51,10 @@ class RedisServer:
     def __init__(self, port: int | None = None, extra: list[str] | None = None) -> None:
         self.binary = shutil.which("redis-server")
         if self.binary is None:
-            raise RuntimeError("redis-server is not installed: apt-get install -y redis-server "
-                               "(the remote-tier tests need a real server)")
+            raise RuntimeError(
+                "redis-server is not installed: apt-get install -y redis-server "
+                "(the remote-tier tests need a real server)"
+            )
         self.port = port or free_port()
         self.extra = extra or []
         self.dir = tempfile.mkdtemp(prefix="kvpool-redis-")
@@ -64,9 +66,25 @@ class RedisServer:
 
     def start(self, timeout_s: float = 10.0) -> None:
         self.proc = subprocess.Popen(
-            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", self.dir, "--daemonize", "no", *self.extra],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            [
+                self.binary,
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                self.dir,
+                "--daemonize",
+                "no",
+                *self.extra,
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -108,7 +126,7 @@ class RedisServer:
 
 
 class RedisClusterServers:
-    """A 3-master Redis Cluster on 127.0.0.1 (no replicas), for the cluster code path (issue 10).
+    """A 3-master Redis Cluster on 127.0.0.1 (no replicas), for the cluster code path.
 
     Each node is a ``RedisServer`` with ``--cluster-enabled yes`` in its own temp dir (its
     ``nodes-PORT.conf`` there); ``start()`` joins them with ``redis-cli --cluster create`` and
@@ -119,14 +137,22 @@ class RedisClusterServers:
     def __init__(self, n: int = 3) -> None:
         self.cli = shutil.which("redis-cli")
         if self.cli is None:
-            raise RuntimeError("redis-cli is not installed (it comes with Debian's redis-server package)")
+            raise RuntimeError(
+                "redis-cli is not installed (it comes with Debian's redis-server package)"
+            )
         self.nodes: list[RedisServer] = []
         taken: set[int] = set()
         for _ in range(n):
             node = RedisServer(free_cluster_port(taken))
             taken |= {node.port, node.port + 10000}
-            node.extra = ["--cluster-enabled", "yes", "--cluster-config-file",
-                          f"{node.dir}/nodes-{node.port}.conf", "--cluster-node-timeout", "5000"]
+            node.extra = [
+                "--cluster-enabled",
+                "yes",
+                "--cluster-config-file",
+                f"{node.dir}/nodes-{node.port}.conf",
+                "--cluster-node-timeout",
+                "5000",
+            ]
             self.nodes.append(node)
 
     @property
@@ -134,8 +160,13 @@ class RedisClusterServers:
         return self.nodes[0].url
 
     def _cli(self, port: int, *args: str, timeout_s: float = 10.0) -> str:
-        out = subprocess.run([self.cli, "-h", "127.0.0.1", "-p", str(port), *args],
-                             capture_output=True, text=True, timeout=timeout_s, stdin=subprocess.DEVNULL)
+        out = subprocess.run(
+            [self.cli, "-h", "127.0.0.1", "-p", str(port), *args],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            stdin=subprocess.DEVNULL,
+        )
         return out.stdout + out.stderr
 
     def start(self, timeout_s: float = 30.0) -> None:
@@ -144,13 +175,27 @@ class RedisClusterServers:
             for node in self.nodes:
                 node.start()
             addrs = [f"127.0.0.1:{node.port}" for node in self.nodes]
-            out = subprocess.run([self.cli, "--cluster", "create", *addrs, "--cluster-replicas", "0",
-                                  "--cluster-yes"], capture_output=True, text=True, timeout=timeout_s,
-                                 stdin=subprocess.DEVNULL)
+            out = subprocess.run(
+                [
+                    self.cli,
+                    "--cluster",
+                    "create",
+                    *addrs,
+                    "--cluster-replicas",
+                    "0",
+                    "--cluster-yes",
+                ],
+                capture_output=True,
+                text=True,
+                timeout=timeout_s,
+                stdin=subprocess.DEVNULL,
+            )
             if out.returncode != 0:
                 raise RuntimeError(f"redis-cli --cluster create failed: {out.stdout}{out.stderr}")
             while True:
-                states = [self._cli(node.port, "cluster", "info", timeout_s=5.0) for node in self.nodes]
+                states = [
+                    self._cli(node.port, "cluster", "info", timeout_s=5.0) for node in self.nodes
+                ]
                 if all("cluster_state:ok" in s for s in states):
                     return
                 if time.monotonic() > deadline:

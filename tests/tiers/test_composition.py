@@ -1,4 +1,4 @@
-"""One pool (issue 16): the host tier composes with every feature (R13-R26).
+"""One pool: the host tier composes with every feature (R13-R26).
 
 Random workloads with ``check()`` after every step and every id back at the end: host tier x dp
 ranks x the batch API (``SequenceBatch``, ``advance``, ``may_append_all``), with linear state
@@ -19,15 +19,30 @@ BS = 4
 
 
 def test_a_hierarchy_pool_is_a_block_manager_pool():
-    pool = kvpool.HierarchyBlockManagerPool(32, 16, BS, dp_size=2, linear_state_slots=8, sliding_window=8)
+    pool = kvpool.HierarchyBlockManagerPool(
+        32, 16, BS, dp_size=2, linear_state_slots=8, sliding_window=8
+    )
     assert isinstance(pool, kvpool.BlockManagerPool)
-    for name in ("advance", "may_append_all", "plan", "allocate_shared", "linear_state_cache",
-                 "take_linear_state_plan", "drain_events", "num_groups"):
+    for name in (
+        "advance",
+        "may_append_all",
+        "plan",
+        "allocate_shared",
+        "linear_state_cache",
+        "take_linear_state_plan",
+        "drain_events",
+        "num_groups",
+    ):
         assert hasattr(pool, name), name
     assert pool.num_groups == 2 and pool.dp_size == 2 and pool.host_num_blocks == 16
     assert pool.linear_state_cache(1).num_slots == 8
     stats = pool.stats()
-    assert stats["host"]["num_total_blocks"] == 30 and stats["window"] is not None
+    assert stats["host"]["num_total_blocks"] == 30
+    # with a host tier the window group keeps a store of its own by default
+    assert stats["window"]["num_total_blocks"] == 62
+    shared = kvpool.HierarchyBlockManagerPool(32, 16, BS, sliding_window=8, shared_blocks=True)
+    assert shared.stats()["window"] is None
+    assert [[g["group"] for g in r["shared"]] for r in shared.memory()] == [[0, 1]]
     assert [r["host"]["num_total_blocks"] for r in stats["ranks"]] == [15, 15]
     plain = kvpool.BlockManagerPool(32, BS)
     assert plain.stats()["host"] is None, "R20: host only with a host tier"
@@ -41,7 +56,9 @@ def _all_back(pool, options):
     pool.check()
     stats = pool.stats()
     assert stats["num_free_blocks"] == stats["num_total_blocks"], "every device id back"
-    assert stats["host"]["num_free_blocks"] == stats["host"]["num_total_blocks"], "every host id back"
+    assert stats["host"]["num_free_blocks"] == stats["host"]["num_total_blocks"], (
+        "every host id back"
+    )
     assert stats["num_live_slots"] == 0 and stats["num_pending_checkpoints"] == 0
     if stats["window"] is not None:
         assert stats["window"]["num_free_blocks"] == stats["window"]["num_total_blocks"]
@@ -49,7 +66,6 @@ def _all_back(pool, options):
         free = (options["linear_state_slots"] - 1) * options.get("dp_size", 1)
         assert stats["num_free_linear_state_slots"] == free, "every slot back"
     assert stats["num_free_single_blocks"] == stats["num_total_blocks"], "every single block back"
-
 
 
 def _engine_loop(pool, rng, steps, options, prefixes):
@@ -62,9 +78,13 @@ def _engine_loop(pool, rng, steps, options, prefixes):
         r = rng.random()
         if r < 0.3:
             if finished and rng.random() < 0.5:
-                tokens = rng.choice(finished) + [rng.randrange(9000) for _ in range(rng.randrange(1, 6))]
+                tokens = rng.choice(finished) + [
+                    rng.randrange(9000) for _ in range(rng.randrange(1, 6))
+                ]
             else:
-                tokens = rng.choice(prefixes) + [rng.randrange(9000) for _ in range(rng.randrange(1, 12))]
+                tokens = rng.choice(prefixes) + [
+                    rng.randrange(9000) for _ in range(rng.randrange(1, 12))
+                ]
             seq = kvpool.Sequence(tokens)
             plan = pool.plan(seq)
             assert pool.can_allocate(seq) == (plan is not None), "R15"
@@ -87,7 +107,9 @@ def _engine_loop(pool, rng, steps, options, prefixes):
                     pool.deallocate(seq)
         elif r < 0.8 and len(batch):
             # One decode step of the whole batch, then room for the next token.
-            failed = pool.advance(batch, [rng.randrange(9000) for _ in range(len(batch))], lookahead=0)
+            failed = pool.advance(
+                batch, [rng.randrange(9000) for _ in range(len(batch))], lookahead=0
+            )
             for seq in [batch[i] for i in failed]:
                 batch.remove(seq)
                 pool.deallocate(seq)
@@ -114,8 +136,14 @@ def _engine_loop(pool, rng, steps, options, prefixes):
         {"dp_size": 2},
         {"dp_size": 3, "linear_state_slots": 12, "checkpoint_interval": 8},
         {"dp_size": 2, "sliding_window": 8, "swa_num_blocks": 64},
-        {"dp_size": 2, "sliding_window": 8, "swa_num_blocks": 64, "linear_state_slots": 12,
-         "checkpoint_interval": 8, "enable_events": True},
+        {
+            "dp_size": 2,
+            "sliding_window": 8,
+            "swa_num_blocks": 64,
+            "linear_state_slots": 12,
+            "checkpoint_interval": 8,
+            "enable_events": True,
+        },
     ],
     ids=["dp", "dp+linear", "dp+window", "dp+window+linear+events"],
 )
@@ -139,7 +167,10 @@ def _worker(pool, seed, prefixes, deadline, errors, counts):
             ops += 1
             r = rng.random()
             if r < 0.3 or not mine:
-                seq = kvpool.Sequence(rng.choice(prefixes) + [rng.randrange(5000) for _ in range(rng.randrange(1, 12))])
+                seq = kvpool.Sequence(
+                    rng.choice(prefixes)
+                    + [rng.randrange(5000) for _ in range(rng.randrange(1, 12))]
+                )
                 plan = pool.plan(seq)
                 if plan is not None and pool.allocate(seq, plan=plan):
                     mine.append(seq)
@@ -169,8 +200,11 @@ def _worker(pool, seed, prefixes, deadline, errors, counts):
 
 @pytest.mark.parametrize(
     "options",
-    [{}, {"dp_size": 2, "linear_state_slots": 24, "checkpoint_interval": 8},
-     {"sliding_window": 8, "swa_num_blocks": 96}],
+    [
+        {},
+        {"dp_size": 2, "linear_state_slots": 24, "checkpoint_interval": 8},
+        {"sliding_window": 8, "swa_num_blocks": 96},
+    ],
     ids=["plain", "dp+linear", "window"],
 )
 def test_r27_r28_a_concurrent_hierarchy_pool_under_eight_threads(options):
@@ -181,8 +215,10 @@ def test_r27_r28_a_concurrent_hierarchy_pool_under_eight_threads(options):
     errors: list[BaseException] = []
     counts: list[int] = []
     deadline = time.monotonic() + 1.5
-    threads = [threading.Thread(target=_worker, args=(pool, s, prefixes, deadline, errors, counts))
-               for s in range(8)]
+    threads = [
+        threading.Thread(target=_worker, args=(pool, s, prefixes, deadline, errors, counts))
+        for s in range(8)
+    ]
     for t in threads:
         t.start()
     for t in threads:

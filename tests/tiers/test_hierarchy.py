@@ -1,4 +1,4 @@
-"""kvpool.HierarchyBlockManagerPool and kvpool.transfer (issue 6): the host tier of R26.
+"""kvpool.HierarchyBlockManagerPool and kvpool.tiers.host_transfer: the host tier of R26.
 
 Covers: KV bytes round-tripping device -> host -> device bit-identical through the NumPy
 executor; a host hit after device eviction; plans never naming a block that was freed before
@@ -15,7 +15,7 @@ import random
 import kvpool
 import numpy as np
 import pytest
-from kvpool.transfer import NumpyTransferExecutor
+from kvpool.tiers.host_transfer import NumpyTransferExecutor
 
 BS = 4
 
@@ -32,7 +32,10 @@ def finish(pool, seq) -> None:
 
 def fill_device(pool, rank=0) -> None:
     """Evict every cached device block of `rank` (allocate all, compute nothing, release)."""
-    n = pool.stats()["ranks"][rank]["num_free_blocks"] + pool.stats()["ranks"][rank]["num_cached_blocks"]
+    n = (
+        pool.stats()["ranks"][rank]["num_free_blocks"]
+        + pool.stats()["ranks"][rank]["num_cached_blocks"]
+    )
     big = kvpool.Sequence(list(range(10_000, 10_000 + n * BS)))
     assert pool.allocate(big)
     pool.deallocate(big)
@@ -41,7 +44,9 @@ def fill_device(pool, rank=0) -> None:
 
 def caches(num_blocks, host_num_blocks, layers=2, heads=2, dim=8, dtype=np.float16, seed=0):
     rng = np.random.default_rng(seed)
-    dev = [rng.standard_normal((num_blocks, BS, heads, dim)).astype(dtype) for _ in range(2 * layers)]
+    dev = [
+        rng.standard_normal((num_blocks, BS, heads, dim)).astype(dtype) for _ in range(2 * layers)
+    ]
     host = [np.zeros((host_num_blocks, BS, heads, dim), dtype) for _ in range(2 * layers)]
     return dev, host
 
@@ -206,9 +211,20 @@ def test_complete_twice_foreign_or_wrong_direction_is_value_error():
 def test_stats_shape():
     pool = kvpool.HierarchyBlockManagerPool(8, 6, BS, dp_size=2)
     st = pool.stats()
-    keys = {"num_total_blocks", "num_free_blocks", "num_cached_blocks", "num_used_blocks", "usage",
-            "prefix_query_tokens", "prefix_hit_tokens", "num_evictions", "num_loaded_blocks",
-            "num_offloaded_blocks", "num_pending_load_blocks", "num_pending_offload_blocks"}
+    keys = {
+        "num_total_blocks",
+        "num_free_blocks",
+        "num_cached_blocks",
+        "num_used_blocks",
+        "usage",
+        "prefix_query_tokens",
+        "prefix_hit_tokens",
+        "num_evictions",
+        "num_loaded_blocks",
+        "num_offloaded_blocks",
+        "num_pending_load_blocks",
+        "num_pending_offload_blocks",
+    }
     assert set(st["host"]) == keys
     assert st["host"]["num_total_blocks"] == 10 and st["num_total_blocks"] == 14
     assert [r["host"]["num_total_blocks"] for r in st["ranks"]] == [5, 5]
@@ -253,7 +269,9 @@ def test_random_workload(policy, dp, seed):
     for _ in range(400):
         op = rng.random()
         if op < 0.3:
-            toks = rng.choice(prefixes)[: rng.randrange(1, 17)] + [rng.randrange(50) for _ in range(rng.randrange(0, 4))]
+            toks = rng.choice(prefixes)[: rng.randrange(1, 17)] + [
+                rng.randrange(50) for _ in range(rng.randrange(0, 4))
+            ]
             s = kvpool.Sequence(toks)
             before = pool.stats()
             can = pool.can_allocate(s)
@@ -300,7 +318,9 @@ def test_random_workload(policy, dp, seed):
     pool.check()
     st = pool.stats()
     assert st["host"]["num_pending_load_blocks"] == st["host"]["num_pending_offload_blocks"] == 0
-    assert st["host"]["num_loaded_blocks"] > 0 and st["host"]["num_offloaded_blocks"] > 0, "the workload exercised both directions"
+    assert st["host"]["num_loaded_blocks"] > 0 and st["host"]["num_offloaded_blocks"] > 0, (
+        "the workload exercised both directions"
+    )
     pool.reset_prefix_cache()
     st = pool.stats()
     assert st["num_free_blocks"] == st["num_total_blocks"]
@@ -330,7 +350,9 @@ def test_simulator_with_host_tier_and_data_plane():
     from kvpool.sim.execute import Executor
     from kvpool.sim.workloads import generate
 
-    reqs = generate("system_prompt", 12, seed=3, max_prompt_len=120, output_len=4, max_output_len=6, rate=0.5)
+    reqs = generate(
+        "system_prompt", 12, seed=3, max_prompt_len=120, output_len=4, max_output_len=6, rate=0.5
+    )
     cfg = SimConfig(num_blocks=24, block_size=16, host_num_blocks=32, check=True)
     ex = Executor(cfg, backend="numpy", check_every=1)
     sim = Simulator(cfg, reqs, executor=ex)
@@ -355,7 +377,7 @@ def test_bad_input_names_the_argument():
         kvpool.HierarchyBlockManagerPool(16, 8, BS, offload_policy="sometimes")
     with pytest.raises(TypeError, match="offload_policy"):
         kvpool.HierarchyBlockManagerPool(16, 8, BS, offload_policy=1)
-    # Issue 16: linear state composes with the host tier; a bad slot count is still named.
+    # Linear state composes with the host tier; a bad slot count is still named.
     with pytest.raises(ValueError, match="linear_state_slots"):
         kvpool.HierarchyBlockManagerPool(16, 8, BS, linear_state_slots=1)
     pool = kvpool.HierarchyBlockManagerPool(16, 8, BS)
@@ -401,7 +423,7 @@ def _gpu():
 @pytest.mark.skipif(_gpu() is None, reason="needs cupy and a GPU")
 def test_round_trip_on_gpu_with_pinned_host_memory():
     cp = _gpu()
-    from kvpool.transfer import CupyTransferExecutor
+    from kvpool.tiers.host_transfer import CupyTransferExecutor
 
     pool = kvpool.HierarchyBlockManagerPool(16, 16, 16)
     shape = (16, 16, 8, 128)

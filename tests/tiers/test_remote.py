@@ -1,4 +1,4 @@
-"""The shared remote KV tier and KV events on Redis Streams (issue 10), against a real
+"""The shared remote KV tier and KV events on Redis Streams, against a real
 redis-server on 127.0.0.1 started by the fixtures (never a mock; tests/tiers/redis_helpers.py).
 
 Covers: payload round trip through the tier (and bit-identical KV device -> host -> remote ->
@@ -25,18 +25,10 @@ from pathlib import Path
 import kvpool
 import numpy as np
 import pytest
-from kvpool.remote import (
-    PrefixIndex,
-    RedisEventPublisher,
-    RedisRemoteTier,
-    block_spec,
-    decode_payload,
-    encode_payload,
-    event_to_dict,
-    make_namespace,
-    read_events,
-)
-from kvpool.transfer import NumpyTransferExecutor
+from kvpool.index.streams import PrefixIndex, RedisEventPublisher, event_to_dict, read_events
+from kvpool.tiers.host_transfer import NumpyTransferExecutor
+from kvpool.tiers.payload import block_spec, decode_payload, encode_payload, make_namespace
+from kvpool.tiers.redis import RedisRemoteTier
 from redis_helpers import (  # noqa: F401  (the fixtures are used by name)
     RedisClusterServers,
     RedisServer,
@@ -47,8 +39,9 @@ from redis_helpers import (  # noqa: F401  (the fixtures are used by name)
 BS = 4
 LAYERS = 2
 SHAPE = (BS, 2, 8)  # block_size, kv heads, head dim
-NS = make_namespace("test-model", dtype="float16", num_kv_heads=2, head_dim=8, block_size=BS,
-                    num_layers=LAYERS)
+NS = make_namespace(
+    "test-model", dtype="float16", num_kv_heads=2, head_dim=8, block_size=BS, num_layers=LAYERS
+)
 
 
 @pytest.fixture
@@ -69,10 +62,18 @@ def kv_of(tokens: list[int], layer: int, kind: int) -> np.ndarray:
 class Engine:
     """A pool plus NumPy caches (K and V per layer) and an executor: a minimal serving instance."""
 
-    def __init__(self, tier, *, num_blocks=32, host_blocks=32, policy="write_through", budget_ms=200.0,
-                 **kw) -> None:
-        self.pool = kvpool.HierarchyBlockManagerPool(num_blocks, host_blocks, BS, remote=tier,
-                                                     remote_policy=policy, remote_budget_ms=budget_ms, **kw)
+    def __init__(
+        self, tier, *, num_blocks=32, host_blocks=32, policy="write_through", budget_ms=200.0, **kw
+    ) -> None:
+        self.pool = kvpool.HierarchyBlockManagerPool(
+            num_blocks,
+            host_blocks,
+            BS,
+            remote=tier,
+            remote_policy=policy,
+            remote_budget_ms=budget_ms,
+            **kw,
+        )
         self.dev = [np.zeros((num_blocks, *SHAPE), np.float16) for _ in range(2 * LAYERS)]
         self.host = [np.zeros((host_blocks, *SHAPE), np.float16) for _ in range(2 * LAYERS)]
         self.ex = NumpyTransferExecutor(self.dev, self.host)
@@ -83,7 +84,7 @@ class Engine:
         toks = list(seq.token_ids)
         for i in range(seq.num_computed_tokens // BS, len(seq) // BS):
             for a, arr in enumerate(self.dev):
-                arr[table[i]] = kv_of(toks[i * BS:(i + 1) * BS], a // 2, a % 2)
+                arr[table[i]] = kv_of(toks[i * BS : (i + 1) * BS], a // 2, a % 2)
         seq.num_computed_tokens = len(seq)
 
     def verify(self, seq) -> None:
@@ -92,7 +93,9 @@ class Engine:
         toks = list(seq.token_ids)
         for i in range(seq.num_cached_tokens // BS):
             for a, arr in enumerate(self.dev):
-                np.testing.assert_array_equal(arr[table[i]], kv_of(toks[i * BS:(i + 1) * BS], a // 2, a % 2))
+                np.testing.assert_array_equal(
+                    arr[table[i]], kv_of(toks[i * BS : (i + 1) * BS], a // 2, a % 2)
+                )
 
     def serve(self, tokens: list[int]) -> int:
         """One request: allocate (remote lookup), transfers, compute, release. Returns cached tokens."""
@@ -124,7 +127,9 @@ def prompt(seed: int, n_blocks: int, shared: int = 0) -> list[int]:
 # ------------------------------------------------------------------------------ the tier itself
 def test_payload_round_trip_through_redis(server):
     tier = RedisRemoteTier(server.url, NS)
-    arrays = [np.random.default_rng(i).standard_normal((3, *SHAPE)).astype(np.float16) for i in range(4)]
+    arrays = [
+        np.random.default_rng(i).standard_normal((3, *SHAPE)).astype(np.float16) for i in range(4)
+    ]
     spec = block_spec(arrays)
     keys = kvpool.hash_blocks(list(range(3 * BS)), BS)
     bodies = [b"".join(a[i].tobytes() for a in arrays) for i in range(3)]
@@ -135,7 +140,11 @@ def test_payload_round_trip_through_redis(server):
     for k, b, p in zip(keys, bodies, got, strict=True):
         assert bytes(decode_payload(k, spec, p, len(b))) == b
     st = tier.stats()
-    assert st["puts"] == 3 and st["get_hits"] == 3 and st["bytes_in"] == st["bytes_out"] > 3 * len(bodies[0])
+    assert (
+        st["puts"] == 3
+        and st["get_hits"] == 3
+        and st["bytes_in"] == st["bytes_out"] > 3 * len(bodies[0])
+    )
     assert tier.delete_many(keys) == 3
     assert tier.get_many(keys) == [None] * 3
     assert tier.exists_many([]) == [] and tier.get_many([]) == []
@@ -143,8 +152,9 @@ def test_payload_round_trip_through_redis(server):
 
 def test_namespace_isolation(server):
     a = RedisRemoteTier(server.url, NS)
-    other = make_namespace("test-model", dtype="bfloat16", num_kv_heads=2, head_dim=8, block_size=BS,
-                           num_layers=LAYERS)
+    other = make_namespace(
+        "test-model", dtype="bfloat16", num_kv_heads=2, head_dim=8, block_size=BS, num_layers=LAYERS
+    )
     assert other != NS
     b = RedisRemoteTier(server.url, other)
     keys = kvpool.hash_blocks(list(range(2 * BS)), BS)
@@ -298,7 +308,7 @@ _WRITER = textwrap.dedent("""
     import sys
     sys.path.insert(0, {tests!r})
     from test_remote import Engine, prompt
-    from kvpool.remote import RedisRemoteTier
+    from kvpool.tiers.redis import RedisRemoteTier
     e = Engine(RedisRemoteTier({url!r}, {ns!r}))
     for i in range(4):
         e.serve(prompt(40 + i, 5))
@@ -354,7 +364,7 @@ def test_event_stream_replays_into_the_index_the_pool_events_imply(server):
 
 
 def test_the_stream_carries_every_field_into_a_kv_index(server):
-    """Issue 21: the published events are self-describing (sequence, medium, group, ...), and
+    """The published events are self-describing (sequence, medium, group, ...), and
     read_events feeds a kvpool.KVIndex with them: device and host media, numbered per rank."""
     e = Engine(RedisRemoteTier(server.url, NS), num_blocks=12, enable_events=True)
     pub = RedisEventPublisher(server.url, "instance-a", stream="kv:fields", maxlen=10_000)
@@ -375,7 +385,7 @@ def test_the_stream_carries_every_field_into_a_kv_index(server):
 
 
 # ------------------------------------------------------------------------------ Redis Cluster
-# Issue 10: "works with a single Redis/Valkey server and with Redis Cluster". Keys are not
+# The remote tier works "with a single Redis/Valkey server and with Redis Cluster". Keys are not
 # hash-tagged, so one request's blocks spread over the slots of every node; the tier's multi-key
 # calls (pipelined EXISTS / SET / DEL, MGET) must be split per node by redis-py.
 def cluster_tier(cluster, namespace: str = NS, **kw) -> RedisRemoteTier:
@@ -385,10 +395,14 @@ def cluster_tier(cluster, namespace: str = NS, **kw) -> RedisRemoteTier:
 def test_cluster_payload_round_trip_over_several_slots(redis_cluster):
     tier = cluster_tier(redis_cluster)
     n = 24
-    arrays = [np.random.default_rng(i).standard_normal((n, *SHAPE)).astype(np.float16) for i in range(4)]
+    arrays = [
+        np.random.default_rng(i).standard_normal((n, *SHAPE)).astype(np.float16) for i in range(4)
+    ]
     spec = block_spec(arrays)
     keys = kvpool.hash_blocks(list(range(n * BS)), BS)
-    assert len(redis_cluster.slot_owners([tier.prefix + k for k in keys])) == 3, "keys on every node"
+    assert len(redis_cluster.slot_owners([tier.prefix + k for k in keys])) == 3, (
+        "keys on every node"
+    )
     bodies = [b"".join(a[i].tobytes() for a in arrays) for i in range(n)]
     assert tier.exists_many(keys) == [False] * n
     tier.put_many(keys, [encode_payload(k, spec, b) for k, b in zip(keys, bodies, strict=True)])
@@ -400,7 +414,11 @@ def test_cluster_payload_round_trip_over_several_slots(redis_cluster):
     for k, p in zip(mixed[:n], got[:n], strict=True):
         assert bytes(decode_payload(k, spec, p, len(bodies[0]))) == bodies[keys.index(k)]
     st = tier.stats()
-    assert st["puts"] == n and st["get_hits"] == n and st["bytes_in"] == st["bytes_out"] > n * len(bodies[0])
+    assert (
+        st["puts"] == n
+        and st["get_hits"] == n
+        and st["bytes_in"] == st["bytes_out"] > n * len(bodies[0])
+    )
     assert st["errors"] == st["timeouts"] == 0
     assert tier.delete_many(keys) == n
     assert tier.get_many(keys) == [None] * n and tier.exists_many(keys) == [False] * n
@@ -410,8 +428,15 @@ def test_cluster_payload_round_trip_over_several_slots(redis_cluster):
 
 def test_cluster_namespace_isolation(redis_cluster):
     a = cluster_tier(redis_cluster)
-    other = make_namespace("test-model", dtype="float16", num_kv_heads=2, head_dim=8, block_size=BS,
-                           num_layers=LAYERS, layout="tp2:rank1")
+    other = make_namespace(
+        "test-model",
+        dtype="float16",
+        num_kv_heads=2,
+        head_dim=8,
+        block_size=BS,
+        num_layers=LAYERS,
+        layout="tp2:rank1",
+    )
     b = cluster_tier(redis_cluster, other)
     keys = kvpool.hash_blocks(list(range(6 * BS)), BS)
     a.put_many(keys, [bytes([i]) * 40 for i in range(6)])
@@ -475,7 +500,7 @@ def test_cluster_pool_allocate_one_lookup_fetches_bit_identical_kv(redis_cluster
 
 
 def test_cluster_node_killed_mid_run_degrades_to_misses_and_leaks_nothing():
-    """Issue 10 "server killed mid-run", on a cluster: one of three masters dies (no replicas,
+    """A server killed mid-run, on a cluster: one of three masters dies (no replicas,
     so its slots are gone); requests keep being served, failures are counted misses, and no
     exception reaches the scheduler. Its own cluster: the module's one stays whole."""
     cluster = RedisClusterServers()
@@ -527,7 +552,11 @@ def test_bad_arguments_name_themselves(server):
     with pytest.raises(ValueError, match="^num_kv_heads"):
         make_namespace("m", dtype="float16", num_kv_heads=0, head_dim=8, block_size=4, num_layers=1)
     pool = kvpool.HierarchyBlockManagerPool(8, 8, BS, remote=tier)
-    assert pool.remote is tier and pool.remote_policy == "write_through" and pool.remote_budget_ms == 50.0
+    assert (
+        pool.remote is tier
+        and pool.remote_policy == "write_through"
+        and pool.remote_budget_ms == 50.0
+    )
     seq = kvpool.Sequence(list(range(3 * BS + 1)))
     # Nothing stored remotely: no fetch plans; a wrong-shaped report is refused.
     assert pool.allocate(seq) and pool.take_fetch_plans() == []

@@ -1,4 +1,4 @@
-"""The remote tier's lookup policy in Python (issue 16: out of the binding): one existence query
+"""The remote tier's lookup policy in Python (out of the binding): one existence query
 per admission, reusing the plan's walks; failures are counted misses; BaseExceptions propagate
 with the pool unchanged (F12); the remote options are validated by name (R29)."""
 
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import kvpool
 import pytest
-from kvpool.remote import RemoteTier
-from kvpool.tiers.remote import RemoteLookup, lookup_for
+from kvpool.tiers.base import RemoteTier
+from kvpool.tiers.lookup import RemoteLookup, lookup_for
 
 BS = 4
 
@@ -95,3 +95,38 @@ def test_a_pool_with_other_groups_never_asks_the_remote_tier():
     assert pool.take_fetch_plans() == [] and pool.stats()["remote"]["lookups"] == 0
     pool.deallocate(seq)
     pool.check()
+
+
+def test_the_remote_tier_is_composed_in_python_over_the_compiled_pool():
+    """kvpool.HierarchyBlockManagerPool is a Python subclass of the compiled pool, which takes no
+    remote option and imports nothing of the package: the lookup runs in Python, calling down."""
+    core = kvpool._core.HierarchyBlockManagerPool
+    assert issubclass(kvpool.HierarchyBlockManagerPool, core)
+    assert kvpool.HierarchyBlockManagerPool is not core
+    with pytest.raises(TypeError, match="remote"):
+        core(32, 32, BS, remote=MemoryTier())
+    plain = core(32, 32, BS)
+    assert not hasattr(plain, "remote") and "remote" not in plain.stats()
+    stats, counters = plain.stats_with_remote()
+    assert set(counters) == {
+        "hit_blocks",
+        "fetched_blocks",
+        "failed_fetch_blocks",
+        "pending_fetch_blocks",
+    }
+    assert stats["num_total_blocks"] == plain.stats()["num_total_blocks"]
+    tokens = list(range(21))
+    tier = MemoryTier(kvpool.hash_blocks(tokens, BS))
+    pool = kvpool.HierarchyBlockManagerPool(32, 32, BS, remote=tier, remote_budget_ms=20)
+    assert (pool.remote, pool.remote_policy, pool.remote_budget_ms) == (tier, "write_through", 20.0)
+    for name in ("remote", "remote_policy", "remote_budget_ms"):
+        with pytest.raises(AttributeError):
+            setattr(pool, name, None)
+    assert pool.allocate(kvpool.Sequence(tokens))
+    remote = pool.stats()["remote"]
+    assert (
+        remote["lookups"] == 1 and remote["hit_blocks"] == 5 and tier.stats()["exists_calls"] == 1
+    )
+    # without a remote tier the Python class adds nothing to the stats
+    local = kvpool.HierarchyBlockManagerPool(32, 32, BS)
+    assert local.remote is None and "remote" not in local.stats()

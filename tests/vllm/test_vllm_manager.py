@@ -1,4 +1,4 @@
-"""kvpool.integrations.vllm.KVCacheManager against vLLM 0.33.0's own (issue 19, part a).
+"""kvpool.integrations.vllm.KVCacheManager against vLLM 0.33.0's own.
 
 Skipped unless vLLM 0.33.0 is installed (``make test-vllm``). ``vllm_harness.drive`` makes the
 sync Scheduler's exact calls on many requests at once (admission, chunked prefill, decode with
@@ -52,12 +52,17 @@ def _cut(*steps):
 
 
 def _admissions_before(log, cut):
-    return {rid: [a for a in adm if cut is None or a[0] < cut] for rid, adm in log.admissions.items()}
+    return {
+        rid: [a for a in adm if cut is None or a[0] < cut] for rid, adm in log.admissions.items()
+    }
 
 
 def _differing(a, b):
-    return sorted(rid for rid in set(a.admissions) | set(b.admissions)
-                  if a.admissions.get(rid) != b.admissions.get(rid))
+    return sorted(
+        rid
+        for rid in set(a.admissions) | set(b.admissions)
+        if a.admissions.get(rid) != b.admissions.get(rid)
+    )
 
 
 def _drive_three(trace, num_blocks, hasher, **kw):
@@ -65,8 +70,9 @@ def _drive_three(trace, num_blocks, hasher, **kw):
     for kind in ("kvpool", "vllm-r17", "vllm"):
         manager = h.make_manager(kind, num_blocks, BS, events=True)
         check = (lambda m: m.check()) if kind == "kvpool" else None
-        logs[kind] = h.drive(manager, trace, hasher=None if kind == "kvpool" else hasher,
-                             check=check, **kw)
+        logs[kind] = h.drive(
+            manager, trace, hasher=None if kind == "kvpool" else hasher, check=check, **kw
+        )
         # R12: with nothing running the reset succeeds, and a later lookup hits nothing
         assert manager.reset_prefix_cache()
         if kind == "kvpool":
@@ -76,13 +82,17 @@ def _drive_three(trace, num_blocks, hasher, **kw):
 
 def _report(name, logs):
     k, r, v = logs["kvpool"], logs["vllm-r17"], logs["vllm"]
-    print(f"\n{name}: hit tokens kvpool {k.hit_tokens}, vllm-r17 {r.hit_tokens}, vllm {v.hit_tokens}; "
-          f"steps {len(k.steps)}/{len(r.steps)}/{len(v.steps)}; preemptions "
-          f"{k.preemptions}/{r.preemptions}/{v.preemptions}")
-    print(f"  by design: same-step shares (vllm) {v.same_step_shares}; hits stopped at an "
-          f"unpublished duplicate chain (kvpool, R9) {k.missed_running}; first eviction step "
-          f"kvpool {k.first_eviction_step}, vllm-r17 {r.first_eviction_step}; requests admitted "
-          f"differently: kvpool vs vllm-r17 {len(_differing(k, r))}, kvpool vs vllm {len(_differing(k, v))}")
+    print(
+        f"\n{name}: hit tokens kvpool {k.hit_tokens}, vllm-r17 {r.hit_tokens}, vllm {v.hit_tokens}; "
+        f"steps {len(k.steps)}/{len(r.steps)}/{len(v.steps)}; preemptions "
+        f"{k.preemptions}/{r.preemptions}/{v.preemptions}"
+    )
+    print(
+        f"  by design: same-step shares (vllm) {v.same_step_shares}; hits stopped at an "
+        f"unpublished duplicate chain (kvpool, R9) {k.missed_running}; first eviction step "
+        f"kvpool {k.first_eviction_step}, vllm-r17 {r.first_eviction_step}; requests admitted "
+        f"differently: kvpool vs vllm-r17 {len(_differing(k, r))}, kvpool vs vllm {len(_differing(k, v))}"
+    )
 
 
 @pytest.mark.parametrize("seed,lookahead", [(0, 0), (1, 2), (3, 0)])
@@ -99,7 +109,11 @@ def test_differential_no_pressure(seed, lookahead, hasher):
     assert k.steps[:cut] == r.steps[:cut]
     assert _admissions_before(k, cut) == _admissions_before(r, cut)
     if cut is None:
-        assert (k.hit_tokens, k.stats_hits, k.stats_queries) == (r.hit_tokens, r.stats_hits, r.stats_queries)
+        assert (k.hit_tokens, k.stats_hits, k.stats_queries) == (
+            r.hit_tokens,
+            r.stats_hits,
+            r.stats_queries,
+        )
     # vLLM's own == vLLM publishing after compute, up to the first same-step share
     cut_v = v.first_share_step
     assert v.steps[:cut_v] == r.steps[:cut_v]
@@ -160,7 +174,9 @@ def test_prefix_cache_stats_and_events_are_vllms_types(hasher):
     import msgspec  # vLLM's publisher encodes batches this way
 
     batch = KVEventBatch(ts=0.0, events=seen[:5])
-    assert msgspec.msgpack.decode(msgspec.msgpack.Encoder().encode(batch), type=KVEventBatch) == batch
+    assert (
+        msgspec.msgpack.decode(msgspec.msgpack.Encoder().encode(batch), type=KVEventBatch) == batch
+    )
 
 
 def test_cache_salt_and_lora_root_the_chain():
@@ -203,7 +219,10 @@ def test_get_computed_blocks_is_pure_and_allocation_all_or_nothing():
         blocks, hit, boundary = manager.get_computed_blocks(big)
         assert (hit, boundary) == (0, 0)
         assert manager.allocate_slots(big, 64, hit, blocks, full_sequence_must_fit=True) is None
-    assert manager.pool.stats() == before and manager.get_blocks("big").get_block_ids(allow_none=True) is None
+    assert (
+        manager.pool.stats() == before
+        and manager.get_blocks("big").get_block_ids(allow_none=True) is None
+    )
     # without the whole-sequence gate the first chunk fits (4 blocks), then growth fails cleanly
     new = manager.allocate_slots(big, 64, hit, blocks)
     assert new is not None and len(new.get_block_ids()[0]) == 4 and 0 not in new.get_block_ids()[0]
@@ -230,18 +249,26 @@ def test_bad_input_and_unsupported_configs():
         manager.allocate_slots(r, 8, num_external_computed_tokens=16)
     assert manager.pool.stats()["num_used_blocks"] == 0
     full = h.kv_cache_config(32, BS)
-    sliding = SlidingWindowSpec(block_size=BS, num_kv_heads=2, head_size=64, dtype=torch.bfloat16,
-                                sliding_window=128)
+    sliding = SlidingWindowSpec(
+        block_size=BS, num_kv_heads=2, head_size=64, dtype=torch.bfloat16, sliding_window=128
+    )
     kwargs = dict(max_model_len=1024, scheduler_block_size=BS, hash_block_size=BS)
-    hybrid = KVCacheConfig(num_blocks=32, kv_cache_tensors=[], kv_cache_groups=[
-        full.kv_cache_groups[0], KVCacheGroupSpec(["model.layers.1.self_attn.attn"], sliding)])
+    hybrid = KVCacheConfig(
+        num_blocks=32,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            full.kv_cache_groups[0],
+            KVCacheGroupSpec(["model.layers.1.self_attn.attn"], sliding),
+        ],
+    )
     with pytest.raises(NotImplementedError, match="SlidingWindowSpec KV cache group \\(group 1\\)"):
         kv_vllm.KVCacheManager(kv_cache_config=hybrid, **kwargs)
     with pytest.raises(NotImplementedError, match="use_eagle"):
         kv_vllm.KVCacheManager(kv_cache_config=full, use_eagle=True, **kwargs)
     with pytest.raises(ValueError, match="hash_block_size"):
-        kv_vllm.KVCacheManager(kv_cache_config=full, max_model_len=1024, scheduler_block_size=BS,
-                               hash_block_size=8)
+        kv_vllm.KVCacheManager(
+            kv_cache_config=full, max_model_len=1024, scheduler_block_size=BS, hash_block_size=8
+        )
 
 
 def test_import_names_the_found_and_required_versions(monkeypatch):
@@ -264,14 +291,18 @@ def _scenario(kind, hasher):
 
     manager = h.make_manager(kind, 64, BS)
     sp = SamplingParams(max_tokens=4)
-    prefix, a, b, c, d = (list(range(s, s + n)) for s, n in
-                          ((1000, 64), (2000, 16), (3000, 16), (4000, 16), (5000, 16)))
+    prefix, a, b, c, d = (
+        list(range(s, s + n))
+        for s, n in ((1000, 64), (2000, 16), (3000, 16), (4000, 16), (5000, 16))
+    )
     hashing = None if kind == "kvpool" else hasher
 
     def admit(rid, tokens):
         r = Request(rid, tokens, sp, None, block_hasher=hashing)
         blocks, hit, _ = manager.get_computed_blocks(r)
-        assert manager.allocate_slots(r, r.num_tokens - hit, hit, blocks, full_sequence_must_fit=True)
+        assert manager.allocate_slots(
+            r, r.num_tokens - hit, hit, blocks, full_sequence_must_fit=True
+        )
         r.status, r.num_computed_tokens = RequestStatus.RUNNING, hit
         return r, hit
 

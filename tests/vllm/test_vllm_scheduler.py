@@ -1,4 +1,4 @@
-"""vLLM 0.33.0's real Scheduler and AsyncScheduler on kvpool's manager, on CPU (issue 19, part b).
+"""vLLM 0.33.0's real Scheduler and AsyncScheduler on kvpool's manager, on CPU.
 
 Skipped unless vLLM 0.33.0 is installed (``make test-vllm``). The Scheduler is built from a
 written config.json (no hub, no weights) and fed fake ``ModelRunnerOutput``s
@@ -38,10 +38,15 @@ def _three(trace, hasher, num_blocks, **kw):
     for kind in ("kvpool", "vllm-r17", "vllm"):
         scheduler, config = h.build_scheduler(kind, num_blocks, **kw)
         managers[kind] = type(scheduler.kv_cache_manager).__module__
-        runs[kind] = h.run_scheduler(scheduler, config, trace, arrival_scale=scale,
-                                     hasher=None if kind == "kvpool" else hasher)
+        runs[kind] = h.run_scheduler(
+            scheduler,
+            config,
+            trace,
+            arrival_scale=scale,
+            hasher=None if kind == "kvpool" else hasher,
+        )
         assert runs[kind].finished == len(trace)
-    assert managers["kvpool"] == "kvpool.integrations.vllm"
+    assert managers["kvpool"] == "kvpool.integrations._vllm_manager"
     return runs
 
 
@@ -56,12 +61,16 @@ def _report(name, runs):
     k, r, v = runs["kvpool"], runs["vllm-r17"], runs["vllm"]
 
     def differing(a, b):
-        return sum(x != y for x, y in zip(a.records, b.records, strict=False)) + abs(len(a.records) - len(b.records))
+        return sum(x != y for x, y in zip(a.records, b.records, strict=False)) + abs(
+            len(a.records) - len(b.records)
+        )
 
-    print(f"\n{name}: steps {len(k.records)}/{len(r.records)}/{len(v.records)} (kvpool/vllm-r17/vllm); "
-          f"prefix hits {k.hits}/{r.hits}/{v.hits} of {k.queries}; preemptions "
-          f"{k.preemptions}/{r.preemptions}/{v.preemptions}; steps scheduled differently: "
-          f"kvpool vs vllm-r17 {differing(k, r)}, kvpool vs vllm {differing(k, v)}")
+    print(
+        f"\n{name}: steps {len(k.records)}/{len(r.records)}/{len(v.records)} (kvpool/vllm-r17/vllm); "
+        f"prefix hits {k.hits}/{r.hits}/{v.hits} of {k.queries}; preemptions "
+        f"{k.preemptions}/{r.preemptions}/{v.preemptions}; steps scheduled differently: "
+        f"kvpool vs vllm-r17 {differing(k, r)}, kvpool vs vllm {differing(k, v)}"
+    )
 
 
 def _assert_same_or_hit_first(a, b):
@@ -76,7 +85,8 @@ def _assert_same_or_hit_first(a, b):
     hits_b = {rid: computed for rid, computed, _ in new_b}
     common = hits_a.keys() & hits_b.keys()
     assert any(hits_a[rid] != hits_b[rid] for rid in common), (
-        f"step {step}: the schedules part without a hit difference: {diff}")
+        f"step {step}: the schedules part without a hit difference: {diff}"
+    )
 
 
 def test_scheduler_light_load_identical(hasher):
@@ -148,14 +158,20 @@ def test_kvpool_scheduler_spares_the_engine_core_vllms_unused_hashing(hasher):
         def __init__(self, kind):
             self.scheduler, self.config = h.build_scheduler(kind, 1024)
             self.request_block_hasher = engine_core.get_request_block_hasher(
-                16, get_hash_fn_by_name("sha256"), 0)
+                16, get_hash_fn_by_name("sha256"), 0
+            )
 
     prompt = list(range(100, 164))  # 4 full blocks
     params = SamplingParams(max_tokens=4)
     ours, theirs = EngineCore("kvpool"), EngineCore("vllm")  # kvpool's first: the switch is on
     assert engine_core.get_request_block_hasher is kv_vllm._request_block_hasher
-    assert Request("a", prompt, params, None, block_hasher=ours.request_block_hasher).block_hashes == []
-    theirs_hashes = Request("b", prompt, params, None, block_hasher=theirs.request_block_hasher).block_hashes
+    assert (
+        Request("a", prompt, params, None, block_hasher=ours.request_block_hasher).block_hashes
+        == []
+    )
+    theirs_hashes = Request(
+        "b", prompt, params, None, block_hasher=theirs.request_block_hasher
+    ).block_hashes
     assert theirs_hashes == Request("c", prompt, params, None, block_hasher=hasher).block_hashes
     assert len(theirs_hashes) == 4
     # not called from an engine core: vLLM's own factory
@@ -163,6 +179,7 @@ def test_kvpool_scheduler_spares_the_engine_core_vllms_unused_hashing(hasher):
     assert len(Request("d", prompt, params, None, block_hasher=plain).block_hashes) == 4
     # kvpool's Scheduler still schedules and hits with requests that carry no vLLM hashes
     trace = h.chat_trace(12, seed=3)
-    run = h.run_scheduler(ours.scheduler, ours.config, trace, arrival_scale=0.5,
-                          hasher=ours.request_block_hasher)
+    run = h.run_scheduler(
+        ours.scheduler, ours.config, trace, arrival_scale=0.5, hasher=ours.request_block_hasher
+    )
     assert run.finished == len(trace) and run.hits > 0

@@ -64,13 +64,23 @@ class Item:
     output: list[int]
 
 
-def chat_trace(num_requests: int, seed: int = 0, *, num_system_prompts: int = 4,
-               system_prompt_len: int = 700, user_mean: float = 90.0, output_len: int = 12,
-               max_turns: int = 6, max_prompt_len: int = 3000) -> list[Item]:
+def chat_trace(
+    num_requests: int,
+    seed: int = 0,
+    *,
+    num_system_prompts: int = 4,
+    system_prompt_len: int = 700,
+    user_mean: float = 90.0,
+    output_len: int = 12,
+    max_turns: int = 6,
+    max_prompt_len: int = 3000,
+) -> list[Item]:
     """Sessions on a few shared system prompts; each turn's prompt is the whole history plus a
     new user message; answers are fixed tokens (the fake model samples exactly them)."""
     rng = np.random.default_rng(seed)
-    systems = [rng.integers(3, VOCAB, system_prompt_len).tolist() for _ in range(num_system_prompts)]
+    systems = [
+        rng.integers(3, VOCAB, system_prompt_len).tolist() for _ in range(num_system_prompts)
+    ]
     items: list[Item] = []
     t_session = 0.0
     while len(items) < num_requests:
@@ -94,10 +104,13 @@ def chat_trace(num_requests: int, seed: int = 0, *, num_system_prompts: int = 4,
 
 # -------------------------------------------------------------------------------- managers
 def kv_cache_config(num_blocks: int, block_size: int = 16, num_layers: int = 2) -> KVCacheConfig:
-    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+    spec = FullAttentionSpec(
+        block_size=block_size, num_kv_heads=2, head_size=64, dtype=torch.bfloat16
+    )
     layers = [f"model.layers.{i}.self_attn.attn" for i in range(num_layers)]
-    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
-                         kv_cache_groups=[KVCacheGroupSpec(layers, spec)])
+    return KVCacheConfig(
+        num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(layers, spec)]
+    )
 
 
 class PublishAfterCompute(VllmKVCacheManager):
@@ -130,17 +143,36 @@ class PublishAfterCompute(VllmKVCacheManager):
 MANAGERS = {"vllm": VllmKVCacheManager, "vllm-r17": PublishAfterCompute}
 
 
-def make_manager(kind: str, num_blocks: int, block_size: int = 16, *, max_model_len: int = 8192,
-                 events: bool = False, caching: bool = True):
+def make_manager(
+    kind: str,
+    num_blocks: int,
+    block_size: int = 16,
+    *,
+    max_model_len: int = 8192,
+    events: bool = False,
+    caching: bool = True,
+):
     """``kind`` "vllm" (vLLM's own), "vllm-r17" (``PublishAfterCompute``) or "kvpool", built
     with the Scheduler's keyword arguments."""
     cls = MANAGERS.get(kind, kv_vllm.KVCacheManager)
-    return cls(kv_cache_config=kv_cache_config(num_blocks, block_size), max_model_len=max_model_len,
-               max_in_flight_tokens=2048, enable_caching=caching, use_eagle=False,
-               num_hash_lookahead_tokens=0, num_prefill_lookahead=0, log_stats=True,
-               enable_kv_cache_events=events, dcp_world_size=1, pcp_world_size=1,
-               scheduler_block_size=block_size, hash_block_size=block_size, metrics_collector=None,
-               watermark=0.0, enable_mamba_shared_prefix_checkpoint=False)
+    return cls(
+        kv_cache_config=kv_cache_config(num_blocks, block_size),
+        max_model_len=max_model_len,
+        max_in_flight_tokens=2048,
+        enable_caching=caching,
+        use_eagle=False,
+        num_hash_lookahead_tokens=0,
+        num_prefill_lookahead=0,
+        log_stats=True,
+        enable_kv_cache_events=events,
+        dcp_world_size=1,
+        pcp_world_size=1,
+        scheduler_block_size=block_size,
+        hash_block_size=block_size,
+        metrics_collector=None,
+        watermark=0.0,
+        enable_mamba_shared_prefix_checkpoint=False,
+    )
 
 
 def block_hasher(block_size: int, algo: str = "sha256"):
@@ -156,7 +188,9 @@ class Log:
     """What a drive decided, step by step, and its totals."""
 
     steps: list[tuple] = field(default_factory=list)  # one tuple per step: what was scheduled
-    admissions: dict[int, list[tuple[int, int]]] = field(default_factory=dict)  # rid -> [(step, hit)]
+    admissions: dict[int, list[tuple[int, int]]] = field(
+        default_factory=dict
+    )  # rid -> [(step, hit)]
     same_step_shares: int = 0  # admissions whose hit includes blocks scheduled, not computed
     first_share_step: int | None = None
     missed_running: int = 0  # hits stopping at a block a running request computed, unpublished
@@ -170,9 +204,18 @@ class Log:
     resets: list[bool] = field(default_factory=list)
 
 
-def drive(manager, trace: list[Item], *, budget: int = 512, max_seqs: int = 16,
-          lookahead: int = 0, arrival_scale: float = 1.0, hasher=None,
-          reset_at: tuple[int, ...] = (), check=None) -> Log:
+def drive(
+    manager,
+    trace: list[Item],
+    *,
+    budget: int = 512,
+    max_seqs: int = 16,
+    lookahead: int = 0,
+    arrival_scale: float = 1.0,
+    hasher=None,
+    reset_at: tuple[int, ...] = (),
+    check=None,
+) -> Log:
     """Run ``trace`` through ``manager`` with the sync Scheduler's calls (module doc).
 
     ``hasher``: vLLM's block hasher (vLLM's manager reads ``request.block_hashes``; kvpool's
@@ -194,12 +237,16 @@ def drive(manager, trace: list[Item], *, budget: int = 512, max_seqs: int = 16,
 
     def release(r: Request) -> None:
         manager.free(r)
+
     while pending or waiting or running:
         while pending and pending[0].arrival * arrival_scale <= step:
             it = pending.popleft()
             sp = params.get(len(it.output)) or params.setdefault(
-                len(it.output), SamplingParams(max_tokens=len(it.output), ignore_eos=True))
-            r = Request(str(it.rid), it.prompt, sp, None, arrival_time=float(step), block_hasher=hasher)
+                len(it.output), SamplingParams(max_tokens=len(it.output), ignore_eos=True)
+            )
+            r = Request(
+                str(it.rid), it.prompt, sp, None, arrival_time=float(step), block_hasher=hasher
+            )
             reqs[r.request_id] = r
             chains[r.request_id] = kvpool.hash_blocks(it.prompt + it.output, bs)
             waiting.append(r)
@@ -245,11 +292,19 @@ def drive(manager, trace: list[Item], *, budget: int = 512, max_seqs: int = 16,
             blocks, hit, _ = manager.get_computed_blocks(r)
             n = min(r.num_tokens - hit, token_budget)
             new = manager.allocate_slots(
-                r, n, num_new_computed_tokens=hit, new_computed_blocks=blocks,
-                num_lookahead_tokens=lookahead, num_external_computed_tokens=0,
-                delay_cache_blocks=False, skip_zeroing_group_ids=(),
-                num_encoder_tokens=0, full_sequence_must_fit=True, reserved_blocks=0,
-                has_scheduled_reqs=bool(running))
+                r,
+                n,
+                num_new_computed_tokens=hit,
+                new_computed_blocks=blocks,
+                num_lookahead_tokens=lookahead,
+                num_external_computed_tokens=0,
+                delay_cache_blocks=False,
+                skip_zeroing_group_ids=(),
+                num_encoder_tokens=0,
+                full_sequence_must_fit=True,
+                reserved_blocks=0,
+                has_scheduled_reqs=bool(running),
+            )
             if new is None:
                 break
             waiting.popleft()
@@ -261,14 +316,21 @@ def drive(manager, trace: list[Item], *, budget: int = 512, max_seqs: int = 16,
                 if chain[j] in in_flight:  # ... or is being computed this step (vLLM only)
                     shared = True
                 else:
-                    assert kv_store.get(table[j]) == chain[j], f"request {r.request_id}: hit block {j} holds other KV"
+                    assert kv_store.get(table[j]) == chain[j], (
+                        f"request {r.request_id}: hit block {j} holds other KV"
+                    )
             log.same_step_shares += shared
             if shared and log.first_share_step is None:
                 log.first_share_step = step
             j = hit // bs  # the first block missed: computed by a running request, unpublished?
-            if j < len(chain) and (j + 1) * bs < r.num_tokens and any(
+            if (
+                j < len(chain)
+                and (j + 1) * bs < r.num_tokens
+                and any(
                     q.num_computed_tokens >= (j + 1) * bs and chains[q.request_id][j] == chain[j]
-                    for q in running):
+                    for q in running
+                )
+            ):
                 log.missed_running += 1
                 if log.first_missed_step is None:
                     log.first_missed_step = step
@@ -290,7 +352,9 @@ def drive(manager, trace: list[Item], *, budget: int = 512, max_seqs: int = 16,
         for rid, n in scheduled.items():
             r = reqs[rid]
             table = tables[rid]
-            assert table == manager.get_block_ids(rid)[0], f"request {rid}: table changed under the worker"
+            assert table == manager.get_block_ids(rid)[0], (
+                f"request {rid}: table changed under the worker"
+            )
             for j in range(r.num_computed_tokens // bs, (r.num_computed_tokens + n) // bs):
                 kv_store[table[j]] = chains[rid][j]  # the fake KV of a block once it is full
             r.num_computed_tokens += n
@@ -317,17 +381,29 @@ def drive(manager, trace: list[Item], *, budget: int = 512, max_seqs: int = 16,
         if check is not None:
             check(manager)
         step += 1
-    assert manager.block_pool.get_num_free_blocks() == manager.kv_cache_config.num_blocks - 1, "blocks leaked"
+    assert manager.block_pool.get_num_free_blocks() == manager.kv_cache_config.num_blocks - 1, (
+        "blocks leaked"
+    )
     return log
 
 
 # ------------------------------------------------------------------- the real Scheduler
 LLAMA_CONFIG = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 128,
-    "intermediate_size": 256, "num_attention_heads": 2, "num_key_value_heads": 2,
-    "num_hidden_layers": 2, "max_position_embeddings": 16384, "vocab_size": VOCAB,
-    "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "torch_dtype": "bfloat16", "bos_token_id": 1,
-    "eos_token_id": 2, "tie_word_embeddings": False,
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+    "num_hidden_layers": 2,
+    "max_position_embeddings": 16384,
+    "vocab_size": VOCAB,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "torch_dtype": "bfloat16",
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "tie_word_embeddings": False,
 }
 _MODEL_DIR: list[str] = []
 
@@ -342,9 +418,18 @@ def model_dir() -> str:
     return _MODEL_DIR[0]
 
 
-def build_scheduler(manager: str, num_blocks: int, *, block_size: int = 16, budget: int = 512,
-                    max_seqs: int = 32, max_model_len: int = 8192, async_: bool = False,
-                    events: bool = False, hash_algo: str = "sha256"):
+def build_scheduler(
+    manager: str,
+    num_blocks: int,
+    *,
+    block_size: int = 16,
+    budget: int = 512,
+    max_seqs: int = 32,
+    max_model_len: int = 8192,
+    async_: bool = False,
+    events: bool = False,
+    hash_algo: str = "sha256",
+):
     """vLLM's real Scheduler (or AsyncScheduler); ``manager`` "vllm" or "kvpool" (kvpool's
     installed through ``scheduler_cls``, the route ``--scheduler-cls`` takes)."""
     from vllm.config import CacheConfig, KVEventsConfig, ModelConfig, SchedulerConfig, VllmConfig
@@ -353,17 +438,25 @@ def build_scheduler(manager: str, num_blocks: int, *, block_size: int = 16, budg
     from vllm.v1.structured_output import StructuredOutputManager
 
     model = ModelConfig(model=model_dir(), skip_tokenizer_init=True, max_model_len=max_model_len)
-    cache = CacheConfig(block_size=block_size, enable_prefix_caching=True,
-                        prefix_caching_hash_algo=hash_algo)
-    sched = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs,
-                            max_model_len=max_model_len, is_encoder_decoder=False)
+    cache = CacheConfig(
+        block_size=block_size, enable_prefix_caching=True, prefix_caching_hash_algo=hash_algo
+    )
+    sched = SchedulerConfig(
+        max_num_batched_tokens=budget,
+        max_num_seqs=max_seqs,
+        max_model_len=max_model_len,
+        is_encoder_decoder=False,
+    )
     kv_events = KVEventsConfig(enable_kv_cache_events=True, publisher="null") if events else None
-    config = VllmConfig(model_config=model, cache_config=cache, scheduler_config=sched,
-                        kv_events_config=kv_events)
+    config = VllmConfig(
+        model_config=model, cache_config=cache, scheduler_config=sched, kv_events_config=kv_events
+    )
     config.cache_config.num_gpu_blocks = num_blocks
     config.scheduler_config.async_scheduling = async_
     if manager == "kvpool":
-        config.scheduler_config.scheduler_cls = kv_vllm.AsyncScheduler if async_ else kv_vllm.Scheduler
+        config.scheduler_config.scheduler_cls = (
+            kv_vllm.AsyncScheduler if async_ else kv_vllm.Scheduler
+        )
         cls = config.scheduler_config.get_scheduler_cls()
     else:
         cls = AsyncScheduler if async_ else Scheduler
@@ -371,10 +464,15 @@ def build_scheduler(manager: str, num_blocks: int, *, block_size: int = 16, budg
     if manager == "vllm-r17":
         sched_module.KVCacheManager = PublishAfterCompute
     try:
-        scheduler = cls(vllm_config=config, kv_cache_config=kv_cache_config(num_blocks, block_size),
-                        structured_output_manager=StructuredOutputManager(config),
-                        block_size=block_size, hash_block_size=block_size,
-                        include_finished_set=False, log_stats=True)
+        scheduler = cls(
+            vllm_config=config,
+            kv_cache_config=kv_cache_config(num_blocks, block_size),
+            structured_output_manager=StructuredOutputManager(config),
+            block_size=block_size,
+            hash_block_size=block_size,
+            include_finished_set=False,
+            log_stats=True,
+        )
     finally:
         sched_module.KVCacheManager = saved
     return scheduler, config
@@ -394,8 +492,15 @@ class Run:
     hash_ns: int = 0
 
 
-def run_scheduler(scheduler, config, trace: list[Item], *, arrival_scale: float = 1.0,
-                  hasher=None, timed: bool = False) -> Run:
+def run_scheduler(
+    scheduler,
+    config,
+    trace: list[Item],
+    *,
+    arrival_scale: float = 1.0,
+    hasher=None,
+    timed: bool = False,
+) -> Run:
     """Feed ``trace`` to the Scheduler as EngineCore does (``step`` for sync,
     ``step_with_batch_queue`` for async: a queue of ``max_concurrent_batches``), with a fake
     model that samples the trace's answers; ends with ``reset_prefix_cache()`` (must succeed)."""
@@ -415,9 +520,12 @@ def run_scheduler(scheduler, config, trace: list[Item], *, arrival_scale: float 
         while pending and pending[0].arrival * arrival_scale <= step:
             it = pending.popleft()
             sp = params.get(len(it.output)) or params.setdefault(
-                len(it.output), SamplingParams(max_tokens=len(it.output), ignore_eos=True))
+                len(it.output), SamplingParams(max_tokens=len(it.output), ignore_eos=True)
+            )
             t0 = clock()
-            r = Request(str(it.rid), it.prompt, sp, None, arrival_time=float(step), block_hasher=hasher)
+            r = Request(
+                str(it.rid), it.prompt, sp, None, arrival_time=float(step), block_hasher=hasher
+            )
             run.hash_ns += clock() - t0
             scheduler.add_request(r)
         if not scheduler.has_requests() and not queue:
@@ -437,22 +545,40 @@ def run_scheduler(scheduler, config, trace: list[Item], *, arrival_scale: float 
                 i = sampled[rid]
                 sampled[rid] += 1
                 tokens.append([answers[rid][i] if i < len(answers[rid]) else 0])
-            mro = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
-                                    sampled_token_ids=tokens)
+            mro = ModelRunnerOutput(
+                req_ids=ids,
+                req_id_to_index={r: i for i, r in enumerate(ids)},
+                sampled_token_ids=tokens,
+            )
             cached = so.scheduled_cached_reqs
-            run.records.append((  # block counts, not ids: which free block comes is the allocator's
-                step,
-                tuple((r.req_id, r.num_computed_tokens, len(r.block_ids[0])) for r in so.scheduled_new_reqs),
-                tuple(zip(cached.req_ids, cached.num_computed_tokens,
-                          [0 if b is None else len(b[0]) for b in cached.new_block_ids], strict=True)),
-                tuple(so.num_scheduled_tokens.items()),
-                tuple(sorted(so.preempted_req_ids or ())),
-            ))
+            run.records.append(
+                (  # block counts, not ids: which free block comes is the allocator's
+                    step,
+                    tuple(
+                        (r.req_id, r.num_computed_tokens, len(r.block_ids[0]))
+                        for r in so.scheduled_new_reqs
+                    ),
+                    tuple(
+                        zip(
+                            cached.req_ids,
+                            cached.num_computed_tokens,
+                            [0 if b is None else len(b[0]) for b in cached.new_block_ids],
+                            strict=True,
+                        )
+                    ),
+                    tuple(so.num_scheduled_tokens.items()),
+                    tuple(sorted(so.preempted_req_ids or ())),
+                )
+            )
             run.preemptions += len(so.preempted_req_ids or ())
             idle = 0 if so.total_num_scheduled_tokens else idle + 1
-            assert idle < 1000, "no progress in 1,000 steps: a request that can never fit the KV cache?"
+            assert idle < 1000, (
+                "no progress in 1,000 steps: a request that can never fit the KV cache?"
+            )
             queue.appendleft((so, mro))
-            if len(queue) < queue_size and (so.total_num_scheduled_tokens > 0 or scheduler.has_requests()):
+            if len(queue) < queue_size and (
+                so.total_num_scheduled_tokens > 0 or scheduler.has_requests()
+            ):
                 step += 1
                 continue
         if queue:
@@ -468,6 +594,8 @@ def run_scheduler(scheduler, config, trace: list[Item], *, arrival_scale: float 
                     run.queries += eco.scheduler_stats.prefix_cache_stats.queries
         step += 1
     manager = scheduler.kv_cache_manager
-    assert manager.block_pool.get_num_free_blocks() == manager.kv_cache_config.num_blocks - 1, "blocks leaked"
+    assert manager.block_pool.get_num_free_blocks() == manager.kv_cache_config.num_blocks - 1, (
+        "blocks leaked"
+    )
     assert scheduler.reset_prefix_cache(), "reset_prefix_cache failed with nothing running"
     return run

@@ -78,7 +78,8 @@ class _Hit(KVCacheBlocks):
     def blocks(self) -> tuple[list[KVCacheBlock], ...]:  # type: ignore[override]
         raise NotImplementedError(
             "kvpool picks the prefix hit's blocks in allocate_slots: read them with "
-            "get_blocks(request_id) afterwards")
+            "get_blocks(request_id) afterwards"
+        )
 
     def get_block_ids(self, allow_none: bool = False, *, group_ids: Sequence[int] | None = None):  # type: ignore[override]
         return self.blocks
@@ -111,7 +112,7 @@ class _GroupView:
 
 
 class _CoordinatorView:
-    """What the Scheduler (and ``EngineCore.get_kv_cache_group_metadata``) read of the coordinator."""
+    """The coordinator as the Scheduler and ``EngineCore.get_kv_cache_group_metadata`` read it."""
 
     def __init__(self, groups: tuple[_GroupView, ...]) -> None:
         self.single_type_managers = groups

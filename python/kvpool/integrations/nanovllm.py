@@ -156,7 +156,7 @@ class BlockManager:
             raise kvpool.OutOfBlocksError(
                 f"seq: no free block for sequence {seq.seq_id} (call can_append first)"
             )
-        seq.block_table.append(twin.last_block_id - 1)
+        seq.block_table.append(twin.last_block_id - 1)  # type: ignore[operator]  # may_append gave it one
 
     def hash_blocks(self, seq) -> None:
         """Publishes the blocks the step just filled (before ``num_cached_tokens`` advances)."""

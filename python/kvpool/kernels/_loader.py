@@ -19,6 +19,7 @@ import subprocess
 import tempfile
 import threading
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -28,10 +29,26 @@ FAMILIES = ("cache_ops", "decode_attention", "prefill_attention")
 
 # Options shared by the cupy backend and the NVRTC compile check.
 NVRTC_OPTIONS = ("-std=c++17", "-lineinfo")
-EMU_FLAGS = ("-std=c++20", "-O2", "-fno-strict-aliasing", "-fPIC", "-shared", "-w",
-             "-U_FORTIFY_SOURCE")  # fibers longjmp between stacks: no __longjmp_chk
-ASAN_FLAGS = ("-std=c++20", "-O0", "-g", "-fno-strict-aliasing", "-fPIC", "-shared", "-w",
-              "-fsanitize=address", "-fno-omit-frame-pointer")
+EMU_FLAGS = (
+    "-std=c++20",
+    "-O2",
+    "-fno-strict-aliasing",
+    "-fPIC",
+    "-shared",
+    "-w",
+    "-U_FORTIFY_SOURCE",
+)  # fibers longjmp between stacks: no __longjmp_chk
+ASAN_FLAGS = (
+    "-std=c++20",
+    "-O0",
+    "-g",
+    "-fno-strict-aliasing",
+    "-fPIC",
+    "-shared",
+    "-w",
+    "-fsanitize=address",
+    "-fno-omit-frame-pointer",
+)
 
 _INCLUDE = re.compile(r'^#include "([^"]+)"\s*$', re.M)
 _lock = threading.Lock()
@@ -85,8 +102,9 @@ def build_emulated(family: str, sanitize: bool = False) -> Path:
     flags = ASAN_FLAGS if sanitize else EMU_FLAGS
     src = emulated_source(family)
     shim = "".join((CSRC / f).read_text() for f in ("cuda_cpu_shim.h", "kvpool_emu.h"))
-    key = hashlib.sha256("\0".join([src, shim, " ".join(flags), _compiler_version(cxx)])
-                         .encode()).hexdigest()[:16]
+    key = hashlib.sha256(
+        "\0".join([src, shim, " ".join(flags), _compiler_version(cxx)]).encode()
+    ).hexdigest()[:16]
     out = cache_dir() / key / f"{family}{'_asan' if sanitize else ''}.so"
     if out.exists():
         return out
@@ -101,8 +119,9 @@ def build_emulated(family: str, sanitize: bool = False) -> Path:
         cpp = Path(tmp) / f"{family}.cpp"
         cpp.write_text(src)
         lib = Path(tmp) / out.name
-        proc = subprocess.run([cxx, *flags, f"-I{CSRC}", str(cpp), "-o", str(lib)],
-                              capture_output=True, text=True)
+        proc = subprocess.run(
+            [cxx, *flags, f"-I{CSRC}", str(cpp), "-o", str(lib)], capture_output=True, text=True
+        )
         if proc.returncode != 0:
             raise RuntimeError(f"building the emulated {family} kernels failed:\n{proc.stderr}")
         os.replace(lib, out)  # atomic: concurrent builders agree
@@ -117,8 +136,12 @@ class EmulatedKernel:
     against the kernel's C++ signature before the first launch.
     """
 
-    _CT = {np.dtype(np.int32): ctypes.c_int32, np.dtype(np.int64): ctypes.c_int64,
-           np.dtype(np.uint64): ctypes.c_uint64, np.dtype(np.float32): ctypes.c_float}
+    _CT = {
+        np.dtype(np.int32): ctypes.c_int32,
+        np.dtype(np.int64): ctypes.c_int64,
+        np.dtype(np.uint64): ctypes.c_uint64,
+        np.dtype(np.float32): ctypes.c_float,
+    }
 
     def __init__(self, lib: ctypes.CDLL, name: str):
         self.name = name
@@ -128,8 +151,11 @@ class EmulatedKernel:
         except AttributeError:
             raise RuntimeError(f"kernel {name!r} is not in the emulated library") from None
         self._fn.restype = None
-        self._fn.argtypes = [ctypes.POINTER(ctypes.c_uint), ctypes.c_size_t,
-                             ctypes.POINTER(ctypes.c_void_p)]
+        self._fn.argtypes = [
+            ctypes.POINTER(ctypes.c_uint),
+            ctypes.c_size_t,
+            ctypes.POINTER(ctypes.c_void_p),
+        ]
         sig.restype = ctypes.c_char_p
         self.arg_sizes = [int(x) for x in sig().decode().split(",") if x]
 
@@ -138,15 +164,20 @@ class EmulatedKernel:
             raise TypeError(f"{self.name}: {len(args)} arguments for {len(self.arg_sizes)}")
         boxed = []
         for i, (a, size) in enumerate(zip(args, self.arg_sizes, strict=True)):
+            c: Any
             if isinstance(a, np.ndarray):
                 c = ctypes.c_void_p(a.ctypes.data)
             elif isinstance(a, np.generic) and a.dtype in self._CT:
                 c = self._CT[a.dtype](a.item())
             else:
-                raise TypeError(f"{self.name}: argument {i} has unsupported type {type(a).__name__}")
+                raise TypeError(
+                    f"{self.name}: argument {i} has unsupported type {type(a).__name__}"
+                )
             if ctypes.sizeof(c) != size:
-                raise TypeError(f"{self.name}: argument {i} is {ctypes.sizeof(c)} bytes, "
-                                f"the kernel takes {size}")
+                raise TypeError(
+                    f"{self.name}: argument {i} is {ctypes.sizeof(c)} bytes, "
+                    f"the kernel takes {size}"
+                )
             boxed.append(c)
         ptrs = (ctypes.c_void_p * max(1, len(boxed)))(*[ctypes.addressof(c) for c in boxed])
         dims = (ctypes.c_uint * 6)(*_dim3(grid), *_dim3(block))
@@ -181,7 +212,8 @@ def set_thread_order(order: str = "forward", seed: int = 1, sanitize: bool = Fal
         raise ValueError(f"order must be one of {sorted(THREAD_ORDERS)}, got {order!r}")
     for family in FAMILIES:
         emulated_library(family, sanitize).kvpool_emu_set_order(
-            ctypes.c_int(THREAD_ORDERS[order]), ctypes.c_uint(seed))
+            ctypes.c_int(THREAD_ORDERS[order]), ctypes.c_uint(seed)
+        )
 
 
 @functools.cache

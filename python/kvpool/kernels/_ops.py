@@ -28,8 +28,9 @@ MAX_GRID_YZ = 65535
 def _array(be, name, a, ndim=None, dtype=None, contiguous=True, host_ok=False):
     if not (be.is_array(a) or (host_ok and isinstance(a, np.ndarray))):
         kind = "CuPy" if be.name == "cupy" else "NumPy"
-        raise TypeError(f"{name} must be a {kind} array on the {be.name!r} backend, "
-                        f"got {type(a).__name__}")
+        raise TypeError(
+            f"{name} must be a {kind} array on the {be.name!r} backend, got {type(a).__name__}"
+        )
     if ndim is not None and a.ndim != ndim:
         raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(a.shape)}")
     if dtype is not None and np.dtype(a.dtype) != np.dtype(dtype):
@@ -142,7 +143,9 @@ def write_kv(k, v, k_cache, v_cache, slot_mapping, *, backend=None, validate=Tru
             raise ValueError(f"{name} must have shape [num_tokens, {h}, {d}], got {tuple(x.shape)}")
         isz = x.dtype.itemsize
         if x.shape[0] and (x.strides[2] != isz or x.strides[1] != d * isz or x.strides[0] < 0):
-            raise ValueError(f"{name}: each token's [num_kv_heads, head_dim] row must be contiguous")
+            raise ValueError(
+                f"{name}: each token's [num_kv_heads, head_dim] row must be contiguous"
+            )
     if v.shape[0] != k.shape[0]:
         raise ValueError(f"k has {k.shape[0]} tokens, v has {v.shape[0]}")
     n = k.shape[0]
@@ -153,13 +156,28 @@ def write_kv(k, v, k_cache, v_cache, slot_mapping, *, backend=None, validate=Tru
     if be.name == "numpy":
         return reference.write_kv(k, v, k_cache, v_cache, slots)
     row = h * d * k_cache.dtype.itemsize
-    vec16 = (row % 16 == 0 and k.strides[0] % 16 == 0 and v.strides[0] % 16 == 0
-             and _aligned16(be, k, v, k_cache, v_cache))
+    vec16 = (
+        row % 16 == 0
+        and k.strides[0] % 16 == 0
+        and v.strides[0] % 16 == 0
+        and _aligned16(be, k, v, k_cache, v_cache)
+    )
     vec = 16 if vec16 else 1
     kern = be.kernel("cache_ops", f"write_kv_v{vec}")
-    kern((n,), (_threads_for(row // vec),),
-         (k, v, k_cache, v_cache, slots, np.int64(row), np.int64(k.strides[0]),
-          np.int64(v.strides[0])))
+    kern(
+        (n,),
+        (_threads_for(row // vec),),
+        (
+            k,
+            v,
+            k_cache,
+            v_cache,
+            slots,
+            np.int64(row),
+            np.int64(k.strides[0]),
+            np.int64(v.strides[0]),
+        ),
+    )
 
 
 # ---------------------------------------------------------------------------- K3 / K7
@@ -199,7 +217,8 @@ def _copy_rows(be, what, arrays, src, dst, validate):
     ptrs = be.asarray(np.array([be.ptr(a) for a in arrays], np.int64), np.int64)
     row_bytes = be.asarray(row_bytes, np.int64)
     be.kernel("cache_ops", f"copy_rows_v{vec}")(
-        (n, len(arrays), chunks), (threads,), (ptrs, row_bytes, src, dst, np.int64(chunk)))
+        (n, len(arrays), chunks), (threads,), (ptrs, row_bytes, src, dst, np.int64(chunk))
+    )
 
 
 def copy_blocks(caches, src, dst, *, backend=None, validate=True):
@@ -262,8 +281,10 @@ def _swap_blocks(be, src_cache, dst_cache, src, dst, validate):
     _array(be, "src_cache", src_cache, None, host_ok=True)
     _array(be, "dst_cache", dst_cache, None, dtype=src_cache.dtype, host_ok=True)
     if src_cache.ndim < 1 or tuple(src_cache.shape[1:]) != tuple(dst_cache.shape[1:]):
-        raise ValueError(f"block shapes differ: src_cache {tuple(src_cache.shape)}, "
-                         f"dst_cache {tuple(dst_cache.shape)}")
+        raise ValueError(
+            f"block shapes differ: src_cache {tuple(src_cache.shape)}, "
+            f"dst_cache {tuple(dst_cache.shape)}"
+        )
     src = _index(be, "src", src)
     dst = _index(be, "dst", dst, src.shape[0])
     _in_range(be, "src", src, 0, src_cache.shape[0], validate)
@@ -350,8 +371,20 @@ def decode_splits(num_ctas: int, max_len: int, num_sms: int, num_splits=None) ->
     return -(-max_len // part), part
 
 
-def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, out=None,
-                           window=None, *, backend=None, num_splits=None, validate=True):
+def paged_decode_attention(
+    q,
+    k_cache,
+    v_cache,
+    block_tables,
+    seq_lens,
+    scale,
+    out=None,
+    window=None,
+    *,
+    backend=None,
+    num_splits=None,
+    validate=True,
+):
     """Decode attention of one query token per sequence over the paged cache (K5).
 
     Parameters
@@ -378,7 +411,8 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, o
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     be = _backend.get(backend)
     bt, lens, nb, bs, hkv, d, scale, w = _attention_args(
-        be, q, k_cache, v_cache, block_tables, seq_lens, scale, window, validate)
+        be, q, k_cache, v_cache, block_tables, seq_lens, scale, window, validate
+    )
     s, hq = q.shape[0], q.shape[1]
     if s != lens.shape[0]:
         raise ValueError(f"q has {s} sequences, seq_lens has {lens.shape[0]}")
@@ -386,8 +420,9 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, o
     if s == 0:
         return out
     if be.name == "numpy":
-        return reference.paged_decode_attention(q, k_cache, v_cache, bt, lens, float(scale), out,
-                                                w or None)
+        return reference.paged_decode_attention(
+            q, k_cache, v_cache, bt, lens, float(scale), out, w or None
+        )
     if s > MAX_GRID_YZ:
         raise ValueError(f"at most {MAX_GRID_YZ} sequences per call")
     group = hq // hkv
@@ -403,13 +438,31 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, o
         o_part = lse = be.xp.empty((1,), np.float32)  # not touched
     smem = (NUM_WARPS * gt * d + 2 * NUM_WARPS * gt) * 4
     be.kernel("decode_attention", f"paged_decode_{dt}_d{d}_g{gt}")(
-        (hkv * tiles, s, p), (NUM_WARPS * 32,),
-        (q, k_cache, v_cache, bt, lens, out, o_part, lse, np.int32(hkv), np.int32(group),
-         np.int32(bs), np.int32(bt.shape[1]), np.int32(part), np.int32(w), scale),
-        shared_mem=smem)
+        (hkv * tiles, s, p),
+        (NUM_WARPS * 32,),
+        (
+            q,
+            k_cache,
+            v_cache,
+            bt,
+            lens,
+            out,
+            o_part,
+            lse,
+            np.int32(hkv),
+            np.int32(group),
+            np.int32(bs),
+            np.int32(bt.shape[1]),
+            np.int32(part),
+            np.int32(w),
+            scale,
+        ),
+        shared_mem=smem,
+    )
     if p > 1:
         be.kernel("decode_attention", f"merge_splits_{dt}")(
-            (s * hq,), (d,), (o_part, lse, out, np.int32(p), np.int32(d)))
+            (s * hq,), (d,), (o_part, lse, out, np.int32(p), np.int32(d))
+        )
     return out
 
 
@@ -418,8 +471,21 @@ def prefill_kv_tile(head_dim: int, itemsize: int) -> int:
     return min(64, 16384 // (head_dim * itemsize))
 
 
-def paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale,
-                            causal=True, window=None, *, backend=None, out=None, validate=True):
+def paged_prefill_attention(
+    q,
+    k_cache,
+    v_cache,
+    block_tables,
+    cu_seqlens_q,
+    seq_lens,
+    scale,
+    causal=True,
+    window=None,
+    *,
+    backend=None,
+    out=None,
+    validate=True,
+):
     """Prefill / extend attention of query chunks over cached prefixes (K6).
 
     Sequence i's queries are its LAST ``cu_seqlens_q[i+1] - cu_seqlens_q[i]`` positions; their
@@ -444,7 +510,8 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq
     validate, causal = _flag("validate", validate), _flag("causal", causal)
     be = _backend.get(backend)
     bt, lens, nb, bs, hkv, d, scale, w = _attention_args(
-        be, q, k_cache, v_cache, block_tables, seq_lens, scale, window, validate)
+        be, q, k_cache, v_cache, block_tables, seq_lens, scale, window, validate
+    )
     s, hq = lens.shape[0], q.shape[1]
     cu = _index(be, "cu_seqlens_q", cu_seqlens_q, s + 1)
     cu_h = be.to_host(cu)  # the grid needs the longest chunk (one sync on cupy)
@@ -457,8 +524,18 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq
     if q.shape[0] == 0:
         return out
     if be.name == "numpy":
-        return reference.paged_prefill_attention(q, k_cache, v_cache, bt, cu_h, be.to_host(lens),
-                                                 float(scale), out, bool(causal), w or None)
+        return reference.paged_prefill_attention(
+            q,
+            k_cache,
+            v_cache,
+            bt,
+            cu_h,
+            be.to_host(lens),
+            float(scale),
+            out,
+            bool(causal),
+            w or None,
+        )
     group = hq // hkv
     gt, tiles = _group_tile(group)
     if s > MAX_GRID_YZ or hkv * tiles > MAX_GRID_YZ:
@@ -466,10 +543,26 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq
     dt = DTYPES[np.dtype(q.dtype)]
     kt = prefill_kv_tile(d, q.dtype.itemsize)
     be.kernel("prefill_attention", f"paged_prefill_{dt}_d{d}_g{gt}")(
-        (-(-int(q_lens.max()) // NUM_WARPS), s, hkv * tiles), (NUM_WARPS * 32,),
-        (q, k_cache, v_cache, bt, cu, lens, out, np.int32(hkv), np.int32(group), np.int32(bs),
-         np.int32(bt.shape[1]), np.int32(bool(causal)), np.int32(w), scale),
-        shared_mem=2 * kt * d * q.dtype.itemsize)
+        (-(-int(q_lens.max()) // NUM_WARPS), s, hkv * tiles),
+        (NUM_WARPS * 32,),
+        (
+            q,
+            k_cache,
+            v_cache,
+            bt,
+            cu,
+            lens,
+            out,
+            np.int32(hkv),
+            np.int32(group),
+            np.int32(bs),
+            np.int32(bt.shape[1]),
+            np.int32(bool(causal)),
+            np.int32(w),
+            scale,
+        ),
+        shared_mem=2 * kt * d * q.dtype.itemsize,
+    )
     return out
 
 
@@ -477,9 +570,14 @@ def kernel_names() -> dict[str, list[str]]:
     """Every kernel the launch code can request, by family (for the NVRTC check)."""
     dts = sorted(set(DTYPES.values()))
     return {
-        "cache_ops": [f"{k}_v{v}" for k in ("write_kv", "copy_rows", "swap_blocks") for v in (1, 16)],
-        "decode_attention": [f"paged_decode_{t}_d{d}_g{g}" for t in dts for d in HEAD_DIMS
-                             for g in GROUP_TILES] + [f"merge_splits_{t}" for t in dts],
-        "prefill_attention": [f"paged_prefill_{t}_d{d}_g{g}" for t in dts for d in HEAD_DIMS
-                              for g in GROUP_TILES],
+        "cache_ops": [
+            f"{k}_v{v}" for k in ("write_kv", "copy_rows", "swap_blocks") for v in (1, 16)
+        ],
+        "decode_attention": [
+            f"paged_decode_{t}_d{d}_g{g}" for t in dts for d in HEAD_DIMS for g in GROUP_TILES
+        ]
+        + [f"merge_splits_{t}" for t in dts],
+        "prefill_attention": [
+            f"paged_prefill_{t}_d{d}_g{g}" for t in dts for d in HEAD_DIMS for g in GROUP_TILES
+        ],
     }

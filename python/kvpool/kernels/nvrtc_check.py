@@ -83,11 +83,15 @@ def compile_family(family: str, arch: str = "sm_90") -> tuple[int, str]:
     def check(rc: int, what: str) -> None:
         if rc != 0:
             log = _log(lib, prog, "nvrtcGetProgramLog")
-            raise RuntimeError(f"NVRTC {what} failed for {family} ({arch}): "
-                               f"{lib.nvrtcGetErrorString(rc).decode()}\n{log}")
+            raise RuntimeError(
+                f"NVRTC {what} failed for {family} ({arch}): "
+                f"{lib.nvrtcGetErrorString(rc).decode()}\n{log}"
+            )
 
-    check(lib.nvrtcCreateProgram(ctypes.byref(prog), src, f"{family}.cu".encode(), 0, None, None),
-          "nvrtcCreateProgram")
+    check(
+        lib.nvrtcCreateProgram(ctypes.byref(prog), src, f"{family}.cu".encode(), 0, None, None),
+        "nvrtcCreateProgram",
+    )
     try:
         opts = [*_loader.NVRTC_OPTIONS, f"-arch={arch}", f"-I{include_dir()}", "-Xptxas=-v"]
         arr = (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts])
@@ -109,13 +113,16 @@ def _log(lib, prog, fn: str) -> str:
 
 
 _ENTRY = re.compile(r"Compiling entry function '([^']+)'")
-_NUM = {k: re.compile(p) for k, p in {
-    "registers": r"Used (\d+) registers",
-    "spill_stores": r"(\d+) bytes spill stores",
-    "spill_loads": r"(\d+) bytes spill loads",
-    "stack_frame": r"(\d+) bytes stack frame",
-    "smem": r"(\d+) bytes smem",
-}.items()}
+_NUM = {
+    k: re.compile(p)
+    for k, p in {
+        "registers": r"Used (\d+) registers",
+        "spill_stores": r"(\d+) bytes spill stores",
+        "spill_loads": r"(\d+) bytes spill loads",
+        "stack_frame": r"(\d+) bytes stack frame",
+        "smem": r"(\d+) bytes smem",
+    }.items()
+}
 
 
 def parse_ptxas_log(log: str) -> dict[str, KernelInfo]:
@@ -160,8 +167,10 @@ def main(argv: list[str] | None = None) -> int:
             flag = ""
             if i.spill_stores or i.spill_loads:
                 flag, bad = "  SPILL", bad + 1
-            print(f"{arch} {k:36s} regs {i.registers:3d}  spill {i.spill_stores}/{i.spill_loads}"
-                  f"  stack {i.stack_frame}  smem {i.smem}{flag}")
+            print(
+                f"{arch} {k:36s} regs {i.registers:3d}  spill {i.spill_stores}/{i.spill_loads}"
+                f"  stack {i.stack_frame}  smem {i.smem}{flag}"
+            )
     return 1 if bad else 0
 
 

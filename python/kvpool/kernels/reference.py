@@ -65,8 +65,9 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, o
     return out
 
 
-def paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale,
-                            out, causal=True, window=None):
+def paged_prefill_attention(
+    q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, out, causal=True, window=None
+):
     for s in range(len(seq_lens)):
         a, b = int(cu_seqlens_q[s]), int(cu_seqlens_q[s + 1])
         n = int(seq_lens[s])

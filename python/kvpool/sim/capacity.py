@@ -11,7 +11,16 @@ from dataclasses import dataclass
 
 __all__ = ["DTYPE_BYTES", "MODELS", "ModelShape", "blocks_for_budget", "bytes_per_block"]
 
-DTYPE_BYTES = {"fp32": 4, "float32": 4, "fp16": 2, "float16": 2, "bf16": 2, "bfloat16": 2, "fp8": 1, "int8": 1}
+DTYPE_BYTES = {
+    "fp32": 4,
+    "float32": 4,
+    "fp16": 2,
+    "float16": 2,
+    "bf16": 2,
+    "bfloat16": 2,
+    "fp8": 1,
+    "int8": 1,
+}
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Elastic KV memory in the simulator (``kvpool simulate --xtensor``, issue 17).
+"""Elastic KV memory in the simulator (``kvpool simulate --xtensor``, docs/xtensor.md).
 
 The pool runs with ``xtensor=`` (every rank's blocks on virtual-memory pages, accounting backend):
 its cache size is the virtual range, and only the pages holding used or cached blocks (plus the
@@ -15,7 +15,14 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["GIB", "MIB", "MappedMemory", "default_page_bytes", "parse_limit_schedule", "xtensor_option"]
+__all__ = [
+    "GIB",
+    "MIB",
+    "MappedMemory",
+    "default_page_bytes",
+    "parse_limit_schedule",
+    "xtensor_option",
+]
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -29,15 +36,23 @@ def default_page_bytes(layers: int) -> int:
     return GRANULARITY * 2 * layers
 
 
-def xtensor_option(bytes_per_block: int, page_bytes: int, memory_limit_gib: float | None,
-                   spare_pages: int = 1) -> dict[str, Any]:
+def xtensor_option(
+    bytes_per_block: int, page_bytes: int, memory_limit_gib: float | None, spare_pages: int = 1
+) -> dict[str, Any]:
     """The pool's ``xtensor=`` dict; ValueError if a page holds no block."""
     blocks_per_page = page_bytes // bytes_per_block
     if blocks_per_page < 1:
-        raise ValueError(f"a page of {page_bytes / MIB:g} MiB holds no block of {bytes_per_block / MIB:g} MiB")
+        raise ValueError(
+            f"a page of {page_bytes / MIB:g} MiB holds no block of {bytes_per_block / MIB:g} MiB"
+        )
     limit = None if memory_limit_gib is None else int(memory_limit_gib * GIB)
-    return {"blocks_per_page": int(blocks_per_page), "page_bytes": int(page_bytes), "spare_pages": spare_pages,
-            "memory_limit": limit, "backend": "accounting"}
+    return {
+        "blocks_per_page": int(blocks_per_page),
+        "page_bytes": int(page_bytes),
+        "spare_pages": spare_pages,
+        "memory_limit": limit,
+        "backend": "accounting",
+    }
 
 
 def parse_limit_schedule(text: str) -> tuple[tuple[float, float | None], ...]:
@@ -53,7 +68,9 @@ def parse_limit_schedule(text: str) -> tuple[tuple[float, float | None], ...]:
         try:
             t = float(when)
         except ValueError:
-            raise ValueError(f"expected a time in seconds before ':', got {when!r} in {part!r}") from None
+            raise ValueError(
+                f"expected a time in seconds before ':', got {when!r} in {part!r}"
+            ) from None
         if not t >= 0 or t == float("inf"):
             raise ValueError(f"times must be finite and >= 0, got {when!r}")
         if value.strip().lower() in NO_LIMIT:
@@ -62,7 +79,9 @@ def parse_limit_schedule(text: str) -> tuple[tuple[float, float | None], ...]:
             try:
                 gib = float(value)
             except ValueError:
-                raise ValueError(f"expected GiB (or none) after ':', got {value!r} in {part!r}") from None
+                raise ValueError(
+                    f"expected GiB (or none) after ':', got {value!r} in {part!r}"
+                ) from None
             if not gib > 0 or gib == float("inf"):
                 raise ValueError(f"limits must be > 0 GiB (or none), got {value!r}")
         if out and t <= out[-1][0]:
@@ -105,10 +124,16 @@ class MappedMemory:
             reports = self.pool.set_memory_limit(None if gib is None else int(gib * GIB))
             excess = sum(r["excess_bytes"] for r in reports)
             self.peak_excess_bytes = max(self.peak_excess_bytes, excess)
-            self.changes.append({"at_s": at, "applied_s": now_s, "gib": gib,
-                                 "evicted_blocks": sum(r["evicted_blocks"] for r in reports),
-                                 "unmapped_pages": sum(r["unmapped_pages"] for r in reports),
-                                 "excess_gib": excess / GIB})
+            self.changes.append(
+                {
+                    "at_s": at,
+                    "applied_s": now_s,
+                    "gib": gib,
+                    "evicted_blocks": sum(r["evicted_blocks"] for r in reports),
+                    "unmapped_pages": sum(r["unmapped_pages"] for r in reports),
+                    "excess_gib": excess / GIB,
+                }
+            )
             applied = True
         return applied
 

@@ -23,6 +23,7 @@ import numpy as np
 
 import kvpool.kernels as K
 from kvpool.kernels._backend import ENV, gpu_available
+from kvpool.sim.config import SimError, UnavailableError
 
 __all__ = ["Executor"]
 
@@ -34,8 +35,6 @@ class _Kernels:
     module (NumPy or CuPy) its caches live in."""
 
     def __init__(self, backend: str) -> None:
-        from kvpool.sim.engine import UnavailableError
-
         if backend == "auto":
             # a replay on a CPU takes the NumPy reference: the emulated CUDA is for checking the
             # kernels themselves and is much slower (--backend emulated still picks it)
@@ -76,19 +75,28 @@ def _rms(x: np.ndarray) -> np.ndarray:
 
 
 class Executor:
-    def __init__(self, cfg: Any, *, backend: str = "auto", layers: int = 2, heads: str = "4/2",
-                 head_dim: int = 64, check_every: int = 16, seed: int = 0, tolerance: float = 2e-3,
-                 max_check_seqs: int = 3, max_check_tokens: int = 4096) -> None:
+    def __init__(
+        self,
+        cfg: Any,
+        *,
+        backend: str = "auto",
+        layers: int = 2,
+        heads: str = "4/2",
+        head_dim: int = 64,
+        check_every: int = 16,
+        seed: int = 0,
+        tolerance: float = 2e-3,
+        max_check_seqs: int = 3,
+        max_check_tokens: int = 4096,
+    ) -> None:
         try:
             qh, kvh = (int(x) for x in heads.split("/"))
         except ValueError:
-            from kvpool.sim.engine import SimError
-
             raise SimError(f"--exec-heads wants Q/KV, e.g. 4/2, got {heads!r}") from None
         if qh < 1 or kvh < 1 or qh % kvh:
-            from kvpool.sim.engine import SimError
-
-            raise SimError(f"--exec-heads {heads}: query heads must be a positive multiple of KV heads")
+            raise SimError(
+                f"--exec-heads {heads}: query heads must be a positive multiple of KV heads"
+            )
         self.cfg = cfg
         self.k = _Kernels(backend)
         self.layers, self.qh, self.kvh, self.hd = layers, qh, kvh, head_dim
@@ -102,8 +110,15 @@ class Executor:
         d = self.d
         self.emb = rng.standard_normal((_EMB_ROWS, d)).astype(np.float32)
         self.w = [
-            tuple((rng.standard_normal(shape) / math.sqrt(shape[0])).astype(np.float32)
-                  for shape in ((d, qh * head_dim), (d, kvh * head_dim), (d, kvh * head_dim), (qh * head_dim, d)))
+            tuple(
+                (rng.standard_normal(shape) / math.sqrt(shape[0])).astype(np.float32)
+                for shape in (
+                    (d, qh * head_dim),
+                    (d, kvh * head_dim),
+                    (d, kvh * head_dim),
+                    (qh * head_dim, d),
+                )
+            )
             for _ in range(layers)
         ]
         self.rng = np.random.default_rng([seed, 0xC4EC])
@@ -123,12 +138,22 @@ class Executor:
         xp = self.k.xp
         cfg = self.cfg
         shape = (cfg.num_blocks, cfg.block_size, self.kvh, self.hd)
-        self.kc = [[xp.zeros(shape, xp.float32) for _ in range(self.layers)] for _ in range(cfg.dp_size)]
-        self.vc = [[xp.zeros(shape, xp.float32) for _ in range(self.layers)] for _ in range(cfg.dp_size)]
+        self.kc = [
+            [xp.zeros(shape, xp.float32) for _ in range(self.layers)] for _ in range(cfg.dp_size)
+        ]
+        self.vc = [
+            [xp.zeros(shape, xp.float32) for _ in range(self.layers)] for _ in range(cfg.dp_size)
+        ]
         if cfg.host_num_blocks:
             hshape = (cfg.host_num_blocks, cfg.block_size, self.kvh, self.hd)
-            self.hk = [[np.zeros(hshape, np.float32) for _ in range(self.layers)] for _ in range(cfg.dp_size)]
-            self.hv = [[np.zeros(hshape, np.float32) for _ in range(self.layers)] for _ in range(cfg.dp_size)]
+            self.hk = [
+                [np.zeros(hshape, np.float32) for _ in range(self.layers)]
+                for _ in range(cfg.dp_size)
+            ]
+            self.hv = [
+                [np.zeros(hshape, np.float32) for _ in range(self.layers)]
+                for _ in range(cfg.dp_size)
+            ]
         self.wd = [tuple(xp.asarray(w) for w in ws) for ws in self.w]
         self.pool = sim.pool
 
@@ -176,8 +201,6 @@ class Executor:
         except (ValueError, TypeError) as e:
             if os.environ.get("KVPOOL_DEBUG"):
                 raise
-            from kvpool.sim.engine import SimError
-
             raise SimError(f"--execute: the {self.k.name} kernels rejected the step: {e}") from None
         if check:
             self.checked_steps += 1
@@ -222,12 +245,27 @@ class Executor:
             self.k.write_kv(xp.ascontiguousarray(k), xp.ascontiguousarray(v), kc, vc, sm_x, **kw)
             out = xp.empty_like(q)
             if n_dec:
-                out[:n_dec] = self.k.decode(xp.ascontiguousarray(q[:n_dec]), kc, vc, tables_x[:n_dec],
-                                            xp.asarray(seq_lens[:n_dec]), self.scale, **kw)
+                out[:n_dec] = self.k.decode(
+                    xp.ascontiguousarray(q[:n_dec]),
+                    kc,
+                    vc,
+                    tables_x[:n_dec],
+                    xp.asarray(seq_lens[:n_dec]),
+                    self.scale,
+                    **kw,
+                )
             if pre:
-                out[n_dec:] = self.k.prefill(xp.ascontiguousarray(q[n_dec:]), kc, vc, tables_x[n_dec:],
-                                             xp.asarray(cu), xp.asarray(seq_lens[n_dec:]), self.scale,
-                                             causal=True, **kw)
+                out[n_dec:] = self.k.prefill(
+                    xp.ascontiguousarray(q[n_dec:]),
+                    kc,
+                    vc,
+                    tables_x[n_dec:],
+                    xp.asarray(cu),
+                    xp.asarray(seq_lens[n_dec:]),
+                    self.scale,
+                    causal=True,
+                    **kw,
+                )
             h = h + out.reshape(-1, self.qh * self.hd) @ wo
             h = h / xp.sqrt((h * h).mean(axis=-1, keepdims=True) + 1e-6)
         self.tokens += len(toks)
@@ -249,7 +287,9 @@ class Executor:
             h = _rms(h)
         return h, ks
 
-    def _check(self, rank: int, order: list[tuple[Any, int, int]], tables: np.ndarray, h: np.ndarray) -> None:
+    def _check(
+        self, rank: int, order: list[tuple[Any, int, int]], tables: np.ndarray, h: np.ndarray
+    ) -> None:
         offs = np.zeros(len(order) + 1, dtype=np.int64)
         offs[1:] = np.cumsum([e - s for _, s, e in order])
         cand = [i for i, (_, _, e) in enumerate(order) if e <= self.max_check_tokens]

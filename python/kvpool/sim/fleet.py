@@ -2,7 +2,7 @@
 
 N :class:`~kvpool.sim.engine.Simulator` instances (one pool each, KV events on) share one
 simulated clock, in seconds. A request is routed when the clock reaches its arrival: a
-:class:`kvpool.router.Router` (``round_robin``, ``least_loaded`` or ``kv_aware``) picks the
+:class:`kvpool.index.router.Router` (``round_robin``, ``least_loaded`` or ``kv_aware``) picks the
 instance, asking one :class:`kvpool.KVIndex` that every instance's event stream feeds. The
 driver is a discrete-event loop:
 
@@ -37,12 +37,14 @@ from typing import Any
 
 import numpy as np
 
-from kvpool.sim.engine import SimConfig, SimError, Simulator
-from kvpool.sim.workloads import Request
+import kvpool
+from kvpool.index.router import POLICIES, Router
+from kvpool.sim.config import SimConfig, SimError, check_fits
+from kvpool.sim.engine import Simulator, arrival_seconds
+from kvpool.sim.request import Request
+from kvpool.tiers.memory import MemoryRemoteTier
 
 __all__ = ["FleetResult", "run_fleet"]
-
-REMOTES = (None, "memory")
 
 
 @dataclass
@@ -63,21 +65,39 @@ class FleetResult:
         return f"{self.policy} / {'remote:' + self.remote if self.remote else 'local caches'}"
 
     def to_json(self) -> dict[str, Any]:
-        return {"policy": self.policy, "remote": self.remote, "instances": self.instances,
-                "fleet": self.fleet, "per_instance": self.per_instance}
+        return {
+            "policy": self.policy,
+            "remote": self.remote,
+            "instances": self.instances,
+            "fleet": self.fleet,
+            "per_instance": self.per_instance,
+        }
 
 
 def _seconds_clock(requests: Sequence[Request], step_ms: float) -> list[Request]:
     """The requests with an arrival in seconds (step arrivals times the step time), sorted."""
-    out = [r if r.arrival_s is not None else dataclasses.replace(r, arrival_s=r.arrival * step_ms / 1000.0)
-           for r in requests]
+    out = [
+        r
+        if r.arrival_s is not None
+        else dataclasses.replace(r, arrival_s=r.arrival * step_ms / 1000.0)
+        for r in requests
+    ]
     out.sort(key=lambda r: (r.arrival_s, r.request_id))
     return out
 
 
-def run_fleet(cfg: SimConfig, requests: Sequence[Request], instances: int, policy: str, *,
-              remote: str | None = None, load_weight: float = 1.0, speculative_ttl: float | None = 2.0,
-              medium_weights: dict[str, float] | None = None, on_progress: Any = None) -> FleetResult:
+def run_fleet(
+    cfg: SimConfig,
+    requests: Sequence[Request],
+    instances: int,
+    policy: str,
+    *,
+    remote: str | None = None,
+    load_weight: float = 1.0,
+    speculative_ttl: float | None = 2.0,
+    medium_weights: dict[str, float] | None = None,
+    on_progress: Any = None,
+) -> FleetResult:
     """Simulates ``requests`` on ``instances`` pools of ``cfg`` routed by ``policy``.
 
     Parameters
@@ -89,37 +109,36 @@ def run_fleet(cfg: SimConfig, requests: Sequence[Request], instances: int, polic
     instances : int
         Number of instances (>= 1).
     policy : str
-        A policy of :mod:`kvpool.router`.
+        A policy of :mod:`kvpool.index.router`.
     remote : str or None
         None (local caches), ``"memory"`` (one in-process remote tier shared by the fleet) or a
         ``redis://`` URL; a remote tier needs the host tier (``cfg.host_num_blocks``).
     load_weight, speculative_ttl, medium_weights
-        The router's options (:class:`kvpool.router.Router`).
+        The router's options (:class:`kvpool.index.router.Router`).
     on_progress : callable, optional
         Called with the number of requests routed so far.
     """
-    import kvpool
-    from kvpool.router import POLICIES, Router
-
     if instances < 1:
         raise SimError(f"--instances must be >= 1, got {instances}")
     if policy not in POLICIES:
-        raise SimError(f"--router: unknown policy {policy!r}; expected one of {', '.join(POLICIES)}")
+        raise SimError(
+            f"--router: unknown policy {policy!r}; expected one of {', '.join(POLICIES)}"
+        )
     if cfg.order != "serving":
-        raise SimError("--instances simulates serving (continuous batching on the trace's clock): "
-                       "--order request is not available with it")
+        raise SimError(
+            "--instances simulates serving (continuous batching on the trace's clock): "
+            "--order request is not available with it"
+        )
     if remote is not None and not cfg.host_num_blocks:
-        raise SimError("a remote tier needs the host tier (--host-blocks N): remote hits land in host blocks")
+        raise SimError(
+            "a remote tier needs the host tier (--host-blocks N): remote hits land in host blocks"
+        )
     shared = None
     if remote == "memory":
-        from kvpool.tiers.memory import MemoryRemoteTier
-
         shared = MemoryRemoteTier()
     icfg = dataclasses.replace(cfg, remote=remote, enable_events=True)
     reqs = _seconds_clock(requests, cfg.step_ms)
     if reqs:
-        from kvpool.sim.engine import check_fits
-
         check_fits(icfg, reqs)
     sims = []
     for _ in range(instances):
@@ -127,9 +146,16 @@ def run_fleet(cfg: SimConfig, requests: Sequence[Request], instances: int, polic
         sim.seconds_clock = True
         sims.append(sim)
     index = kvpool.KVIndex(hash_seed=cfg.hash_seed)
-    router = Router(instances, policy, index=index, block_size=cfg.block_size, load_weight=load_weight,
-                    medium_weights=medium_weights, shared_remote=remote is not None,
-                    speculative_ttl=speculative_ttl)
+    router = Router(
+        instances,
+        policy,
+        index=index,
+        block_size=cfg.block_size,
+        load_weight=load_weight,
+        medium_weights=medium_weights,
+        shared_remote=remote is not None,
+        speculative_ttl=speculative_ttl,
+    )
     routed = [0] * instances
     routed_tokens = [0] * instances
     predicted = np.zeros(3)  # prompt tokens the router saw cached on the chosen instance
@@ -142,14 +168,15 @@ def run_fleet(cfg: SimConfig, requests: Sequence[Request], instances: int, polic
         busy = [k for k, s in enumerate(sims) if s.pending or s.waiting or s.running]
         k_busy = min(busy, key=lambda k: (sims[k].now_s, k)) if busy else -1
         t_busy = sims[k_busy].now_s if busy else math.inf
-        t_arrival = float(reqs[i].arrival_s) if i < len(reqs) else math.inf
+        t_arrival = arrival_seconds(reqs[i]) if i < len(reqs) else math.inf
         if t_arrival == math.inf and t_busy == math.inf:
             break
         if t_arrival <= t_busy:
             r = reqs[i]
             i += 1
-            decision = router.route(r.prompt_tokens(), extra_key=r.extra_key, now=t_arrival,
-                                    request_id=r.request_id)
+            decision = router.route(
+                r.prompt_tokens(), extra_key=r.extra_key, now=t_arrival, request_id=r.request_id
+            )
             k = decision.instance
             sim = sims[k]
             if not (sim.pending or sim.waiting or sim.running):
@@ -165,19 +192,23 @@ def run_fleet(cfg: SimConfig, requests: Sequence[Request], instances: int, polic
             continue
         sim = sims[k_busy]
         if max_steps is not None and sim.step_no >= max_steps:
-            raise SimError(f"instance {k_busy} reached --max-steps {max_steps} before the workload ended")
+            raise SimError(
+                f"instance {k_busy} reached --max-steps {max_steps} before the workload ended"
+            )
         sim.step()
         events = sim.pool.drain_events()
         if events:
             gaps += len(index.apply(k_busy, events)["gaps"])
-        for lv in sim.finished[done_seen[k_busy]:]:
+        for lv in sim.finished[done_seen[k_busy] :]:
             router.finish(lv.req.request_id)
         done_seen[k_busy] = len(sim.finished)
         if cfg.check:
             index.check()
     wall = time.perf_counter() - t0
     if gaps:
-        raise SimError(f"the index saw {gaps} gap(s) in the instances' event streams")  # pragma: no cover
+        raise SimError(
+            f"the index saw {gaps} gap(s) in the instances' event streams"
+        )  # pragma: no cover
     per = []
     for k, sim in enumerate(sims):
         s = sim.summary(wall)
@@ -189,8 +220,9 @@ def run_fleet(cfg: SimConfig, requests: Sequence[Request], instances: int, polic
     return FleetResult(policy, remote, instances, fleet, per, sims, index)
 
 
-def _fleet_summary(sims: list[Simulator], per: list[dict[str, Any]], wall: float, index: Any,
-                   predicted: np.ndarray) -> dict[str, Any]:
+def _fleet_summary(
+    sims: list[Simulator], per: list[dict[str, Any]], wall: float, index: Any, predicted: np.ndarray
+) -> dict[str, Any]:
     fin = [lv for sim in sims for lv in sim.finished]
     ttft = np.array([lv.first_token_s - lv.arrival_s for lv in fin], dtype=np.float64)
     prompt = sum(lv.prompt_len for lv in fin)
@@ -217,8 +249,11 @@ def _fleet_summary(sims: list[Simulator], per: list[dict[str, Any]], wall: float
         "output_tokens": out_tokens,
         # prompt tokens from any tier at each request's first admission (device, host, remote)
         "hit_rate": cached / prompt if prompt else 0.0,
-        "prefix_hit_rate": (sum(p["prefix_hit_tokens"] for p in per) / q
-                            if (q := sum(p["prefix_query_tokens"] for p in per)) else 0.0),
+        "prefix_hit_rate": (
+            sum(p["prefix_hit_tokens"] for p in per) / q
+            if (q := sum(p["prefix_query_tokens"] for p in per))
+            else 0.0
+        ),
         "host_loads": sum(p["host_loads"] for p in per),
         "remote_hit_blocks": sum(p.get("remote_hit_blocks", 0) for p in per),
         "recomputed_tokens": sum(p["recomputed_tokens"] for p in per),

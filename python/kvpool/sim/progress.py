@@ -13,7 +13,10 @@ from typing import Any
 
 __all__ = ["Progress", "Reporter", "fields_of"]
 
-_FIELDS = "clock {task.fields[clock]:>9}  run {task.fields[run]:>4}  wait {task.fields[wait]:>5}  use {task.fields[use]:>4}"
+_FIELDS = (
+    "clock {task.fields[clock]:>9}  run {task.fields[run]:>4}  wait {task.fields[wait]:>5}  "
+    "use {task.fields[use]:>4}"
+)
 
 
 def fields_of(sim: Any) -> dict[str, Any]:
@@ -25,8 +28,12 @@ def fields_of(sim: Any) -> dict[str, Any]:
         clock = f"{sim.now_s:,.0f} s"
     else:
         clock = f"step {sim.step_no}"
-    return {"clock": clock, "run": len(sim.running), "wait": len(sim.waiting),
-            "use": f"{100 * last.usage:.0f}%" if last else "-"}
+    return {
+        "clock": clock,
+        "run": len(sim.running),
+        "wait": len(sim.waiting),
+        "use": f"{100 * last.usage:.0f}%" if last else "-",
+    }
 
 
 def _bar(console_stderr: bool = True) -> Any:
@@ -41,13 +48,22 @@ def _bar(console_stderr: bool = True) -> Any:
     )
     from rich.progress import Progress as RichProgress
 
-    return RichProgress(SpinnerColumn(), TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                        TextColumn(_FIELDS), TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
-                        console=Console(stderr=console_stderr), transient=False)
+    return RichProgress(
+        SpinnerColumn(),
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn(_FIELDS),
+        TimeElapsedColumn(),
+        TextColumn("eta"),
+        TimeRemainingColumn(),
+        console=Console(stderr=console_stderr),
+        transient=False,
+    )
 
 
 class Progress:
-    """A bar over finished requests; call it as the simulator's ``on_step`` (a no-op when disabled)."""
+    """A bar over finished requests, the simulator's ``on_step`` (a no-op when disabled)."""
 
     def __init__(self, enabled: bool, total: int, label: str) -> None:
         self.enabled = enabled
@@ -60,7 +76,9 @@ class Progress:
         if self.enabled:
             self.progress = _bar()
             self.progress.__enter__()
-            self.task = self.progress.add_task(self.label, total=self.total, clock="-", run=0, wait=0, use="-")
+            self.task = self.progress.add_task(
+                self.label, total=self.total, clock="-", run=0, wait=0, use="-"
+            )
         return self
 
     def __call__(self, sim: Any) -> None:
@@ -96,5 +114,8 @@ class Reporter:
 def sweep_bars(labels: list[str], totals: list[int]) -> tuple[Any, list[Any]]:
     """A rich progress with one task per sweep point (entered by the caller)."""
     bar = _bar()
-    tasks = [bar.add_task(lbl, total=n, clock="-", run=0, wait=0, use="-") for lbl, n in zip(labels, totals, strict=True)]
+    tasks = [
+        bar.add_task(lbl, total=n, clock="-", run=0, wait=0, use="-")
+        for lbl, n in zip(labels, totals, strict=True)
+    ]
     return bar, tasks

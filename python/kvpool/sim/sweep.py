@@ -18,6 +18,11 @@ import queue as queue_mod
 import time
 from typing import Any
 
+from kvpool.sim.configure import make_workload, run_one
+from kvpool.sim.progress import Progress, Reporter, sweep_bars
+from kvpool.sim.request import Request
+from kvpool.sim.summary import SimResult
+
 __all__ = ["run_sweep"]
 
 _QUEUE: Any = None
@@ -29,10 +34,7 @@ def _init_worker(q: Any) -> None:
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 
-def _run_point(args: argparse.Namespace, label: str, point: int, keep_timeline: bool) -> Any:
-    from kvpool.sim.cli import make_workload, run_one
-    from kvpool.sim.progress import Reporter
-
+def _run_point(args: argparse.Namespace, label: str, point: int, keep_timeline: bool) -> SimResult:
     reqs, wl = make_workload(args)
     on_step = Reporter(_QUEUE, point) if _QUEUE is not None else None
     res = run_one(args, reqs, label, on_step)
@@ -45,28 +47,34 @@ def _run_point(args: argparse.Namespace, label: str, point: int, keep_timeline: 
     return res
 
 
-def run_sweep(plans: list[tuple[argparse.Namespace, str, bool]], reqs: list[Any], *, jobs: int | None,
-              show: bool, keep_timeline: bool) -> list[Any]:
+def run_sweep(
+    plans: list[tuple[argparse.Namespace, str, bool]],
+    reqs: list[Request],
+    *,
+    jobs: int | None,
+    show: bool,
+    keep_timeline: bool,
+) -> list[SimResult]:
     """Run ``plans`` (``(args, label, same_workload)``) and return their results in order."""
-    from kvpool.sim.cli import make_workload, run_one
-    from kvpool.sim.progress import Progress, sweep_bars
-
     n = len(plans)
     jobs = min(n, jobs if jobs is not None else (os.cpu_count() or 1))
     if jobs <= 1:
-        results = []
+        done = []
         for a, label, same in plans:
             r = reqs if same else make_workload(a)[0]
             with Progress(show, len(r), label) as prog:
-                results.append(run_one(a, r, label, prog if show else None))
-        return results
+                done.append(run_one(a, r, label, prog if show else None))
+        return done
     ctx = mp.get_context("spawn")
     q = ctx.Queue() if show else None
     totals = [len(reqs) if same else a.num_requests for a, _, same in plans]
     pool = ctx.Pool(processes=jobs, initializer=_init_worker, initargs=(q,))
     bar = tasks = None
     try:
-        handles = [pool.apply_async(_run_point, (a, label, i, keep_timeline)) for i, (a, label, _) in enumerate(plans)]
+        handles = [
+            pool.apply_async(_run_point, (a, label, i, keep_timeline))
+            for i, (a, label, _) in enumerate(plans)
+        ]
         if show:
             bar, tasks = sweep_bars([lbl for _, lbl, _ in plans], totals)
             bar.__enter__()
@@ -94,7 +102,7 @@ def run_sweep(plans: list[tuple[argparse.Namespace, str, bool]], reqs: list[Any]
     return results
 
 
-def _drain(q: Any, bar: Any, tasks: list[Any]) -> None:
+def _drain(q: Any, bar: Any, tasks: Any) -> None:
     while True:
         try:
             point, finished, fields = q.get_nowait()

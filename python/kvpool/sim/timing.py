@@ -105,16 +105,21 @@ class Roofline:
 
     name = "roofline"
 
-    def __init__(self, shape: ModelShape, gpu: GpuSpec, *, tp: int = 1, mfu: float = 0.5, mbu: float = 0.8) -> None:
+    def __init__(
+        self, shape: ModelShape, gpu: GpuSpec, *, tp: int = 1, mfu: float = 0.5, mbu: float = 0.8
+    ) -> None:
         if shape.params is None or shape.heads is None:
-            raise ValueError("the roofline needs the model's parameter count and query heads "
-                             "(--model, or --params and --heads)")
+            raise ValueError(
+                "the roofline needs the model's parameter count and query heads "
+                "(--model, or --params and --heads)"
+            )
         if tp < 1:
             raise ValueError(f"tp must be >= 1, got {tp}")
         for name, v in (("mfu", mfu), ("mbu", mbu)):
             if not 0 < v <= 1:
                 raise ValueError(f"{name} must be in (0, 1], got {v}")
         self.shape, self.gpu, self.tp, self.mfu, self.mbu = shape, gpu, tp, mfu, mbu
+        self.params = shape.params
         self.flops_per_token = 2.0 * shape.params
         self.flops_per_pair = 4.0 * shape.layers * shape.heads * shape.head_dim
         self.weight_bytes = 2.0 * shape.params
@@ -130,11 +135,17 @@ class Roofline:
         reading ``kv_read`` cached positions (see :class:`StepWork`)."""
         if not tokens:
             return 0.0
-        compute = (self.flops_per_token * tokens + self.flops_per_pair * attended) / self.flops_per_s
-        memory = (self.weight_bytes + self.kv_bytes_per_token * (kv_read + tokens)) / self.bytes_per_s
+        compute = (
+            self.flops_per_token * tokens + self.flops_per_pair * attended
+        ) / self.flops_per_s
+        memory = (
+            self.weight_bytes + self.kv_bytes_per_token * (kv_read + tokens)
+        ) / self.bytes_per_s
         return compute if compute > memory else memory
 
     def describe(self) -> str:
         tp = f"{self.tp} x " if self.tp > 1 else ""
-        return (f"roofline, {tp}{self.gpu.name}, {self.shape.params / 1e9:.1f}B params, "
-                f"MFU {self.mfu:g}, MBU {self.mbu:g}")
+        return (
+            f"roofline, {tp}{self.gpu.name}, {self.params / 1e9:.1f}B params, "
+            f"MFU {self.mfu:g}, MBU {self.mbu:g}"
+        )

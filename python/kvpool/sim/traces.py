@@ -9,9 +9,10 @@ sharing the trace records. The invariants this module keeps:
   ``mix31(h * trace_block_size + j)``, where ``mix31`` (a multiply by an odd constant mod
   ``2**31``) is a bijection of ``[0, 2**31)``: the map
   from ``(id, offset)`` to a token is injective, so two blocks share tokens exactly when they share
-  an id (no probabilistic collisions). Prompt tokens lie in ``[0, 2**31)``; the tokens the
-  simulator samples for trace requests lie in ``[2**31, 2**32)`` (:func:`output_tokens`), so a
-  generated token never equals a prompt token and an output block never matches a prompt block.
+  an id (no probabilistic collisions; ``kvpool.sim.request.block_tokens``). Prompt tokens lie in
+  ``[0, 2**31)``; the tokens the simulator samples for trace requests lie in ``[2**31, 2**32)``
+  (``kvpool.sim.sampling``), so a generated token never equals a prompt token and an output block
+  never matches a prompt block.
 - **Exact sharing at any kvpool block size that divides the trace's.** A kvpool block then lies
   inside one trace block; other block sizes share the trace's common prefix rounded down to a
   multiple of the kvpool block size (a block straddling two trace blocks is shared only when both
@@ -25,7 +26,7 @@ sharing the trace records. The invariants this module keeps:
   ``Request.arrival_s``, seconds since the trace start. Qwen-Bailian's session fields (``chat_id``,
   ``parent_chat_id``, ``turn``, ``type``) are kept in ``Request.session``.
 
-A line that cannot be read raises :class:`~kvpool.sim.workloads.TraceError` with ``file:line:
+A line that cannot be read raises :class:`~kvpool.sim.request.TraceError` with ``file:line:
 reason``.
 """
 
@@ -35,10 +36,12 @@ import json
 import math
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+from kvpool.sim.request import HashedPrompt, Request, Session, TraceError, block_tokens, mix31
+from kvpool.sim.sampling import output_base, output_span, output_token, output_tokens
 
 __all__ = [
     "BAILIAN_BLOCK_SIZE",
@@ -61,124 +64,16 @@ BAILIAN_BLOCK_SIZE = 16
 FORMATS = ("auto", "kvpool", "mooncake", "bailian")
 
 _MOONCAKE_FIELDS = {"timestamp", "input_length", "output_length", "hash_ids"}
-_BAILIAN_FIELDS = {"chat_id", "parent_chat_id", "timestamp", "input_length", "output_length", "type",
-                   "turn", "hash_ids"}
-
-
-@dataclass(frozen=True, slots=True)
-class Session:
-    """The Qwen-Bailian session fields of one request: ``parent_chat_id`` is -1 for a first turn."""
-
-    chat_id: int
-    parent_chat_id: int
-    turn: int
-    type: str
-
-
-_ODD = 0x2C1B3C6D  # an odd multiplier: x -> x * _ODD mod 2**31 is a bijection of [0, 2**31)
-
-
-def mix31(x: int) -> int:
-    """The bijection of ``[0, 2**31)`` behind :func:`block_tokens`, for one value."""
-    return (x * _ODD) & 0x7FFFFFFF
-
-
-def block_tokens(hash_ids: np.ndarray, length: int, block_size: int) -> np.ndarray:
-    """The first ``length`` tokens of the blocks ``hash_ids`` (``block_size`` tokens each).
-
-    Parameters
-    ----------
-    hash_ids : numpy.ndarray
-        Integer ids, shape ``[n]``, each in ``[0, 2**31 // block_size)``.
-    length : int
-        Tokens to return, ``(n - 1) * block_size < length <= n * block_size``.
-    block_size : int
-        The trace's tokens per id.
-
-    Returns
-    -------
-    numpy.ndarray
-        int32 of shape ``[length]``, values in ``[0, 2**31)``; token ``i`` is
-        ``mix31(hash_ids[i // block_size] * block_size + i % block_size)``, computed as
-        ``(id * block_size * odd + offset * odd) mod 2**31`` (uint32 arithmetic wraps mod
-        2**32, the mask takes it mod 2**31).
-    """
-    ids = np.asarray(hash_ids, dtype=np.uint32) * np.uint32((block_size * _ODD) & 0xFFFFFFFF)
-    offsets = np.arange(block_size, dtype=np.uint32) * np.uint32(_ODD)
-    x = (ids[:, None] + offsets[None, :]).ravel()[:length]
-    x &= np.uint32(0x7FFFFFFF)
-    return x.view(np.int32)
-
-
-def _lowbias32(x: int) -> int:
-    x &= 0xFFFFFFFF
-    x ^= x >> 16
-    x = (x * 0x7FEB352D) & 0xFFFFFFFF
-    x ^= x >> 15
-    x = (x * 0x846CA68B) & 0xFFFFFFFF
-    return x ^ (x >> 16)
-
-
-def output_base(request_id: int | np.ndarray) -> np.ndarray:
-    """A request's output seed: ``lowbias32`` of its id (int64 array of the shape of ``request_id``)."""
-    ids = np.atleast_1d(np.asarray(request_id, dtype=np.int64)).ravel()
-    return np.array([_lowbias32(int(r)) for r in ids], dtype=np.int64).reshape(np.shape(request_id) or (1,))
-
-
-def output_token(request_id: int, k: int, trace: bool) -> int:
-    """Token ``k`` of :func:`output_tokens` for one request, in plain Python."""
-    low, span = output_span(trace)
-    return low + (_lowbias32(int(request_id)) + k) % span
-
-
-def output_span(trace: bool | np.ndarray) -> tuple[Any, Any]:
-    """``(low, span)`` of the sampled tokens: ``[2**31, 2**32)`` for trace requests, else
-    ``[0, VOCAB_SIZE)``."""
-    from kvpool.sim.workloads import VOCAB_SIZE
-
-    if isinstance(trace, np.ndarray):
-        return np.where(trace, 1 << 31, 0), np.where(trace, 1 << 31, VOCAB_SIZE)
-    return (1 << 31, 1 << 31) if trace else (0, VOCAB_SIZE)
-
-
-def output_tokens(request_id: int | np.ndarray, positions: np.ndarray, *, trace: bool | np.ndarray) -> np.ndarray:
-    """The tokens the simulator "samples": a fixed function of the request id and the position.
-
-    Token ``k`` of request ``r`` is ``low + (output_base(r) + k) % span`` (:func:`output_span`):
-    cheap to make for a whole batch at every step, different between requests (their bases
-    differ), and never equal to a trace prompt token when ``trace`` (the upper half of the ids).
-    Vectorized over ``request_id``/``trace`` arrays shaped like ``positions``; int64 out.
-    """
-    low, span = output_span(trace)
-    return low + (output_base(request_id) + np.asarray(positions, dtype=np.int64)) % span
-
-
-class HashedPrompt:
-    """A prompt given by trace hash ids; ``len()`` is its length, the tokens are made on demand.
-
-    ``tokens()`` (and ``numpy.asarray``) give the int32 tokens of :func:`block_tokens`; nothing is
-    kept, so a trace of 145M prompt tokens holds 283k ids, not the tokens.
-    """
-
-    __slots__ = ("block_size", "hash_ids", "length")
-
-    def __init__(self, hash_ids: np.ndarray, length: int, block_size: int) -> None:
-        self.hash_ids = hash_ids
-        self.length = int(length)
-        self.block_size = int(block_size)
-
-    def __len__(self) -> int:
-        return self.length
-
-    def tokens(self) -> np.ndarray:
-        return block_tokens(self.hash_ids, self.length, self.block_size)
-
-    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
-        t = self.tokens()
-        return t if dtype is None else t.astype(dtype)
-
-    def __repr__(self) -> str:
-        return f"HashedPrompt({len(self.hash_ids)} ids x {self.block_size}, {self.length} tokens)"
+_BAILIAN_FIELDS = {
+    "chat_id",
+    "parent_chat_id",
+    "timestamp",
+    "input_length",
+    "output_length",
+    "type",
+    "turn",
+    "hash_ids",
+}
 
 
 def detect_format(obj: Any) -> str:
@@ -203,8 +98,10 @@ def _parse(obj: Any, fmt: str, block: int) -> tuple[float, HashedPrompt, int, Se
     fields = _BAILIAN_FIELDS if fmt == "bailian" else _MOONCAKE_FIELDS
     missing = sorted(fields - set(obj))
     if missing:
-        raise ValueError(f"missing field(s) {', '.join(missing)} of the {fmt} format "
-                         f"({', '.join(sorted(fields))})")
+        raise ValueError(
+            f"missing field(s) {', '.join(missing)} of the {fmt} format "
+            f"({', '.join(sorted(fields))})"
+        )
     unknown = sorted(set(obj) - fields)
     if unknown:
         raise ValueError(f"unknown field(s) {', '.join(unknown)} for the {fmt} format")
@@ -222,18 +119,23 @@ def _parse(obj: Any, fmt: str, block: int) -> tuple[float, HashedPrompt, int, Se
         raise ValueError("hash_ids must be a list of integers")
     limit = (1 << 31) // block
     if int(ids.min()) < 0 or int(ids.max()) >= limit:
-        raise ValueError(f"hash_ids must lie in [0, {limit}) for exact expansion at {block} tokens per id")
+        raise ValueError(
+            f"hash_ids must lie in [0, {limit}) for exact expansion at {block} tokens per id"
+        )
     need = -(-length // block)
     if len(ids) != need:
-        raise ValueError(f"input_length {length} needs {need} hash id(s) of {block} tokens, the line has "
-                         f"{len(ids)}")
+        raise ValueError(
+            f"input_length {length} needs {need} hash id(s) of {block} tokens, the line has "
+            f"{len(ids)}"
+        )
     session = None
     if fmt == "bailian":
         kind = obj["type"]
         if not isinstance(kind, str):
             raise ValueError(f"type must be a string, got {kind!r}")
-        session = Session(_int(obj, "chat_id", 0), _int(obj, "parent_chat_id", -1), _int(obj, "turn", 0),
-                          kind)
+        session = Session(
+            _int(obj, "chat_id", 0), _int(obj, "parent_chat_id", -1), _int(obj, "turn", 0), kind
+        )
     return arrival_s, HashedPrompt(ids.astype(np.int32), length, block), out_len, session
 
 
@@ -245,13 +147,16 @@ def _records(path: str, f: Any) -> Iterator[tuple[int, Any]]:
         try:
             yield lineno, json.loads(s)
         except json.JSONDecodeError as e:
-            from kvpool.sim.workloads import TraceError
-
             raise TraceError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
 
 
-def read_production_trace(path: str | os.PathLike[str], fmt: str = "auto", *,
-                          trace_block_size: int | None = None, step_seconds: float = 0.02) -> list[Any]:
+def read_production_trace(
+    path: str | os.PathLike[str],
+    fmt: str = "auto",
+    *,
+    trace_block_size: int | None = None,
+    step_seconds: float = 0.02,
+) -> list[Any]:
     """Read a Mooncake or Qwen-Bailian JSONL trace, line by line.
 
     Parameters
@@ -276,8 +181,6 @@ def read_production_trace(path: str | os.PathLike[str], fmt: str = "auto", *,
     TraceError
         ``file:line: reason`` for the first line that cannot be read.
     """
-    from kvpool.sim.workloads import Request, TraceError
-
     name = os.fspath(path)
     if fmt not in ("auto", "mooncake", "bailian"):
         raise ValueError(f"unknown trace format {fmt!r}")
@@ -289,15 +192,25 @@ def read_production_trace(path: str | os.PathLike[str], fmt: str = "auto", *,
                 if fmt == "auto":
                     fmt = detect_format(obj)
                     if fmt == "kvpool":
-                        raise TraceError(f"{name}:{lineno}: not a Mooncake or Qwen-Bailian record (no hash_ids)")
+                        raise TraceError(
+                            f"{name}:{lineno}: not a Mooncake or Qwen-Bailian record (no hash_ids)"
+                        )
                 if block is None:
                     block = MOONCAKE_BLOCK_SIZE if fmt == "mooncake" else BAILIAN_BLOCK_SIZE
                 try:
                     arrival_s, prompt, out_len, session = _parse(obj, fmt, block)
                 except ValueError as e:
                     raise TraceError(f"{name}:{lineno}: {e}") from None
-                reqs.append(Request(len(reqs), arrival_s / step_seconds, prompt, out_len, arrival_s=arrival_s,
-                                    session=session))
+                reqs.append(
+                    Request(
+                        len(reqs),
+                        arrival_s / step_seconds,
+                        prompt,
+                        out_len,
+                        arrival_s=arrival_s,
+                        session=session,
+                    )
+                )
     except (OSError, UnicodeDecodeError) as e:
         raise TraceError(f"cannot read trace {name}: {e}") from None
     if not reqs:

@@ -24,12 +24,12 @@ import json
 import math
 import os
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from kvpool.sim.traces import HashedPrompt
+from kvpool.sim import traces
+from kvpool.sim.request import VOCAB_SIZE, Request, TraceError
 
 __all__ = [
     "KINDS",
@@ -42,7 +42,6 @@ __all__ = [
     "save_trace",
 ]
 
-VOCAB_SIZE = 32000
 MIN_PROMPT_LEN = 64
 MAX_PROMPT_LEN = 8192
 KINDS = ("system_prompt", "chat", "few_shot", "rag", "random", "mixed")
@@ -51,54 +50,6 @@ MIXED_WEIGHTS = {"system_prompt": 0.3, "chat": 0.3, "few_shot": 0.15, "rag": 0.1
 # Prefix groups of different kinds in "mixed" never collide: kind i uses [i * 10**6, ...).
 _GROUP_STRIDE = 1_000_000
 _CHUNK = 256  # prefix_group_tokens generates group text in chunks of this many tokens
-
-
-class TraceError(ValueError):
-    """A trace file that cannot be read; the message names the file and line."""
-
-
-@dataclass
-class Request:
-    """One request of a workload.
-
-    ``arrival`` is the engine step at which the request enters the waiting queue (a float:
-    it is admitted at the first step >= arrival). ``arrival_s``, when set, is the arrival in
-    seconds on the trace's clock: a workload whose requests all have one is replayed on that
-    clock (the step-time model advances it), else on the step count. ``prompt`` is a list or an
-    array of token ids, or a :class:`~kvpool.sim.traces.HashedPrompt` (trace hash ids expanded on
-    demand: use :meth:`prompt_tokens`). ``output`` optionally fixes the tokens the engine
-    "samples" (multi-turn chat uses it so that the next turn's prompt contains the answer
-    verbatim); when None the simulator draws them from the request id. ``session`` keeps the
-    Qwen-Bailian session fields (:class:`~kvpool.sim.traces.Session`).
-    """
-
-    request_id: int
-    arrival: float
-    prompt: Any
-    output_len: int
-    extra_key: bytes | None = None
-    prefix_group: int | None = None
-    output: list[int] | np.ndarray | None = field(default=None, repr=False)
-    arrival_s: float | None = None
-    session: Any = None
-
-    @property
-    def prompt_len(self) -> int:
-        return len(self.prompt)
-
-    @property
-    def hashed(self) -> bool:
-        """Whether the prompt comes from trace hash ids (its sampled tokens use the upper token range)."""
-        return isinstance(self.prompt, HashedPrompt)
-
-    def prompt_tokens(self) -> np.ndarray:
-        """The prompt as a 1-D integer array (expanded from hash ids for trace prompts)."""
-        p = self.prompt
-        if isinstance(p, np.ndarray):
-            return p
-        if isinstance(p, HashedPrompt):
-            return p.tokens()
-        return np.asarray(p, dtype=np.int64)
 
 
 # --------------------------------------------------------------------------- helpers
@@ -136,7 +87,9 @@ def _arrivals(rng: np.random.Generator, n: int, rate: float | None) -> np.ndarra
     return np.cumsum(rng.exponential(1.0 / rate, size=n)) - 0.0
 
 
-def _lognormal_int(rng: np.random.Generator, mean: float, lo: int, hi: int, size: int) -> np.ndarray:
+def _lognormal_int(
+    rng: np.random.Generator, mean: float, lo: int, hi: int, size: int
+) -> np.ndarray:
     """Integers with a log-normal spread (sigma 0.6) around ``mean``, clipped to [lo, hi]."""
     sigma = 0.6
     mu = math.log(max(mean, 1.0)) - sigma * sigma / 2
@@ -156,7 +109,9 @@ def _fit(prompt: np.ndarray, lo: int, hi: int, rng: np.random.Generator) -> np.n
 # --------------------------------------------------------------------------- generators
 
 
-def _gen_system_prompt(n: int, rng: np.random.Generator, o: dict[str, Any], g0: int) -> list[Request]:
+def _gen_system_prompt(
+    n: int, rng: np.random.Generator, o: dict[str, Any], g0: int
+) -> list[Request]:
     num_prompts = int(o.get("num_system_prompts", 4))
     sys_len = int(o.get("system_prompt_len", 1536))
     user_mean = float(o.get("user_len", 256))
@@ -217,7 +172,10 @@ def _gen_few_shot(n: int, rng: np.random.Generator, o: dict[str, Any], g0: int) 
     shots = int(o.get("shots", 8))
     ex_mean = float(o.get("example_len", 192))
     header = [_tokens(rng, 48) for _ in range(num_tasks)]
-    examples = [[_tokens(rng, L) for L in _lognormal_int(rng, ex_mean, 32, 1024, shots)] for _ in range(num_tasks)]
+    examples = [
+        [_tokens(rng, L) for L in _lognormal_int(rng, ex_mean, 32, 1024, shots)]
+        for _ in range(num_tasks)
+    ]
     task = rng.integers(0, num_tasks, size=n)
     k = rng.integers(max(1, shots // 2), shots + 1, size=n)
     q_lens = _lognormal_int(rng, 96, 8, 1024, n)
@@ -253,7 +211,9 @@ def _gen_rag(n: int, rng: np.random.Generator, o: dict[str, Any], g0: int) -> li
 
 
 def _gen_random(n: int, rng: np.random.Generator, o: dict[str, Any], g0: int) -> list[Request]:
-    lens = _lognormal_int(rng, float(o.get("prompt_len", 768)), o["min_prompt_len"], o["max_prompt_len"], n)
+    lens = _lognormal_int(
+        rng, float(o.get("prompt_len", 768)), o["min_prompt_len"], o["max_prompt_len"], n
+    )
     outs = _lognormal_int(rng, o["output_len"], 1, o["max_output_len"], n)
     arr = _arrivals(rng, n, o["rate"])
     return [Request(i, float(arr[i]), _tokens(rng, lens[i]), int(outs[i])) for i in range(n)]
@@ -287,9 +247,24 @@ def generate(kind: str, num_requests: int, *, seed: int = 0, **options: Any) -> 
         raise ValueError(f"num_requests must be >= 0, got {num_requests}")
     o = dict(options)
     known = {
-        "rate", "output_len", "max_output_len", "min_prompt_len", "max_prompt_len", "weights",
-        "num_system_prompts", "system_prompt_len", "user_len", "turns", "think_steps",
-        "num_tasks", "shots", "example_len", "num_docs", "top_k", "doc_len", "prompt_len",
+        "rate",
+        "output_len",
+        "max_output_len",
+        "min_prompt_len",
+        "max_prompt_len",
+        "weights",
+        "num_system_prompts",
+        "system_prompt_len",
+        "user_len",
+        "turns",
+        "think_steps",
+        "num_tasks",
+        "shots",
+        "example_len",
+        "num_docs",
+        "top_k",
+        "doc_len",
+        "prompt_len",
     }
     unknown = sorted(set(o) - known)
     if unknown:
@@ -328,11 +303,19 @@ def generate(kind: str, num_requests: int, *, seed: int = 0, **options: Any) -> 
         sub = dict(o)
         if sub["rate"]:
             sub["rate"] = float(sub["rate"]) * c / max(num_requests, 1)
-        part_rng = np.random.default_rng([int(seed) & 0xFFFFFFFF, KINDS.index("mixed"), KINDS.index(k)])
+        part_rng = np.random.default_rng(
+            [int(seed) & 0xFFFFFFFF, KINDS.index("mixed"), KINDS.index(k)]
+        )
         g0 = KINDS.index(k) * _GROUP_STRIDE
         part = _GENERATORS[k](int(c), part_rng, sub, g0)
         reqs.extend(part)
-    reqs.sort(key=lambda r: (r.arrival, r.prefix_group if r.prefix_group is not None else -1, r.request_id))
+    reqs.sort(
+        key=lambda r: (
+            r.arrival,
+            r.prefix_group if r.prefix_group is not None else -1,
+            r.request_id,
+        )
+    )
     for i, r in enumerate(reqs):
         r.request_id = i
     return reqs
@@ -342,7 +325,9 @@ def generate(kind: str, num_requests: int, *, seed: int = 0, **options: Any) -> 
 
 
 def _as_int_list(x: Any, what: str) -> list[int]:
-    if not isinstance(x, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in x):
+    if not isinstance(x, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) for t in x
+    ):
         raise ValueError(f"{what} must be a list of integers")
     if any(t < 0 or t >= 2**32 for t in x):
         raise ValueError(f"{what} must hold token ids in [0, 2**32)")
@@ -352,8 +337,20 @@ def _as_int_list(x: Any, what: str) -> list[int]:
 def _parse_line(obj: Any, lineno: int, step_seconds: float, seed: int) -> Request:
     if not isinstance(obj, dict):
         raise ValueError("a line must be a JSON object")
-    known = {"id", "request_id", "arrival", "step", "time", "prompt_ids", "prompt_len",
-             "prefix_group", "prefix_len", "output_len", "output_ids", "extra_key"}
+    known = {
+        "id",
+        "request_id",
+        "arrival",
+        "step",
+        "time",
+        "prompt_ids",
+        "prompt_len",
+        "prefix_group",
+        "prefix_len",
+        "output_len",
+        "output_ids",
+        "extra_key",
+    }
     unknown = sorted(set(obj) - known)
     if unknown:
         raise ValueError(f"unknown field(s): {', '.join(unknown)}")
@@ -405,11 +402,20 @@ def _parse_line(obj: Any, lineno: int, step_seconds: float, seed: int) -> Reques
             prefix_len = 0
         else:
             prefix_len = obj.get("prefix_len", plen)
-            if not isinstance(prefix_len, int) or isinstance(prefix_len, bool) or not 0 <= prefix_len <= plen:
+            if (
+                not isinstance(prefix_len, int)
+                or isinstance(prefix_len, bool)
+                or not 0 <= prefix_len <= plen
+            ):
                 raise ValueError("prefix_len must be an integer in [0, prompt_len]")
-        head = prefix_group_tokens(group, prefix_len, seed=seed) if prefix_len else np.zeros(0, np.int32)
+        head = (
+            prefix_group_tokens(group, prefix_len, seed=seed)
+            if group is not None and prefix_len
+            else np.zeros(0, np.int32)
+        )
         tail = np.random.default_rng([seed, 0x7A11, rid & 0xFFFFFFFF, lineno]).integers(
-            0, VOCAB_SIZE, size=plen - prefix_len, dtype=np.int32)
+            0, VOCAB_SIZE, size=plen - prefix_len, dtype=np.int32
+        )
         prompt = np.concatenate([head, tail])
     else:
         raise ValueError("missing prompt: give prompt_ids, or prompt_len")
@@ -417,7 +423,11 @@ def _parse_line(obj: Any, lineno: int, step_seconds: float, seed: int) -> Reques
         raise ValueError("prompt must not be empty")
     if prompt.dtype != np.int32 and int(prompt.max()) < 2**31:
         prompt = prompt.astype(np.int32)
-    if output is not None and output.dtype != np.int32 and (len(output) == 0 or int(output.max()) < 2**31):
+    if (
+        output is not None
+        and output.dtype != np.int32
+        and (len(output) == 0 or int(output.max()) < 2**31)
+    ):
         output = output.astype(np.int32)
     ek = obj.get("extra_key")
     if ek is not None:
@@ -442,8 +452,14 @@ def _first_record(path: str | os.PathLike[str]) -> Any:
     return None
 
 
-def load_trace(path: str | os.PathLike[str], *, step_seconds: float = 0.02, seed: int = 0,
-               fmt: str = "auto", trace_block_size: int | None = None) -> list[Request]:
+def load_trace(
+    path: str | os.PathLike[str],
+    *,
+    step_seconds: float = 0.02,
+    seed: int = 0,
+    fmt: str = "auto",
+    trace_block_size: int | None = None,
+) -> list[Request]:
     """Read a JSONL trace (formats: docs/simulate.md). Returns requests sorted by arrival.
 
     ``fmt`` is ``"kvpool"`` (this package's format), ``"mooncake"``, ``"bailian"`` (the public
@@ -452,17 +468,18 @@ def load_trace(path: str | os.PathLike[str], *, step_seconds: float = 0.02, seed
     sets ``arrival_s`` and, with ``step_seconds`` per engine step, ``arrival``. Raises
     :class:`TraceError` naming the file and line for anything it cannot read.
     """
-    from kvpool.sim import traces
-
     if step_seconds <= 0:
         raise ValueError("step_seconds must be > 0")
     if fmt not in traces.FORMATS:
-        raise ValueError(f"unknown trace format {fmt!r}; expected one of {', '.join(traces.FORMATS)}")
+        raise ValueError(
+            f"unknown trace format {fmt!r}; expected one of {', '.join(traces.FORMATS)}"
+        )
     if fmt == "auto":
         fmt = traces.detect_format(_first_record(path))
     if fmt != "kvpool":
-        return traces.read_production_trace(path, fmt, trace_block_size=trace_block_size,
-                                            step_seconds=step_seconds)
+        return traces.read_production_trace(
+            path, fmt, trace_block_size=trace_block_size, step_seconds=step_seconds
+        )
     if trace_block_size is not None:
         raise ValueError("trace_block_size applies to the Mooncake and Qwen-Bailian formats only")
     try:
@@ -472,8 +489,9 @@ def load_trace(path: str | os.PathLike[str], *, step_seconds: float = 0.02, seed
         raise TraceError(f"cannot read trace {os.fspath(path)}: {e}") from None
 
 
-def _read_kvpool(path: str | os.PathLike[str], lines: Iterable[str], step_seconds: float,
-                 seed: int) -> list[Request]:
+def _read_kvpool(
+    path: str | os.PathLike[str], lines: Iterable[str], step_seconds: float, seed: int
+) -> list[Request]:
     reqs: list[Request] = []
     seen: set[int] = set()
     for lineno, line in enumerate(lines, 1):

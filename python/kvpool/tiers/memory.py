@@ -1,4 +1,4 @@
-"""``MemoryRemoteTier``: a remote tier held in this process's memory (issue 21).
+"""``MemoryRemoteTier``: a remote tier held in this process's memory (docs/remote_tier.md).
 
 The stand-in for a shared store (Redis, Mooncake's global pool) where no server is wanted: the
 fleet simulation (``kvpool simulate --instances N --remote memory``) gives one to every
@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from kvpool.remote import RemoteTier
+from kvpool.tiers.base import RemoteTier
 
 __all__ = ["MemoryRemoteTier"]
 
@@ -30,7 +30,9 @@ class MemoryRemoteTier(RemoteTier):
     def __init__(self, capacity: int | None = None) -> None:
         super().__init__()
         if capacity is not None and (not isinstance(capacity, int) or isinstance(capacity, bool)):
-            raise TypeError(f"capacity: must be an int or None, got {type(capacity).__name__}")  # R29
+            raise TypeError(
+                f"capacity: must be an int or None, got {type(capacity).__name__}"
+            )  # R29
         if capacity is not None and capacity < 1:
             raise ValueError(f"capacity: must be >= 1 or None, got {capacity!r}")
         self.capacity = capacity
@@ -53,7 +55,9 @@ class MemoryRemoteTier(RemoteTier):
             self._counters["exists_calls"] += 1
             return [bytes(k) in self._data for k in keys]
 
-    def get_many(self, keys: Sequence[bytes], *, timeout: float | None = None) -> list[bytes | None]:
+    def get_many(
+        self, keys: Sequence[bytes], *, timeout: float | None = None
+    ) -> list[bytes | None]:
         out: list[bytes | None] = []
         with self._lock:
             self._counters["get_calls"] += 1
@@ -68,8 +72,9 @@ class MemoryRemoteTier(RemoteTier):
             self._counters["gets"] += len(keys)
         return out
 
-    def put_many(self, keys: Sequence[bytes], payloads: Sequence[bytes], *,
-                 timeout: float | None = None) -> None:
+    def put_many(
+        self, keys: Sequence[bytes], payloads: Sequence[bytes], *, timeout: float | None = None
+    ) -> None:
         if len(keys) != len(payloads):
             raise ValueError(f"payloads: {len(payloads)} for {len(keys)} keys")
         with self._lock:

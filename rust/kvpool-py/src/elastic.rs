@@ -1,4 +1,4 @@
-//! The pool's `xtensor=` option (elastic pages per dp rank) and its figures: the option
+//! The pool's `xtensor=` option (elastic pages per dp rank, docs/xtensor.md) and its figures: the option
 //! is a dict `{"blocks_per_page": int, "page_bytes": int, "spare_pages": int,
 //! "memory_limit": int | None, "backend": "accounting" | "host" | [object per rank]}` (only
 //! `blocks_per_page` required), each key validated under `xtensor.<key>` (R29), an unknown key a

@@ -1,9 +1,11 @@
-//! `kvpool.HierarchyBlockManagerPool` (a `kvpool.BlockManagerPool` built with a host tier,
+//! `kvpool._core.HierarchyBlockManagerPool` (a `kvpool.BlockManagerPool` built with a host tier,
 //! R26) and `kvpool.TransferPlan`. It is a subclass: every pool method is the pool's, and it adds
-//! the tier's plans and completions. The remote tier's lookup policy (budget, timing, counters,
-//! what a failure means) is Python's, `kvpool.tiers.remote.RemoteLookup`: with `remote=...`,
-//! `allocate` hands the call to it, and it calls `remote_query` and `allocate_with_remote`. Each
-//! other method validates, makes one core call and maps the error.
+//! the tier's plans and completions, and the core's half of a remote lookup: `remote_query`
+//! (what lies past the device+host reach) and `allocate_with_remote` (an allocation with the
+//! answer). The remote tier itself is composed in Python: `kvpool.HierarchyBlockManagerPool`
+//! (python/kvpool/tiers/hierarchy.py) subclasses this class and runs the lookup policy
+//! (budget, timing, counters, what a failure means). The bindings never import the Python
+//! package. Each method validates, makes one core call and maps the error.
 
 use kvpool::{OffloadPolicy, RemoteHits, TransferPlan};
 use numpy::{IntoPyArray, PyArray1};
@@ -126,23 +128,20 @@ fn arrived_arg(arrived: Option<&Bound<'_, PyAny>>) -> PyResult<Option<Vec<Vec<bo
 }
 
 /// The options only a hierarchy pool takes.
-const HIERARCHY_OPTIONS: &[&str] = &[
-    "offload_policy",
-    "remote",
-    "remote_policy",
-    "remote_budget_ms",
-];
+const HIERARCHY_OPTIONS: &[&str] = &["offload_policy"];
 
-/// A BlockManagerPool with a host-memory KV tier per dp rank (R26) and an optional remote tier.
-#[pyclass(extends = PyBlockManagerPool, frozen, module = "kvpool", name = "HierarchyBlockManagerPool")]
+/// A BlockManagerPool with a host-memory KV tier per dp rank (R26); subclassable: the remote
+/// tier is added by `kvpool.HierarchyBlockManagerPool`, a Python subclass.
+#[pyclass(
+    extends = PyBlockManagerPool,
+    subclass,
+    frozen,
+    module = "kvpool._core",
+    name = "HierarchyBlockManagerPool"
+)]
 pub struct PyHierarchyBlockManagerPool {
     host_num_blocks: usize,
     offload_policy: OffloadPolicy,
-    /// The remote tier's lookup policy (`kvpool.tiers.remote.RemoteLookup`), with a remote tier.
-    lookup: Option<Py<PyAny>>,
-    remote: Option<Py<PyAny>>,
-    remote_policy: String,
-    remote_budget_ms: f64,
 }
 
 impl PyHierarchyBlockManagerPool {
@@ -175,25 +174,12 @@ impl PyHierarchyBlockManagerPool {
     #[new]
     #[pyo3(signature = (num_blocks, host_num_blocks, block_size, **options))]
     fn new(
-        py: Python<'_>,
         num_blocks: &Bound<'_, PyAny>,
         host_num_blocks: &Bound<'_, PyAny>,
         block_size: &Bound<'_, PyAny>,
         options: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<PyClassInitializer<Self>> {
         let options = Options::new("HierarchyBlockManagerPool", options, HIERARCHY_OPTIONS)?;
-        let remote = options.get("remote")?;
-        // The lookup policy validates remote, remote_policy and remote_budget_ms by name.
-        let policy = py
-            .import("kvpool.tiers.remote")?
-            .getattr("lookup_for")?
-            .call1((
-                remote.clone(),
-                options.get("remote_policy")?,
-                options.get("remote_budget_ms")?,
-            ))?;
-        let (lookup, remote_policy, remote_budget_ms): (Option<Py<PyAny>>, String, f64) =
-            policy.extract()?;
         let host_num_blocks = convert::count(host_num_blocks, "host_num_blocks")?;
         let offload_policy =
             OffloadPolicy::parse(&options.choice("offload_policy", "on_deallocate")?).py()?;
@@ -206,28 +192,9 @@ impl PyHierarchyBlockManagerPool {
         Ok(PyClassInitializer::from(base).add_subclass(Self {
             host_num_blocks,
             offload_policy,
-            lookup,
-            remote: remote.map(Bound::unbind),
-            remote_policy,
-            remote_budget_ms,
         }))
     }
 
-    /// The remote tier (a kvpool.remote.RemoteTier), or None.
-    #[getter]
-    fn remote(&self, py: Python<'_>) -> Option<Py<PyAny>> {
-        self.remote.as_ref().map(|r| r.clone_ref(py))
-    }
-    /// When offloaded host blocks go to the remote tier: "write_through" or "on_host_evict".
-    #[getter]
-    fn remote_policy(&self) -> &str {
-        &self.remote_policy
-    }
-    /// Scheduler budget of the one remote lookup per allocate, in milliseconds.
-    #[getter]
-    fn remote_budget_ms(&self) -> f64 {
-        self.remote_budget_ms
-    }
     /// Host block ids per rank, padding block included.
     #[getter]
     fn host_num_blocks(&self) -> usize {
@@ -237,26 +204,6 @@ impl PyHierarchyBlockManagerPool {
     #[getter]
     fn offload_policy(&self) -> &'static str {
         self.offload_policy.as_str()
-    }
-
-    /// Device match, host match past it, then (with a remote tier) one lookup (R14, R26).
-    #[pyo3(signature = (seq, num_tokens = None, *, plan = None))]
-    fn allocate(
-        slf: &Bound<'_, Self>,
-        seq: &Bound<'_, PyAny>,
-        num_tokens: Option<&Bound<'_, PyAny>>,
-        plan: Option<&Bound<'_, PyAny>>,
-    ) -> PyResult<bool> {
-        match &slf.get().lookup {
-            Some(lookup) => lookup
-                .bind(slf.py())
-                .call_method1("allocate", (slf, seq, num_tokens, plan))?
-                .extract(),
-            None => slf
-                .as_super()
-                .get()
-                .allocate_with(slf.py(), seq, num_tokens, plan, None),
-        }
     }
 
     /// What to ask the remote tier before allocating seq: (from, keys) past the local reach.
@@ -358,15 +305,15 @@ impl PyHierarchyBlockManagerPool {
         Self::with_plans(slf, plans, |pool, refs| pool.complete_offloads(refs))
     }
 
-    /// The pool's statistics (R20) with host, and with a remote tier remote (R26).
-    fn stats<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyDict>> {
+    /// The pool's statistics (R20, with host) and the core's remote counters (hit, fetched,
+    /// failed and pending blocks), from one snapshot: the subclass with a remote tier merges
+    /// them with its lookup's counters into stats()["remote"] (R26).
+    fn stats_with_remote<'py>(
+        slf: &Bound<'py, Self>,
+    ) -> PyResult<(Bound<'py, PyDict>, Bound<'py, PyDict>)> {
         let py = slf.py();
         let (dict, host) = slf.as_super().get().stats_dict(py)?;
-        if let Some(lookup) = &slf.get().lookup {
-            let core = remote_dict(py, &host.unwrap_or_default())?;
-            dict.set_item("remote", lookup.bind(py).call_method1("stats", (core,))?)?;
-        }
-        Ok(dict)
+        Ok((dict, remote_dict(py, &host.unwrap_or_default())?))
     }
 
     fn __repr__(slf: &Bound<'_, Self>) -> String {

@@ -1,4 +1,4 @@
-//! `kvpool.KVIndex` (issue "Beyond one instance"): thin bindings of `kvpool::KVIndex`.
+//! `kvpool.KVIndex` (docs/events.md): thin bindings of `kvpool::KVIndex`.
 //!
 //! Each method converts its arguments with the GIL held, releases it (`py.detach`) for the one
 //! core call (apply, lookup, dump, ...), and converts the answer back. Events are Python dicts

@@ -1,7 +1,9 @@
 //! Python bindings of the kvpool core (`kvpool._core`): thin wrappers that validate, make one
 //! core call and map the error; one file per exposed family, mirroring the core. Every class is
 //! frozen with a lock inside (R28). The Python docs of every class live in `_core.pyi`; a
-//! binding's own doc is one line.
+//! binding's own doc is one line. The bindings never import the Python package: every call walks
+//! Python -> bindings -> core (a Python policy subclasses a class here instead, as
+//! `kvpool.HierarchyBlockManagerPool` does; docs/architecture.md).
 
 mod batch;
 mod block;

@@ -203,9 +203,10 @@ fn slot_arg(value: &Bound<'_, PyAny>, name: &str) -> PyResult<u32> {
     u32::try_from(slot).map_err(|_| value_error(name, format!("{slot} is out of range")))
 }
 
-/// The recurrent-state copies the worker makes before the next step (R24): first every
-/// restore (restore_src -> restore_dst), then every save (save_src -> save_dst). Arrays are
-/// int32 of equal length per kind; `dp_rank` lists the restores' ranks, then the saves'.
+/// What the worker does to the recurrent state before the next step (R24): first it zeroes
+/// every slot of zero_slots, then every restore (restore_src -> restore_dst), then every save
+/// (save_src -> save_dst). Arrays are int32 of equal length per kind; `dp_rank` lists the
+/// restores' ranks, then the saves'.
 #[pyclass(frozen, module = "kvpool", name = "LinearStatePlan")]
 pub struct PyLinearStatePlan {
     pub(crate) plan: LinearStatePlan,
@@ -223,6 +224,16 @@ impl PyLinearStatePlan {
         let mut ranks = self.plan.restore_dp_rank.clone();
         ranks.extend_from_slice(&self.plan.save_dp_rank);
         ranks.into_pyarray(py)
+    }
+    /// dp rank of each zeroed slot (int32).
+    #[getter]
+    fn zero_dp_rank<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i32>> {
+        int32(py, &self.plan.zero_dp_rank)
+    }
+    /// Live slots to fill with zeros before anything else: taken without a restore (int32).
+    #[getter]
+    fn zero_slots<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i32>> {
+        int32(py, &self.plan.zero_slots)
     }
     /// dp rank of each restore (int32).
     #[getter]
@@ -265,7 +276,7 @@ impl PyLinearStatePlan {
                 .map(|h| PyBytes::new(py, &h.to_bytes())),
         )
     }
-    /// Number of copies.
+    /// Number of operations: zeroed slots, restores and saves.
     fn __len__(&self) -> usize {
         self.plan.len()
     }
@@ -274,7 +285,8 @@ impl PyLinearStatePlan {
     }
     fn __repr__(&self) -> String {
         format!(
-            "LinearStatePlan(restores={}, saves={})",
+            "LinearStatePlan(zeros={}, restores={}, saves={})",
+            self.plan.zero_slots.len(),
             self.plan.restore_src.len(),
             self.plan.save_src.len()
         )

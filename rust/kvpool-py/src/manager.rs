@@ -350,14 +350,14 @@ macro_rules! manager_class {
 }
 
 manager_class!(
-    /// Plain block allocator with a prefix cache (the seed's BlockManagerImpl).
+    /// Plain block allocator with a prefix cache (xLLM's BlockManagerImpl).
     PyBlockManager,
     "BlockManager",
     Mutex<BlockManagerImpl>
 );
 
 manager_class!(
-    /// Thread-safe block allocator with a prefix cache (the seed's ConcurrentBlockManagerImpl).
+    /// Thread-safe block allocator with a prefix cache (xLLM's ConcurrentBlockManagerImpl).
     PyConcurrentBlockManager,
     "ConcurrentBlockManager",
     ConcurrentBlockManager

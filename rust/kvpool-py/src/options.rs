@@ -28,6 +28,8 @@ pub(crate) const POOL_OPTIONS: &[&str] = &[
     "hash_seed",
     "sliding_window",
     "swa_num_blocks",
+    "shared_blocks",
+    "retention_tokens",
     "debug_hash_bits",
     "dedup",
 ];
@@ -126,6 +128,14 @@ impl<'py> Options<'py> {
             linear_state_save,
             sliding_window: self.count("sliding_window")?,
             swa_num_blocks: self.count("swa_num_blocks")?,
+            // None: the default (shared unless the window group is sized on its own)
+            shared_blocks: match self.get("shared_blocks")? {
+                None => None,
+                Some(value) => Some(convert::flag(Some(&value), "shared_blocks", false)?),
+            },
+            retention_tokens: self
+                .count("retention_tokens")?
+                .unwrap_or(kvpool::DEFAULT_RETENTION_TOKENS),
             host: None,
             xtensor: crate::elastic::xtensor_option(self.get("xtensor")?.as_ref())?,
             dedup: self.flag("dedup", true)?,

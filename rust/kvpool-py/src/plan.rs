@@ -1,5 +1,5 @@
 //! `kvpool.AllocationPlan`: what `pool.plan(seq)` decided, to hand to `pool.allocate(seq,
-//! plan=plan)` (issue 16's plan once). Read-only; `plan()` has no side effect.
+//! plan=plan)` (docs/contract.md, "Plan once"). Read-only; `plan()` has no side effect.
 
 use kvpool::AllocationPlan;
 use pyo3::prelude::*;
@@ -96,6 +96,24 @@ impl PyAllocationPlan {
         self.plan
             .restore_checkpoint()
             .map(|h| PyBytes::new(py, &h.to_bytes()))
+    }
+    /// Tokens of the prefix the full-attention caches hold (device and host): the hit the
+    /// full-attention group alone could serve, before the other groups' limits.
+    #[getter]
+    fn kv_hit_tokens(&self) -> usize {
+        self.plan.num_kv_hit_blocks() * self.block_size
+    }
+    /// The group that cut the hit short of the prompt (0 full attention, then the pool's other
+    /// groups in table order), or None (docs/hybrid.md "Why no hit").
+    #[getter]
+    fn miss_group(&self) -> Option<usize> {
+        self.plan.miss().map(|m| m.group)
+    }
+    /// Why the hit stops short: "shorter_than_block", "no_shared_prefix", "evicted",
+    /// "window_blocks_gone" or "no_checkpoint"; None for a full hit.
+    #[getter]
+    fn miss_reason(&self) -> Option<&'static str> {
+        self.plan.miss().map(|m| m.reason.as_str())
     }
     fn __repr__(&self) -> String {
         format!(

@@ -9,7 +9,7 @@
 
 use std::sync::Arc;
 
-use kvpool::{BlockManagerPool, KvCacheManager, PoolConfig, Sequence};
+use kvpool::{BlockManagerPool, KvCacheManager, PoolConfig, Sequence, TableExtent};
 use numpy::ndarray::Array2;
 use numpy::{IntoPyArray, PyArray1, PyArray2};
 use parking_lot::{Mutex, MutexGuard};
@@ -41,6 +41,16 @@ pub struct PyBlockManagerPool {
     detach: bool,
     /// Where each rank's page backend object leaves the exception it raised (empty without).
     backend_errors: Vec<ErrorSlot>,
+}
+
+/// `num_tokens` / `num_new_tokens` of `allocate`, `plan` and `can_allocate` (R14).
+pub(crate) fn extent_arg(
+    num_tokens: Option<&Bound<'_, PyAny>>,
+    num_new_tokens: Option<&Bound<'_, PyAny>>,
+) -> PyResult<Option<TableExtent>> {
+    let n = convert::optional_count(num_tokens, "num_tokens")?;
+    let new = convert::optional_count(num_new_tokens, "num_new_tokens")?;
+    TableExtent::from_args(n, new).py()
 }
 
 pub(crate) fn group_arg(group: Option<&Bound<'_, PyAny>>) -> PyResult<usize> {
@@ -200,15 +210,38 @@ impl PyBlockManagerPool {
         plan: Option<&Bound<'_, PyAny>>,
         remote: Option<kvpool::RemoteHits>,
     ) -> PyResult<bool> {
-        let n = convert::optional_count(num_tokens, "num_tokens")?;
+        let extent = extent_arg(num_tokens, None)?;
+        self.allocate_extent(py, seq, extent, plan, remote)
+    }
+
+    /// `allocate(seq, num_tokens | num_new_tokens, plan=plan)` (R14), shared with the subclass.
+    pub(crate) fn allocate_extent(
+        &self,
+        py: Python<'_>,
+        seq: &Bound<'_, PyAny>,
+        extent: Option<TableExtent>,
+        plan: Option<&Bound<'_, PyAny>>,
+        remote: Option<kvpool::RemoteHits>,
+    ) -> PyResult<bool> {
         let plan = plan_arg(plan)?;
         let plan = plan.map(|p| &p.get().plan);
         self.with_seq(py, seq, |pool, seq| {
-            pool.allocate_planned(seq, n, plan, remote)
+            pool.allocate_extent(seq, extent, plan, remote)
         })
     }
 
-    /// The stats dict and the host totals (the subclass adds its remote dict).
+    /// `plan(seq, num_tokens | num_new_tokens)`.
+    pub(crate) fn plan_extent(
+        &self,
+        py: Python<'_>,
+        seq: &Bound<'_, PyAny>,
+        extent: Option<TableExtent>,
+    ) -> PyResult<Option<PyAllocationPlan>> {
+        let plan = self.with_seq(py, seq, |pool, seq| pool.plan_extent(seq, extent))?;
+        Ok(plan.map(|p| PyAllocationPlan::new(p, self.block_size)))
+    }
+
+    /// The stats dict and the host totals (the hierarchy subclass reads their remote counters).
     pub(crate) fn stats_dict<'py>(
         &self,
         py: Python<'py>,
@@ -291,40 +324,57 @@ impl PyBlockManagerPool {
     }
 
     /// What allocate(seq, num_tokens) would return, with no side effect (R15).
-    #[pyo3(signature = (seq, num_tokens = None))]
+    #[pyo3(signature = (seq, num_tokens = None, *, num_new_tokens = None))]
     fn can_allocate(
         &self,
         py: Python<'_>,
         seq: &Bound<'_, PyAny>,
         num_tokens: Option<&Bound<'_, PyAny>>,
+        num_new_tokens: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<bool> {
-        let n = convert::optional_count(num_tokens, "num_tokens")?;
-        self.with_seq(py, seq, |pool, seq| pool.can_allocate(seq, n))
+        let extent = extent_arg(num_tokens, num_new_tokens)?;
+        self.with_seq(py, seq, |pool, seq| {
+            pool.plan_extent(seq, extent).map(|p| p.is_some())
+        })
     }
 
     /// The allocation allocate(seq, num_tokens) would make, with no side effect, or None.
-    #[pyo3(signature = (seq, num_tokens = None))]
+    #[pyo3(signature = (seq, num_tokens = None, *, num_new_tokens = None))]
     fn plan(
         &self,
         py: Python<'_>,
         seq: &Bound<'_, PyAny>,
         num_tokens: Option<&Bound<'_, PyAny>>,
+        num_new_tokens: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Option<PyAllocationPlan>> {
-        let n = convert::optional_count(num_tokens, "num_tokens")?;
-        let plan = self.with_seq(py, seq, |pool, seq| pool.plan(seq, n))?;
-        Ok(plan.map(|p| PyAllocationPlan::new(p, self.block_size)))
+        let extent = extent_arg(num_tokens, num_new_tokens)?;
+        self.plan_extent(py, seq, extent)
     }
 
-    /// Blocks for num_tokens tokens after a prefix-cache match (R8, R13, R14); consumes plan.
-    #[pyo3(signature = (seq, num_tokens = None, *, plan = None))]
+    /// Blocks for num_tokens tokens (or the hit plus num_new_tokens) after a prefix-cache match
+    /// (R8, R13, R14); consumes plan.
+    #[pyo3(signature = (seq, num_tokens = None, *, plan = None, num_new_tokens = None))]
     fn allocate(
         &self,
         py: Python<'_>,
         seq: &Bound<'_, PyAny>,
         num_tokens: Option<&Bound<'_, PyAny>>,
         plan: Option<&Bound<'_, PyAny>>,
+        num_new_tokens: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<bool> {
-        self.allocate_with(py, seq, num_tokens, plan, None)
+        let extent = extent_arg(num_tokens, num_new_tokens)?;
+        self.allocate_extent(py, seq, extent, plan, None)
+    }
+
+    /// R24: the smallest computed-token count past seq.num_computed_tokens, at most len(seq),
+    /// at which cache(seq) plans a checkpoint save; None without linear state or when none is
+    /// left. A prefill chunk ends there, or the boundary is not saved.
+    fn next_checkpoint_boundary(
+        &self,
+        py: Python<'_>,
+        seq: &Bound<'_, PyAny>,
+    ) -> PyResult<Option<usize>> {
+        self.with_seq(py, seq, |pool, seq| pool.next_checkpoint_boundary(seq))
     }
 
     /// The prefix hit only (its blocks, the single block, the live slot), into a free seq.
@@ -428,6 +478,47 @@ impl PyBlockManagerPool {
         Ok(self.stats_dict(py)?.0)
     }
 
+    /// Memory per group of every rank (docs/hybrid.md "One block store"): a census of the
+    /// store, O(blocks); `stats()` has the totals.
+    fn memory<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, pyo3::types::PyList>> {
+        let ranks = self.lock(py)?.memory();
+        let out = pyo3::types::PyList::empty(py);
+        for rank in ranks {
+            let d = PyDict::new(py);
+            d.set_item("num_blocks", rank.num_blocks)?;
+            d.set_item("free_blocks", rank.free_blocks)?;
+            let groups = pyo3::types::PyList::empty(py);
+            for (position, cached, used) in rank.shared {
+                let g = PyDict::new(py);
+                g.set_item("group", position)?;
+                g.set_item("cached_blocks", cached)?;
+                g.set_item("used_blocks", used)?;
+                groups.append(g)?;
+            }
+            d.set_item("shared", groups)?;
+            match rank.own_window {
+                Some((position, counts)) => {
+                    let w = crate::stats::counts_dict(py, &counts)?;
+                    w.set_item("group", position)?;
+                    d.set_item("own_window", w)?;
+                }
+                None => d.set_item("own_window", py.None())?,
+            }
+            match rank.linear_slots {
+                Some((position, in_use, total)) => {
+                    let l = PyDict::new(py);
+                    l.set_item("group", position)?;
+                    l.set_item("slots_in_use", in_use)?;
+                    l.set_item("slots", total)?;
+                    d.set_item("linear_state", l)?;
+                }
+                None => d.set_item("linear_state", py.None())?,
+            }
+            out.append(d)?;
+        }
+        Ok(out)
+    }
+
     /// Chain walks of the device and host caches so far (a debug counter, for tests).
     fn debug_counters<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let c = self.lock(py)?.debug_counters();
@@ -451,9 +542,25 @@ impl PyBlockManagerPool {
     }
 
     /// Returns and clears the table entries dedup on publish switched (R9 revised): a list of
-    /// (seq_id, old block id, new block id); [] with dedup=False.
-    fn drain_block_switches(&self) -> Vec<(u64, u32, u32)> {
-        self.inner.lock().drain_block_switches()
+    /// (seq_id, old block id, new block id), or with with_group=True of (seq_id, group, old,
+    /// new); [] with dedup=False.
+    /// `with_group` is a bool (pyo3's conversion: None or an int is a TypeError naming it).
+    #[pyo3(signature = (*, with_group = false))]
+    fn drain_block_switches<'py>(
+        &self,
+        py: Python<'py>,
+        with_group: bool,
+    ) -> PyResult<Bound<'py, PyList>> {
+        let switches = self.lock(py)?.drain_block_switches_by_group();
+        match with_group {
+            true => PyList::new(py, switches),
+            false => PyList::new(
+                py,
+                switches
+                    .into_iter()
+                    .map(|(seq, _, old, new)| (seq, old, new)),
+            ),
+        }
     }
 
     /// Whether the pool dedups on publish (R9 revised; built with dedup=True, the default).

@@ -1,4 +1,4 @@
-//! `kvpool.XTensorBlockManager`: the elastic allocator on virtual-memory pages.
+//! `kvpool.XTensorBlockManager`: the elastic allocator on virtual-memory pages (docs/xtensor.md).
 //! Each method validates, makes one core call and maps the error.
 //!
 //! The page backend is the accounting one (`backend=None`), the host one (`backend="host"`) or

@@ -152,7 +152,7 @@ fn pool_request(c: &mut Criterion) {
     group.finish();
 }
 
-/// Issue 4: the hybrid paths of the pool. The same request as `pool_request` in a pool with
+/// The hybrid paths of the pool. The same request as `pool_request` in a pool with
 /// linear state (the 1024-token shared prefix has a committed checkpoint, so allocation trims
 /// and restores), and one decode step of a sequence with a sliding-window group (publish, slide
 /// one block out, grow one block in).

@@ -1,5 +1,5 @@
 //! `XTensorBlockManager` against the plain `BlockManagerImpl` (`cargo bench --bench xtensor`).
-//! Issue 17's targets: allocate + free in the steady state (no page mapped or unmapped) within
+//! The targets: allocate + free in the steady state (no page mapped or unmapped) within
 //! 1.5x of the plain manager; the cost of mapping and unmapping a page reported apart, on the
 //! accounting backend and on the host backend (`mprotect` + populate, `MADV_DONTNEED`).
 

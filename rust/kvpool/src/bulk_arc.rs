@@ -4,7 +4,7 @@
 //!
 //! A prefix hit hands out a few hundred handles at once and a release drops a whole table.
 //! With `Arc`, each handle's clone and drop is one atomic update of the same shared count,
-//! about a third of the work of pinning or releasing a block (perf, issue 19). Here
+//! about a third of the work of pinning or releasing a block (benches/RESULTS.md). Here
 //! [`BulkArc::reserve`] makes `n` references with one `fetch_add` and [`Reserved::next_ref`]
 //! hands them out one by one without touching the count; an [`Absorbed`] takes the references
 //! of dropped handles without touching it and gives them back with one `fetch_sub`.

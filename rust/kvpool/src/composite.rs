@@ -4,7 +4,7 @@
 //! A configuration of the pool's group abstraction (`groups/`): each group is a full-attention
 //! group or a sliding-window group with its own id space and block size, and a sequence holds
 //! one table per group ([`GroupTables`]). Sliding-window groups release the blocks no future query
-//! can attend to whenever the manager touches the sequence. Like the seed's CompositeBlockManager
+//! can attend to whenever the manager touches the sequence. Like xLLM's CompositeBlockManager
 //! this standalone manager keeps no prefix cache; `BlockManagerPool(sliding_window=w)` builds the
 //! two-group case with prefix sharing (see `sliding_window.rs` for the rule).
 //!
@@ -120,7 +120,7 @@ impl GroupTables {
     }
 }
 
-/// Several block groups behind one allocator (the seed's `CompositeBlockManager`).
+/// Several block groups behind one allocator (xLLM's `CompositeBlockManager`).
 pub struct CompositeBlockManager {
     groups: Vec<GroupManager>,
 }
@@ -232,7 +232,7 @@ impl CompositeBlockManager {
         Ok(())
     }
 
-    /// Releases every table (the seed's `deallocate_sequence`).
+    /// Releases every table (xLLM's `deallocate_sequence`).
     pub fn deallocate_sequence(&mut self, tables: &mut GroupTables) {
         for table in &mut tables.tables {
             table.clear();

@@ -1,4 +1,4 @@
-//! `ConcurrentBlockManager`: the thread-safe physical allocator (the seed's
+//! `ConcurrentBlockManager`: the thread-safe physical allocator (xLLM's
 //! `ConcurrentBlockManagerImpl`, R27).
 //!
 //! Every method takes `&self`; share the manager as `Arc<ConcurrentBlockManager>` (it is

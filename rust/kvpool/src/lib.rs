@@ -14,6 +14,7 @@
 mod alloc;
 mod block;
 mod bulk_arc;
+mod chain;
 mod composite;
 mod concurrent_manager;
 mod counters;
@@ -52,8 +53,9 @@ pub use manager::{
 pub use pool::{
     AllocationPlan, BlockManagerPool, DebugCounters, HierarchyBlockManagerPool, HierarchyConfig,
     HierarchyStats, KvCacheManager, KvEvent, KvEventKind, LinearStateMatch, LinearStatePlan,
-    LinearStateSave, PageBackendKind, PoolConfig, PoolStats, RankStats, XTensorOptions,
-    XTensorRankStats, DEFAULT_EVENT_REPLAY,
+    LinearStateSave, Miss, MissReason, PageBackendKind, PoolConfig, PoolStats, RankMemory,
+    RankStats, TableExtent, XTensorOptions, XTensorRankStats, DEFAULT_EVENT_REPLAY,
+    DEFAULT_RETENTION_TOKENS,
 };
 pub use prefix_cache::{CacheEvent, CacheStats, ExtraKey, PrefixCache, Probe};
 pub use sequence::Sequence;

@@ -73,7 +73,7 @@ impl BlockCounts {
     }
 }
 
-/// The physical allocator interface (the seed's `BlockManager`).
+/// The physical allocator interface (xLLM's `BlockManager`).
 pub trait BlockManager {
     /// Tokens per block.
     fn block_size(&self) -> usize;
@@ -178,7 +178,7 @@ impl ManagerConfig {
     }
 }
 
-/// Plain allocator with an optional prefix cache and the padding block (the seed's
+/// Plain allocator with an optional prefix cache and the padding block (xLLM's
 /// `BlockManagerImpl`).
 pub struct BlockManagerImpl {
     pub(crate) store: StoreRef,
@@ -430,7 +430,7 @@ impl BlockManagerImpl {
     }
 }
 
-/// One id per sequence (block size 1, id 0 reserved, no prefix cache): the seed's
+/// One id per sequence (block size 1, id 0 reserved, no prefix cache): xLLM's
 /// `SingleBlockManager`, also the slot allocator of the linear-state cache.
 pub struct SingleBlockManager {
     inner: BlockManagerImpl,

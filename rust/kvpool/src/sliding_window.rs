@@ -18,8 +18,12 @@
 //!
 //! A prefix hit at block boundary `k` is valid only if every block the next query can attend
 //! to, `[first_needed(k * bs), k)`, is held (by a sequence or as a kept tail) and indexed under
-//! the chain's hash with the same tokens; the hit then takes new handles on exactly those blocks
-//! (entries before them are 0). It never hands out a released block: an index entry is used only
+//! the chain's hash with the same tokens, and its recorded *link* (the anchor of the
+//! full-attention entry of the position before it, `chain.rs`) is where the query's own
+//! verified walk goes: a window cannot compare the prefix before its first block, so the
+//! full-attention cache stands in for its parent (R7). The hit then takes new handles on exactly
+//! those blocks (entries before them are 0). A block is published once the full-attention
+//! publication of its chain went past its position. It never hands out a released block: an index entry is used only
 //! after the store proves the block is still held (an atomic "retain if alive"), and the id's
 //! publication is cleared whenever the manager hands the id out again. This is vLLM's
 //! sliding-window manager restricted to blocks inside some window, or SGLang's SWA radix cache
@@ -27,7 +31,7 @@
 //!
 //! Invariants (checked by [`SlidingWindowBlockManager::check`]): those of the block manager
 //! (R1-R5, with `cached` = kept tail blocks nothing else holds); a block has the `CACHED` bit
-//! iff it is in the kept list; index entries name real ids (stale ones are skipped on lookup and
+//! iff it is in the kept list; a published block has a link; index entries name real ids (stale ones are skipped on lookup and
 //! pruned in bulk when the index outgrows twice the number of ids); with events on, every
 //! findable published block is announced (`events.rs`).
 //!
@@ -44,10 +48,11 @@ use std::collections::VecDeque;
 
 use crate::alloc;
 use crate::block::{Block, CACHED, COUNT_MASK};
+use crate::chain::{OwnChain, QueryChain};
 use crate::error::{ensure_arg, ensure_invariant, Result};
 use crate::hash::{BlockHash, ByHash};
 use crate::manager::{BlockCounts, BlockManager, BlockManagerImpl, ManagerConfig};
-use crate::prefix_cache::{CacheEvent, ExtraKey};
+use crate::prefix_cache::{Anchor, CacheEvent, ExtraKey};
 
 use events::WindowEvents;
 
@@ -120,6 +125,10 @@ struct WindowIndex {
     /// The hash each id is published under, if any (cleared when the id is handed out).
     published: Vec<Option<BlockHash>>,
     tokens: Vec<u32>,
+    /// The link (`chain.rs`) each published id was published with.
+    links: Vec<Anchor>,
+    /// The chain's extra key beside a root link (a chain's first block).
+    roots: Vec<Option<ExtraKey>>,
 }
 
 impl SlidingWindowBlockManager {
@@ -140,6 +149,8 @@ impl SlidingWindowBlockManager {
                 index: ByHash::default(),
                 published: alloc::filled(num_blocks, "num_blocks", || None)?,
                 tokens: alloc::filled(num_blocks * block_size, "num_blocks", || 0)?,
+                links: alloc::filled(num_blocks, "num_blocks", || 0)?,
+                roots: alloc::filled(num_blocks, "num_blocks", || None)?,
             }),
             false => None,
         };
@@ -198,7 +209,12 @@ impl SlidingWindowBlockManager {
     /// Bytes a manager of these numbers allocates (for [`crate::alloc::probe`]).
     pub(crate) fn footprint(num_blocks: usize, block_size: usize, sharing: bool) -> u128 {
         let index = match sharing {
-            true => std::mem::size_of::<Option<BlockHash>>() + 4 * block_size,
+            true => {
+                std::mem::size_of::<Option<BlockHash>>()
+                    + 4 * block_size
+                    + std::mem::size_of::<Anchor>()
+                    + std::mem::size_of::<Option<ExtraKey>>()
+            }
             false => 0,
         };
         num_blocks as u128 * (crate::block::BlockStore::BYTES_PER_ID + index as u128)
@@ -268,16 +284,15 @@ impl SlidingWindowBlockManager {
         }
     }
 
-    /// A prefix hit at block boundary `k` for this group (module doc): `None` unless every
-    /// block the next query can attend to is held and published under the chain; else how many
-    /// of those are kept blocks nothing else holds (the hit makes them used, so they no longer
-    /// count as available).
-    pub fn hit_cost(&self, hashes: &[BlockHash], tokens: &[u32], k: usize) -> Option<usize> {
-        let block_size = self.block_size();
-        let first = self.first_needed_block(k * block_size);
+    /// A prefix hit at block boundary `k` of `chain` for this group (module doc): `None` unless
+    /// every block the next query can attend to is held and published under the chain (and
+    /// linked to it); else how many of those are kept blocks nothing else holds (the hit makes
+    /// them used, so they no longer count as available).
+    pub(crate) fn hit_cost(&self, chain: &QueryChain<'_>, k: usize) -> Option<usize> {
+        let first = self.first_needed_block(k * self.block_size());
         let mut cost = 0;
         for i in (first..k).rev() {
-            let id = self.find(hashes[i], &tokens[i * block_size..(i + 1) * block_size])?;
+            let id = self.find(chain, i)?;
             cost += usize::from(self.inner.store.state(id) & (CACHED | COUNT_MASK) == CACHED | 1);
         }
         Some(cost)
@@ -306,11 +321,22 @@ impl SlidingWindowBlockManager {
         num_computed_tokens.saturating_sub(self.window - 1) / self.block_size()
     }
 
-    /// Releases the blocks of `table` no future query can attend to (R25); returns how many.
+    /// The first block a slide at `num_computed_tokens` keeps: the first one a query at the last
+    /// full block boundary can attend to. A later request sharing the prefix can only hit at a
+    /// block boundary, so the tail is kept for that query, not for the one at
+    /// `num_computed_tokens` (a block more when the window ends inside the last block).
+    #[inline]
+    fn first_kept_block(&self, num_computed_tokens: usize) -> usize {
+        let bs = self.block_size();
+        self.first_needed_block(num_computed_tokens / bs * bs)
+    }
+
+    /// Releases the blocks of `table` that neither a future query of the sequence nor a hit at
+    /// one of its block boundaries can attend to (R25); returns how many.
     #[inline]
     pub fn slide(&self, table: &mut WindowTable, num_computed_tokens: usize) -> usize {
         let first = self
-            .first_needed_block(num_computed_tokens)
+            .first_kept_block(num_computed_tokens)
             .min(table.len());
         if first <= table.released {
             return 0; // most steps: the window did not pass a block boundary
@@ -332,7 +358,7 @@ impl SlidingWindowBlockManager {
     /// whose only other holder is the table (evictable once it lets go, F4).
     pub fn releasable(&self, table: &WindowTable, num_computed_tokens: usize) -> usize {
         let first = self
-            .first_needed_block(num_computed_tokens)
+            .first_kept_block(num_computed_tokens)
             .min(table.len());
         let store = &self.inner.store;
         (table.released..first)
@@ -373,21 +399,25 @@ impl SlidingWindowBlockManager {
     }
 
     /// Publishes the held blocks of `table` among its first `num_full` entries (full blocks
-    /// whose KV exists) under their chain hashes, so prefix hits can share them; with events,
-    /// queues their "stored" events (`extra_key`: the chain's).
-    pub fn publish(
+    /// whose KV exists) under the hashes of `chain`, each with its link (`chain.rs`), so prefix
+    /// hits can share them; with events, queues their "stored" events (under the chain's extra
+    /// key). Positions past the chain's full-attention reach wait for a later call; a block
+    /// whose link cannot be found stays private.
+    pub(crate) fn publish(
         &mut self,
         table: &mut WindowTable,
-        hashes: &[BlockHash],
-        tokens: &[u32],
+        chain: &mut OwnChain<'_>,
         num_full: usize,
-        extra_key: Option<&ExtraKey>,
     ) {
         let block_size = self.block_size();
         let Some(sharing) = self.sharing.as_mut() else {
             return;
         };
-        let end = num_full.min(table.len()).min(hashes.len());
+        let (hashes, tokens) = (chain.hashes, chain.tokens);
+        let end = num_full
+            .min(table.len())
+            .min(hashes.len())
+            .min(chain.reach());
         let start = table.published.max(table.released);
         for i in start..end {
             let Some(block) = table.get(i) else { continue };
@@ -396,20 +426,35 @@ impl SlidingWindowBlockManager {
             if sharing.published[id].is_some() {
                 continue; // matched from another sequence: already published
             }
+            let link = chain.link(i);
+            if link == 0 {
+                continue; // the parent is not cached as this chain's: a hit could not verify it
+            }
             if let Some(&other) = sharing.index.get(&hash.0) {
                 let held = self.inner.store.state(other) & crate::block::COUNT_MASK != 0;
                 if held && sharing.published[other as usize] == Some(hash) {
-                    continue; // first writer wins (R9): another held block has this chain
+                    if sharing.links[other as usize] == link {
+                        continue; // first writer wins (R9): another held block has this chain
+                    }
+                    // Linked elsewhere: another prefix whose hash collides, or this prefix
+                    // before its parent's entry was evicted and computed again. Its link no
+                    // longer serves this chain: the newer publication takes the hash.
+                    sharing.published[other as usize] = None;
                 }
             }
             sharing.published[id] = Some(hash);
+            sharing.links[id] = link;
+            if i == 0 {
+                sharing.roots[id] = chain.extra_key.cloned();
+            }
             let block_tokens = &tokens[i * block_size..(i + 1) * block_size];
             sharing.tokens[id * block_size..(id + 1) * block_size].copy_from_slice(block_tokens);
             sharing.index.insert(hash.0, id as u32);
             if let Some(events) = self.events.as_mut() {
-                // Any older block of this hash failed the first-writer test above: unfindable.
+                // Any older block of this hash is unfindable now (failed the first-writer test
+                // above, or lost the hash to this one): its removal is queued first.
                 let parent = i.checked_sub(1).map(|p| hashes[p]);
-                events.stored(hash, parent, block_tokens, id as u32, extra_key);
+                events.stored(hash, parent, block_tokens, id as u32, chain.extra_key);
             }
         }
         table.published = table.published.max(end);
@@ -423,35 +468,36 @@ impl SlidingWindowBlockManager {
         }
     }
 
-    /// The held, published block of chain hash `hash` with these `tokens`, if any.
-    fn find(&self, hash: BlockHash, tokens: &[u32]) -> Option<u32> {
+    /// The held block published for position `i` of `chain`, if any: under its hash, with its
+    /// tokens, linked to where the chain's walk verified the position before (R7).
+    fn find(&self, chain: &QueryChain<'_>, i: usize) -> Option<u32> {
         let sharing = self.sharing.as_ref()?;
+        let hash = chain.hashes[i];
         let &id = sharing.index.get(&hash.0)?;
-        let block_size = self.block_size();
+        let bs = self.block_size();
         let held = self.inner.store.state(id) & crate::block::COUNT_MASK != 0;
+        let at = id as usize;
         (held
-            && sharing.published[id as usize] == Some(hash)
-            && sharing.tokens[id as usize * block_size..(id as usize + 1) * block_size] == *tokens)
-            .then_some(id)
+            && sharing.published[at] == Some(hash)
+            && sharing.tokens[at * bs..(at + 1) * bs] == chain.tokens[i * bs..(i + 1) * bs]
+            && chain.links(i, sharing.links[at], sharing.roots[at].as_deref()))
+        .then_some(id)
     }
 
     /// Fills an empty `table` for a hit at boundary `k` (after [`Self::hit_cost`]): entries
     /// before the window are padding, the window's blocks are shared. False (table untouched)
     /// if a block was released meanwhile.
-    pub fn take_hit(
+    pub(crate) fn take_hit(
         &self,
         table: &mut WindowTable,
-        hashes: &[BlockHash],
-        tokens: &[u32],
+        chain: &QueryChain<'_>,
         k: usize,
     ) -> bool {
         debug_assert!(table.is_empty());
-        let block_size = self.block_size();
-        let first = self.first_needed_block(k * block_size);
+        let first = self.first_needed_block(k * self.block_size());
         let mut blocks = Vec::with_capacity(k - first);
         for i in first..k {
-            let Some(id) = self.find(hashes[i], &tokens[i * block_size..(i + 1) * block_size])
-            else {
+            let Some(id) = self.find(chain, i) else {
                 return false;
             };
             let store = &self.inner.store;
@@ -573,6 +619,12 @@ impl BlockManager for SlidingWindowBlockManager {
                 ensure_invariant!(
                     (id as usize) < sharing.published.len() && id != 0,
                     "window index entry points at id {id}"
+                );
+            }
+            for (id, published) in sharing.published.iter().enumerate() {
+                ensure_invariant!(
+                    published.is_none() || sharing.links[id] != 0,
+                    "window block {id} is published without a link (R7)"
                 );
             }
             if let Some(events) = &self.events {

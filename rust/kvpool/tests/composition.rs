@@ -1,4 +1,4 @@
-//! One pool (issue 16): a host tier composes with every other feature (R22-R26), admission
+//! One pool: a host tier composes with every other feature (R22-R26), admission
 //! plans once and walks the chain once per tier (R14, R15), `plan` has no side effect, and the
 //! seed's `allocate_shared`. Random workloads check every structure after every step and get
 //! every id back at the end.

@@ -1,4 +1,4 @@
-//! Dedup on publish (R9 revised, issue 18) in the core pool: the fan-out example, a duplicate
+//! Dedup on publish (R9 revised) in the core pool: the fan-out example, a duplicate
 //! that another holder keeps (a pending transfer's handle) is not switched until it is let go,
 //! `dedup = false` keeps first writer wins, and the physical level is unchanged.
 

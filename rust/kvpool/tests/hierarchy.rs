@@ -1,5 +1,5 @@
 //! `HierarchyBlockManagerPool` (R26): load / offload plans, pinning on both tiers, the ticket
-//! scheme, remote-tier fetch records (issue 10), and a proptest of random workloads with
+//! scheme, remote-tier fetch records, and a proptest of random workloads with
 //! `check()` after every step.
 
 use std::collections::HashSet;
@@ -109,7 +109,7 @@ fn host_hit_after_device_eviction_loads_and_counts_after_confirmation() {
     p.check().unwrap();
 }
 
-/// Issue 21: the host cache's events are "host" events of the rank's stream, and the remote
+/// The host cache's events are "host" events of the rank's stream, and the remote
 /// tier's stores the caller reports are "remote" events, chained from the host cache.
 #[test]
 fn host_and_remote_events_share_the_rank_stream() {
@@ -293,7 +293,7 @@ fn bad_arguments_name_themselves() {
 }
 
 // ------------------------------------------------------------------------------------------
-// Remote tier (issue 10): remote_query, allocate_with_remote, fetch records and their tickets.
+// Remote tier: remote_query, allocate_with_remote, fetch records and their tickets.
 // ------------------------------------------------------------------------------------------
 
 /// Allocates `s` with every queried block reported present remotely; returns the query's

@@ -88,7 +88,10 @@ fn no_checkpoint_means_no_kv_reuse() {
     assert!(pool.allocate(&mut b, None).unwrap());
     assert_eq!(b.num_cached_tokens(), 0);
     assert_eq!(b.linear_state_restore_slot(), None);
-    assert!(pool.take_linear_state_plan().is_empty());
+    let plan = pool.take_linear_state_plan();
+    assert!(plan.restore_src.is_empty() && plan.save_src.is_empty());
+    // no restore: the live slot starts from zeros (R24)
+    assert_eq!(plan.zero_slots, vec![b.linear_state_slot().unwrap() as i32]);
 }
 
 #[test]
@@ -234,8 +237,10 @@ fn sliding_window_releases_blocks_behind_the_window() {
 
 #[test]
 fn window_hits_only_while_the_window_is_held_or_kept() {
+    // A window group with a store of its own (slid-out blocks are freed at once).
     let mut config = PoolConfig::new(64, 4);
     config.sliding_window = Some(8);
+    config.swa_num_blocks = Some(64);
     let mut pool = BlockManagerPool::new(config).unwrap();
     let prompt: Vec<u32> = (0..33).collect();
     let mut a = Sequence::new(prompt.clone(), None, None);
@@ -314,7 +319,8 @@ proptest! {
         config.swa_num_blocks = window.map(|_| 12);
         config.linear_state_slots = if slots == 1 { 0 } else { slots };
         if config.linear_state_slots > 0 {
-            config.checkpoint_interval = Some(8);
+            // "contiguous" hits only with a checkpoint at every block (R23).
+            config.checkpoint_interval = Some(if contiguous { 4 } else { 8 });
         }
         config.linear_state_save = if promote { LinearStateSave::Promote } else { LinearStateSave::Copy };
         config.linear_state_match =
@@ -421,7 +427,7 @@ proptest! {
     }
 }
 
-// ---- KV events of the sliding-window group (R21, R25, issue 21 item 1) ----
+// ---- KV events of the sliding-window group (R21, R25) ----
 
 use kvpool::{GroupKind, IndexConfig, IndexEvent, KVIndex, KvEvent, KvEventKind, Medium};
 
@@ -543,7 +549,8 @@ fn window_group_events_carry_every_field_and_follow_the_blocks() {
 
 #[test]
 fn a_sequence_dropped_on_another_thread_is_removed_at_the_next_drain() {
-    let mut pool = window_pool(64, 8, None, 1);
+    // A window group with a store of its own: its blocks die with their last handle.
+    let mut pool = window_pool(64, 8, Some(64), 1);
     let tokens: Vec<u32> = (0..17).collect();
     let mut a = Sequence::new(tokens.clone(), None, None);
     assert!(pool.allocate(&mut a, None).unwrap());

@@ -1,4 +1,4 @@
-//! `KVIndex` (issue "Beyond one instance", item 2): a proptest against a plain dict-of-sets
+//! `KVIndex`: a proptest against a plain dict-of-sets
 //! model over random event streams (stores, removals, clears, speculative entries, gaps and
 //! replays, many instances, ranks, media, groups and two block sizes), TTL expiry and
 //! confirmation, the memory bound, dump/load, bad input, and readers racing the writer.
@@ -579,7 +579,7 @@ fn run_workload(ops: Vec<Op>, writers: usize) -> Result<(), TestCaseError> {
             .collect();
         prop_assert_eq!(stalled, model_stalled);
     }
-    // Dump and load keep everything (issue 21: warm restart).
+    // Dump and load keep everything (warm restart).
     let loaded = KVIndex::load(&idx.dump(), None).unwrap();
     loaded.check().unwrap();
     prop_assert_eq!(loaded.dump(), idx.dump());

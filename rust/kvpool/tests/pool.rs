@@ -177,7 +177,7 @@ fn r19_exports_and_r21_events() {
     assert!(p.drain_events().is_empty());
 }
 
-/// Issue 21: events numbered 1, 2, 3, ... per rank, self-describing, replayable from the
+/// Events numbered 1, 2, 3, ... per rank, self-describing, replayable from the
 /// bounded buffer; the index applies them as they are.
 #[test]
 fn events_are_numbered_per_rank_and_replayable() {

@@ -1,4 +1,4 @@
-//! The pool on elastic pages (issue 17: `PoolConfig::xtensor`, the seed's `enable_xtensor`): a
+//! The pool on elastic pages (`PoolConfig::xtensor`, xLLM's `enable_xtensor`): a
 //! proptest of random workloads (allocate, the batch calls, deallocate, limit changes under
 //! load, dp ranks, the prefix cache) with `check()` after every step, and the page rules
 //! asserted from the sequences' tables: every held block lies on a mapped page, the mapped pages

@@ -1,4 +1,4 @@
-//! Issue 15 ("Reliability"): regression tests of the core findings F1-F9 of an outside
+//! Reliability: regression tests of the core findings F1-F9 of an outside
 //! differential/fuzz campaign, and the property test that would have caught F2 and F4: over
 //! random serving workloads with sliding window + prefix cache, linear-state saves (copy and
 //! promote, plans taken and committed at random times, sometimes late) and the host tier,

@@ -1,7 +1,7 @@
-//! The house's shape (issue 16): no import circle among the core's modules (a folder is one
+//! The house's shape: no import circle among the core's modules (a folder is one
 //! module) or among the binding crate's files, and no core file over 700 lines. The graphs are
 //! read from the sources: every `crate::<name>` a file names outside comments is an edge from
-//! its module to `<name>`.
+//! its module to `<name>`. tests/test_structure.py checks the Python package the same way.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fs;

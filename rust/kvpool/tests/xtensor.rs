@@ -1,4 +1,4 @@
-//! `XTensorBlockManager` (issue 17): pages mapped as blocks are handed out and unmapped as they
+//! `XTensorBlockManager`: pages mapped as blocks are handed out and unmapped as they
 //! empty, spares, reservation, the memory limit, page-aware eviction with the prefix cache, the
 //! page backends; plus a proptest of random workloads with `check()` and the page rules after
 //! every step.

@@ -10,7 +10,7 @@
 //! the page rules of `XTensorBlockManager::check`). An elastic allocator is settled (released ids
 //! taken onto their pages, emptied pages unmapped) whenever the pool drains the group.
 
-use crate::block::Block;
+use crate::block::{Block, CACHED, COUNT_MASK};
 use crate::error::Result;
 use crate::hash::{BlockHash, BlockHasher};
 use crate::manager::{BlockCounts, BlockManager, BlockManagerImpl};
@@ -40,6 +40,10 @@ macro_rules! with_allocator {
 /// The full-attention group of one rank.
 pub(crate) struct FullGroup {
     allocator: Allocator,
+    /// With groups sharing the store: the group each id was last handed out to (0 full
+    /// attention, then the rank's other groups in table order), for the memory per group
+    /// (`BlockManagerPool::memory`); empty otherwise. Exact for every id that is not free.
+    owners: Vec<u8>,
 }
 
 /// What one walk of the chain found in the device cache: the ids of the leading cached blocks,
@@ -68,13 +72,45 @@ impl FullGroup {
     pub(crate) fn new(manager: BlockManagerImpl) -> Self {
         Self {
             allocator: Allocator::Paged(manager),
+            owners: Vec::new(),
         }
+    }
+
+    /// Records the group of every block handed out from now on (a store shared by groups).
+    pub(crate) fn track_owners(&mut self) -> Result<()> {
+        let n = self.store().num_blocks();
+        self.owners = crate::alloc::filled(n, "num_blocks", || 0)?;
+        Ok(())
+    }
+
+    /// Blocks of the store per (state, group): `(free, [cached, used] per group)`, `groups`
+    /// groups; a block of an untracked store counts as the full-attention group's.
+    pub(crate) fn census(&self, groups: usize) -> (usize, Vec<[usize; 2]>) {
+        let store = self.store();
+        let mut per_group = vec![[0usize; 2]; groups.max(1)];
+        let mut free = 0;
+        for id in 1..store.num_blocks() as u32 {
+            let state = store.state(id);
+            if state & COUNT_MASK == 0 {
+                free += 1;
+                continue;
+            }
+            let owner = self.owners.get(id as usize).map_or(0, |&o| o as usize);
+            let last = per_group.len() - 1;
+            let slot = &mut per_group[owner.min(last)];
+            match state & (CACHED | COUNT_MASK) == CACHED | 1 {
+                true => slot[0] += 1,
+                false => slot[1] += 1,
+            }
+        }
+        (free, per_group)
     }
 
     /// A group on elastic pages.
     pub(crate) fn elastic(manager: XTensorBlockManager) -> Self {
         Self {
             allocator: Allocator::Elastic(Box::new(manager)),
+            owners: Vec::new(),
         }
     }
 
@@ -175,10 +211,20 @@ impl FullGroup {
         walk
     }
 
-    /// Whether a hit of `k` blocks, then `entries` table entries, fit: the new blocks come from
-    /// the available ones minus those the hit makes used.
-    pub(crate) fn fits(&self, walk: &Walk, k: usize, entries: usize) -> bool {
-        entries.saturating_sub(k) <= self.num_available().saturating_sub(walk.cache_only(k))
+    /// Whether a hit of `k` blocks, then `entries` table entries, fit, with `shared` more
+    /// blocks the groups of the shared store take: the new blocks come from the available ones
+    /// minus those the hit makes used.
+    pub(crate) fn fits(&self, walk: &Walk, k: usize, entries: usize, shared: usize) -> bool {
+        entries.saturating_sub(k).saturating_add(shared)
+            <= self.num_available().saturating_sub(walk.cache_only(k))
+    }
+
+    /// The store of a fixed-memory allocator (the shared store of a rank's groups).
+    pub(crate) fn store(&self) -> &crate::block::BlockStore {
+        match &self.allocator {
+            Allocator::Paged(m) => &m.store,
+            Allocator::Elastic(m) => &m.store,
+        }
     }
 
     /// Takes the first `k` walked blocks into `table` (the walk's blocks, retained).
@@ -191,8 +237,8 @@ impl FullGroup {
     /// Grows `table` by `need` fresh blocks (all-or-nothing, R3).
     #[inline]
     pub(crate) fn grow(&mut self, table: &mut Vec<Block>, need: usize) -> bool {
-        match need {
-            0 => true,
+        let grown = match need {
+            0 => return true,
             // Elastic pages: the pool retried pending backend failures before its call
             // (`BlockManagerPool::retry_pending`); an error here is "no room" for the growth,
             // which changes nothing (a backend's own exception is raised by the binding).
@@ -213,6 +259,25 @@ impl FullGroup {
                 Allocator::Paged(m) => m.allocate_into(need, table).is_ok(),
                 Allocator::Elastic(m) => m.grow_into(need, table).is_ok(),
             },
+        };
+        if grown && !self.owners.is_empty() {
+            self.own(&table[table.len() - need..], 0);
+        }
+        grown
+    }
+
+    /// [`Self::grow`] for group `owner` of a shared store.
+    pub(crate) fn grow_for(&mut self, table: &mut Vec<Block>, need: usize, owner: u8) -> bool {
+        let grown = self.grow(table, need);
+        if grown && need > 0 && !self.owners.is_empty() {
+            self.own(&table[table.len() - need..], owner);
+        }
+        grown
+    }
+
+    fn own(&mut self, blocks: &[Block], owner: u8) {
+        for block in blocks {
+            self.owners[block.id() as usize] = owner;
         }
     }
 

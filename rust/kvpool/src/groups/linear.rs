@@ -3,7 +3,14 @@
 //!
 //! Hit limit: the checkpoint trim of R23, the deepest boundary (or the end of the contiguous run
 //! from block 0) whose prefix has a committed checkpoint; checkpoints live on the device only, so
-//! the same limit trims a hit that continues in a host tier. Taking the hit pins that checkpoint;
+//! the same limit trims a hit that continues in a host tier. A checkpoint the pool saved records
+//! the link of its boundary's last block (the anchor of the full-attention entry before it,
+//! `crate::chain`) and that block's tokens, and serves a query only where the query's verified
+//! walk reaches the linked entry and its last block has those tokens (R7): a prefix hash alone
+//! never restores another prompt's state. A save whose boundary is not cached as the sequence's chain
+//! yet (the full-attention publication waits for a deferred dedup, R9) carries a ticket that
+//! matches nothing; the sequence's next publication resolves it, and its release evicts what is
+//! still unresolved (it could never be matched). Taking the hit pins that checkpoint;
 //! the sequence then takes a live slot and a restore copy is planned. At a step the group plans a
 //! checkpoint save where the live state is exactly a boundary's state (R24); at release it cancels
 //! the sequence's unconfirmed copies.
@@ -12,13 +19,20 @@
 //! promotion pins its checkpoint and every planned save holds a pending slot that belongs to the
 //! plan (`LinearStatePrefixCache::reserve_planned`); a copy's extra pins (F2) are pinned; an
 //! untaken copy is never cancelled; the ranks' planned checkpoints are exactly the planned saves.
+//!
+//! Saved boundaries: a sequence saves each boundary once (`last_saved_boundary`); a
+//! `reset_prefix_cache` forgets what it saved, so a step at the boundary it stands at saves it
+//! again (docs/contract.md, R24's choices).
 
 use std::collections::HashMap;
 
 use crate::block::Block;
 use crate::error::{ensure_invariant, KvPoolError, Result};
 use crate::hash::BlockHash;
-use crate::linear_state::LinearStatePrefixCache;
+use crate::linear_state::{LinearStatePrefixCache, Tail};
+use crate::prefix_cache::{is_ticket, ticket, Anchor};
+
+use super::{OwnChain, QueryChain};
 
 /// R23: which checkpointed boundary a KV prefix hit is trimmed to.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -26,7 +40,7 @@ pub enum LinearStateMatch {
     /// The deepest boundary inside the KV hit whose prefix has a committed checkpoint.
     #[default]
     Deepest,
-    /// The end of the longest run of checkpointed boundaries from block 0 (the seed's rule).
+    /// The end of the longest run of checkpointed boundaries from block 0 (xLLM's design doc).
     Contiguous,
 }
 
@@ -85,6 +99,14 @@ pub(crate) struct LinearTable {
     /// Computed tokens at the last planned save or at the restore (no boundary is saved twice,
     /// none before the restored one).
     last_saved_boundary: usize,
+    /// The group's reset count when `last_saved_boundary` was set (a reset forgets it).
+    saved_in: u64,
+    /// Saves planned with a ticket for their link: (the boundary's last block, prefix hash,
+    /// ticket).
+    unanchored: Vec<(usize, BlockHash, Anchor)>,
+    /// Computed tokens where the prompt left the cached prefix tree, past the restored
+    /// boundary (0: none): a shared boundary, saved as a checkpoint (R24's junction save).
+    junction: usize,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -138,6 +160,12 @@ pub(crate) struct Ledger {
     pub(crate) ops: HashMap<u64, LinearOp>,
     /// Planned and not yet taken, in planning order.
     pub(crate) untaken: Vec<u64>,
+    /// (rank, slot): live slots taken without a restore, to be zeroed by the worker before
+    /// their sequence's first step (a recycled slot holds an earlier sequence's state); not yet
+    /// taken, each slot once. A release drops its own. A sequence dropped without release
+    /// leaves its entry: zeroing a slot is harmless before the copies of the same plan, which
+    /// run after the zeros, and no step runs on a slot before the plan that zeroes it.
+    pub(crate) zeros: Vec<(usize, u32)>,
     next_op: u64,
 }
 
@@ -193,6 +221,16 @@ impl Ledger {
             self.untaken.iter().all(|id| self.ops.contains_key(id)),
             "an untaken linear-state copy is missing"
         );
+        for (i, &(rank, slot)) in self.zeros.iter().enumerate() {
+            ensure_invariant!(
+                cache(rank).is_some_and(|c| slot > 0 && (slot as usize) < c.num_slots()),
+                "a planned zero names slot {slot}, not a slot of rank {rank}"
+            );
+            ensure_invariant!(
+                !self.zeros[..i].contains(&(rank, slot)),
+                "slot {slot} of rank {rank} is zeroed twice"
+            );
+        }
         Ok(())
     }
 
@@ -215,6 +253,8 @@ pub(crate) struct LinearGroup {
     save: LinearStateSave,
     /// Allocations whose state is restored from a checkpoint (stats).
     hits: u64,
+    /// `reset_prefix_cache` calls so far.
+    resets: u64,
 }
 
 impl LinearGroup {
@@ -234,6 +274,7 @@ impl LinearGroup {
             rule,
             save,
             hits: 0,
+            resets: 0,
         }
     }
 
@@ -254,43 +295,72 @@ impl LinearGroup {
         self.cache.num_available_slots() > 0
     }
 
-    /// R23: the boundary `k <= limit` to restore from (0: start from an empty state).
-    pub(crate) fn hit_limit(&self, hashes: &[BlockHash], limit: usize) -> usize {
+    /// Whether boundary `k >= 1` of `chain` has a committed checkpoint of that very prefix: its
+    /// last block's link is the chain's and its tokens the chain's (or its link is 0: a
+    /// checkpoint of the cache's own API, matched by hash).
+    fn serves(&self, chain: &QueryChain<'_>, k: usize) -> bool {
+        let bs = self.block_size;
+        self.cache
+            .committed_link(chain.hashes[k - 1])
+            .is_some_and(|(link, tail)| {
+                link == 0
+                    || (chain.links(k - 1, link, tail.root_key.as_deref())
+                        && chain.tokens.get((k - 1) * bs..k * bs) == Some(&*tail.tokens))
+            })
+    }
+
+    /// R23: the boundary `k <= limit` of `chain` to restore from (0: start from an empty state).
+    pub(crate) fn hit_limit(&self, chain: &QueryChain<'_>, limit: usize) -> usize {
         let limit = match self.rule {
             LinearStateMatch::Deepest => limit,
-            LinearStateMatch::Contiguous => (0..limit)
-                .take_while(|&i| self.cache.contains(hashes[i]))
-                .count(),
+            LinearStateMatch::Contiguous => {
+                (1..=limit).take_while(|&k| self.serves(chain, k)).count()
+            }
         };
         (1..=limit)
             .rev()
-            .find(|&k| self.cache.contains(hashes[k - 1]))
+            .find(|&k| self.serves(chain, k))
             .unwrap_or(0)
     }
 
     /// Whether a hit at `k` leaves a slot for the live state (pinning an unpinned checkpoint
     /// takes it off the available ones).
-    pub(crate) fn fits(&self, hashes: &[BlockHash], k: usize) -> bool {
+    pub(crate) fn fits(&self, chain: &QueryChain<'_>, k: usize) -> bool {
         let pin_cost = match k {
             0 => 0,
-            _ => usize::from(!self.cache.is_pinned(hashes[k - 1])),
+            _ => usize::from(!self.cache.is_pinned(chain.hashes[k - 1])),
         };
         self.cache.num_available_slots() > pin_cost
     }
 
     /// Pins the checkpoint of a hit at `k` (R14: before anything is taken).
-    pub(crate) fn take_hit(&mut self, hashes: &[BlockHash], k: usize) -> Option<LinearTable> {
+    pub(crate) fn take_hit(&mut self, chain: &QueryChain<'_>, k: usize) -> Option<LinearTable> {
         let mut table = LinearTable {
             last_saved_boundary: k * self.block_size,
+            saved_in: self.resets,
             ..LinearTable::default()
         };
         if k > 0 {
-            let hash = hashes[k - 1];
+            if !self.serves(chain, k) {
+                return None;
+            }
+            let hash = chain.hashes[k - 1];
             self.cache.lookup(hash)?;
             table.restore_slot = Some(self.cache.pin(hash).ok()?);
             table.restore = Some(hash);
         }
+        // The KV reaches further than the checkpoint: the prompt shares the chain up to the
+        // end of the walk, where another prompt of the same prefix will come back.
+        let walked = chain.walked();
+        if walked > k {
+            table.junction = walked * self.block_size;
+        }
         Some(table)
+    }
+
+    /// The junction save of the table (R24), in computed tokens, if still ahead.
+    pub(crate) fn junction(&self, table: &LinearTable) -> Option<usize> {
+        (table.junction > table.last_saved_boundary).then_some(table.junction)
     }
 
     /// Takes the live slot (after the single block, R14); false if none can be had.
@@ -308,40 +378,63 @@ impl LinearGroup {
     }
 
     /// The admission succeeded: plans the restore copy into the live slot (R23, R24).
+    /// Without a restore the live slot starts from zeros: the worker zeroes it (a recycled
+    /// slot holds an earlier sequence's state).
     pub(crate) fn admitted(&mut self, table: &mut LinearTable, ledger: &mut Ledger) {
         self.hits += u64::from(table.restore.is_some());
-        if let (Some(live), Some(hash), Some(src)) =
-            (&table.slot, table.restore.take(), table.restore_slot)
-        {
-            let op = LinearOp::new(self.rank, OpKind::Restore, hash, src, live.clone());
-            ledger.add(&mut table.ops, op);
+        match (&table.slot, table.restore.take(), table.restore_slot) {
+            (Some(live), Some(hash), Some(src)) => {
+                let op = LinearOp::new(self.rank, OpKind::Restore, hash, src, live.clone());
+                ledger.add(&mut table.ops, op);
+            }
+            (Some(live), None, _) => {
+                let zero = (self.rank, live.id());
+                if !ledger.zeros.contains(&zero) {
+                    ledger.zeros.push(zero);
+                }
+            }
+            _ => {}
         }
     }
 
     /// Whether a step at `computed` tokens (prompt of `prompt` tokens) plans a save (R24): on a
-    /// block boundary past the last saved one that is the prompt's last boundary or a multiple
-    /// of the interval.
+    /// block boundary past the last saved one (or at it, if a reset forgot it since) that is
+    /// the prompt's last boundary or a multiple of the interval.
     pub(crate) fn saves_at(&self, table: &LinearTable, computed: usize, prompt: usize) -> bool {
         let bs = self.block_size;
-        if computed == 0 || computed % bs != 0 || computed <= table.last_saved_boundary {
+        let saved = match computed.cmp(&table.last_saved_boundary) {
+            std::cmp::Ordering::Less => true,
+            std::cmp::Ordering::Equal => table.saved_in == self.resets,
+            std::cmp::Ordering::Greater => false,
+        };
+        if computed == 0 || computed % bs != 0 || saved {
             return false;
         }
-        self.checkpoint_interval.is_some_and(|t| computed % t == 0) || computed == prompt / bs * bs
+        self.checkpoint_interval.is_some_and(|t| computed % t == 0)
+            || computed == prompt / bs * bs
+            || computed == table.junction
     }
 
     /// At a step: drops stale saves (F6), then, when `save` names the prefix hash of the
-    /// boundary at `computed` (see [`Self::saves_at`]), plans its checkpoint (R24).
+    /// boundary at `computed` (see [`Self::saves_at`]), the link of its last block and that
+    /// block's tokens, plans its checkpoint (R24).
     pub(crate) fn step(
         &mut self,
         table: &mut LinearTable,
         computed: usize,
-        save: Option<BlockHash>,
+        save: Option<(BlockHash, Anchor, Tail)>,
         ledger: &mut Ledger,
     ) {
         self.drop_stale_saves(table, computed, ledger);
-        if let Some(hash) = save {
-            self.plan_save(table, computed, hash, ledger);
+        if let Some(save) = save {
+            self.plan_save(table, computed, save, ledger);
         }
+    }
+
+    /// The boundary at `computed` counts as saved (until a reset).
+    fn mark_saved(&self, table: &mut LinearTable, computed: usize) {
+        table.last_saved_boundary = computed;
+        table.saved_in = self.resets;
     }
 
     /// F6 (R24): a save not yet taken whose boundary the sequence's state has moved past would
@@ -367,34 +460,69 @@ impl LinearGroup {
         }
     }
 
+    /// Whether saves of this table wait for their anchors.
+    pub(crate) fn awaits_anchors(&self, table: &LinearTable) -> bool {
+        !table.unanchored.is_empty()
+    }
+
+    /// Gives the table's ticketed saves their anchors where the sequence's chain (`own`, just
+    /// published) is now cached; forgets those whose checkpoint is gone.
+    pub(crate) fn anchor_saves(&mut self, table: &mut LinearTable, own: &mut OwnChain<'_>) {
+        let cache = &mut self.cache;
+        table.unanchored.retain(|&(block, hash, ticket)| {
+            if !cache.has_ticket(hash, ticket) {
+                return false;
+            }
+            let link = own.link(block);
+            link == 0 || !cache.resolve_anchor(hash, ticket, link)
+        });
+    }
+
+    /// Plans the save of the boundary at `computed`: its prefix hash, the link of its last
+    /// block (0: not known yet, the parent not being cached as the chain's; the save then
+    /// carries a ticket until [`Self::anchor_saves`] resolves it) and that block's tokens. A
+    /// checkpoint under the same hash linked elsewhere (another prefix whose hash collides, or
+    /// this prefix before its parent's entry was evicted and computed again) gives way unless
+    /// pinned, pending or itself waiting for its link, or unless this save's link is not known.
     fn plan_save(
         &mut self,
         table: &mut LinearTable,
         computed: usize,
-        hash: BlockHash,
+        (hash, link, tail): (BlockHash, Anchor, Tail),
         ledger: &mut Ledger,
     ) {
-        if self.cache.contains(hash) || self.cache.is_pending(hash) {
-            table.last_saved_boundary = computed; // someone saved this prefix already
-            return;
+        if let Some(existing) = self.cache.anchor_of(hash) {
+            let same = existing == link || existing == 0; // 0: vouched for by the cache's API
+            let keep = same || link == 0 || is_ticket(existing) || self.cache.is_pending(hash);
+            if keep || !self.cache.evict_hash(hash) {
+                self.mark_saved(table, computed); // saved already, or kept (pinned, in flight)
+                return;
+            }
         }
+        let stored = match link {
+            0 => ticket(),
+            l => l,
+        };
         let Some(live) = table.slot.take() else {
             return;
         };
         let rank = self.rank;
         let op = match self.save {
             LinearStateSave::Copy => {
-                let op = self.cache.reserve_planned(hash).map(|dst| LinearOp {
-                    dst,
-                    boundary: computed,
-                    ..LinearOp::new(rank, OpKind::Save, hash, live.id(), live.clone())
-                });
+                let op = self
+                    .cache
+                    .reserve_planned(hash, stored, tail)
+                    .map(|dst| LinearOp {
+                        dst,
+                        boundary: computed,
+                        ..LinearOp::new(rank, OpKind::Save, hash, live.id(), live.clone())
+                    });
                 table.slot = Some(live);
                 op
             }
             LinearStateSave::Promote => {
                 let promoted = live.id();
-                match self.cache.promote_slot(live, hash) {
+                match self.cache.promote_anchored(live, hash, stored, tail) {
                     Ok(fresh) => {
                         let pinned = self.cache.pin(hash);
                         debug_assert!(pinned.is_ok(), "just promoted");
@@ -426,14 +554,26 @@ impl LinearGroup {
         // F7 (R24): the boundary counts as saved only once its save is planned; a reservation
         // that failed (every slot live) is retried by the next cache() at this boundary.
         if let Some(op) = op {
-            table.last_saved_boundary = computed;
+            self.mark_saved(table, computed);
             ledger.add(&mut table.ops, op);
+            if link == 0 {
+                table
+                    .unanchored
+                    .push((computed / self.block_size - 1, hash, stored));
+            }
         }
     }
 
     /// Cancels the sequence's unconfirmed copies (R24): untaken ones at once; taken ones when
     /// their plan is committed (the worker may be copying them now).
     pub(crate) fn release(&mut self, table: &mut LinearTable, ledger: &mut Ledger) {
+        if let Some(live) = &table.slot {
+            let zero = (self.rank, live.id());
+            ledger.zeros.retain(|&z| z != zero);
+        }
+        for (_, hash, ticket) in std::mem::take(&mut table.unanchored) {
+            self.cache.evict_ticket(hash, ticket); // never matchable; a pending one is cancelled
+        }
         for id in std::mem::take(&mut table.ops) {
             let Some(op) = ledger.ops.get_mut(&id) else {
                 continue;
@@ -479,9 +619,11 @@ impl LinearGroup {
         drop(op); // its handle of the live slot goes last, after the pins
     }
 
-    /// Drops every committed checkpoint nothing pins (R24).
+    /// Drops every committed checkpoint nothing pins (R24); every sequence's saved boundary is
+    /// forgotten (module doc).
     pub(crate) fn reset(&mut self) {
         self.cache.reset();
+        self.resets += 1;
     }
 
     pub(crate) fn check(&self, ledger: &Ledger) -> Result<()> {

@@ -16,26 +16,40 @@
 //! - **publish / slide / step**: after the KV exists (R17, R24, R25);
 //! - **release / reset / counts / check**.
 //!
+//! The groups that store per-prefix data beside the full-attention blocks verify a hit against
+//! the query's verified walk and link what they store to the full-attention entries
+//! (`crate::chain`, R7).
+//!
 //! Invariants: a sequence allocated on a rank holds one table per group of the rank, in order.
 
 pub(crate) mod full;
 pub(crate) mod linear;
+pub(crate) mod misses;
+pub(crate) mod shared_window;
 pub(crate) mod window;
 
 use crate::error::{ensure_invariant, Result};
 use crate::hash::BlockHash;
 use crate::manager::BlockCounts;
+use crate::prefix_cache::{Anchor, PrefixCache};
 use crate::sliding_window::WindowTable;
 
+pub(crate) use crate::chain::{OwnChain, QueryChain};
 pub(crate) use full::{FullGroup, Walk};
 pub(crate) use linear::{Ledger, LinearGroup, LinearTable, OpKind};
 pub use linear::{LinearStateMatch, LinearStateSave};
+pub use misses::{Miss, MissReason};
+pub(crate) use shared_window::SharedWindowGroup;
 pub(crate) use window::WindowGroup;
 
 /// A group of a rank besides full attention.
+// One per rank, never moved on a hot path: both kinds stay inline (no indirection per call).
+#[allow(clippy::large_enum_variant)]
 pub(crate) enum Group {
-    /// Sliding-window attention layers (R25).
+    /// Sliding-window attention layers with their own block store (R25).
     Window(WindowGroup),
+    /// Sliding-window attention layers in the full-attention group's store (R25, one store).
+    SharedWindow(SharedWindowGroup),
     /// Recurrent (linear-attention) state and its checkpoints (R22).
     Linear(LinearGroup),
 }
@@ -88,6 +102,24 @@ pub(crate) struct GroupCounters {
     pub(crate) checkpoint_commits: u64,
 }
 
+/// What a group's hit takes a chain from: the query's chain with the ids its device walk
+/// verified and the host cache's walk; a group verifies it as a [`QueryChain`] over the
+/// full-attention cache, a group of the shared store retains the runs attached to the walked
+/// entries (R7 either way).
+pub(crate) struct HitQuery<'a> {
+    pub(crate) chain: (&'a [BlockHash], &'a [u32], Option<&'a [u8]>),
+    pub(crate) device_ids: &'a [u32],
+    pub(crate) host: Option<(&'a PrefixCache, &'a [u32])>,
+}
+
+impl<'a> HitQuery<'a> {
+    /// The chain as a group verifies it, over `full`'s cache.
+    fn chain<'b>(&'b self, full: &'b FullGroup) -> QueryChain<'b> {
+        let device = full.cache().map(|c| (c, self.device_ids));
+        QueryChain::new(self.chain, device, self.host)
+    }
+}
+
 /// A table of the wrong kind for its group: an invariant the pool keeps, reported, never a panic.
 fn mismatch() -> bool {
     debug_assert!(false, "a group got the table of another kind");
@@ -98,43 +130,60 @@ impl Group {
     /// Whether a new sequence could get what it needs of this group here (R13).
     pub(crate) fn admits(&self) -> bool {
         match self {
-            Self::Window(_) => true,
+            Self::Window(_) | Self::SharedWindow(_) => true,
             Self::Linear(g) => g.admits(),
         }
     }
 
     /// The deepest boundary `k <= limit` of the chain this group can serve (0 always).
-    pub(crate) fn hit_limit(&self, hashes: &[BlockHash], tokens: &[u32], limit: usize) -> usize {
+    pub(crate) fn hit_limit(&self, chain: &QueryChain<'_>, limit: usize) -> usize {
         match self {
-            Self::Window(g) => g.hit_limit(hashes, tokens, limit),
-            Self::Linear(g) => g.hit_limit(hashes, limit),
+            Self::Window(g) => g.hit_limit(chain, limit),
+            Self::SharedWindow(g) => g.hit_limit(chain.device(), limit),
+            Self::Linear(g) => g.hit_limit(chain, limit),
         }
     }
 
-    /// Whether a hit at `k`, then a table of `entries` entries, fit in this group.
-    pub(crate) fn fits(
-        &self,
-        hashes: &[BlockHash],
-        tokens: &[u32],
-        k: usize,
-        entries: usize,
-    ) -> bool {
+    /// Why this group cuts a hit (docs/hybrid.md "Why no hit").
+    pub(crate) fn miss_reason(&self) -> MissReason {
         match self {
-            Self::Window(g) => g.fits(hashes, tokens, k, entries),
-            Self::Linear(g) => g.fits(hashes, k),
+            Self::Window(_) | Self::SharedWindow(_) => MissReason::WindowBlocksGone,
+            Self::Linear(_) => MissReason::NoCheckpoint,
+        }
+    }
+
+    /// Whether a hit at `k`, then a table of `entries` entries, fit in this group's own store
+    /// (a group of the shared store counts in [`Self::demand`] instead).
+    pub(crate) fn fits(&self, chain: &QueryChain<'_>, k: usize, entries: usize) -> bool {
+        match self {
+            Self::Window(g) => g.fits(chain, k, entries),
+            Self::SharedWindow(_) => true,
+            Self::Linear(g) => g.fits(chain, k),
+        }
+    }
+
+    /// Blocks of the full-attention group's store a hit at `k` and then a table of `entries`
+    /// entries take in this group (0 for a group with its own store).
+    pub(crate) fn demand(&self, chain: &QueryChain<'_>, k: usize, entries: usize) -> usize {
+        match self {
+            Self::SharedWindow(g) => g.demand(chain.device(), k, entries),
+            Self::Window(_) | Self::Linear(_) => 0,
         }
     }
 
     /// Takes the hit at `k` (pins or shares what it found); `None` if it vanished meanwhile.
     pub(crate) fn take_hit(
         &mut self,
-        hashes: &[BlockHash],
-        tokens: &[u32],
+        full: &mut FullGroup,
+        query: &HitQuery<'_>,
         k: usize,
     ) -> Option<GroupTable> {
         match self {
-            Self::Window(g) => g.take_hit(hashes, tokens, k).map(GroupTable::Window),
-            Self::Linear(g) => g.take_hit(hashes, k).map(GroupTable::Linear),
+            Self::Window(g) => g.take_hit(&query.chain(full), k).map(GroupTable::Window),
+            Self::SharedWindow(g) => g
+                .take_hit(full, query.device_ids, k)
+                .map(GroupTable::Window),
+            Self::Linear(g) => g.take_hit(&query.chain(full), k).map(GroupTable::Linear),
         }
     }
 
@@ -142,7 +191,7 @@ impl Group {
     pub(crate) fn take_slot(&mut self, table: &mut GroupTable) -> bool {
         match (self, table) {
             (Self::Linear(g), GroupTable::Linear(t)) => g.take_slot(t),
-            (Self::Window(_), GroupTable::Window(_)) => true,
+            (Self::Window(_) | Self::SharedWindow(_), GroupTable::Window(_)) => true,
             _ => mismatch(),
         }
     }
@@ -151,28 +200,56 @@ impl Group {
     pub(crate) fn undo(&mut self, table: GroupTable) {
         match (self, table) {
             (Self::Linear(g), GroupTable::Linear(t)) => g.undo(t),
-            (Self::Window(_), GroupTable::Window(t)) => drop(t),
+            (Self::Window(_) | Self::SharedWindow(_), GroupTable::Window(t)) => drop(t),
             _ => {
                 mismatch();
             }
         }
     }
 
-    /// Grows the table to `entries` entries (all-or-nothing).
-    pub(crate) fn grow(&mut self, table: &mut GroupTable, entries: usize) -> bool {
+    /// Grows the table to `entries` entries (all-or-nothing); a group of the shared store
+    /// takes its blocks from `full`'s allocator.
+    pub(crate) fn grow(
+        &mut self,
+        full: &mut FullGroup,
+        table: &mut GroupTable,
+        entries: usize,
+    ) -> bool {
         match (self, table) {
             (Self::Window(g), GroupTable::Window(t)) => g.grow(t, entries),
+            (Self::SharedWindow(g), GroupTable::Window(t)) => g.grow(full, t, entries),
             (Self::Linear(_), GroupTable::Linear(_)) => true,
             _ => mismatch(),
         }
     }
 
-    /// Whether `need` more entries can be had for a table whose sequence computed `computed`.
+    /// Whether `need` more entries can be had for a table whose sequence computed `computed`,
+    /// in this group's own store (a group of the shared store answers with
+    /// [`Self::shared_growth`]).
     pub(crate) fn room(&self, table: &GroupTable, computed: usize, need: usize) -> bool {
         match (self, table) {
             (Self::Window(g), GroupTable::Window(t)) => g.room(t, computed, need),
+            (Self::SharedWindow(_), GroupTable::Window(_)) => true,
             (Self::Linear(_), GroupTable::Linear(_)) => true,
             _ => mismatch(),
+        }
+    }
+
+    /// For a group of the shared store, (blocks a growth of the table to `entries` entries
+    /// takes, blocks its slide to `computed` makes available first); (0, 0) otherwise.
+    pub(crate) fn shared_growth(
+        &self,
+        full: &FullGroup,
+        table: &GroupTable,
+        computed: usize,
+        entries: usize,
+    ) -> (usize, usize) {
+        match (self, table) {
+            (Self::SharedWindow(g), GroupTable::Window(t)) => (
+                entries.saturating_sub(t.len()),
+                g.releasable(full, t, computed),
+            ),
+            _ => (0, 0),
         }
     }
 
@@ -186,35 +263,43 @@ impl Group {
     /// Whether the group publishes or slides at all (most decode steps of a plain pool skip
     /// these calls).
     pub(crate) fn publishes(&self) -> bool {
-        matches!(self, Self::Window(_))
+        matches!(self, Self::Window(_) | Self::SharedWindow(_))
     }
 
     /// Whether [`Self::publish`] has work below `full` full computed blocks.
     pub(crate) fn wants_publish(&self, table: &GroupTable, full: usize) -> bool {
         match (self, table) {
             (Self::Window(g), GroupTable::Window(t)) => g.wants_publish(t, full),
+            (Self::SharedWindow(g), GroupTable::Window(t)) => g.wants_publish(t, full),
             _ => false,
         }
     }
 
-    /// Publishes the table's full computed blocks `..full` under their chain hashes.
+    /// Publishes the table's full computed blocks `..full` under their chain hashes, linked to
+    /// the chain's full-attention entries (a group of the shared store attaches them to those
+    /// entries).
     pub(crate) fn publish(
         &mut self,
         table: &mut GroupTable,
-        hashes: &[BlockHash],
-        tokens: &[u32],
+        chain: &mut OwnChain<'_>,
         full: usize,
-        extra_key: Option<&crate::prefix_cache::ExtraKey>,
     ) {
-        if let (Self::Window(g), GroupTable::Window(t)) = (self, table) {
-            g.publish(t, hashes, tokens, full, extra_key);
+        match (self, table) {
+            (Self::Window(g), GroupTable::Window(t)) => g.publish(t, chain, full),
+            (Self::SharedWindow(g), GroupTable::Window(t)) => g.publish(t, chain, full),
+            _ => {}
         }
     }
 
     /// Releases what no future query needs once `computed` tokens exist (R25).
+    #[inline]
     pub(crate) fn slide(&mut self, table: &mut GroupTable, computed: usize) {
-        if let (Self::Window(g), GroupTable::Window(t)) = (self, table) {
-            g.slide(t, computed);
+        match (self, table) {
+            (Self::Window(g), GroupTable::Window(t)) => g.slide(t, computed),
+            (Self::SharedWindow(g), GroupTable::Window(t)) => {
+                g.slide(t, computed);
+            }
+            _ => {}
         }
     }
 
@@ -227,16 +312,40 @@ impl Group {
         }
     }
 
-    /// After a forward step (`cache(seq)`): what the group plans at a step (R24).
+    /// The computed-token count of the table's junction save still ahead (R24), if any.
+    pub(crate) fn junction(&self, table: &GroupTable) -> Option<usize> {
+        match (self, table) {
+            (Self::Linear(g), GroupTable::Linear(t)) => g.junction(t),
+            _ => None,
+        }
+    }
+
+    /// After a forward step (`cache(seq)`): what the group plans at a step (R24); `save`: the
+    /// prefix hash of the boundary at `computed`, its last block's link and tokens.
     pub(crate) fn step(
         &mut self,
         table: &mut GroupTable,
         computed: usize,
-        save: Option<BlockHash>,
+        save: Option<(BlockHash, Anchor, crate::linear_state::Tail)>,
         ledger: &mut Ledger,
     ) {
         if let (Self::Linear(g), GroupTable::Linear(t)) = (self, table) {
             g.step(t, computed, save, ledger);
+        }
+    }
+
+    /// Whether saves of this table wait for the links of their boundaries (linear state).
+    pub(crate) fn awaits_anchors(&self, table: &GroupTable) -> bool {
+        match (self, table) {
+            (Self::Linear(g), GroupTable::Linear(t)) => g.awaits_anchors(t),
+            _ => false,
+        }
+    }
+
+    /// After a publication of the sequence's chain: resolves what waits for its links.
+    pub(crate) fn anchor_saves(&mut self, table: &mut GroupTable, own: &mut OwnChain<'_>) {
+        if let (Self::Linear(g), GroupTable::Linear(t)) = (self, table) {
+            g.anchor_saves(t, own);
         }
     }
 
@@ -245,10 +354,19 @@ impl Group {
         matches!(self, Self::Linear(_))
     }
 
-    /// The sequence is released (R18): keeps or cancels what outlives it.
-    pub(crate) fn release(&mut self, table: &mut GroupTable, ledger: &mut Ledger) {
+    /// The sequence is released (R18): keeps or cancels what outlives it. `end`: the block of
+    /// its full-attention table holding its last computed full block (the end mark of a group
+    /// of the shared store).
+    pub(crate) fn release(
+        &mut self,
+        full: &mut FullGroup,
+        table: &mut GroupTable,
+        ledger: &mut Ledger,
+        end: Option<u32>,
+    ) {
         match (self, table) {
             (Self::Window(g), GroupTable::Window(t)) => g.release(t),
+            (Self::SharedWindow(g), GroupTable::Window(_)) => g.release(full, end),
             (Self::Linear(g), GroupTable::Linear(t)) => g.release(t, ledger),
             _ => {
                 mismatch();
@@ -256,10 +374,12 @@ impl Group {
         }
     }
 
-    /// Drops everything cached that nothing holds (R12, R24, R25).
+    /// Drops everything cached that nothing holds (R12, R24, R25); a group of the shared store
+    /// has nothing of its own (the full-attention cache's reset drops its attachments).
     pub(crate) fn reset(&mut self) {
         match self {
             Self::Window(g) => g.reset(),
+            Self::SharedWindow(_) => {}
             Self::Linear(g) => g.reset(),
         }
     }
@@ -269,6 +389,9 @@ impl Group {
         match self {
             Self::Window(g) => {
                 c.window = Some(g.counts());
+                c.window_releases = g.releases();
+            }
+            Self::SharedWindow(g) => {
                 c.window_releases = g.releases();
             }
             Self::Linear(g) => {
@@ -289,6 +412,7 @@ impl Group {
     pub(crate) fn check(&self, ledger: &Ledger) -> Result<()> {
         match self {
             Self::Window(g) => g.check(),
+            Self::SharedWindow(_) => Ok(()), // the full-attention cache's check covers it
             Self::Linear(g) => g.check(ledger),
         }
     }
@@ -296,12 +420,16 @@ impl Group {
     /// Checks a sequence's table of this group (`entries`: its full-attention table's length).
     pub(crate) fn check_table(
         &self,
+        full: &FullGroup,
         table: &GroupTable,
         entries: usize,
         seq_id: u64,
     ) -> Result<()> {
         match (self, table) {
             (Self::Window(g), GroupTable::Window(t)) => g.check_table(t, entries, seq_id),
+            (Self::SharedWindow(g), GroupTable::Window(t)) => {
+                g.check_table(full, t, entries, seq_id)
+            }
             (Self::Linear(g), GroupTable::Linear(t)) => g.check_table(t, seq_id),
             _ => {
                 ensure_invariant!(
@@ -316,28 +444,35 @@ impl Group {
     pub(crate) fn as_window(&self) -> Option<&WindowGroup> {
         match self {
             Self::Window(g) => Some(g),
-            Self::Linear(_) => None,
+            _ => None,
         }
     }
 
     pub(crate) fn as_window_mut(&mut self) -> Option<&mut WindowGroup> {
         match self {
             Self::Window(g) => Some(g),
-            Self::Linear(_) => None,
+            _ => None,
+        }
+    }
+
+    pub(crate) fn as_shared_window(&self) -> Option<&SharedWindowGroup> {
+        match self {
+            Self::SharedWindow(g) => Some(g),
+            _ => None,
         }
     }
 
     pub(crate) fn as_linear(&self) -> Option<&LinearGroup> {
         match self {
             Self::Linear(g) => Some(g),
-            Self::Window(_) => None,
+            _ => None,
         }
     }
 
     pub(crate) fn as_linear_mut(&mut self) -> Option<&mut LinearGroup> {
         match self {
             Self::Linear(g) => Some(g),
-            Self::Window(_) => None,
+            _ => None,
         }
     }
 }

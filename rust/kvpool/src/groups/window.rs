@@ -1,8 +1,10 @@
 //! The sliding-window group of a rank (R25): a [`SlidingWindowBlockManager`] as a group.
 //!
 //! Hit limit: the deepest boundary whose window blocks are all still held and published under
-//! the chain (the manager's rule, `sliding_window.rs`); taking the hit shares exactly those
-//! blocks. Its table grows with the full-attention table (one entry per block) and slides
+//! the chain, each linked to the full-attention entry the query's verified walk reaches at the
+//! position before it (the manager's rule, `sliding_window.rs`; the links of `crate::chain`,
+//! R7); taking the hit shares exactly those blocks. Publication follows the full-attention
+//! cache: a block is published once that cache's publication of the chain went past it. Its table grows with the full-attention table (one entry per block) and slides
 //! behind the window whenever the pool touches the sequence; at release the published blocks
 //! still in the window are kept for a next turn. Window blocks never go to a host tier: a hit
 //! whose window blocks are missing is trimmed (docs/host_tier.md).
@@ -14,10 +16,10 @@
 //! table has as many entries as its full-attention table.
 
 use crate::error::{ensure_invariant, Result};
-use crate::hash::BlockHash;
 use crate::manager::{BlockCounts, BlockManager};
-use crate::prefix_cache::ExtraKey;
 use crate::sliding_window::{SlidingWindowBlockManager, WindowTable};
+
+use super::{OwnChain, QueryChain};
 
 /// The sliding-window group of one rank.
 pub(crate) struct WindowGroup {
@@ -43,24 +45,18 @@ impl WindowGroup {
     }
 
     /// The deepest boundary `k <= limit` whose window blocks are held (0 always is).
-    pub(crate) fn hit_limit(&self, hashes: &[BlockHash], tokens: &[u32], limit: usize) -> usize {
+    pub(crate) fn hit_limit(&self, chain: &QueryChain<'_>, limit: usize) -> usize {
         (1..=limit)
             .rev()
-            .find(|&k| self.manager.hit_cost(hashes, tokens, k).is_some())
+            .find(|&k| self.manager.hit_cost(chain, k).is_some())
             .unwrap_or(0)
     }
 
     /// Whether a hit at `k` (accepted by `hit_limit`), then `entries` table entries, fit.
-    pub(crate) fn fits(
-        &self,
-        hashes: &[BlockHash],
-        tokens: &[u32],
-        k: usize,
-        entries: usize,
-    ) -> bool {
+    pub(crate) fn fits(&self, chain: &QueryChain<'_>, k: usize, entries: usize) -> bool {
         let cost = match k {
             0 => 0,
-            _ => match self.manager.hit_cost(hashes, tokens, k) {
+            _ => match self.manager.hit_cost(chain, k) {
                 Some(cost) => cost,
                 None => return false,
             },
@@ -70,14 +66,9 @@ impl WindowGroup {
 
     /// The table of a hit at `k`: padding before the window, the window's blocks shared. `None`
     /// if a window block was released meanwhile (by a handle drop elsewhere).
-    pub(crate) fn take_hit(
-        &self,
-        hashes: &[BlockHash],
-        tokens: &[u32],
-        k: usize,
-    ) -> Option<WindowTable> {
+    pub(crate) fn take_hit(&self, chain: &QueryChain<'_>, k: usize) -> Option<WindowTable> {
         let mut table = WindowTable::default();
-        (k == 0 || self.manager.take_hit(&mut table, hashes, tokens, k)).then_some(table)
+        (k == 0 || self.manager.take_hit(&mut table, chain, k)).then_some(table)
     }
 
     pub(crate) fn grow(&mut self, table: &mut WindowTable, entries: usize) -> bool {
@@ -89,18 +80,16 @@ impl WindowGroup {
         need <= self.manager.available_after_slide(table, computed)
     }
 
-    /// Publishes the held full computed blocks among the first `full` entries (with events:
-    /// their "stored" events, under the chain's `extra_key`).
+    /// Publishes the held full computed blocks among the first `full` entries, each with its
+    /// link (with events: their "stored" events, under the chain's extra key).
     pub(crate) fn publish(
         &mut self,
         table: &mut WindowTable,
-        hashes: &[BlockHash],
-        tokens: &[u32],
+        chain: &mut OwnChain<'_>,
         full: usize,
-        extra_key: Option<&ExtraKey>,
     ) {
         if table.published < full {
-            self.manager.publish(table, hashes, tokens, full, extra_key);
+            self.manager.publish(table, chain, full);
         }
     }
 
@@ -110,6 +99,7 @@ impl WindowGroup {
     }
 
     /// Releases the blocks no future query can attend to (R25).
+    #[inline]
     pub(crate) fn slide(&mut self, table: &mut WindowTable, computed: usize) {
         self.releases += self.manager.slide(table, computed) as u64;
     }

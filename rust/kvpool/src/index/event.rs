@@ -3,7 +3,7 @@
 //!
 //! Every event says where it happened (dp rank, medium, KV-cache group with its kind and
 //! window, block size) and where it sits in its source's stream (`sequence`), so that an
-//! index needs no side channel to interpret it (issue "Beyond one instance", item 1).
+//! index needs no side channel to interpret it (docs/events.md).
 //!
 //! Invariants checked by [`IndexEvent::validate`] (the index rejects a batch holding an event
 //! that breaks one, and changes nothing):

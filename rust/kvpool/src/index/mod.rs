@@ -1,5 +1,5 @@
 //! `KVIndex`: a prefix index over the KV events of many instances, for KV-aware routing
-//! (issue "Beyond one instance").
+//! (docs/events.md).
 //!
 //! Each instance's pool (or a reader of another engine's events) sends batches of
 //! self-describing events ([`IndexEvent`]); the index answers, for a request (its token ids

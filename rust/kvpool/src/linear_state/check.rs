@@ -31,6 +31,15 @@ impl LinearStatePrefixCache {
                 );
             }
             ensure_invariant!(
+                self.anchors[slot] == 0 || matches!(kind, Held::Pending | Held::Committed),
+                "linear-state slot {slot} ({kind:?}) keeps an anchor"
+            );
+            ensure_invariant!(
+                (self.tails[slot].tokens.is_empty() && self.tails[slot].root_key.is_none())
+                    || matches!(kind, Held::Pending | Held::Committed),
+                "linear-state slot {slot} ({kind:?}) keeps a checkpoint's tokens"
+            );
+            ensure_invariant!(
                 !self.planned[slot] || kind == Held::Pending,
                 "linear-state slot {slot} ({kind:?}) is marked as a planned save"
             );

@@ -17,7 +17,17 @@
 //! index (pending and committed) under its hash. A committed slot that someone else holds too
 //! (a pool's planned copy still writing it: a slot promoted before the copy into it was
 //! confirmed) is pinned, since evicting it would free nothing (F2). The LRU list holds exactly
-//! the unpinned committed slots; `free + live + pending + committed == num_slots - 1`.
+//! the unpinned committed slots; `free + live + pending + committed == num_slots - 1`; only
+//! pending and committed slots carry an anchor.
+//!
+//! A checkpoint a pool saves records the *link* of its boundary's last block (the anchor of the
+//! full-attention entry before it, `crate::chain`) and that block's tokens: the state summarises
+//! that one prefix, and the pool restores it only for a query whose verified walk reaches the
+//! linked entry and whose last block has those tokens (R7), whatever the prefix hashes collide
+//! with. A checkpoint reserved or promoted through this type's own API names a prefix
+//! hash alone (anchor 0): its caller vouches for it, and a pool matches it by that hash. A save
+//! whose boundary is not cached as its chain's yet carries a ticket (`prefix_cache/anchors.rs`)
+//! that matches nothing until the pool resolves it ([`LinearStatePrefixCache::resolve_anchor`]).
 //!
 //! A pending slot reserved by a pool's save plan ([`LinearStatePrefixCache::reserve_planned`])
 //! belongs to that plan: only the pool commits or cancels it (`commit_linear_state_plan`, a
@@ -26,12 +36,16 @@
 //! free a slot the worker is about to write.
 
 mod check;
+mod links;
 
 use crate::alloc;
 use crate::block::Block;
 use crate::error::{ensure_arg, KvPoolError, Result};
 use crate::hash::{BlockHash, ByHash};
 use crate::manager::{BlockManager, SingleBlockManager};
+use crate::prefix_cache::Anchor;
+
+pub(crate) use links::Tail;
 
 const NIL: u32 = u32::MAX;
 
@@ -68,6 +82,10 @@ pub struct LinearStatePrefixCache {
     pins: Vec<u32>,
     /// Pending slots that a pool's save plan reserved (see the module doc).
     planned: Vec<bool>,
+    /// The link each pending or committed checkpoint records (0: a hash alone; module doc).
+    anchors: Vec<Anchor>,
+    /// The last block of each pool checkpoint (empty for the others).
+    tails: Vec<Tail>,
     /// Pending and committed checkpoints by prefix hash.
     index: ByHash<u32>,
     prev: Vec<u32>,
@@ -97,6 +115,8 @@ impl LinearStatePrefixCache {
             hash_of: alloc::filled(num_slots, name, BlockHash::default)?,
             pins: alloc::filled(num_slots, name, || 0)?,
             planned: alloc::filled(num_slots, name, || false)?,
+            anchors: alloc::filled(num_slots, name, || 0)?,
+            tails: alloc::filled(num_slots, name, Tail::default)?,
             index: ByHash::default(),
             prev: alloc::filled(num_slots, name, || NIL)?,
             next: alloc::filled(num_slots, name, || NIL)?,
@@ -125,7 +145,9 @@ impl LinearStatePrefixCache {
             + std::mem::size_of::<BlockHash>()
             + 4
             + 1
-            + 8;
+            + 8
+            + std::mem::size_of::<Anchor>()
+            + std::mem::size_of::<Tail>();
         num_slots as u128 * (crate::block::BlockStore::BYTES_PER_ID + per_slot as u128)
     }
 
@@ -204,15 +226,22 @@ impl LinearStatePrefixCache {
         if slot == NIL {
             return false;
         }
+        self.evict_slot(slot);
+        true
+    }
+
+    /// Evicts the unpinned committed checkpoint in `slot` (on the LRU list).
+    fn evict_slot(&mut self, slot: u32) {
         self.unlink(slot);
         let hash = self.hash_of[slot as usize];
         self.index.remove(&hash.0);
         self.kind[slot as usize] = Held::No;
+        self.anchors[slot as usize] = 0;
+        self.tails[slot as usize] = Tail::default();
         self.num_committed -= 1;
         self.stats.evictions += 1;
         self.note(false, hash);
         self.held[slot as usize] = None; // drops the handle: the slot is free again
-        true
     }
 
     /// A slot handle for a sequence (R22): a free slot, evicting the least-recently-used
@@ -269,6 +298,11 @@ impl LinearStatePrefixCache {
     /// Reserves a slot for the checkpoint of `prefix_hash` (pending: not matchable). `None` if
     /// the hash is already pending or committed, or if no slot can be had (R22).
     pub fn reserve_checkpoint(&mut self, prefix_hash: BlockHash) -> Option<u32> {
+        self.reserve(prefix_hash, 0)
+    }
+
+    /// [`Self::reserve_checkpoint`] of a checkpoint that ends at `anchor` (module doc).
+    fn reserve(&mut self, prefix_hash: BlockHash, anchor: Anchor) -> Option<u32> {
         if self.index.contains_key(&prefix_hash.0) {
             return None;
         }
@@ -277,16 +311,23 @@ impl LinearStatePrefixCache {
         self.held[id as usize] = Some(slot);
         self.kind[id as usize] = Held::Pending;
         self.hash_of[id as usize] = prefix_hash;
+        self.anchors[id as usize] = anchor;
         self.index.insert(prefix_hash.0, id);
         self.num_pending += 1;
         Some(id)
     }
 
-    /// The pool's save plans: [`Self::reserve_checkpoint`], the slot then belonging to the plan
-    /// (module doc).
-    pub(crate) fn reserve_planned(&mut self, prefix_hash: BlockHash) -> Option<u32> {
-        let slot = self.reserve_checkpoint(prefix_hash)?;
+    /// The pool's save plans: [`Self::reserve_checkpoint`] of the state whose last block has
+    /// link `link` and is `tail`, the slot then belonging to the plan (module doc).
+    pub(crate) fn reserve_planned(
+        &mut self,
+        prefix_hash: BlockHash,
+        link: Anchor,
+        tail: Tail,
+    ) -> Option<u32> {
+        let slot = self.reserve(prefix_hash, link)?;
         self.planned[slot as usize] = true;
+        self.tails[slot as usize] = tail;
         Some(slot)
     }
 
@@ -375,6 +416,8 @@ impl LinearStatePrefixCache {
     fn cancel_slot(&mut self, slot: u32, prefix_hash: BlockHash) {
         self.index.remove(&prefix_hash.0);
         self.kind[slot as usize] = Held::No;
+        self.anchors[slot as usize] = 0;
+        self.tails[slot as usize] = Tail::default();
         self.num_pending -= 1;
         self.held[slot as usize] = None;
     }
@@ -388,21 +431,36 @@ impl LinearStatePrefixCache {
         live: Block,
         prefix_hash: BlockHash,
     ) -> std::result::Result<Block, Block> {
+        self.promote_anchored(live, prefix_hash, 0, Tail::default())
+    }
+
+    /// [`Self::promote_slot`] of the state whose last block has link `link` and is `tail` (a
+    /// pool's save, module doc).
+    pub(crate) fn promote_anchored(
+        &mut self,
+        live: Block,
+        prefix_hash: BlockHash,
+        link: Anchor,
+        tail: Tail,
+    ) -> std::result::Result<Block, Block> {
         if self.index.contains_key(&prefix_hash.0) || !self.owns(&live) {
             return Err(live);
         }
         let Some(fresh) = self.acquire_slot() else {
             return Err(live);
         };
-        self.adopt_committed(live, prefix_hash);
+        let id = live.id() as usize;
+        self.adopt_committed(live, prefix_hash, link);
+        self.tails[id] = tail;
         Ok(fresh)
     }
 
-    fn adopt_committed(&mut self, slot: Block, prefix_hash: BlockHash) {
+    fn adopt_committed(&mut self, slot: Block, prefix_hash: BlockHash, anchor: Anchor) {
         let id = slot.id();
         self.held[id as usize] = Some(slot);
         self.kind[id as usize] = Held::Committed;
         self.hash_of[id as usize] = prefix_hash;
+        self.anchors[id as usize] = anchor;
         self.index.insert(prefix_hash.0, id);
         self.num_committed += 1;
         self.stats.commits += 1;
@@ -435,7 +493,7 @@ impl LinearStatePrefixCache {
             )));
         };
         self.num_live_held -= 1;
-        self.adopt_committed(old, prefix_hash);
+        self.adopt_committed(old, prefix_hash, 0);
         let id = fresh.id();
         self.held[id as usize] = Some(fresh);
         self.kind[id as usize] = Held::Live;

@@ -18,12 +18,14 @@
 //! everything back. With a host part, the load is attached to the fresh table entries.
 
 use crate::error::{ensure_arg, Result};
-use crate::groups::{Group, Walk};
+use crate::groups::{Group, HitQuery, QueryChain, Walk};
 use crate::hash::BlockHash;
 use crate::sequence::{Allocation, Sequence};
 use crate::tiers::{ChainRef, HostPart, HostTier, RemoteHits};
 
+use super::plan::{AllocationPlan, Decision, Kind, Survey, TableExtent};
 use super::BlockManagerPool;
+use crate::groups::{Miss, MissReason};
 
 /// Chain walks of a pool's caches so far (debug counters; not part of `stats`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -32,155 +34,6 @@ pub struct DebugCounters {
     pub device_chain_walks: u64,
     /// Walks of a chain through the host prefix caches.
     pub host_chain_walks: u64,
-}
-
-/// An allocation decided by [`BlockManagerPool::plan`], with no side effect (see the module
-/// doc). Pass it to [`BlockManagerPool::allocate_planned`] to carry it out.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct AllocationPlan {
-    pool: u64,
-    generation: u64,
-    seq: u64,
-    seq_len: usize,
-    num_tokens: usize,
-    block_size: usize,
-    rank: usize,
-    kind: Kind,
-}
-
-#[derive(Clone, Debug, PartialEq, Eq)]
-enum Kind {
-    /// The sequence holds blocks: its tables grow by `need` blocks.
-    Grow { need: usize, entries: usize },
-    /// A first allocation.
-    Admit(Survey, Decision),
-}
-
-/// The walks of an admission.
-#[derive(Clone, Debug, PartialEq, Eq)]
-struct Survey {
-    /// Full blocks looked up (R8: at least one token is left to compute).
-    query: usize,
-    device: Walk,
-    /// The host walk, when there is a host tier and the device walk stopped short of `query`.
-    host: Option<Walk>,
-}
-
-/// What an admission takes.
-#[derive(Clone, Debug, PartialEq, Eq)]
-struct Decision {
-    /// Blocks of the hit after the groups' limits (device, host and remote parts).
-    hit: usize,
-    /// Device blocks the hit retains.
-    device_hit: usize,
-    /// The host (and remote) part, loaded into fresh table entries.
-    host: Option<HostPart>,
-    /// Table entries after the allocation.
-    entries: usize,
-    /// Prefix hash of the checkpoint the linear state is restored from.
-    restore: Option<BlockHash>,
-}
-
-impl AllocationPlan {
-    /// The dp rank the sequence goes (or is) to (R13).
-    pub fn dp_rank(&self) -> usize {
-        self.rank
-    }
-
-    /// Tokens the table will hold (`num_tokens` of the call).
-    pub fn num_tokens(&self) -> usize {
-        self.num_tokens
-    }
-
-    /// Whether the sequence already holds blocks (the plan grows its table).
-    pub fn is_growth(&self) -> bool {
-        matches!(self.kind, Kind::Grow { .. })
-    }
-
-    fn decision(&self) -> Option<&Decision> {
-        match &self.kind {
-            Kind::Admit(_, d) => Some(d),
-            Kind::Grow { .. } => None,
-        }
-    }
-
-    /// Blocks of the prefix hit, every tier together (what the sequence counts as cached once
-    /// its loads are confirmed); 0 for a growth.
-    pub fn num_cached_blocks(&self) -> usize {
-        self.decision().map_or(0, |d| d.hit)
-    }
-
-    /// [`Self::num_cached_blocks`] in tokens.
-    pub fn num_cached_tokens(&self) -> usize {
-        self.num_cached_blocks() * self.block_size
-    }
-
-    /// Hit blocks already on the device (retained, counted as cached at allocation).
-    pub fn device_hit_blocks(&self) -> usize {
-        self.decision().map_or(0, |d| d.device_hit)
-    }
-
-    /// Hit blocks loaded from the host tier and from the remote tier (through host staging).
-    fn tier_split(&self) -> (usize, usize) {
-        match self.decision() {
-            Some(Decision {
-                device_hit,
-                host: Some(part),
-                ..
-            }) => {
-                let host_end = part.host_end.min(part.end).max(*device_hit);
-                (host_end - device_hit, part.end - host_end)
-            }
-            _ => (0, 0),
-        }
-    }
-
-    /// Hit blocks loaded from the host tier.
-    pub fn host_hit_blocks(&self) -> usize {
-        self.tier_split().0
-    }
-
-    /// Hit blocks fetched from the remote tier (then loaded from host).
-    pub fn remote_hit_blocks(&self) -> usize {
-        self.tier_split().1
-    }
-
-    /// Fresh device blocks the allocation takes (load destinations included).
-    pub fn num_new_blocks(&self) -> usize {
-        match &self.kind {
-            Kind::Grow { need, .. } => *need,
-            Kind::Admit(_, d) => d.entries.saturating_sub(d.device_hit),
-        }
-    }
-
-    /// Entries of the full-attention table after the allocation.
-    pub fn num_blocks(&self) -> usize {
-        match &self.kind {
-            Kind::Grow { entries, .. } => *entries,
-            Kind::Admit(_, d) => d.entries.max(d.device_hit),
-        }
-    }
-
-    /// The prefix hash of the checkpoint the linear state is restored from (R23), if any.
-    pub fn restore_checkpoint(&self) -> Option<BlockHash> {
-        self.decision().and_then(|d| d.restore)
-    }
-
-    /// The full blocks looked up and how far the device and host walks reached.
-    pub(crate) fn local_reach(&self) -> Option<(usize, usize)> {
-        match &self.kind {
-            Kind::Admit(survey, _) => {
-                let host = survey.host.as_ref().map_or(0, Walk::len);
-                Some((survey.query, host.max(survey.device.len())))
-            }
-            Kind::Grow { .. } => None,
-        }
-    }
-
-    /// Whether the plan was made for this very sequence object at its current length.
-    pub(crate) fn is_for(&self, seq: &Sequence) -> bool {
-        self.seq == seq.uid() && self.seq_len == seq.len()
-    }
 }
 
 impl BlockManagerPool {
@@ -223,28 +76,75 @@ impl BlockManagerPool {
         seq: &mut Sequence,
         num_tokens: Option<usize>,
     ) -> Result<Option<AllocationPlan>> {
-        let n = Self::validate_num_tokens(seq, num_tokens)?;
+        self.plan_extent(seq, num_tokens.map(TableExtent::Tokens))
+    }
+
+    /// [`Self::plan`] for a table extent (`None`: `len(seq)` tokens).
+    pub fn plan_extent(
+        &self,
+        seq: &mut Sequence,
+        extent: Option<TableExtent>,
+    ) -> Result<Option<AllocationPlan>> {
+        let extent = Self::validate_extent(seq, extent)?;
         if self.take_seq(seq)? {
+            let n = extent.tokens(seq.len(), seq.num_computed_tokens());
             let Some(need) = self.growth(seq, n) else {
                 return Ok(None);
             };
             let rank = seq.alloc().map_or(0, |a| a.rank);
             let entries = seq.blocks().len() + need;
-            return Ok(Some(self.stamp(seq, n, rank, Kind::Grow { need, entries })));
+            return Ok(Some(self.stamp(
+                seq,
+                extent,
+                n,
+                rank,
+                Kind::Grow { need, entries },
+            )));
         }
+        let bs = self.config.block_size;
         Ok(self
-            .plan_admission(seq, n, None, false)
+            .plan_admission(seq, extent, None, false)
             .map(|(rank, survey, decision)| {
-                self.stamp(seq, n, rank, Kind::Admit(survey, decision))
+                let n = extent.tokens(seq.len(), decision.hit * bs);
+                self.stamp(seq, extent, n, rank, Kind::Admit(survey, decision))
             }))
     }
 
-    fn stamp(&self, seq: &Sequence, num_tokens: usize, rank: usize, kind: Kind) -> AllocationPlan {
+    /// `extent` checked against `seq` (R14, R29): `num_tokens` in `1..=len(seq)`,
+    /// `num_new_tokens` at least 1; `None` is `len(seq)`.
+    fn validate_extent(seq: &Sequence, extent: Option<TableExtent>) -> Result<TableExtent> {
+        match extent {
+            Some(TableExtent::NewTokens(n)) => {
+                ensure_arg!(n >= 1, "num_new_tokens", "must be at least 1, got {n}");
+                ensure_arg!(
+                    !seq.is_empty(),
+                    "num_new_tokens",
+                    "sequence {} has no tokens",
+                    seq.seq_id()
+                );
+                Ok(TableExtent::NewTokens(n))
+            }
+            Some(TableExtent::Tokens(n)) => {
+                Self::validate_num_tokens(seq, Some(n)).map(TableExtent::Tokens)
+            }
+            None => Self::validate_num_tokens(seq, None).map(TableExtent::Tokens),
+        }
+    }
+
+    fn stamp(
+        &self,
+        seq: &Sequence,
+        extent: TableExtent,
+        num_tokens: usize,
+        rank: usize,
+        kind: Kind,
+    ) -> AllocationPlan {
         AllocationPlan {
             pool: self.id,
             generation: self.generation,
             seq: seq.uid(),
             seq_len: seq.len(),
+            extent,
             num_tokens,
             block_size: self.config.block_size,
             rank,
@@ -253,13 +153,14 @@ impl BlockManagerPool {
     }
 
     /// Whether `plan` was made by this pool for this very sequence and call, and nothing
-    /// changed since.
-    fn is_current(&self, plan: &AllocationPlan, seq: &Sequence, num_tokens: usize) -> bool {
+    /// changed since. A call for the tokens a `num_new_tokens` plan resolved to is the same call
+    /// (it makes the same decision).
+    fn is_current(&self, plan: &AllocationPlan, seq: &Sequence, extent: TableExtent) -> bool {
         plan.pool == self.id
             && plan.generation == self.generation
             && plan.seq == seq.uid()
             && plan.seq_len == seq.len()
-            && plan.num_tokens == num_tokens
+            && (plan.extent == extent || extent == TableExtent::Tokens(plan.num_tokens))
     }
 
     /// R14 with a plan: carries out `plan` if it is current, else plans again; `remote` names
@@ -272,16 +173,30 @@ impl BlockManagerPool {
         plan: Option<&AllocationPlan>,
         remote: Option<RemoteHits>,
     ) -> Result<bool> {
-        let n = Self::validate_num_tokens(seq, num_tokens)?;
+        self.allocate_extent(seq, num_tokens.map(TableExtent::Tokens), plan, remote)
+    }
+
+    /// [`Self::allocate_planned`] for a table extent (`None`: `len(seq)` tokens);
+    /// `TableExtent::NewTokens` sizes a first chunk past the hit in one walk.
+    pub fn allocate_extent(
+        &mut self,
+        seq: &mut Sequence,
+        extent: Option<TableExtent>,
+        plan: Option<&AllocationPlan>,
+        remote: Option<RemoteHits>,
+    ) -> Result<bool> {
+        let extent = Self::validate_extent(seq, extent)?;
         let owned = self.take_seq(seq)?;
         self.retry_pending()?;
-        let current = plan.filter(|p| self.is_current(p, seq, n));
+        let current = plan.filter(|p| self.is_current(p, seq, extent));
         self.generation += 1;
         if owned {
+            let n = extent.tokens(seq.len(), seq.num_computed_tokens());
             return Ok(self.grow(seq, n));
         }
         if let Some(AllocationPlan {
             rank,
+            extent,
             kind: Kind::Admit(survey, decision),
             ..
         }) = current
@@ -290,18 +205,20 @@ impl BlockManagerPool {
                 return Ok(self.admit(seq, *rank, survey, decision));
             }
             // The remote answer extends the decision; the walks stand.
-            return Ok(match self.decide(seq, *rank, survey, n, remote, false) {
-                Some(decision) => self.admit(seq, *rank, survey, &decision),
-                None => false,
-            });
+            return Ok(
+                match self.decide(seq, *rank, survey, *extent, remote, false) {
+                    Some(decision) => self.admit(seq, *rank, survey, &decision),
+                    None => false,
+                },
+            );
         }
-        Ok(match self.plan_admission(seq, n, remote, false) {
+        Ok(match self.plan_admission(seq, extent, remote, false) {
             Some((rank, survey, decision)) => self.admit(seq, rank, &survey, &decision),
             None => false,
         })
     }
 
-    /// The seed's `allocate_shared(seq)`: the trimmed device hit only, with the single block and
+    /// xLLM's `allocate_shared(seq)`: the trimmed device hit only, with the single block and
     /// the live slot and no new blocks; `allocate` then grows the table. A sequence that holds
     /// blocks is a `ValueError`-style error; false (nothing changed) if the rank has no room.
     pub(crate) fn allocate_shared_prefix(&mut self, seq: &mut Sequence) -> Result<bool> {
@@ -318,7 +235,8 @@ impl BlockManagerPool {
             seq.seq_id()
         );
         self.generation += 1;
-        Ok(match self.plan_admission(seq, seq.len(), None, true) {
+        let extent = TableExtent::Tokens(seq.len());
+        Ok(match self.plan_admission(seq, extent, None, true) {
             Some((rank, survey, decision)) => self.admit(seq, rank, &survey, &decision),
             None => false,
         })
@@ -328,7 +246,7 @@ impl BlockManagerPool {
     fn plan_admission(
         &self,
         seq: &mut Sequence,
-        num_tokens: usize,
+        extent: TableExtent,
         remote: Option<RemoteHits>,
         shared: bool,
     ) -> Option<(usize, Survey, Decision)> {
@@ -337,7 +255,7 @@ impl BlockManagerPool {
             return None;
         }
         let survey = self.survey(seq, rank);
-        let decision = self.decide(seq, rank, &survey, num_tokens, remote, shared)?;
+        let decision = self.decide(seq, rank, &survey, extent, remote, shared)?;
         Some((rank, survey, decision))
     }
 
@@ -373,39 +291,67 @@ impl BlockManagerPool {
         seq: &Sequence,
         rank: usize,
         survey: &Survey,
-        num_tokens: usize,
+        extent: TableExtent,
         remote: Option<RemoteHits>,
         shared: bool,
     ) -> Option<Decision> {
+        let bs = self.config.block_size;
+        // Table entries for a hit of `k` blocks (`num_new_tokens` counts past the hit).
+        let entries_at = |k: usize| self.blocks_for(extent.tokens(seq.len(), k * bs));
         let r = &self.ranks[rank];
         let hashes = seq.hashes(survey.query);
         let tokens = seq.tokens();
+        let chain = self.query_chain(rank, survey, (hashes, tokens, seq.extra_key()));
         // The fold of the groups' limits, until it no longer moves.
         let narrow = |limit: usize| {
             let mut k = limit;
             loop {
                 let before = k;
                 for group in &r.groups {
-                    k = group.hit_limit(hashes, tokens, k);
+                    k = group.hit_limit(&chain, k);
                 }
                 if k == before || k == 0 {
                     return k;
                 }
             }
         };
+        // The full-attention group's store also gives the shared groups their blocks.
         let fits = |k: usize, device_hit: usize, entries: usize| {
-            r.full.fits(&survey.device, device_hit, entries)
-                && r.groups.iter().all(|g| g.fits(hashes, tokens, k, entries))
+            let shared: usize = r.groups.iter().map(|g| g.demand(&chain, k, entries)).sum();
+            r.full.fits(&survey.device, device_hit, entries, shared)
+                && r.groups.iter().all(|g| g.fits(&chain, k, entries))
         };
         let linear = r.groups.iter().any(|g| matches!(g, Group::Linear(_)));
         let restore = |k: usize| (linear && k > 0).then(|| hashes[k - 1]);
+        // Why no hit past `hit` when the full-attention chain reached `reach`.
+        let miss = |hit: usize, reach: usize| -> Option<Miss> {
+            let cache = r.full.cache()?;
+            if survey.query == 0 {
+                return Some(Miss {
+                    group: 0,
+                    reason: MissReason::ShorterThanBlock,
+                });
+            }
+            if hit >= survey.query {
+                return None;
+            }
+            if hit < reach {
+                return r.groups.iter().enumerate().find_map(|(i, g)| {
+                    (g.hit_limit(&chain, reach) < reach).then(|| Miss {
+                        group: i + 1,
+                        reason: g.miss_reason(),
+                    })
+                });
+            }
+            let reason = match cache.was_evicted(hashes[reach]) {
+                true => MissReason::Evicted,
+                false => MissReason::NoSharedPrefix,
+            };
+            Some(Miss { group: 0, reason })
+        };
         let d = survey.device.len();
         let kd = narrow(d);
-        let entries = if shared {
-            kd
-        } else {
-            self.blocks_for(num_tokens)
-        };
+        let entries = if shared { kd } else { entries_at(kd) };
         if !fits(kd, kd, entries) {
             return None;
         }
@@ -415,6 +361,7 @@ impl BlockManagerPool {
             host: None,
             entries,
             restore: restore(kd),
+            miss: miss(kd, d.max(survey.host.as_ref().map_or(0, Walk::len))),
         };
         let (Some(host), Some(walk), false) = (&self.host, &survey.host, shared) else {
             return Some(device_only);
@@ -428,7 +375,7 @@ impl BlockManagerPool {
         let end = HostTier::remote_end(remote, reach, survey.query);
         let mut k = if end > d { narrow(end) } else { 0 };
         while k > d {
-            let table = entries.max(k);
+            let table = entries_at(k).max(k);
             let host_end = h.min(k);
             let pinned = if host_end > d { host_end } else { 0 };
             let staging = k - host_end.max(d);
@@ -443,11 +390,33 @@ impl BlockManagerPool {
                     }),
                     entries: table,
                     restore: restore(k),
+                    miss: miss(k, reach),
                 });
             }
             k = narrow(k - 1);
         }
         Some(device_only)
+    }
+
+    /// The chain of a query as the groups verify it: its hashes and tokens with the ids the
+    /// survey's walks verified in the device cache and the host cache of `rank` (R7).
+    fn query_chain<'a>(
+        &'a self,
+        rank: usize,
+        survey: &'a Survey,
+        chain: (&'a [BlockHash], &'a [u32], Option<&'a [u8]>),
+    ) -> QueryChain<'a> {
+        let device = self.ranks[rank]
+            .full
+            .cache()
+            .map(|c| (c, survey.device.ids.as_slice()));
+        let host = self
+            .host
+            .as_ref()
+            .and_then(|h| h.cache(rank))
+            .zip(survey.host.as_ref())
+            .map(|(c, walk)| (c, walk.ids.as_slice()));
+        QueryChain::new(chain, device, host)
     }
 
     /// Carries out a decision (R14's order; all-or-nothing). False only if something the plan
@@ -476,12 +445,25 @@ impl BlockManagerPool {
             .take_hit(&survey.device, decision.device_hit, &mut blocks);
         let mut tables = Vec::with_capacity(r.groups.len());
         let mut ok = true;
-        for group in &mut r.groups {
-            match group.take_hit(hashes, tokens, decision.hit) {
-                Some(table) => tables.push(table),
-                None => {
-                    ok = false;
-                    break;
+        {
+            // The walks' ids are still entries: nothing but retains ran since the plan (R7).
+            let host_walk = host
+                .as_ref()
+                .and_then(|h| h.cache(rank))
+                .zip(survey.host.as_ref())
+                .map(|(c, walk)| (c, walk.ids.as_slice()));
+            let query = HitQuery {
+                chain: (hashes, tokens, seq.extra_key()),
+                device_ids: survey.device.ids.as_slice(),
+                host: host_walk,
+            };
+            for group in &mut r.groups {
+                match group.take_hit(&mut r.full, &query, decision.hit) {
+                    Some(table) => tables.push(table),
+                    None => {
+                        ok = false;
+                        break;
+                    }
                 }
             }
         }
@@ -493,7 +475,7 @@ impl BlockManagerPool {
         let need = decision.entries.saturating_sub(blocks.len());
         ok = ok && r.full.grow(&mut blocks, need);
         for (group, table) in r.groups.iter_mut().zip(tables.iter_mut()) {
-            ok = ok && group.grow(table, decision.entries);
+            ok = ok && group.grow(&mut r.full, table, decision.entries);
         }
         let Some(single) = single.filter(|_| ok) else {
             for (group, table) in r.groups.iter_mut().zip(tables) {
@@ -505,6 +487,9 @@ impl BlockManagerPool {
         };
         r.query_tokens += (survey.query * bs) as u64;
         r.hit_tokens += (decision.device_hit * bs) as u64;
+        if let Some(miss) = decision.miss {
+            r.misses[miss.reason.index()] += 1;
+        }
         for (group, table) in r.groups.iter_mut().zip(tables.iter_mut()) {
             group.admitted(table, ledger);
         }

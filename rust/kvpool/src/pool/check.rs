@@ -70,7 +70,7 @@ impl BlockManagerPool {
             rank.groups.len()
         );
         for (group, table) in rank.groups.iter().zip(&alloc.groups) {
-            group.check_table(table, alloc.blocks.len(), seq.seq_id())?;
+            group.check_table(&rank.full, table, alloc.blocks.len(), seq.seq_id())?;
         }
         Ok(())
     }

@@ -4,15 +4,21 @@
 use crate::alloc;
 use crate::block::BlockStore;
 use crate::error::{ensure_arg, Result};
-use crate::groups::{FullGroup, Group, LinearGroup, WindowGroup};
+use crate::groups::{FullGroup, Group, LinearGroup, SharedWindowGroup, WindowGroup};
 use crate::hash::BlockHasher;
 use crate::linear_state::LinearStatePrefixCache;
 use crate::manager::{BlockManagerImpl, ManagerConfig, SingleBlockManager};
+use crate::prefix_cache::{AttachConfig, PrefixCache};
 use crate::sliding_window::SlidingWindowBlockManager;
 use crate::tiers::HostTierConfig;
 use crate::xtensor::{PageBackend, XTensorBlockManager};
 
 pub use crate::groups::{LinearStateMatch, LinearStateSave};
+
+/// Default of [`PoolConfig::retention_tokens`]: a conversation's next turn resends it and
+/// diverges within its last few hundred tokens (its last, re-templated message); requests part
+/// after their system prompt, within the first few hundred.
+pub const DEFAULT_RETENTION_TOKENS: usize = 512;
 
 use super::elastic::{PageBackendKind, XTensorOptions};
 use super::Rank;
@@ -47,11 +53,21 @@ pub struct PoolConfig {
     pub linear_state_save: LinearStateSave,
     /// Sliding window in tokens of the second group (R25); `None`: one full-attention group.
     pub sliding_window: Option<usize>,
-    /// Block ids per rank of the sliding-window group, padding included (default `num_blocks`).
+    /// Block ids per rank of a sliding-window group with its own store, padding included.
+    /// `None` (the default): the window group draws from the full-attention group's store (one
+    /// free list and id space, `num_blocks` ids in all), unless `shared_blocks` says otherwise.
     pub swa_num_blocks: Option<usize>,
+    /// Whether the sliding-window group shares the full-attention group's store (R25, docs/hybrid.md
+    /// "One block store"); `None`: shared unless `swa_num_blocks`, `xtensor` or a host tier is
+    /// given.
+    pub shared_blocks: Option<bool>,
+    /// With a shared store: the tokens at the head of every chain and before a released
+    /// sequence's last computed full block whose boundaries keep their window runs longest
+    /// (the retention rule, docs/hybrid.md).
+    pub retention_tokens: usize,
     /// A host tier per rank (R26); `None`: the device only.
     pub host: Option<HostTierConfig>,
-    /// Full-attention blocks of every rank on elastic pages (`XTensorBlockManager`, the seed's
+    /// Full-attention blocks of every rank on elastic pages (`XTensorBlockManager`, xLLM's
     /// `enable_xtensor`); `None`: fixed memory.
     pub xtensor: Option<XTensorOptions>,
     /// Dedup on publish (R9 revised): a computed duplicate of a cached block switches to the
@@ -77,6 +93,8 @@ impl PoolConfig {
             linear_state_save: LinearStateSave::Copy,
             sliding_window: None,
             swa_num_blocks: None,
+            shared_blocks: None,
+            retention_tokens: DEFAULT_RETENTION_TOKENS,
             host: None,
             xtensor: None,
             dedup: true,
@@ -98,6 +116,17 @@ impl PoolConfig {
 
     fn swa_blocks(&self) -> usize {
         self.swa_num_blocks.unwrap_or(self.num_blocks)
+    }
+
+    /// Whether the sliding-window group draws from the full-attention group's store: by
+    /// default when nothing sizes or places the window group on its own (`swa_num_blocks`,
+    /// `xtensor`) and there is no host tier (with one, a window store of its own keeps the runs
+    /// of the chains whose full-attention blocks went to the host: docs/host_tier.md).
+    pub fn shares_window_store(&self) -> bool {
+        self.sliding_window.is_some()
+            && self.shared_blocks.unwrap_or(
+                self.swa_num_blocks.is_none() && self.xtensor.is_none() && self.host.is_none(),
+            )
     }
 
     /// Checks every option (each error names its argument) and the footprint of every rank in
@@ -134,11 +163,41 @@ impl PoolConfig {
                 self.block_size
             );
         }
+        // R23: "contiguous" needs a checkpoint at every block boundary from block 0, and saves
+        // land only on multiples of the interval (R24): a longer interval could never hit.
+        if let (LinearStateMatch::Contiguous, Some(interval)) =
+            (self.linear_state_match, self.checkpoint_interval)
+        {
+            ensure_arg!(
+                interval == self.block_size,
+                "checkpoint_interval",
+                "must equal block_size {} with linear_state_match=\"contiguous\" (a hit needs a \
+                 checkpoint at every block boundary), got {interval}",
+                self.block_size
+            );
+        }
         ensure_arg!(
             self.swa_num_blocks.is_none() || self.sliding_window.is_some(),
             "swa_num_blocks",
             "needs sliding_window"
         );
+        if self.shared_blocks == Some(true) {
+            ensure_arg!(
+                self.sliding_window.is_some(),
+                "shared_blocks",
+                "needs sliding_window (the groups that share the store)"
+            );
+            ensure_arg!(
+                self.swa_num_blocks.is_none(),
+                "swa_num_blocks",
+                "sizes a window store of its own: not with shared_blocks=True"
+            );
+            ensure_arg!(
+                self.xtensor.is_none(),
+                "shared_blocks",
+                "is not supported with xtensor (elastic pages hold full attention only)"
+            );
+        }
         // Every count within its cap before anything is sized by it (F1).
         let within_caps = |n: usize, block_size: usize, name: &'static str| {
             ManagerConfig::new(n, block_size)
@@ -149,7 +208,7 @@ impl PoolConfig {
         if self.linear_state_slots > 0 {
             within_caps(self.linear_state_slots, 1, "linear_state_slots")?;
         }
-        if self.sliding_window.is_some() {
+        if self.sliding_window.is_some() && !self.shares_window_store() {
             within_caps(self.swa_blocks(), self.block_size, "swa_num_blocks")?;
         }
         if let Some(xtensor) = &self.xtensor {
@@ -163,13 +222,15 @@ impl PoolConfig {
         let per_rank = allocator
             + self.num_single() as u128 * BlockStore::BYTES_PER_ID
             + LinearStatePrefixCache::footprint(self.linear_state_slots)
-            + self.sliding_window.map_or(0, |_| {
-                SlidingWindowBlockManager::footprint(
+            + match (self.sliding_window, self.shares_window_store()) {
+                (None, _) => 0,
+                (Some(_), true) => self.num_blocks as u128 * PrefixCache::attach_bytes_per_block(1),
+                (Some(_), false) => SlidingWindowBlockManager::footprint(
                     self.swa_blocks(),
                     self.block_size,
                     self.enable_prefix_cache,
-                )
-            });
+                ),
+            };
         alloc::probe(self.dp_size as u128 * per_rank, "num_blocks")
     }
 
@@ -179,11 +240,20 @@ impl PoolConfig {
         let mut ranks = Vec::with_capacity(self.dp_size);
         let mut backends = backends.into_iter();
         for index in 0..self.dp_size {
-            let full = match &self.xtensor {
+            let mut full = match &self.xtensor {
                 None => {
                     let mut blocks = BlockManagerImpl::new(self.manager())?;
                     if let Some(cache) = blocks.prefix_cache_mut() {
                         cache.set_record_events(self.enable_events);
+                        if let (Some(window), true) =
+                            (self.sliding_window, self.shares_window_store())
+                        {
+                            cache.enable_attachments(AttachConfig {
+                                windows: vec![window],
+                                retention_tokens: self.retention_tokens,
+                            })?;
+                            cache.set_record_attach_events(self.enable_events);
+                        }
                     }
                     FullGroup::new(blocks)
                 }
@@ -224,7 +294,21 @@ impl PoolConfig {
                     self.linear_state_save,
                 )));
             }
-            if let Some(window) = self.sliding_window {
+            if let (Some(window), true) = (self.sliding_window, self.shares_window_store()) {
+                ensure_arg!(
+                    window >= 1,
+                    "sliding_window",
+                    "must be at least 1, got {window}"
+                );
+                let owner = groups.len() as u8 + 1;
+                full.track_owners()?;
+                groups.push(Group::SharedWindow(SharedWindowGroup::new(
+                    window,
+                    self.block_size,
+                    0,
+                    owner,
+                )));
+            } else if let Some(window) = self.sliding_window {
                 let mut manager = SlidingWindowBlockManager::new(
                     self.swa_blocks(),
                     self.block_size,
@@ -244,6 +328,7 @@ impl PoolConfig {
                 groups,
                 query_tokens: 0,
                 hit_tokens: 0,
+                misses: Default::default(),
             });
         }
         Ok(ranks)

@@ -1,4 +1,4 @@
-//! KV events for external KV-aware routers (R21), self-describing (issue "Beyond one instance"):
+//! KV events for external KV-aware routers (R21), self-describing (docs/events.md):
 //! the events of every rank's device cache, of its host cache (R26) and of the remote tier's
 //! stores and removals the caller reports, each numbered in its rank's stream and kept in a
 //! bounded replay buffer.
@@ -246,6 +246,26 @@ impl BlockManagerPool {
         if let Some(cache) = self.host.as_mut().and_then(|h| h.cache_mut(rank)) {
             log.record_cache(cache, Medium::Host, bs, rank);
         }
+        let r = &mut self.ranks[rank];
+        for (position, group) in r.groups.iter().enumerate() {
+            // A window group of the shared store: its attachments' events, from the cache.
+            let (Some(shared), Some(cache)) = (group.as_shared_window(), r.full.cache_mut()) else {
+                continue;
+            };
+            let window = u32::try_from(shared.window()).unwrap_or(u32::MAX);
+            for attached in cache.take_attach_events() {
+                if attached.group != shared.attach_group() {
+                    continue;
+                }
+                if attached.event == CacheEvent::Cleared {
+                    continue; // the rank's device "cleared" covers every group
+                }
+                let mut event = KvEvent::of_cache(attached.event, Medium::Device, bs, rank);
+                event.group = position as u32 + 1;
+                event.group_kind = GroupKind::SlidingWindow { window };
+                log.record(event);
+            }
+        }
         for (position, group) in self.ranks[rank].groups.iter_mut().enumerate() {
             // Groups after full attention (0), in the order of a sequence's tables.
             let group_index = position as u32 + 1;
@@ -344,7 +364,8 @@ impl BlockManagerPool {
 
     /// Records the remote tier's stores or removals of `rank`'s blocks (`hashes`, chain hashes
     /// as the tier's keys) as remote-medium events in the rank's stream: the pool does no I/O,
-    /// so the caller (`kvpool.remote.RemoteTransfer`) reports what it wrote or found missing.
+    /// so the caller (`kvpool.tiers.remote_transfer.RemoteTransfer`) reports what it wrote or
+    /// found missing.
     /// Hashes are grouped into events of consecutive chain blocks; each event's parent, tokens
     /// and extra key come from the rank's host or device cache where the block is known there
     /// (else no parent and no tokens). Returns the events recorded (0 without `enable_events`).

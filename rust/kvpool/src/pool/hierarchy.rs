@@ -1,5 +1,5 @@
 //! `HierarchyBlockManagerPool`: the public name of a [`BlockManagerPool`] built with a host tier
-//! (R26, the seed's `HierarchyBlockManagerPool`, which extends `BlockManagerPool`).
+//! (R26, xLLM's `HierarchyBlockManagerPool`, which extends `BlockManagerPool`).
 //!
 //! It is the pool itself: it dereferences to the [`BlockManagerPool`] it wraps, so every method
 //! of the pool (the batch calls, linear state, sliding windows, events, plans) is its method,

@@ -4,18 +4,24 @@
 use crate::error::{ensure_arg, Result};
 use crate::groups::{Group, OpKind};
 use crate::hash::BlockHash;
+use crate::sequence::Sequence;
 
 use super::BlockManagerPool;
 
-/// The recurrent-state copies the worker must make before the next forward step (R24), for all
-/// ranks: first every restore (`restore_src -> restore_dst`), then every save
-/// (`save_src -> save_dst`, the checkpoint of `save_hashes[i]`). Confirm with
-/// `commit_linear_state_plan` once copied.
+/// What the worker must do to the recurrent state before the next forward step (R24), for all
+/// ranks, in this order: zero every slot of `zero_slots` (live slots taken without a restore),
+/// then every restore (`restore_src -> restore_dst`), then every save (`save_src -> save_dst`,
+/// the checkpoint of `save_hashes[i]`). Confirm with `commit_linear_state_plan` once done.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct LinearStatePlan {
     pool_id: u64,
     plan_id: u64,
     ops: Vec<u64>,
+    /// dp rank of each zeroed slot.
+    pub zero_dp_rank: Vec<i32>,
+    /// Live slots to fill with zeros (a sequence admitted without a restore starts from the
+    /// zero state; the slot may hold an earlier sequence's state).
+    pub zero_slots: Vec<i32>,
     /// dp rank of each restore.
     pub restore_dp_rank: Vec<i32>,
     /// Checkpoint slots to read.
@@ -33,12 +39,12 @@ pub struct LinearStatePlan {
 }
 
 impl LinearStatePlan {
-    /// Number of copies (restores plus saves).
+    /// Number of operations (zeroed slots, restores and saves).
     pub fn len(&self) -> usize {
-        self.restore_src.len() + self.save_src.len()
+        self.zero_slots.len() + self.restore_src.len() + self.save_src.len()
     }
 
-    /// Whether there is nothing to copy.
+    /// Whether there is nothing to do.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
@@ -55,6 +61,11 @@ impl BlockManagerPool {
             plan_id,
             ..LinearStatePlan::default()
         };
+        // Zeros first: a slot's earlier state is gone before anything is copied into it.
+        for (rank, slot) in std::mem::take(&mut self.ledger.zeros) {
+            plan.zero_dp_rank.push(rank as i32);
+            plan.zero_slots.push(slot as i32);
+        }
         for id in std::mem::take(&mut self.ledger.untaken) {
             let Some(op) = self.ledger.ops.get_mut(&id) else {
                 debug_assert!(false, "untaken copies are registered");
@@ -112,6 +123,42 @@ impl BlockManagerPool {
             self.collect_events(rank); // the committed checkpoints (R21)
         }
         Ok(())
+    }
+
+    /// R24: the smallest computed-token count in `(num_computed_tokens, len(seq)]` at which
+    /// `cache(seq)` plans a checkpoint save: the next multiple of `checkpoint_interval`, the
+    /// prompt's last block boundary, or its junction (where the prompt left the cached prefix
+    /// tree at admission). `None` without linear state or when no boundary is left.
+    /// A prefill chunk that passes a boundary without ending on it saves nothing for it, so
+    /// engines end their chunks here. A sequence of another pool is an error naming `seq`.
+    pub fn next_checkpoint_boundary(&self, seq: &mut Sequence) -> Result<Option<usize>> {
+        self.take_seq(seq)?;
+        if self.config.linear_state_slots == 0 {
+            return Ok(None);
+        }
+        let bs = self.config.block_size;
+        let computed = seq.num_computed_tokens();
+        let prompt_end = seq.num_prompt_tokens() / bs * bs;
+        let interval = self
+            .config
+            .checkpoint_interval
+            .and_then(|t| (computed / t).checked_add(1)?.checked_mul(t));
+        let junction = seq.alloc().and_then(|alloc| {
+            let groups = &self.ranks[alloc.rank].groups;
+            groups
+                .iter()
+                .zip(&alloc.groups)
+                .find_map(|(group, table)| group.junction(table))
+        });
+        let boundary = [
+            Some(prompt_end).filter(|&b| b > computed),
+            interval,
+            junction.filter(|&b| b > computed),
+        ]
+        .into_iter()
+        .flatten()
+        .min();
+        Ok(boundary.filter(|&b| b <= seq.len()))
     }
 
     /// Copies planned and not yet confirmed.

@@ -1,4 +1,4 @@
-//! `BlockManagerPool`: the sequence-level KV-cache manager (the seed's `KVCacheManager`): per
+//! `BlockManagerPool`: the sequence-level KV-cache manager (xLLM's `KVCacheManager`): per
 //! data-parallel rank a full-attention group, a single-block manager and the rank's other groups
 //! (sliding window, linear state), and optionally a host tier (the public
 //! `HierarchyBlockManagerPool`).
@@ -7,7 +7,7 @@
 //! which kind a group is (`groups/mod.rs`). Files: `config.rs` (options), `admission.rs` (plan
 //! once, then allocate), `linear_plans.rs` (the recurrent-state copies of R24), `events.rs`
 //! (R21), `stats.rs` and `check.rs` (R20), `batch.rs` (the batch calls of R16, R17, R19),
-//! `tiers.rs` (the host tier's API), `hierarchy.rs` (the `HierarchyBlockManagerPool` name).
+//! `publish.rs` (R17, after the KV exists), `tiers.rs` (the host tier's API), `hierarchy.rs` (the `HierarchyBlockManagerPool` name).
 //!
 //! Invariants: a sequence holds blocks of at most one pool (its allocation's `owner`) and one
 //! rank (R13); every entry point is all-or-nothing (R14, R16, R29): it either succeeds or leaves
@@ -25,6 +25,8 @@ mod elastic;
 mod events;
 mod hierarchy;
 mod linear_plans;
+mod plan;
+mod publish;
 mod stats;
 mod tiers;
 
@@ -40,23 +42,27 @@ use crate::sequence::Sequence;
 use crate::sliding_window::SlidingWindowBlockManager;
 use crate::tiers::HostTier;
 
-pub use admission::{AllocationPlan, DebugCounters};
-pub use config::{LinearStateMatch, LinearStateSave, PoolConfig};
+use publish::Publish;
+
+pub use crate::groups::{Miss, MissReason};
+pub use admission::DebugCounters;
+pub use config::{LinearStateMatch, LinearStateSave, PoolConfig, DEFAULT_RETENTION_TOKENS};
 pub use elastic::{PageBackendKind, XTensorOptions, XTensorRankStats};
 pub use events::{KvEvent, KvEventKind, DEFAULT_EVENT_REPLAY};
 pub use hierarchy::{HierarchyBlockManagerPool, HierarchyConfig, HierarchyStats};
 pub use linear_plans::LinearStatePlan;
-pub use stats::{PoolStats, RankStats};
+pub use plan::{AllocationPlan, TableExtent};
+pub use stats::{PoolStats, RankMemory, RankStats};
 
 static NEXT_POOL_ID: AtomicU64 = AtomicU64::new(1);
 
-/// The sequence-level interface (the seed's `KVCacheManager`).
+/// The sequence-level interface (xLLM's `KVCacheManager`).
 pub trait KvCacheManager {
     /// R15: what `allocate` would answer, with no side effect.
     fn can_allocate(&mut self, seq: &mut Sequence, num_tokens: Option<usize>) -> Result<bool>;
     /// R14.
     fn allocate(&mut self, seq: &mut Sequence, num_tokens: Option<usize>) -> Result<bool>;
-    /// The seed's `allocate_shared(seq)` (section 2.1): the prefix hit only, into a sequence that
+    /// xLLM's `allocate_shared(seq)`: the prefix hit only, into a sequence that
     /// holds nothing (its hit's blocks, single block and live slot; no new blocks).
     fn allocate_shared(&mut self, seq: &mut Sequence) -> Result<bool>;
     /// R16.
@@ -77,6 +83,8 @@ pub(crate) struct Rank {
     pub(crate) groups: Vec<Group>,
     pub(crate) query_tokens: u64,
     pub(crate) hit_tokens: u64,
+    /// Admissions whose hit a group cut, per reason (docs/hybrid.md "Why no hit").
+    pub(crate) misses: crate::groups::misses::MissCounts,
 }
 
 impl Rank {
@@ -84,15 +92,6 @@ impl Rank {
     pub(crate) fn admits(&self) -> bool {
         self.single.counts().free > 0 && self.groups.iter().all(Group::admits)
     }
-}
-
-/// When the pool publishes a sequence's blocks.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Publish {
-    /// `cache(seq)` after a step: may plan a checkpoint save.
-    Step,
-    /// `deallocate(seq)`.
-    Release { all_released: bool },
 }
 
 /// Per-rank block groups behind the sequence-level API.
@@ -116,8 +115,9 @@ pub struct BlockManagerPool {
     host: Option<HostTier>,
     /// Advanced by every entry that changes the pool (plans are checked against it).
     generation: u64,
-    /// Table entries switched by dedup on publish since the last drain: (seq_id, old, new).
-    block_switches: Vec<(u64, u32, u32)>,
+    /// Table entries switched by dedup on publish since the last drain: (seq_id, group, old,
+    /// new).
+    block_switches: Vec<(u64, usize, u32, u32)>,
     /// Scratch of one publish's switches (position, old, new).
     switch_scratch: Vec<Switch>,
 }
@@ -142,15 +142,25 @@ impl BlockManagerPool {
         backends: Vec<Box<dyn crate::xtensor::PageBackend>>,
     ) -> Result<Self> {
         config.validate()?;
-        let ranks = config.build_ranks(backends)?;
+        let mut ranks = config.build_ranks(backends)?;
         // Relaxed: only uniqueness matters.
         let id = NEXT_POOL_ID.fetch_add(1, Ordering::Relaxed);
+        // Where links outlive their chains (checkpoints; window tails behind a host tier), the
+        // caches keep graves so that a chain computed again takes its anchors back (R7).
+        let graves = config.linear_state_slots > 0
+            || (config.sliding_window.is_some() && config.host.is_some());
+        for rank in &mut ranks {
+            if let Some(cache) = rank.full.cache_mut() {
+                cache.keep_graves(graves);
+            }
+        }
         let host = match config.host {
             None => None,
             Some(host) => {
                 let mut tier =
                     HostTier::new(host, id, config.dp_size, config.block_size, config.hasher)?;
                 tier.set_record_events(config.enable_events);
+                tier.keep_graves(graves);
                 Some(tier)
             }
         };
@@ -179,6 +189,17 @@ impl BlockManagerPool {
     /// revised): (seq_id, old block id, new block id), in the order they happened. Engines that
     /// mirror block tables apply them; the list grows until drained.
     pub fn drain_block_switches(&mut self) -> Vec<(u64, u32, u32)> {
+        self.drain_block_switches_by_group()
+            .into_iter()
+            .map(|(seq, _, old, new)| (seq, old, new))
+            .collect()
+    }
+
+    /// [`Self::drain_block_switches`] with the group of each switch: (seq_id, group, old block
+    /// id, new block id), `group` as in `block_tables(seqs, group)`. Only the full-attention
+    /// group (0) dedups today: the sliding-window group keeps the first writer (R25) and
+    /// linear-state slots are not blocks.
+    pub fn drain_block_switches_by_group(&mut self) -> Vec<(u64, usize, u32, u32)> {
         std::mem::take(&mut self.block_switches)
     }
 
@@ -360,6 +381,20 @@ impl BlockManagerPool {
             return None;
         }
         let computed = seq.num_computed_tokens(); // a confirmed load counts (R16 exactness)
+        let entries = alloc.blocks.len() + need;
+        // The groups of the shared store draw from the full-attention group's blocks, after
+        // their slide gave some back.
+        let (shared, releasable) =
+            rank.groups
+                .iter()
+                .zip(&alloc.groups)
+                .fold((0, 0), |(shared, releasable), (g, t)| {
+                    let (s, r) = g.shared_growth(&rank.full, t, computed, entries);
+                    (shared + s, releasable + r)
+                });
+        if need + shared > rank.full.num_available() + releasable {
+            return None;
+        }
         let room = rank
             .groups
             .iter()
@@ -394,7 +429,7 @@ impl BlockManagerPool {
         let before = alloc.blocks.len();
         let mut ok = rank.full.grow(&mut alloc.blocks, need);
         for (group, table) in rank.groups.iter_mut().zip(alloc.groups.iter_mut()) {
-            ok = ok && group.grow(table, entries);
+            ok = ok && group.grow(&mut rank.full, table, entries);
         }
         if !ok {
             // `growth` counted every group's blocks after the slide: only a page backend that
@@ -410,163 +445,28 @@ impl BlockManagerPool {
         ok
     }
 
-    /// Whether `publish` would change nothing (most decode steps): no other group to serve and
-    /// no full computed block left to publish in the cache's current epoch. Tested first,
-    /// without the division `publish` needs.
-    #[inline]
-    fn publish_is_noop(&self, seq: &Sequence) -> bool {
-        let Some(alloc) = seq.alloc() else {
-            return true;
-        };
-        if self.has_groups {
-            return false;
-        }
-        match self.ranks[alloc.rank].full.cache() {
-            None => true,
-            Some(cache) => {
-                alloc.published_epoch == cache.epoch()
-                    && (alloc.blocks.len() <= alloc.published
-                        || seq.computed() < (alloc.published + 1) * self.config.block_size)
-            }
-        }
-    }
-
-    /// Publishes the full computed blocks (R17) in the prefix cache and every group, then slides
-    /// the groups; at a step, lets the groups plan what they plan at a step (R24). The chain
-    /// hashes are computed only as far as something needs them.
-    fn publish(&mut self, seq: &mut Sequence, when: Publish) {
-        if self.publish_is_noop(seq) {
-            return;
-        }
-        let block_size = self.config.block_size;
-        let computed = seq.computed();
-        let prompt = seq.num_prompt_tokens();
-        let seq_id = seq.seq_id();
-        let (chain, tokens, key, alloc) = seq.split_for_publish();
-        let Some(alloc) = alloc else { return };
-        let rank_index = alloc.rank;
-        let full = (computed / block_size).min(alloc.blocks.len());
-        let Rank {
-            full: attention,
-            groups,
-            ..
-        } = &mut self.ranks[rank_index];
-        let raw_key = key.map(|k| &**k);
-        let epoch = attention.cache().map(|c| c.epoch());
-        if let Some(epoch) = epoch {
-            if alloc.published_epoch != epoch {
-                alloc.published = 0;
-                alloc.published_epoch = epoch;
-            }
-            if alloc.published < full {
-                let hasher = attention.hasher();
-                let hashes = chain.ensure(&hasher, block_size, tokens, raw_key, full * block_size);
-                // R9 revised: dedup between steps, never while a planned copy is unconfirmed.
-                let dedup = self.config.dedup
-                    && step_publish(when)
-                    && !alloc.groups.iter().any(|t| t.holds_plan(&self.ledger));
-                alloc.published = if dedup {
-                    let switches = &mut self.switch_scratch;
-                    let reached = attention.publish_dedup(
-                        hashes,
-                        tokens,
-                        &mut alloc.blocks[..full],
-                        alloc.published,
-                        key,
-                        switches,
-                    );
-                    self.block_switches
-                        .extend(switches.drain(..).map(|(_, old, new)| (seq_id, old, new)));
-                    reached
-                } else {
-                    attention.publish(
-                        hashes,
-                        tokens,
-                        &alloc.blocks[..full],
-                        alloc.published,
-                        key,
-                        matches!(when, Publish::Release { all_released: true }),
-                    )
-                };
-            }
-        }
-        let step = when == Publish::Step;
-        for (group, table) in groups.iter_mut().zip(alloc.groups.iter_mut()) {
-            if epoch.is_some() && group.wants_publish(table, full) {
-                let hashes = chain.ensure(
-                    &attention.hasher(),
-                    block_size,
-                    tokens,
-                    raw_key,
-                    full * block_size,
-                );
-                group.publish(table, hashes, tokens, full, key);
-            }
-            group.slide(table, computed);
-            if step && group.steps() {
-                let save = (epoch.is_some() && full > 0 && group.saves_at(table, computed, prompt))
-                    .then(|| {
-                        let hasher = attention.hasher();
-                        chain.ensure(&hasher, block_size, tokens, raw_key, full * block_size)
-                            [full - 1]
-                    });
-                group.step(table, computed, save, &mut self.ledger);
-            }
-        }
-        self.collect_events(rank_index);
-    }
-
-    /// Publishes the groups' full computed blocks, then slides them (before a growth: the
-    /// slide must not release blocks before they are published, R25).
-    fn publish_and_slide_groups(&mut self, seq: &mut Sequence) {
-        let block_size = self.config.block_size;
-        let computed = seq.computed();
-        let (chain, tokens, key, alloc) = seq.split_for_publish();
-        let Some(alloc) = alloc else { return };
-        let full = (computed / block_size).min(alloc.blocks.len());
-        let Rank {
-            full: attention,
-            groups,
-            ..
-        } = &mut self.ranks[alloc.rank];
-        let cache_on = attention.cache().is_some();
-        for (group, table) in groups.iter_mut().zip(alloc.groups.iter_mut()) {
-            if cache_on && group.wants_publish(table, full) {
-                let raw_key = key.map(|k| &**k);
-                let hashes = chain.ensure(
-                    &attention.hasher(),
-                    block_size,
-                    tokens,
-                    raw_key,
-                    full * block_size,
-                );
-                group.publish(table, hashes, tokens, full, key);
-            }
-            group.slide(table, computed);
-        }
-    }
-
     /// R18's deallocate. `all_released`: nothing else keeps the sequence's blocks after this
     /// (false with a host tier, whose offload may still hold them), so recomputed duplicates may
     /// be skipped and the rest of the chain published (see `PrefixCache::insert`).
     fn release(&mut self, seq: &mut Sequence, all_released: bool) {
         self.publish(seq, Publish::Release { all_released });
+        let full_computed = seq.computed() / self.config.block_size;
         let Some(mut alloc) = seq.detach() else {
             return;
         };
         let rank = &mut self.ranks[alloc.rank];
+        // The block of the last computed full block: its node gets a shared group's end mark.
+        let end = full_computed
+            .checked_sub(1)
+            .and_then(|i| alloc.blocks.get(i))
+            .map(|b| b.id());
         for (group, table) in rank.groups.iter_mut().zip(alloc.groups.iter_mut()) {
-            group.release(table, &mut self.ledger); // R24 cancels, R25 keeps the window's tail
+            // R24 cancels, R25 keeps the window's tail (its hit points, with the shared store)
+            group.release(&mut rank.full, table, &mut self.ledger, end);
         }
         drop(alloc); // the table tail first (`Allocation`'s `Drop`)
         rank.full.drain();
     }
-}
-
-/// Whether a publication happens at a step (`cache`, the batch step calls), where dedup on
-/// publish switches duplicates (R9 revised); a release publishes with the physical rule.
-fn step_publish(when: Publish) -> bool {
-    when == Publish::Step
 }
 
 /// `len(seq) + lookahead`, the tokens R16 asks room for; `None` past `usize::MAX` (F5).

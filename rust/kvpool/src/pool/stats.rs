@@ -6,6 +6,7 @@ use crate::manager::{BlockCounts, BlockManager};
 
 use super::elastic::XTensorRankStats;
 use super::BlockManagerPool;
+use super::MissReason;
 
 counters! {
     /// Statistics of one rank (R20). Section `rank` is the rank's dict, `window` the window
@@ -42,6 +43,18 @@ counters! {
         window {
             /// Window blocks released behind the window.
             num_window_releases: u64 => "num_releases",
+        }
+        misses {
+            /// Admissions of a prompt without a full block to look up (full attention).
+            miss_shorter_than_block: u64 => "shorter_than_block",
+            /// Admissions whose chain the cache never held past the hit (full attention).
+            miss_no_shared_prefix: u64 => "no_shared_prefix",
+            /// Admissions whose next block was evicted (full attention).
+            miss_evicted: u64 => "evicted",
+            /// Admissions a sliding-window group cut: its run was gone (R25).
+            miss_window_blocks_gone: u64 => "window_blocks_gone",
+            /// Admissions the linear-state group cut: no checkpoint at the boundary (R23).
+            miss_no_checkpoint: u64 => "no_checkpoint",
         }
     }
 }
@@ -93,6 +106,11 @@ impl BlockManagerPool {
                 num_checkpoint_evictions: g.checkpoint_evictions,
                 num_checkpoint_commits: g.checkpoint_commits,
                 num_window_releases: g.window_releases,
+                miss_shorter_than_block: rank.misses[MissReason::ShorterThanBlock.index()],
+                miss_no_shared_prefix: rank.misses[MissReason::NoSharedPrefix.index()],
+                miss_evicted: rank.misses[MissReason::Evicted.index()],
+                miss_window_blocks_gone: rank.misses[MissReason::WindowBlocksGone.index()],
+                miss_no_checkpoint: rank.misses[MissReason::NoCheckpoint.index()],
                 window: g.window,
                 xtensor: rank.full.elastic_manager().map(XTensorRankStats::of),
             };
@@ -100,5 +118,60 @@ impl BlockManagerPool {
             stats.ranks.push(r);
         }
         stats
+    }
+}
+
+/// A rank's memory per group (docs/hybrid.md "One block store"): what [`BlockManagerPool::memory`]
+/// returns per rank. Blocks of the full-attention group's store, counted by the group each was
+/// handed out to; a group with a store of its own (a sliding window sized by `swa_num_blocks`)
+/// and the linear-state slots are counted in their own units.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RankMemory {
+    /// Ids of the full-attention group's store (padding excluded).
+    pub num_blocks: usize,
+    /// Free ids of that store.
+    pub free_blocks: usize,
+    /// Per group of that store (full attention first, then the groups sharing it, in table
+    /// order): (group position, cached blocks, used blocks).
+    pub shared: Vec<(usize, usize, usize)>,
+    /// A sliding-window group with its own store: (group position, its counts).
+    pub own_window: Option<(usize, BlockCounts)>,
+    /// The linear-state group: (group position, slots in use: live, pending and committed;
+    /// slots in all, padding excluded).
+    pub linear_slots: Option<(usize, usize, usize)>,
+}
+
+impl BlockManagerPool {
+    /// The memory of every rank per group (O(blocks): a census of the store, not for every
+    /// step; `stats()` has the totals).
+    pub fn memory(&self) -> Vec<RankMemory> {
+        self.ranks
+            .iter()
+            .map(|rank| {
+                let owners = 1 + rank.groups.len();
+                let (free, per_group) = rank.full.census(owners);
+                let mut memory = RankMemory {
+                    num_blocks: rank.full.counts().total,
+                    free_blocks: free,
+                    ..RankMemory::default()
+                };
+                memory.shared.push((0, per_group[0][0], per_group[0][1]));
+                for (i, group) in rank.groups.iter().enumerate() {
+                    let position = i + 1;
+                    if group.as_shared_window().is_some() {
+                        let [cached, used] = per_group[position];
+                        memory.shared.push((position, cached, used));
+                    } else if let Some(window) = group.as_window() {
+                        memory.own_window = Some((position, window.counts()));
+                    } else if let Some(linear) = group.as_linear() {
+                        let cache = linear.cache();
+                        let total = cache.num_slots().saturating_sub(1);
+                        let in_use = total - cache.num_free_slots();
+                        memory.linear_slots = Some((position, in_use, total));
+                    }
+                }
+                memory
+            })
+            .collect()
     }
 }

@@ -1,6 +1,7 @@
 //! The host tier's API on the pool (R26), and the remote tier's two calls: a pool without a host
 //! tier has no plans to take, and refuses every plan handed back as another pool's.
 
+use crate::chain::OwnChain;
 use crate::error::{KvPoolError, Result};
 use crate::manager::BlockManagerImpl;
 use crate::prefix_cache::PrefixCache;
@@ -68,7 +69,25 @@ impl BlockManagerPool {
             tokens: seq.tokens(),
             extra_key: seq.extra_key_arc(),
         };
-        host.plan_offload(rank, chain, &alloc.blocks, full);
+        // The device entries' anchors travel with the KV where groups anchor to them (R7).
+        let rank_state = &mut self.ranks[rank];
+        let grouped = !rank_state.groups.is_empty();
+        let reach = match rank_state.full.cache() {
+            Some(c) if alloc.published_epoch == c.epoch() => alloc.published,
+            _ => 0,
+        };
+        let mut own = grouped.then(|| {
+            OwnChain::new(
+                chain.hashes,
+                chain.tokens,
+                chain.extra_key,
+                &alloc.blocks,
+                rank_state.full.cache_mut(),
+                bs,
+                reach,
+            )
+        });
+        host.plan_offload(rank, chain, &alloc.blocks, full, own.as_mut());
     }
 
     fn take(&mut self, direction: TransferDirection) -> Vec<TransferPlan> {

@@ -3,6 +3,8 @@
 use crate::block::{CACHED, COUNT_MASK, QUEUED};
 use crate::error::{ensure_invariant, Result};
 
+use super::attach::NODE;
+use super::lists::{List, NONE};
 use super::{PrefixCache, NIL};
 
 impl PrefixCache {
@@ -15,8 +17,8 @@ impl PrefixCache {
             ensure_invariant!((id as usize) < n && id != 0, "cached id {id} out of range");
             let entry = &self.entries[id as usize];
             ensure_invariant!(
-                entry.live,
-                "index names block {id} but its entry is not live"
+                entry.live && entry.kind == NODE,
+                "index names block {id} but its entry is not a live node"
             );
             ensure_invariant!(
                 entry.hash.0 == hash,
@@ -32,13 +34,19 @@ impl PrefixCache {
             if count == 1 {
                 cache_only += 1;
                 ensure_invariant!(
-                    entry.in_lru || state & QUEUED != 0,
-                    "cache-only block {id} is neither on the LRU nor queued for it"
+                    entry.list == List::Main as u8
+                        || entry.list == List::Low as u8
+                        || state & QUEUED != 0,
+                    "cache-only block {id} is neither on an eviction list nor queued for it"
+                );
+                ensure_invariant!(
+                    entry.list != List::Low as u8 || entry.children == 0,
+                    "block {id} with children is on the low list (R10)"
                 );
             } else {
                 ensure_invariant!(
-                    !entry.in_lru,
-                    "held block {id} is on the eviction list (R10)"
+                    entry.list == NONE,
+                    "held block {id} is on an eviction list (R10)"
                 );
             }
             ensure_invariant!(
@@ -71,7 +79,18 @@ impl PrefixCache {
                 "block {id}'s tokens do not hash to its key (R6)"
             );
         }
+        self.check_attachments(&mut cache_only)?;
         for (id, entry) in self.entries.iter().enumerate() {
+            ensure_invariant!(
+                (self.anchors[id] != 0) == (entry.live && entry.anchored()),
+                "block {id}: anchor {} but entry live {} anchored {}",
+                self.anchors[id],
+                entry.live,
+                entry.anchored()
+            );
+            if entry.live && entry.kind != NODE {
+                continue; // an attachment: check_attachments
+            }
             if entry.live {
                 ensure_invariant!(
                     entry.children == children[id],
@@ -80,7 +99,7 @@ impl PrefixCache {
                     children[id]
                 );
             } else {
-                ensure_invariant!(!entry.in_lru, "dead entry {id} on the LRU");
+                ensure_invariant!(entry.list == NONE, "dead entry {id} on an eviction list");
                 if id > 0 {
                     ensure_invariant!(
                         self.store.state(id as u32) & CACHED == 0,
@@ -89,34 +108,70 @@ impl PrefixCache {
                 }
             }
         }
+        // An anchor names one chain position: a grave's anchor is carried by no live entry of
+        // another hash (a load may give the same position's entry the anchor back meanwhile).
+        let live: std::collections::HashMap<u64, u128> = self
+            .anchors
+            .iter()
+            .enumerate()
+            .filter(|&(_, &a)| a != 0)
+            .map(|(id, &a)| (a, self.entries[id].hash.0))
+            .collect();
+        ensure_invariant!(
+            self.graves.len() <= n
+                && self.graves.consistent()
+                && self
+                    .graves
+                    .anchors()
+                    .all(|(a, hash)| live.get(&a).is_none_or(|&h| h == hash)),
+            "a grave's anchor is carried by a live entry of another hash, or the graves are \
+             inconsistent"
+        );
         ensure_invariant!(
             cache_only == self.store.num_cache_only(),
             "cached-block count {} differs from the {} cache-only entries (R2)",
             self.store.num_cache_only(),
             cache_only
         );
-        let order = self.lru_order();
-        ensure_invariant!(
-            order.len() == self.lru_len,
-            "LRU list length differs from its count"
-        );
         let mut seen = vec![false; n];
-        let mut prev = NIL;
-        for &id in &order {
-            ensure_invariant!(!seen[id as usize], "block {id} twice on the LRU");
-            seen[id as usize] = true;
-            let entry = &self.entries[id as usize];
+        for list in List::ALL {
+            let order = self.list_ids(list);
+            let ends = self.lists.get(list);
             ensure_invariant!(
-                entry.in_lru && entry.prev == prev,
-                "LRU links broken at block {id}"
+                order.len() == ends.len,
+                "{list:?} list length differs from its count"
             );
-            ensure_invariant!(
-                prev == NIL || self.entries[prev as usize].stamp < entry.stamp,
-                "LRU stamps do not increase at block {id}"
-            );
-            prev = id;
+            let mut prev = NIL;
+            for &id in &order {
+                ensure_invariant!(!seen[id as usize], "block {id} twice on the eviction lists");
+                seen[id as usize] = true;
+                let entry = &self.entries[id as usize];
+                ensure_invariant!(
+                    entry.list == list as u8 && entry.prev == prev,
+                    "{list:?} list links broken at block {id}"
+                );
+                ensure_invariant!(
+                    prev == NIL || self.entries[prev as usize].stamp < entry.stamp,
+                    "{list:?} list stamps do not increase at block {id}"
+                );
+                ensure_invariant!(
+                    self.store.state(id) & (CACHED | COUNT_MASK) == CACHED | 1,
+                    "listed block {id} is not cache-only (R10)"
+                );
+                prev = id;
+            }
+            ensure_invariant!(prev == ends.newest, "{list:?} list tail pointer is off");
         }
-        ensure_invariant!(prev == self.newest, "LRU tail pointer is off");
+        ensure_invariant!(
+            self.list_ids(List::Main)
+                .iter()
+                .all(|&id| self.entries[id as usize].kind == NODE)
+                && self
+                    .list_ids(List::Keep)
+                    .iter()
+                    .all(|&id| self.entries[id as usize].kind != NODE),
+            "a node on the keep list or an attachment on the LRU list"
+        );
         Ok(())
     }
 }

@@ -57,9 +57,7 @@ impl PrefixCache {
                     break;
                 }
                 self.flush_stored(hashes, tokens, run_from.take(), i, extra_key);
-                if self.entries[cached as usize].in_lru {
-                    self.lru_unlink(cached);
-                }
+                self.list_unlink(cached);
                 let copy = self.store.retain_cached(cached);
                 let duplicate = std::mem::replace(&mut blocks[i], copy);
                 switches.push((i, id, cached));

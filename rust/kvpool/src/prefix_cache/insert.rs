@@ -70,9 +70,8 @@ impl PrefixCache {
         let depth = if parent == NIL {
             0
         } else {
-            let p = &mut self.entries[parent as usize];
-            p.children += 1;
-            p.depth + 1
+            self.child_added(parent);
+            self.entries[parent as usize].depth + 1
         };
         self.entries[id as usize] = Entry {
             hash,
@@ -83,6 +82,9 @@ impl PrefixCache {
             ..Entry::default()
         };
         self.store.mark_cached(id, hash);
+        if !self.graves.is_empty() {
+            self.raise(id, hash); // the same chain position computed again (`graves.rs`)
+        }
     }
 
     /// Records the full blocks `start..` of a chain (R9): `hashes[i]`, `tokens[i*bs..]` and

@@ -13,7 +13,9 @@
 //!   last outside handle went (the stack's order, so a block's place is its release time, not
 //!   the time of the drain), and carry a stamp that increases along the list. Whoever releases
 //!   a whole table releases it tail first (`Sequence`, `deallocate`), so a chain is evicted
-//!   from its tail (R10, R11).
+//!   from its tail (R10, R11);
+//! - an entry another group anchored to (`anchors.rs`: a window block, a linear-state checkpoint
+//!   records it) carries a process-unique anchor for exactly its life.
 //!
 //! "Least recently used" is the time a block last became cache-only (its last holder released
 //! it; a hit makes it held, so the release after a hit refreshes it). Eviction is strictly LRU
@@ -25,11 +27,15 @@
 //! are still cached or held, which only arises when a chain's head was released before its
 //! tail.
 
+mod anchors;
+mod attach;
 mod check;
 mod dedup;
 mod describe;
+mod graves;
 mod insert;
 mod keys;
+mod lists;
 mod physical;
 
 use crate::alloc;
@@ -40,8 +46,11 @@ use crate::prefetch::prefetch;
 // std, not the loom shim: a debug counter, outside every loom model.
 use std::sync::atomic::{AtomicU64, Ordering};
 
+pub(crate) use anchors::{is_ticket, ticket, Anchor, ROOT_LINK};
+pub(crate) use attach::AttachConfig;
 pub(crate) use dedup::Switch;
 use keys::{same_tokens, HashIndex};
+use lists::{List, Lists};
 
 const NIL: u32 = u32::MAX;
 
@@ -53,15 +62,23 @@ pub type ExtraKey = std::sync::Arc<[u8]>;
 #[derive(Clone)]
 #[repr(align(64))]
 struct Entry {
+    /// A node: its chain hash. An attachment: its node's.
     hash: BlockHash,
+    /// A node: its parent node (`NIL` for a chain's first block). An attachment: its node.
     parent: u32,
     depth: u32,
+    /// A node: its child nodes. An attachment: how many marks protect it (attach.rs).
     children: u32,
     prev: u32,
     next: u32,
     live: bool,
-    in_lru: bool,
-    /// When the entry last entered the LRU list (increases from the oldest end to the newest).
+    /// The eviction list the entry is on ([`List`]), or [`lists::NONE`].
+    list: u8,
+    /// [`attach::NODE`], or `1 + g` for an attachment of group `g`.
+    kind: u8,
+    /// A node's marks (attach.rs: `END`, `JUNCTION`) and [`ANCHORED`].
+    flags: u8,
+    /// When the entry last entered a list (increases from the oldest end to the newest).
     stamp: u64,
     extra_key: Option<ExtraKey>,
 }
@@ -76,10 +93,27 @@ impl Default for Entry {
             prev: NIL,
             next: NIL,
             live: false,
-            in_lru: false,
+            list: lists::NONE,
+            kind: attach::NODE,
+            flags: 0,
             stamp: 0,
             extra_key: None,
         }
+    }
+}
+
+/// [`Entry`] flag: `anchors[id]` names this entry (another group anchored to it, `anchors.rs`).
+const ANCHORED: u8 = 1 << 7;
+
+impl Entry {
+    #[inline]
+    fn anchored(&self) -> bool {
+        self.flags & ANCHORED != 0
+    }
+
+    #[inline]
+    fn set_anchored(&mut self) {
+        self.flags |= ANCHORED;
     }
 }
 
@@ -149,18 +183,30 @@ pub struct PrefixCache {
     /// item on a cache-line boundary (so a 16-token block is exactly one line).
     tokens: Vec<u32>,
     token_base: usize,
-    oldest: u32,
-    newest: u32,
-    lru_len: usize,
-    /// Stamp of the next entry pushed on the LRU list.
+    /// The eviction lists (lists.rs): the LRU of nodes, and with attachments the low-value and
+    /// the protected lists.
+    lists: Lists,
+    /// Stamp of the next entry pushed on a list.
     clock: u64,
+    /// Blocks attached to nodes by other groups of a shared store (attach.rs); empty without.
+    attach: attach::Attachments,
     epoch: u64,
     stats: CacheStats,
     events: Option<Vec<CacheEvent>>,
     scratch: Vec<u32>,
+    /// The anchor of each anchored entry, 0 for the others (`anchors.rs`).
+    anchors: Vec<u64>,
+    /// What the cache remembers of the anchored entries it removed (`graves.rs`).
+    graves: graves::Graveyard,
+    /// Whether removed anchored entries leave graves (`graves.rs`: a pool with linear state).
+    burying: bool,
     /// Walks of a chain through the index (probes and matches), for tests of admission's one
     /// walk (a debug counter, never part of `stats`).
     walks: AtomicU64,
+    /// Hashes of evicted nodes, one per slot (`hash % len`): whether a chain that stops at a
+    /// hash stops because that block was evicted ("why no hit", docs/hybrid.md). A filter: a
+    /// later eviction may overwrite a slot.
+    ghosts: Vec<u64>,
 }
 
 /// Bit set on an id [`PrefixCache::walk`] reports when the cache alone holds the block (ids are
@@ -170,7 +216,7 @@ pub(crate) const CACHE_ONLY_BIT: u32 = 1 << 31;
 impl PrefixCache {
     /// Bytes the cache spends per block of `block_size` tokens (entry and tokens).
     pub(crate) fn bytes_per_block(block_size: usize) -> u128 {
-        (std::mem::size_of::<Entry>() + 4 * block_size) as u128
+        (std::mem::size_of::<Entry>() + 4 * block_size + std::mem::size_of::<u64>()) as u128
     }
 
     /// The cache of `store`'s blocks; an error naming `num_blocks` if its per-block arrays
@@ -189,15 +235,18 @@ impl PrefixCache {
             entries: alloc::filled(n, "num_blocks", Entry::default)?,
             tokens,
             token_base,
-            oldest: NIL,
-            newest: NIL,
-            lru_len: 0,
+            lists: Lists::default(),
             clock: 0,
+            attach: attach::Attachments::default(),
             epoch: 0,
             stats: CacheStats::default(),
             events: None,
             scratch: Vec::new(),
+            anchors: alloc::filled(n, "num_blocks", || 0)?,
+            graves: graves::Graveyard::default(),
+            burying: false,
             walks: AtomicU64::new(0),
+            ghosts: alloc::filled(n, "num_blocks", || 0)?,
         })
     }
 
@@ -361,9 +410,7 @@ impl PrefixCache {
                 self.entries[id as usize].live,
                 "walked block {id} left the cache"
             );
-            if self.entries[id as usize].in_lru {
-                self.lru_unlink(id);
-            }
+            self.list_unlink(id);
             let (block, was_cache_only) = refs.retain_cached(id);
             were_cache_only += usize::from(was_cache_only);
             out.push(block);
@@ -398,9 +445,7 @@ impl PrefixCache {
             let Some(id) = self.find(hash, parent, extra_key, block) else {
                 break;
             };
-            if self.entries[id as usize].in_lru {
-                self.lru_unlink(id);
-            }
+            self.list_unlink(id);
             out.push(self.store.retain_cached(id));
             matched += 1;
             parent = id;
@@ -408,9 +453,11 @@ impl PrefixCache {
         matched
     }
 
-    /// Moves the blocks whose last outside handle went away onto the LRU list, in the order they
-    /// were released (F9: a block's place is its release time, whenever the drain runs).
+    /// Moves the blocks whose last outside handle went away onto their eviction list, in the
+    /// order they were released (F9: a block's place is its release time, whenever the drain
+    /// runs): nodes onto the LRU list, attachments and useless leaves by their class (attach.rs).
     pub fn drain_released(&mut self) {
+        self.apply_pending_marks();
         let mut batch = std::mem::take(&mut self.scratch);
         // The whole stack at once (one CAS), then each id's QUEUED bit cleared: from then on a
         // drop may queue it anew, so its link was read first (`take_all`).
@@ -419,51 +466,52 @@ impl PrefixCache {
         batch.retain(|&id| {
             let state = store.clear_queued(id);
             let entry = &entries[id as usize];
-            state & (CACHED | COUNT_MASK) == CACHED | 1 && entry.live && !entry.in_lru
+            state & (CACHED | COUNT_MASK) == CACHED | 1 && entry.live && entry.list == lists::NONE
         });
         // The stack holds the newest release first.
         for &id in batch.iter().rev() {
-            self.lru_push_newest(id);
+            let list = self.class_of(id);
+            self.list_push(list, id);
         }
         batch.clear();
         self.scratch = batch;
     }
 
-    /// Evicts up to `n` cache-only blocks, strictly least recently used among the evictable
-    /// leaves (R10, module doc); returns how many went back to the free list.
+    /// Evicts up to `n` cache-only blocks; returns how many went back to the free list. Without
+    /// attachments: strictly least recently used among the evictable leaves (R10, module doc).
+    /// With them (attach.rs): first what no hit point can use (the low list), then the LRU walk
+    /// of the nodes, then the protected attachments; evicting a node drops its attachments and
+    /// its marks, so what only it made useful goes next.
     pub fn evict(&mut self, n: usize) -> usize {
         self.drain_released();
         let mut evicted = 0;
         let mut removed = Vec::new();
-        // Every entry older than `cursor` that is still on the list has children.
-        let mut cursor = self.oldest;
-        while evicted < n && cursor != NIL {
-            let mut victim = cursor;
+        // Every entry older than `cursor` that is still on the LRU list has children.
+        let mut cursor = self.lists.get(List::Main).oldest;
+        while evicted < n {
+            let low = self.lists.get(List::Low).oldest;
+            if low != NIL {
+                evicted += self.evict_entry(low, &mut removed, &mut cursor);
+                continue;
+            }
+            if cursor != NIL && self.entries[cursor as usize].list != List::Main as u8 {
+                // The cursor's entry moved to the low list (a leaf that is no hit point): walk
+                // again from the oldest (every entry skipped before it still has children).
+                cursor = self.lists.get(List::Main).oldest;
+            }
+            if cursor == NIL {
+                let Some(keep) = self.keep_victim() else {
+                    break;
+                };
+                evicted += self.evict_entry(keep, &mut removed, &mut cursor);
+                continue;
+            }
+            let victim = cursor;
             cursor = self.entries[victim as usize].next;
             if self.entries[victim as usize].children > 0 {
                 continue;
             }
-            loop {
-                let parent = self.entries[victim as usize].parent;
-                let (hash, key) = self.remove_entry(victim);
-                if self.events.is_some() {
-                    removed.push((hash, key));
-                }
-                evicted += 1;
-                // `parent == cursor`: a chain released tail first, the walk's next victim anyway.
-                if evicted == n || parent == NIL || parent == cursor {
-                    break;
-                }
-                // The parent just became a leaf: if it was skipped (older than `cursor`), it is
-                // now the oldest evictable leaf; otherwise the walk reaches it in its turn.
-                let p = &self.entries[parent as usize];
-                let older_than_cursor =
-                    cursor == NIL || p.stamp < self.entries[cursor as usize].stamp;
-                if p.children > 0 || !p.in_lru || !older_than_cursor {
-                    break;
-                }
-                victim = parent;
-            }
+            evicted += self.evict_entry(victim, &mut removed, &mut cursor);
         }
         self.stats.evictions += evicted as u64;
         if let Some(events) = self.events.as_mut() {
@@ -477,6 +525,44 @@ impl PrefixCache {
         evicted
     }
 
+    /// Evicts listed entry `id` (a leaf node or an attachment) and what goes with it; returns
+    /// the blocks freed. A node's removal may turn its parent into an evictable leaf older than
+    /// the LRU walk's `cursor`: the cursor moves back to it, so it goes next in its turn (F8:
+    /// it competes by its own recency).
+    fn evict_entry(
+        &mut self,
+        id: u32,
+        removed: &mut Vec<(BlockHash, Option<ExtraKey>)>,
+        cursor: &mut u32,
+    ) -> usize {
+        if self.entries[id as usize].kind != attach::NODE {
+            self.drop_attachment(id);
+            return 1;
+        }
+        if *cursor == id {
+            // The walk's next entry; or, for an entry that moved off the LRU list under the
+            // cursor, the walk starts again from the oldest (what it skipped has children).
+            *cursor = match self.entries[id as usize].list == List::Main as u8 {
+                true => self.entries[id as usize].next,
+                false => self.lists.get(List::Main).oldest,
+            };
+        }
+        let parent = self.entries[id as usize].parent;
+        let (hash, key, attached) = self.remove_entry(id);
+        if self.events.is_some() {
+            removed.push((hash, key));
+        }
+        if parent != NIL {
+            let p = &self.entries[parent as usize];
+            let older_than_cursor =
+                *cursor == NIL || p.stamp < self.entries[*cursor as usize].stamp;
+            if p.children == 0 && p.list == List::Main as u8 && older_than_cursor {
+                *cursor = parent;
+            }
+        }
+        1 + attached
+    }
+
     /// Evicts block `id` if it is an evictable leaf: cache-only, on the LRU list (so call
     /// [`Self::drain_released`] first) and without cached children (R10: the cached set stays
     /// closed under prefix). Returns whether it did; otherwise nothing changes. The same
@@ -487,10 +573,14 @@ impl PrefixCache {
         let Some(entry) = self.entries.get(id as usize) else {
             return false;
         };
-        if !entry.live || !entry.in_lru || entry.children > 0 {
+        if !entry.live
+            || entry.list == lists::NONE
+            || entry.children > 0
+            || entry.kind != attach::NODE
+        {
             return false;
         }
-        let (hash, extra_key) = self.remove_entry(id);
+        let (hash, extra_key, _) = self.remove_entry(id);
         self.stats.evictions += 1;
         if let Some(events) = self.events.as_mut() {
             events.push(CacheEvent::Removed {
@@ -522,109 +612,71 @@ impl PrefixCache {
         self.clock
     }
 
-    /// Removes a cache-only leaf on the LRU and frees its block.
-    fn remove_entry(&mut self, id: u32) -> (BlockHash, Option<ExtraKey>) {
-        self.lru_unlink(id);
+    /// Removes a cache-only leaf node on a list and frees its block, with its attachments and
+    /// marks (attach.rs); returns its hash and extra key and how many attached blocks it freed.
+    fn remove_entry(&mut self, id: u32) -> (BlockHash, Option<ExtraKey>, usize) {
+        self.list_unlink(id);
+        let attached = self.detach_all(id);
+        self.unmark(id);
+        if self.entries[id as usize].anchored() {
+            // The anchor leaves with the entry; its grave gives it to the next entry of the same
+            // chain position.
+            let anchor = std::mem::take(&mut self.anchors[id as usize]);
+            if self.burying {
+                self.bury(id, anchor);
+            }
+        }
         let entry = std::mem::take(&mut self.entries[id as usize]);
         self.index.remove(&entry.hash.0);
         if entry.parent != NIL {
-            self.entries[entry.parent as usize].children -= 1;
+            self.child_removed(entry.parent);
         }
         let freed = self.store.unmark_cached(id);
         debug_assert!(freed, "evicted block {id} was held");
-        (entry.hash, entry.extra_key)
+        self.remember_evicted(entry.hash);
+        (entry.hash, entry.extra_key, attached)
     }
 
     /// Drops every entry (R12): cache-only blocks go back to the free list, held blocks stay
     /// with their holders (they are just no longer cached).
     pub fn reset(&mut self) {
         self.drain_released();
+        self.reset_attachments();
         let ids: Vec<u32> = self.index.values().copied().collect();
         self.index.clear();
         for id in ids {
+            if self.entries[id as usize].anchored() {
+                self.anchors[id as usize] = 0;
+            }
             self.entries[id as usize] = Entry::default();
             self.store.unmark_cached(id);
         }
-        self.oldest = NIL;
-        self.newest = NIL;
-        self.lru_len = 0;
+        self.lists_clear();
+        self.graves.clear();
         self.epoch += 1;
         if let Some(events) = self.events.as_mut() {
             events.push(CacheEvent::Cleared);
         }
     }
 
-    fn lru_push_newest(&mut self, id: u32) {
-        let newest = self.newest;
-        {
-            let entry = &mut self.entries[id as usize];
-            entry.prev = newest;
-            entry.next = NIL;
-            entry.in_lru = true;
-            entry.stamp = self.clock;
+    /// Records an evicted node's hash in the ghost filter.
+    fn remember_evicted(&mut self, hash: BlockHash) {
+        let len = self.ghosts.len() as u128;
+        if len > 0 {
+            self.ghosts[(hash.0 % len) as usize] = (hash.0 >> 64) as u64 | 1;
         }
-        self.clock += 1;
-        if newest == NIL {
-            self.oldest = id;
-        } else {
-            self.entries[newest as usize].next = id;
-        }
-        self.newest = id;
-        self.lru_len += 1;
     }
 
-    fn lru_unlink(&mut self, id: u32) {
-        let (prev, next) = {
-            let entry = &mut self.entries[id as usize];
-            if !entry.in_lru {
-                return;
-            }
-            entry.in_lru = false;
-            (
-                std::mem::replace(&mut entry.prev, NIL),
-                std::mem::replace(&mut entry.next, NIL),
-            )
-        };
-        if prev == NIL {
-            self.oldest = next;
-        } else {
-            self.entries[prev as usize].next = next;
-        }
-        if next == NIL {
-            self.newest = prev;
-        } else {
-            self.entries[next as usize].prev = prev;
-        }
-        self.lru_len -= 1;
+    /// Whether block `hash` was evicted from this cache (and is not cached again): the ghost
+    /// filter's answer, which may forget an eviction a later one overwrote.
+    pub(crate) fn was_evicted(&self, hash: BlockHash) -> bool {
+        let len = self.ghosts.len() as u128;
+        len > 0
+            && self.ghosts[(hash.0 % len) as usize] == (hash.0 >> 64) as u64 | 1
+            && !self.contains(hash)
     }
 
-    /// Block ids on the LRU list, oldest first (cache-only blocks the cache knows about).
-    pub fn lru_order(&self) -> Vec<u32> {
-        let mut ids = Vec::with_capacity(self.lru_len);
-        let mut id = self.oldest;
-        while id != NIL && ids.len() <= self.entries.len() {
-            ids.push(id);
-            id = self.entries[id as usize].next;
-        }
-        ids
-    }
-
-    /// The eviction order, oldest first, without draining: the LRU list, then the blocks
-    /// released since the last drain in release order (where the next drain puts them, F9).
-    /// Exact only without concurrent handle drops; for tests and debugging.
-    pub fn eviction_order(&self) -> Vec<u32> {
-        let mut ids = self.lru_order();
-        let queued = self.store.released.snapshot(); // newest release first
-        ids.extend(queued.into_iter().rev().filter(|&id| {
-            let entry = &self.entries[id as usize];
-            self.store.state(id) & (CACHED | COUNT_MASK) == CACHED | 1
-                && entry.live
-                && !entry.in_lru
-        }));
-        ids
-    }
-
-    /// Hashes of every entry (unordered).
+    /// Hashes of every node (unordered).
     pub fn hashes(&self) -> Vec<BlockHash> {
         self.index.keys().map(|&h| BlockHash(h)).collect()
     }

@@ -1,4 +1,4 @@
-//! KV events of a sliding-window group (R21, issue "Beyond one instance" item 1): a "stored"
+//! KV events of a sliding-window group (R21, docs/events.md): a "stored"
 //! event when the group publishes blocks (they become findable by a prefix hit), a "removed"
 //! event once such a block is no longer findable.
 //!

@@ -4,6 +4,7 @@
 use std::collections::HashSet;
 
 use crate::block::Block;
+use crate::chain::OwnChain;
 use crate::error::{ensure_arg, Result};
 use crate::groups::Walk;
 use crate::hash::BlockHash;
@@ -108,6 +109,14 @@ impl HostTier {
         }
         let host = &mut self.ranks[rank];
         host.stats.hit_tokens += ((host_end - device_hit) * bs) as u64;
+        // The host entries' anchors go to the device entries the load makes (R7 for the groups).
+        let anchors = match host.host.prefix_cache() {
+            Some(cache) if host_end > device_hit => src[device_hit..host_end]
+                .iter()
+                .map(|b| cache.anchor_of(b.id()))
+                .collect(),
+            _ => Vec::new(),
+        };
         let ticket = Arc::new(LoadTicket::new(end * bs));
         let record = Pending {
             hashes: chain.hashes[..end].to_vec(),
@@ -119,6 +128,7 @@ impl HostTier {
             src_offset,
             fetch_start: host_end,
             ticket: Some(Arc::clone(&ticket)),
+            anchors,
         };
         if end > record.fetch_start {
             host.stats.remote_hit_blocks += (end - record.fetch_start) as u64;
@@ -130,13 +140,19 @@ impl HostTier {
     }
 
     /// Plans the offload of the first `full` blocks of `blocks` (a sequence's full computed
-    /// blocks, about to be released).
+    /// blocks, about to be released). `own`: the chain's device entries, when the rank has
+    /// groups that anchor to them (their anchors go with the KV, `prefix_cache/anchors.rs`).
+    ///
+    /// One offload per key (R26): the planned chain stops at a hash already being offloaded, at
+    /// a hash repeated inside it, and at a hash the host cache holds for another chain (a hash
+    /// collision: the host entry would stay, so the copy would be for nothing).
     pub(crate) fn plan_offload(
         &mut self,
         rank: usize,
         chain: ChainRef<'_>,
         blocks: &[Block],
         full: usize,
+        own: Option<&mut OwnChain<'_>>,
     ) {
         if full == 0 {
             return;
@@ -151,10 +167,13 @@ impl HostTier {
         };
         let on_host = cache.probe(hashes, chain.tokens, key, full).matched;
         let mut end = on_host;
-        while end < full && !host.offloading.contains(&hashes[end].0) {
+        // Each planned hash goes into `offloading` as it is accepted (a repeat then stops).
+        while end < full {
+            let hash = hashes[end];
             let block = &blocks[end];
-            // A block is never offloaded twice; OnEvict: only what becomes evictable now.
-            if evictable_only && !(block.is_cached() && block.ref_count() == 2) {
+            // OnEvict: only what becomes evictable now.
+            let wanted = !evictable_only || (block.is_cached() && block.ref_count() == 2);
+            if !wanted || cache.contains(hash) || !host.offloading.insert(hash.0) {
                 break;
             }
             end += 1;
@@ -168,15 +187,21 @@ impl HostTier {
         let pinned = cache.match_prefix(hashes, chain.tokens, key, on_host, &mut dst);
         debug_assert_eq!(pinned, on_host);
         let n = (end - on_host).min(host.host.num_available());
-        if n == 0 || host.host.allocate_into(n, &mut dst).is_err() {
+        let ok = n > 0 && host.host.allocate_into(n, &mut dst).is_ok();
+        let kept = if ok { on_host + n } else { on_host };
+        for hash in &hashes[kept..end] {
+            host.offloading.remove(&hash.0); // accepted above, not planned after all
+        }
+        if !ok {
             drop(dst);
             self.drain(rank);
             return;
         }
-        let end = on_host + n;
-        for hash in &hashes[on_host..end] {
-            host.offloading.insert(hash.0);
-        }
+        let end = kept;
+        let anchors = match own {
+            Some(own) => (on_host..end).map(|i| own.anchor(i)).collect(),
+            None => Vec::new(),
+        };
         host.offloads.push(Pending {
             hashes: hashes[..end].to_vec(),
             tokens: chain.tokens[..end * bs].to_vec(),
@@ -187,6 +212,7 @@ impl HostTier {
             src_offset: 0,
             fetch_start: end,
             ticket: None,
+            anchors,
         });
     }
 
@@ -304,6 +330,7 @@ impl HostTier {
                         record.extra_key.as_ref(),
                         false,
                     );
+                    record.pass_anchors(device);
                 }
             }
             for record in &taken.records {
@@ -313,7 +340,7 @@ impl HostTier {
             }
             self.ranks[rank].stats.loaded_blocks +=
                 pending_len(&taken.records, TransferDirection::Load) as u64;
-            drop(taken);
+            taken.release();
             self.drain(rank);
             ranks.push(rank);
         }
@@ -340,6 +367,7 @@ impl HostTier {
                         record.extra_key.as_ref(),
                         false,
                     );
+                    record.pass_anchors(cache);
                 }
             }
             for record in &taken.records {
@@ -349,7 +377,7 @@ impl HostTier {
             }
             host.stats.offloaded_blocks +=
                 pending_len(&taken.records, TransferDirection::Offload) as u64;
-            drop(taken);
+            taken.release();
             self.drain(rank);
             ranks.push(rank);
         }

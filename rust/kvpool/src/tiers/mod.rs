@@ -202,6 +202,15 @@ impl HostTier {
         }
     }
 
+    /// Whether the host caches keep graves of their anchored entries (`prefix_cache/graves.rs`).
+    pub(crate) fn keep_graves(&mut self, on: bool) {
+        for rank in &mut self.ranks {
+            if let Some(cache) = rank.host.prefix_cache_mut() {
+                cache.keep_graves(on);
+            }
+        }
+    }
+
     /// Chain walks of the host caches (a debug counter).
     pub(crate) fn num_walks(&self) -> u64 {
         self.ranks

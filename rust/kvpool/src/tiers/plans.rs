@@ -14,7 +14,7 @@
 
 use crate::block::Block;
 use crate::hash::BlockHash;
-use crate::prefix_cache::ExtraKey;
+use crate::prefix_cache::{Anchor, ExtraKey};
 use crate::sequence::LoadTicket;
 use crate::sync::Arc;
 
@@ -114,6 +114,9 @@ pub(crate) struct Pending {
     pub(crate) fetch_start: usize,
     /// Loads: the ticket of the sequence.
     pub(crate) ticket: Option<Arc<LoadTicket>>,
+    /// The anchors of the source entries of positions `start..` (`prefix_cache/anchors.rs`),
+    /// given to the destination entries at completion; missing or 0 where there is none.
+    pub(crate) anchors: Vec<Anchor>,
 }
 
 impl Drop for Pending {
@@ -126,6 +129,20 @@ impl Drop for Pending {
 }
 
 impl Pending {
+    /// Gives the entries `cache` recorded for the destinations of this record the anchors of
+    /// their sources (the same prefix's KV, moved between tiers).
+    pub(crate) fn pass_anchors(&self, cache: &mut crate::prefix_cache::PrefixCache) {
+        for (i, &anchor) in self.anchors.iter().enumerate() {
+            let at = self.start + i;
+            let (Some(block), Some(&hash)) = (self.chain.get(at), self.hashes.get(at)) else {
+                break;
+            };
+            if anchor != 0 && cache.is_entry(block.id(), hash) {
+                cache.set_anchor(block.id(), anchor);
+            }
+        }
+    }
+
     /// Blocks this record still has to move in `direction`.
     pub(crate) fn pending(&self, direction: TransferDirection) -> usize {
         match direction {
@@ -141,6 +158,7 @@ impl Pending {
         self.tokens.truncate(end * block_size);
         self.chain.truncate(end);
         self.src.truncate(end.saturating_sub(self.src_offset));
+        self.anchors.truncate(end.saturating_sub(self.start));
         self.fetch_start = end;
     }
 }
@@ -155,4 +173,15 @@ pub(crate) struct Taken {
     pub(crate) rank: usize,
     pub(crate) direction: TransferDirection,
     pub(crate) records: Vec<Pending>,
+}
+
+impl Taken {
+    /// Lets go of the records in planning order, each table tail first (`Pending`'s `Drop`):
+    /// of the blocks that become cache-only, the first record's are the oldest on the LRU
+    /// (docs/contract.md, R10's choices).
+    pub(crate) fn release(mut self) {
+        for record in self.records.drain(..) {
+            drop(record);
+        }
+    }
 }

@@ -3,7 +3,7 @@
 //! The core does no I/O. Before an admission the caller asks what lies past the device+host
 //! reach (the pool's `remote_query`), asks the remote tier in one batched existence query, and
 //! hands the answer back as [`RemoteHits`] (the pool's `allocate_with_remote`); the lookup policy
-//! (budget, timing, counters, what a failure means) is the caller's (`kvpool.tiers.remote` in
+//! (budget, timing, counters, what a failure means) is the caller's (`kvpool.tiers.lookup` in
 //! Python). Remote hits get device blocks and host staging blocks; the record is a fetch until
 //! [`HostTier::complete_fetches`] reports what arrived, then a load of the leading run that did.
 //!

@@ -1,0 +1,733 @@
+"""``KVCacheManager``: kvpool's pool as vLLM 0.33.0's KV cache manager.
+
+The class behind ``kvpool.integrations.vllm``, whose module doc states what it keeps and what
+it covers; that module checks the vLLM version and puts the manager under vLLM's Scheduler
+(``install``, ``Scheduler``). Import ``kvpool.integrations.vllm``, not this module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from vllm import envs
+from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+from vllm.v1.core.kv_cache_utils import KVCacheBlock
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig
+from vllm.v1.metrics.stats import PrefixCacheStats
+from vllm.v1.request import Request, RequestStatus
+
+from kvpool._core import BlockManagerPool, InvariantError, KVEvent
+from kvpool._core import Sequence as PoolSequence
+from kvpool.integrations._vllm_views import (
+    PoolBlocks,
+    _BlockPoolView,
+    _CoordinatorView,
+    _EmptyBlocks,
+    _Entry,
+    _GroupView,
+    _Hit,
+)
+
+__all__ = ["KVCacheManager"]
+
+_MEDIUM = "GPU"
+_KIND = "full_attention"
+
+
+_NO_COPIES: tuple[tuple[()], tuple[()]] = ((), ())  # take_kv_cache_block_copies: nothing to copy
+
+
+def _unsupported(what: str) -> NotImplementedError:
+    return NotImplementedError(f"kvpool.integrations.vllm.KVCacheManager: {what} is not supported")
+
+
+class KVCacheManager:
+    """vLLM 0.33.0's ``KVCacheManager`` interface on ``kvpool.BlockManagerPool`` (module doc).
+
+    Parameters
+    ----------
+    kv_cache_config : vllm.v1.kv_cache_interface.KVCacheConfig
+        One full-attention group; ``num_blocks`` (null block 0 included) becomes the pool's
+        ``num_blocks`` (padding block 0 included).
+    max_model_len : int
+        Tables never hold more tokens.
+    scheduler_block_size, hash_block_size : int
+        Both must equal the group's block size (one group, no DCP).
+    max_in_flight_tokens, num_prefill_lookahead : int or None
+        Accepted; admission caps and prefill lookahead concern sliding-window and MTP groups.
+    enable_caching : bool
+        Prefix caching (``enable_prefix_caching``).
+    use_eagle : bool
+        Must be False (EAGLE trims the hit by one block: not supported).
+    num_hash_lookahead_tokens : int
+        Must be 0.
+    log_stats : bool
+        Keep vLLM ``PrefixCacheStats`` for ``make_prefix_cache_stats``.
+    enable_kv_cache_events : bool
+        Translate the pool's KV events (R21) into vLLM's ``BlockStored`` / ``BlockRemoved`` /
+        ``AllBlocksCleared`` for ``take_events``.
+    dcp_world_size, pcp_world_size : int
+        Must be 1.
+    metrics_collector : None
+        Must be None (vLLM's block residency sampling reads vLLM's own blocks).
+    watermark : float
+        Fraction of the blocks kept free when admitting while others run (as vLLM).
+    enable_mamba_shared_prefix_checkpoint : bool
+        Accepted; Mamba groups are not supported.
+
+    Raises
+    ------
+    NotImplementedError
+        The config or an option needs something listed as not covered in the module doc; the
+        message names the group kind or the option.
+    ValueError
+        The block sizes disagree, or ``num_blocks`` is below 2.
+    """
+
+    def __init__(
+        self,
+        kv_cache_config: KVCacheConfig,
+        max_model_len: int,
+        scheduler_block_size: int,
+        hash_block_size: int,
+        max_in_flight_tokens: int | None = None,
+        enable_caching: bool = True,
+        use_eagle: bool = False,
+        num_hash_lookahead_tokens: int = 0,
+        num_prefill_lookahead: int = 0,
+        log_stats: bool = False,
+        enable_kv_cache_events: bool = False,
+        dcp_world_size: int = 1,
+        pcp_world_size: int = 1,
+        metrics_collector: Any = None,
+        watermark: float = 0.0,
+        enable_mamba_shared_prefix_checkpoint: bool = False,
+    ) -> None:
+        groups = list(kv_cache_config.kv_cache_groups)
+        for i, group in enumerate(groups):
+            spec = group.kv_cache_spec
+            if (
+                not isinstance(spec, FullAttentionSpec)
+                or spec.sliding_window
+                or spec.attention_chunk_size
+            ):
+                raise _unsupported(
+                    f"a {type(spec).__name__} KV cache group (group {i}); only "
+                    "full-attention groups are"
+                )
+        if len(groups) != 1:
+            raise _unsupported(
+                f"{len(groups)} KV cache groups (hybrid or attention-free "
+                "models); exactly one full-attention group is"
+            )
+        for name, value, ok in (
+            ("use_eagle", use_eagle, not use_eagle),
+            (
+                "num_hash_lookahead_tokens",
+                num_hash_lookahead_tokens,
+                num_hash_lookahead_tokens == 0,
+            ),
+            ("dcp_world_size", dcp_world_size, dcp_world_size == 1),
+            ("pcp_world_size", pcp_world_size, pcp_world_size == 1),
+            ("metrics_collector", metrics_collector, metrics_collector is None),
+        ):
+            if not ok:
+                raise _unsupported(f"{name}={value!r}")
+        spec = groups[0].kv_cache_spec
+        block_size = spec.block_size
+        if scheduler_block_size != block_size or (enable_caching and hash_block_size != block_size):
+            raise ValueError(
+                f"scheduler_block_size, hash_block_size: must equal the group's block "
+                f"size {block_size}, got {scheduler_block_size} and {hash_block_size}"
+            )
+        num_blocks = kv_cache_config.num_blocks
+        if num_blocks < 2:
+            raise ValueError(f"kv_cache_config.num_blocks: must be at least 2, got {num_blocks}")
+        self.kv_cache_config = kv_cache_config
+        self.max_model_len = max_model_len
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.enable_kv_cache_events = enable_kv_cache_events
+        self.use_eagle = use_eagle
+        self.log_stats = log_stats
+        self.metrics_collector = metrics_collector
+        self.prefix_cache_stats = PrefixCacheStats() if log_stats else None
+        self._no_prefix_cache_stats = PrefixCacheStats()
+        self._stats_recorded = False  # prefix_cache_stats holds something since it was taken
+        self.pool = BlockManagerPool(
+            num_blocks,
+            block_size,
+            enable_prefix_cache=enable_caching,
+            enable_events=enable_kv_cache_events,
+            # vLLM's workers only append to a running request's table, so a switched entry
+            # would leave one reading a freed block: first writer wins (R9 with dedup off).
+            dedup=False,
+        )
+        self.num_kv_cache_groups = 1
+        self.coordinator = _CoordinatorView((_GroupView(spec, block_size),))
+        self.block_pool = _BlockPoolView(self.pool)
+        self.watermark_blocks = int(watermark * num_blocks)
+        self.mamba_shared_prefix_checkpoint = False
+        self.retained_hit_group_ids: tuple[int, ...] = ()
+        self.kv_cache_event_metadata = [(_KIND, None)]
+        self.empty_kv_cache_blocks: KVCacheBlocks = _EmptyBlocks(((),))
+        self._seqs: dict[str, _Entry] = {}
+        # requests whose scheduled tokens fill a block, with the end of those tokens: kept until
+        # their full blocks are published (their KV exists then)
+        self._unpublished: dict[str, tuple[Request, _Entry, int]] = {}
+        self._int_hashes = bool(envs.VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES)
+        self._chain_keys: dict[bytes, tuple[str | None, str | None]] = {}
+        # Used blocks over usable ones (cached-only blocks count as free, as vLLM's): a plain
+        # attribute, which the Scheduler reads every step, set after each allocation or release
+        # (nothing else changes which blocks are held).
+        self.usage = 0.0
+        if enable_kv_cache_events:  # the class's methods (no events) are the cheaper calls
+            self.take_events = self._take_vllm_events  # type: ignore[method-assign]
+            self.new_step_starts = self._publish_computed  # type: ignore[method-assign]
+
+    # ------------------------------------------------------------------------------ requests
+    def _extra_key(self, request: Request) -> bytes | None:
+        """Root of the request's hash chain (R6): LoRA adapter, multimodal inputs, cache salt.
+
+        Requests that must not read the cache, or whose prompt is embeddings, get a key of their
+        own (they never hit). Multimodal inputs root the whole chain (vLLM keys each block by the
+        inputs it overlaps): such requests share blocks only with identical inputs, never more.
+        """
+        if (
+            not request.lora_request
+            and not request.mm_features
+            and not request.cache_salt
+            and request.prompt_embeds is None
+            and not request.skip_reading_prefix_cache
+        ):
+            return None  # the common case: the plain chain
+        parts: list[Any] = []
+        lora = request.lora_request.lora_name if request.lora_request else None
+        if lora is not None:
+            parts.append(("lora", lora, request.lora_request.lora_path))
+        for feature in request.mm_features or ():
+            parts.append(("mm", feature.identifier, feature.mm_position.offset))
+        if request.cache_salt:
+            parts.append(("cache_salt", request.cache_salt))
+        if request.prompt_embeds is not None or request.skip_reading_prefix_cache:
+            parts.append(("request", request.request_id))
+        if not parts:
+            return None
+        key = repr(tuple(parts)).encode()
+        if self.enable_kv_cache_events and parts[-1][0] in ("lora", "cache_salt"):
+            self._chain_keys[key] = (
+                lora,
+                request.cache_salt,
+            )  # for the events' lora_name, extra_keys
+        return key
+
+    def _entry(self, request: Request) -> _Entry:
+        """The request's entry, created on first sight, its sequence's tokens brought up to date."""
+        entry = self._seqs.get(request.request_id)
+        if entry is None:
+            # the prompt is a plain list (fast to read); outputs exist after a preemption
+            prompt = request.prompt_token_ids
+            if prompt is None:  # prompt embeddings: placeholder tokens, never shared (_extra_key)
+                prompt = request.all_token_ids[: request.num_prompt_tokens]
+            seq = PoolSequence(prompt, extra_key=self._extra_key(request))
+            entry = self._seqs[request.request_id] = _Entry(seq, len(prompt))
+        tokens = request._all_token_ids  # the plain list behind all_token_ids (vLLM 0.33.0)
+        if len(tokens) != entry.length:
+            self._sync(request, entry, tokens)
+        return entry
+
+    @staticmethod
+    def _sync(request: Request, entry: _Entry, tokens: list[int]) -> None:
+        """Appends the request's new tokens to its sequence (``tokens``: ``_all_token_ids``)."""
+        want = len(tokens)
+        if want < entry.length:
+            raise _unsupported(
+                f"request {request.request_id!r} losing tokens ({entry.length} -> {want})"
+            )
+        entry.seq.extend_to(tokens)  # reads the new tokens only, no slice
+        entry.length = want
+
+    def _publish(self, request: Request, entry: _Entry, num_computed_tokens: int) -> None:
+        """Publish the request's full blocks within ``num_computed_tokens`` (tokens whose KV
+        exists, R17), its sequence's tokens brought up to date first (only hashing reads them)."""
+        tokens = request._all_token_ids
+        if len(tokens) != entry.length:
+            self._sync(request, entry, tokens)
+        n = num_computed_tokens if num_computed_tokens < entry.capacity else entry.capacity
+        if n > entry.length:
+            n = entry.length
+        if n > entry.computed and self.enable_caching:
+            entry.seq.num_computed_tokens = entry.computed = n
+            self.pool.cache(entry.seq)
+
+    # --------------------------------------------------------------------------- the lookup
+    def prefix_cache_lookup_enabled(self, request: Request) -> bool:
+        """Whether a prefix-cache lookup runs for this request."""
+        return self.enable_caching and not request.skip_reading_prefix_cache
+
+    def get_computed_blocks(
+        self, request: Request, max_cache_hit_length: int | None = None
+    ) -> tuple[KVCacheBlocks, int, int]:
+        """The prefix hit of a waiting request; no side effect but publishing the blocks whose
+        KV exists and that are not published yet (module doc), which the hit may use.
+
+        Returns
+        -------
+        (KVCacheBlocks, int, int)
+            The hit (to hand to ``allocate_slots``), its token count (block-aligned, at most
+            ``request.num_tokens - 1``, R8) and the shared-prefix boundary (always 0).
+        """
+        if max_cache_hit_length is not None and max_cache_hit_length < request.num_tokens - 1:
+            raise _unsupported("max_cache_hit_length (aux output connectors)")
+        if self._unpublished:  # the lookup sees every block whose KV exists (module doc)
+            self._publish_computed()
+        entry = self._entry(request)
+        if entry.capacity:
+            raise ValueError(f"request: {request.request_id!r} already holds blocks")
+        plan = self.pool.plan(entry.seq)
+        if plan is not None:
+            hit = plan.num_cached_tokens
+        else:  # the whole sequence does not fit now: the hit alone, for the Scheduler's budget
+            small = self.pool.plan(entry.seq, 1)
+            hit = small.num_cached_tokens if small is not None else 0
+        if request.skip_reading_prefix_cache:  # (its own chain key never hits anyway, _extra_key)
+            hit = 0
+        return _Hit(plan, plan is not None, hit, entry.length), hit, 0
+
+    # ----------------------------------------------------------------------- the allocation
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: KVCacheBlocks | None = None,
+        num_lookahead_tokens: int = 0,
+        num_external_computed_tokens: int = 0,
+        delay_cache_blocks: bool = False,
+        num_encoder_tokens: int = 0,
+        full_sequence_must_fit: bool = False,
+        reserved_blocks: int = 0,
+        has_scheduled_reqs: bool = True,
+        skip_zeroing_group_ids: Iterable[int] = (),
+    ) -> KVCacheBlocks | None:
+        """Blocks for ``num_new_tokens`` more tokens (plus lookahead slots); None if they cannot
+        be had, with nothing changed.
+
+        A waiting request gets its prefix hit (the one ``get_computed_blocks`` reported) and new
+        blocks for the first chunk; with ``full_sequence_must_fit`` only if its whole sequence
+        fits. A running request grows its table; the blocks a step fills are published once
+        their KV exists, before the next lookup (R17, module doc).
+
+        Returns
+        -------
+        KVCacheBlocks or None
+            The newly allocated blocks only (``empty_kv_cache_blocks`` when none), as vLLM.
+
+        Raises
+        ------
+        ValueError
+            No tokens at all, or the hit differs from the one ``get_computed_blocks`` reported.
+        NotImplementedError
+            ``num_external_computed_tokens`` (KV connectors).
+        """
+        entry = self._seqs.get(request.request_id)
+        if (
+            entry is not None
+            and num_new_tokens
+            and not (num_new_computed_tokens or num_external_computed_tokens)
+        ):
+            # a running request whose table has room (most decode steps): nothing to call
+            # (a request holding no blocks has capacity 0, below any end)
+            computed = request.num_computed_tokens
+            end = computed + num_new_tokens
+            if end + num_lookahead_tokens <= entry.capacity:
+                if end // self.block_size > computed // self.block_size:
+                    self._unpublished[request.request_id] = (request, entry, end)  # a block fills
+                return self.empty_kv_cache_blocks
+        if (
+            num_new_tokens == 0
+            and num_new_computed_tokens == 0
+            and num_external_computed_tokens == 0
+        ):
+            raise ValueError("num_new_tokens: must be > 0 when nothing is computed")
+        if num_external_computed_tokens:
+            raise _unsupported("num_external_computed_tokens (KV connectors)")
+        computed = request.num_computed_tokens + num_new_computed_tokens
+        end = computed + num_new_tokens
+        need = min(end + num_lookahead_tokens, self.max_model_len)
+        if entry is not None and entry.capacity:
+            # running (the decode path): tokens are synced only when the pool is called
+            if need <= entry.capacity:
+                blocks = self.empty_kv_cache_blocks
+            else:
+                blocks = self._grow(entry, need)  # a count only: the tokens can wait
+        else:
+            entry = self._entry(request)
+            blocks = self._admit(
+                request,
+                entry,
+                need,
+                num_new_computed_tokens,
+                new_computed_blocks,
+                full_sequence_must_fit,
+                reserved_blocks,
+                has_scheduled_reqs,
+            )
+        bs = self.block_size
+        if blocks is not None and end // bs > computed // bs:
+            self._unpublished[request.request_id] = (request, entry, end)  # a block fills this step
+        return blocks
+
+    def _grow(self, entry: _Entry, need: int) -> KVCacheBlocks | None:
+        """The table grown to ``need`` tokens. Either call grows it the same way (the core's
+        ``grow(seq, need)``): the sequence may lag behind the request's tokens, which only
+        hashing reads."""
+        seq, bs = entry.seq, self.block_size
+        old = entry.capacity // bs
+        if need <= entry.length:
+            ok = self.pool.allocate(seq, need)
+        else:
+            ok = self.pool.may_append(seq, need - entry.length)
+        if not ok:
+            return None
+        blocks = -(-need // bs)  # both grow the table to hold `need` tokens
+        new: list[int]
+        if blocks == old + 1:  # decode: one block, the table's last (set: the table just grew)
+            new = [seq.last_block_id]  # type: ignore[list-item]
+        else:
+            new = seq.block_ids()[old:]
+        entry.ids += new  # the mirror grows in place, as vLLM's own table lists do
+        entry.capacity = blocks * bs
+        self._held_blocks_changed()
+        return PoolBlocks(new)
+
+    def _admit(
+        self,
+        request: Request,
+        entry: _Entry,
+        need: int,
+        hit_tokens: int,
+        hit: KVCacheBlocks | None,
+        must_fit: bool,
+        reserved_blocks: int,
+        has_scheduled_reqs: bool,
+    ) -> KVCacheBlocks | None:
+        if self._unpublished:  # an admission's walk sees every block whose KV exists
+            self._publish_computed()  # (publishes nothing right after get_computed_blocks)
+        seq, length = entry.seq, entry.length
+        fresh = isinstance(hit, _Hit) and hit.seq_len == length  # planned at this length
+        if must_fit:  # the whole sequence must fit, not only the first chunk (vLLM's gate)
+            whole = min(length, self.max_model_len)
+            if fresh and whole == length:
+                fits = hit.fits  # type: ignore[union-attr]
+            else:
+                fits = self.pool.plan(seq, whole) is not None
+            if not fits:
+                return None
+        watermark = self.watermark_blocks
+        if watermark and not (
+            has_scheduled_reqs
+            and request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+        ):
+            watermark = 0
+        if watermark or reserved_blocks:
+            wanted = self.pool.plan(seq, min(need, length))
+            if wanted is None or (
+                wanted.num_new_blocks + watermark + reserved_blocks
+                > self.block_pool.get_num_free_blocks()
+            ):
+                return None
+        if need <= length:
+            # a plan of the whole sequence is carried out as it is; any other is planned again
+            plan = hit.plan if fresh and need == length else None  # type: ignore[union-attr]
+            ok = self.pool.allocate(seq, need, plan=plan)
+        else:  # lookahead slots past the prompt: allocate, then append, all or nothing
+            ok = self.pool.allocate(seq)
+            if ok and not self.pool.may_append(seq, need - length):
+                self.pool.deallocate(seq)  # publishes nothing: only the hit is computed
+                ok = False
+        if not ok:
+            return None
+        self._held_blocks_changed()
+        got = seq.num_cached_tokens
+        if got != hit_tokens and self.prefix_cache_lookup_enabled(request):
+            self.pool.deallocate(seq)
+            self._held_blocks_changed()
+            raise ValueError(
+                f"num_new_computed_tokens: {hit_tokens} is not the hit of "
+                f"get_computed_blocks for {request.request_id!r} ({got} tokens now)"
+            )
+        ids = entry.ids = seq.block_ids()
+        bs = self.block_size
+        entry.capacity = len(ids) * bs
+        entry.computed = got
+        return PoolBlocks(ids[got // bs :])
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Publish the request's full blocks within ``num_computed_tokens`` (the async Scheduler
+        passes tokens whose KV exists, R17)."""
+        entry = self._seqs.get(request.request_id)
+        if entry is not None and entry.capacity:
+            self._publish(request, entry, num_computed_tokens)
+
+    def free(self, request: Request) -> None:
+        """Publish what the request computed, then release its blocks (R18); unknown ids: no-op."""
+        entry = self._seqs.get(request.request_id)
+        if entry is None:
+            return
+        if entry.capacity:
+            computed = request.num_computed_tokens - request.num_in_flight_tokens
+            if self.enable_kv_cache_events:
+                self._publish(
+                    request, entry, computed
+                )  # its BlockStored batch before the release's
+            elif self.enable_caching and computed > entry.computed:
+                # deallocate publishes them itself (R18): one call, the same cache after
+                self._entry(request)
+                n = min(computed, entry.length, entry.capacity)
+                if n > entry.computed:
+                    entry.seq.num_computed_tokens = n
+            self.pool.deallocate(entry.seq)
+            self._held_blocks_changed()
+        del self._seqs[request.request_id]
+        self._unpublished.pop(request.request_id, None)
+
+    # ------------------------------------------------------------------------------ reading
+    def get_blocks(self, request_id: str) -> KVCacheBlocks:
+        """All of the request's blocks (the empty sentinel if it holds none)."""
+        entry = self._seqs.get(request_id)
+        if entry is None or not entry.capacity:
+            return self.empty_kv_cache_blocks
+        return PoolBlocks(entry.ids)  # get_block_ids copies, as vLLM's
+
+    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        """The request's block ids, one list per group."""
+        return self.get_blocks(request_id).get_block_ids()
+
+    def get_block_ids_for_computed_tokens(
+        self, request_id: str, num_computed_tokens: int
+    ) -> tuple[list[int], ...]:
+        """The request's block ids that hold its first ``num_computed_tokens`` tokens."""
+        (ids,) = self.get_block_ids(request_id)
+        return (ids[: -(-num_computed_tokens // self.block_size)],)
+
+    def create_kv_cache_blocks(self, blocks: tuple[Sequence[KVCacheBlock], ...]) -> KVCacheBlocks:
+        """vLLM's ``KVCacheBlocks`` of ``blocks``, the empty sentinel when every group is empty."""
+        return KVCacheBlocks(blocks) if any(blocks) else self.empty_kv_cache_blocks
+
+    def estimate_cached_tokens(self, request: Request) -> int:
+        """Tokens of the request's full blocks whose KV exists (what vLLM counts as cached)."""
+        entry = self._seqs.get(request.request_id)
+        if entry is None or not self.enable_caching:
+            return 0
+        computed = min(
+            request.num_computed_tokens - request.num_in_flight_tokens,
+            request.num_tokens,
+            entry.capacity,
+        )
+        return max(computed, 0) // self.block_size * self.block_size
+
+    def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
+        """Deprecated in vLLM 0.33.0: zeros, one per group."""
+        return [0]
+
+    def _held_blocks_changed(self) -> None:
+        """Sets ``usage`` from the pool's counters (after an allocation or a release)."""
+        self.usage = self.block_pool.get_usage()
+
+    # -------------------------------------------------------------------- per-step no-ops
+    def new_step_starts(self) -> None:
+        """Nothing: the blocks the last steps filled are published before the next lookup
+        (module doc). A manager built with KV events has ``_publish_computed`` here instead,
+        so that their ``BlockStored`` events come in the step after their KV."""
+
+    def _publish_computed(self) -> None:
+        """Publish the blocks the last steps filled whose KV exists now (R17).
+
+        Runs first thing in ``schedule()`` (``new_step_starts``, with KV events) or at the
+        step's first lookup, after ``update_from_output`` of the steps that computed them;
+        tokens still in flight wait for a later step."""
+        if not self._unpublished:
+            return
+        waiting: dict[str, tuple[Request, _Entry, int]] = {}
+        bs = self.block_size
+        for rid, pending in self._unpublished.items():
+            request, entry, end = pending
+            if entry.capacity:
+                self._publish(
+                    request, entry, request.num_computed_tokens - request.num_in_flight_tokens
+                )
+                # scheduled, not computed yet (in flight, or scheduled in the step under way)
+                if entry.computed < end - end % bs and self.enable_caching:
+                    waiting[rid] = pending
+        self._unpublished = waiting
+
+    def take_new_block_ids(self) -> list[int]:
+        """Blocks to zero: none (only Mamba and mixed-precision groups need zeroing)."""
+        return []
+
+    def take_kv_cache_block_copies(self) -> tuple[list[Any], list[KVCacheBlock]]:
+        """Copy-on-write of partial hits: none (hits are whole blocks). The Scheduler reads the
+        pair every step and only tests it, so it is one shared pair of empty tuples."""
+        return _NO_COPIES  # type: ignore[return-value]
+
+    def take_boundary_state_offloads(self) -> dict[str, list[Any]]:
+        """Mamba "align" state offloads: none."""
+        return {}
+
+    def finalize_partial_tail_offloads(self, request: Request) -> list[Any]:
+        """Partial-tail offloads of producer connectors: none."""
+        return []
+
+    def remove_skipped_blocks(
+        self, request_id: str, processed_computed_tokens: int, num_prompt_tokens: int | None = None
+    ) -> None:
+        """Nothing is skipped in full attention."""
+
+    def record_blocks_for_zeroing(self, request_id: str, start_token: int) -> None:
+        """Nothing to zero in full attention."""
+
+    # ---------------------------------------------------------------------- connector-only
+    def pop_blocks_for_free(self, request: Request) -> list[KVCacheBlock]:
+        raise _unsupported("pop_blocks_for_free (deferred frees of KV connectors)")
+
+    def evict_blocks(self, block_ids: set[int]) -> None:
+        raise _unsupported("evict_blocks (KV connectors)")
+
+    def truncate_computed_blocks(
+        self, blocks: KVCacheBlocks, num_computed_tokens: int
+    ) -> KVCacheBlocks:
+        raise _unsupported("truncate_computed_blocks (KV connectors)")
+
+    def get_computed_blocks_for_connector(
+        self, request: Request, max_cache_hit_length: int | None = None
+    ):
+        raise _unsupported("get_computed_blocks_for_connector (KV connectors)")
+
+    # ---------------------------------------------------------------------- stats and events
+    def record_prefix_cache_stats(self, request: Request, num_hits: int) -> None:
+        """Count an admission's lookup in vLLM's ``PrefixCacheStats``."""
+        if self.prefix_cache_stats is None or not self.prefix_cache_lookup_enabled(request):
+            return
+        self.prefix_cache_stats.record(
+            num_tokens=request.num_tokens, num_hits=num_hits, preempted=request.num_preemptions > 0
+        )
+        self._stats_recorded = True
+
+    def make_prefix_cache_stats(self) -> PrefixCacheStats | None:
+        """The stats since the last call (a fresh object starts); None unless ``log_stats``."""
+        if not self.log_stats:
+            return None
+        if not self._stats_recorded:  # the Scheduler asks every step: no attribute walk
+            return self._no_prefix_cache_stats  # nothing recorded: an empty object nobody fills
+        stats = self.prefix_cache_stats
+        self.prefix_cache_stats = PrefixCacheStats()
+        self._stats_recorded = False
+        return stats
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached block (R12); False, nothing changed, while a request holds blocks."""
+        if any(entry.capacity for entry in self._seqs.values()):
+            return False
+        self.pool.reset_prefix_cache()
+        if self.prefix_cache_stats is not None:
+            self.prefix_cache_stats.reset = True
+            self._stats_recorded = True
+        return True
+
+    def take_events(self) -> list[Any]:
+        """The pool's KV events since the last call as vLLM's events ([] unless enabled)."""
+        return []  # a manager built with KV events has _take_vllm_events as its take_events
+
+    def _take_vllm_events(self) -> list[Any]:
+        return [self._vllm_event(e) for e in self.pool.drain_events()]
+
+    def _external_hash(self, h: bytes) -> int | bytes:
+        # vLLM publishes the low 64 bits of a hash as an int by default
+        return int.from_bytes(h[8:], "big") if self._int_hashes else h
+
+    def _vllm_event(self, event: KVEvent) -> Any:
+        if event.kind == "cleared":
+            return AllBlocksCleared()
+        hashes = [self._external_hash(h) for h in event.block_hashes]
+        if event.kind == "removed":
+            return BlockRemoved(block_hashes=hashes, medium=_MEDIUM, group_idx=0)
+        lora, salt = (
+            self._chain_keys.get(event.extra_key, (None, None)) if event.extra_key else (None, None)
+        )
+        extra_keys = None
+        if lora is not None or salt:
+            first = event.parent_hash is None
+            extra_keys = [
+                tuple([lora] if lora is not None else [])
+                + ((salt,) if salt and first and i == 0 else ())
+                or None
+                for i in range(len(hashes))
+            ]
+        parent = None if event.parent_hash is None else self._external_hash(event.parent_hash)
+        return BlockStored(
+            block_hashes=hashes,
+            parent_block_hash=parent,
+            token_ids=event.token_ids,
+            block_size=event.block_size,
+            lora_id=None,
+            medium=_MEDIUM,
+            lora_name=lora,
+            extra_keys=extra_keys,
+            group_idx=0,
+            kv_cache_spec_kind=_KIND,
+        )
+
+    def check(self) -> None:
+        """Walk the pool's structures (R20) and this manager's: ``usage`` (cached since the last
+        allocation or release) and the free count are the pool's stats; each entry mirrors its
+        sequence (length, table capacity, computed tokens), a held table has no id 0 and holds the
+        computed tokens, and every request awaiting publication is tracked.
+
+        Raises
+        ------
+        kvpool.InvariantError
+            A rule is broken.
+        """
+        self.pool.check()
+        stats = self.pool.stats()
+        counted = (
+            self.usage,
+            self.block_pool.get_num_free_blocks(),
+        )  # usage: set at the last change
+        if counted != (stats["usage"], stats["num_free_blocks"] + stats["num_cached_blocks"]):
+            raise InvariantError(
+                f"usage and free blocks {counted} disagree with the pool's stats {stats}"
+            )
+        recorded = self.prefix_cache_stats
+        if recorded is not None and self._stats_recorded != bool(
+            recorded.requests or recorded.preempted_requests or recorded.reset
+        ):
+            raise InvariantError(
+                f"prefix cache stats {recorded} but recorded={self._stats_recorded}"
+            )
+        for rid, entry in self._seqs.items():
+            seq = entry.seq
+            table = seq.block_table.tolist()
+            mirror = (
+                entry.length,
+                entry.capacity,
+                entry.computed if entry.capacity else 0,
+                entry.ids if entry.capacity else [],
+            )
+            actual = (len(seq), len(table) * self.block_size, seq.num_computed_tokens, table)
+            if (
+                mirror != actual
+                or (entry.capacity == 0) == seq.is_allocated
+                or 0 in table
+                or entry.computed > entry.capacity
+            ):
+                raise InvariantError(
+                    f"request {rid!r}: entry (length, capacity, computed) "
+                    f"{mirror}, sequence {actual}, table {table}"
+                )
+        for rid, (_, entry, _end) in self._unpublished.items():
+            if self._seqs.get(rid) is not entry:
+                raise InvariantError(f"request {rid!r}: awaits publication but is not tracked")

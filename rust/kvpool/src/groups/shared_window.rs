@@ -1,0 +1,209 @@
+//! A sliding-window group in the rank's shared block store (R25, docs/hybrid.md "One block
+//! store"): its blocks come from the full-attention group's allocator (one free list, one id
+//! space) and are published by attaching them to the full-attention prefix tree
+//! (`prefix_cache/attach.rs`).
+//!
+//! Hit limit: the deepest boundary whose run (`first_needed(k)..k`) is attached to the nodes
+//! the full-attention walk verified (R7 through the node); taking the hit shares exactly that
+//! run. The table grows with the full-attention table (one entry per block). A slide drops
+//! the handles of the blocks no future query of the sequence attends to: attached ones stay
+//! cached (evictable, ranked by the retention rule of attach.rs), the others are free at once.
+//! At release the node of the last computed full block gets the end mark that keeps the runs a
+//! next turn needs.
+//!
+//! Invariants: a sequence's window table has as many entries as its full-attention table and
+//! holds only blocks of the rank's store; its published watermark never passes what the full
+//! table published.
+
+use crate::block::{CACHED, COUNT_MASK};
+use crate::error::{ensure_invariant, Result};
+use crate::sliding_window::WindowTable;
+
+use super::{FullGroup, OwnChain};
+use crate::prefix_cache::PrefixCache;
+
+/// A sliding-window group whose blocks live in the full-attention group's store.
+pub(crate) struct SharedWindowGroup {
+    window: usize,
+    block_size: usize,
+    /// Its attachment group in the full-attention cache.
+    group: usize,
+    /// Its position after full attention (1, 2, ...): its blocks' owner in the memory census.
+    owner: u8,
+    /// Window blocks released behind the window (stats).
+    releases: u64,
+}
+
+impl SharedWindowGroup {
+    pub(crate) fn new(window: usize, block_size: usize, group: usize, owner: u8) -> Self {
+        Self {
+            window,
+            block_size,
+            group,
+            owner,
+            releases: 0,
+        }
+    }
+
+    /// The window, in tokens.
+    pub(crate) fn window(&self) -> usize {
+        self.window
+    }
+
+    /// The attachment group in the full-attention cache.
+    pub(crate) fn attach_group(&self) -> usize {
+        self.group
+    }
+
+    /// The first block the query at position `computed` attends to (R25; exact for every
+    /// `usize`, F5).
+    #[inline]
+    pub(crate) fn first_needed_block(&self, computed: usize) -> usize {
+        computed.saturating_sub(self.window - 1) / self.block_size
+    }
+
+    /// The deepest boundary `k <= limit` whose run is attached to the walked nodes (`device`:
+    /// the full-attention cache and its walk's ids).
+    pub(crate) fn hit_limit(&self, device: Option<(&PrefixCache, &[u32])>, limit: usize) -> usize {
+        match device {
+            Some((cache, ids)) if cache.has_attachments() => {
+                cache.window_limit(ids, self.group, limit)
+            }
+            _ => 0,
+        }
+    }
+
+    /// Blocks of the shared store a hit at `k` (accepted by `hit_limit`) and then a table of
+    /// `entries` entries take: the new entries, and the run's blocks only the cache holds.
+    pub(crate) fn demand(
+        &self,
+        device: Option<(&PrefixCache, &[u32])>,
+        k: usize,
+        entries: usize,
+    ) -> usize {
+        let cost = match (k, device) {
+            (0, _) | (_, None) => 0,
+            (_, Some((cache, ids))) => cache.window_hit_cost(ids, self.group, k),
+        };
+        entries.saturating_sub(k) + cost
+    }
+
+    /// The table of a hit at `k`: padding before the run, the run's blocks shared. `None` if
+    /// a run block is gone (it cannot be: the pool changed nothing since the walk).
+    pub(crate) fn take_hit(
+        &self,
+        full: &mut FullGroup,
+        walked: &[u32],
+        k: usize,
+    ) -> Option<WindowTable> {
+        let mut table = WindowTable::default();
+        if k == 0 {
+            return Some(table);
+        }
+        let cache = full.cache_mut()?;
+        if !cache.retain_window(walked, self.group, k, &mut table.blocks) {
+            return None;
+        }
+        table.released = k - table.blocks.len();
+        table.published = k;
+        Some(table)
+    }
+
+    /// Grows the table to `entries` entries from the shared store (all-or-nothing).
+    pub(crate) fn grow(
+        &self,
+        full: &mut FullGroup,
+        table: &mut WindowTable,
+        entries: usize,
+    ) -> bool {
+        let need = entries.saturating_sub(table.len());
+        full.grow_for(&mut table.blocks, need, self.owner)
+    }
+
+    /// Blocks a slide to `computed` would make available (free or cache-only): those the table
+    /// alone holds, and attached ones the cache and the table alone hold (F4).
+    pub(crate) fn releasable(
+        &self,
+        full: &FullGroup,
+        table: &WindowTable,
+        computed: usize,
+    ) -> usize {
+        let first = self.first_needed_block(computed).min(table.len());
+        let store = full.store();
+        (table.released..first)
+            .filter(|&i| {
+                table.get(i).is_some_and(|b| {
+                    let state = store.state(b.id());
+                    let count = state & COUNT_MASK;
+                    count == 1 || (state & CACHED != 0 && count == 2)
+                })
+            })
+            .count()
+    }
+
+    /// Whether [`Self::publish`] has blocks to attach below `full_count`.
+    pub(crate) fn wants_publish(&self, table: &WindowTable, full_count: usize) -> bool {
+        table.published < full_count
+    }
+
+    /// Attaches the table's held blocks among its first `full_count` entries to the nodes of
+    /// the same positions: where the full-attention table's block is the node cached under the
+    /// position's hash (published or switched to by dedup, R9).
+    pub(crate) fn publish(&self, table: &mut WindowTable, chain: &mut OwnChain<'_>, full: usize) {
+        let (hashes, blocks) = (chain.hashes, chain.blocks());
+        let end = full.min(table.len()).min(hashes.len()).min(blocks.len());
+        if let Some(cache) = chain.cache_mut() {
+            for i in table.published.max(table.released)..end {
+                let node = blocks[i].id();
+                if cache.block_id(hashes[i]) != Some(node) {
+                    continue; // a duplicate the full-attention cache did not take (R9)
+                }
+                if let Some(block) = table.get(i) {
+                    cache.attach(node, self.group, block);
+                }
+            }
+        }
+        table.published = table.published.max(end);
+    }
+
+    /// Drops the handles no future query attends to (R25); returns how many.
+    #[inline]
+    pub(crate) fn slide(&mut self, table: &mut WindowTable, computed: usize) -> usize {
+        let first = self.first_needed_block(computed).min(table.len());
+        if first <= table.released {
+            return 0;
+        }
+        let count = first - table.released;
+        table.blocks.drain(..count);
+        table.released = first;
+        self.releases += count as u64;
+        count
+    }
+
+    /// The sequence is released: the node of its last computed full block (`end`, a block of
+    /// its full-attention table) gets the end mark.
+    pub(crate) fn release(&self, full: &mut FullGroup, end: Option<u32>) {
+        if let (Some(node), Some(cache)) = (end, full.cache_mut()) {
+            cache.mark_end(node);
+        }
+    }
+
+    pub(crate) fn releases(&self) -> u64 {
+        self.releases
+    }
+
+    /// A sequence's window table against its full-attention table of `entries` entries.
+    pub(crate) fn check_table(
+        &self,
+        full: &FullGroup,
+        table: &WindowTable,
+        entries: usize,
+        seq_id: u64,
+    ) -> Result<()> {
+        ensure_invariant!(
+            table.len() == entries && table.blocks().iter().all(|b| full.owns(b)),
+            "sequence {seq_id}: the window table does not match the full table (R25)"
+        );
+        Ok(())
+    }
+}

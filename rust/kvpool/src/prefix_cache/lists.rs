@@ -1,0 +1,166 @@
+//! The prefix cache's eviction lists: intrusive doubly linked lists threaded through the
+//! entries (`prev`, `next`), one per eviction class, each oldest first.
+//!
+//! - [`List::Main`]: the LRU list of cache-only nodes (R10, R11). A cache without attachments
+//!   has only this one, and everything here is the single LRU list of the module doc.
+//! - [`List::Low`]: what no hit point can use, evicted first: attachments no mark protects and
+//!   leaves that are no hit point (attach.rs).
+//! - [`List::Keep`]: attachments a mark protects (the window runs of the hit points a shared
+//!   store keeps), evicted last.
+//!
+//! Invariants (checked by `PrefixCache::check`): an entry is on at most one list, its `list`
+//! field names it; the links of every list are consistent and its stamps increase from the
+//! oldest end to the newest; each list's `len` is its length.
+
+use super::{PrefixCache, NIL};
+use crate::block::{CACHED, COUNT_MASK};
+
+/// `Entry::list` of an entry on no list.
+pub(super) const NONE: u8 = u8::MAX;
+
+/// One eviction list.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub(super) enum List {
+    Main = 0,
+    Low = 1,
+    Keep = 2,
+}
+
+impl List {
+    pub(super) const ALL: [List; 3] = [List::Main, List::Low, List::Keep];
+}
+
+/// Ends and length of one list.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Ends {
+    pub(super) oldest: u32,
+    pub(super) newest: u32,
+    pub(super) len: usize,
+}
+
+impl Default for Ends {
+    fn default() -> Self {
+        Self {
+            oldest: NIL,
+            newest: NIL,
+            len: 0,
+        }
+    }
+}
+
+/// The three lists' ends.
+#[derive(Clone, Copy, Debug, Default)]
+pub(super) struct Lists([Ends; 3]);
+
+impl Lists {
+    pub(super) fn get(&self, list: List) -> &Ends {
+        &self.0[list as usize]
+    }
+
+    fn get_mut(&mut self, list: List) -> &mut Ends {
+        &mut self.0[list as usize]
+    }
+}
+
+impl PrefixCache {
+    /// Block ids on the LRU list of nodes, oldest first (cache-only blocks the cache knows
+    /// about; with attachments, the useless leaves and the attachments are on the other lists).
+    pub fn lru_order(&self) -> Vec<u32> {
+        self.list_ids(List::Main)
+    }
+
+    /// The eviction order, oldest first, without draining: the low list and the LRU list (the
+    /// LRU list alone without attachments), then the blocks released since the last drain in
+    /// release order (where the next drain puts them, F9). Exact only without concurrent handle
+    /// drops and attachments; for tests and debugging.
+    pub fn eviction_order(&self) -> Vec<u32> {
+        let mut ids = self.list_ids(List::Low);
+        ids.extend(self.lru_order());
+        let queued = self.store.released.snapshot(); // newest release first
+        ids.extend(queued.into_iter().rev().filter(|&id| {
+            let entry = &self.entries[id as usize];
+            self.store.state(id) & (CACHED | COUNT_MASK) == CACHED | 1
+                && entry.live
+                && entry.list == NONE
+        }));
+        ids
+    }
+
+    /// Puts entry `id` (on no list) at the newest end of `list`, with a fresh stamp.
+    pub(super) fn list_push(&mut self, list: List, id: u32) {
+        let newest = self.lists.get(list).newest;
+        {
+            let entry = &mut self.entries[id as usize];
+            debug_assert_eq!(entry.list, NONE, "entry {id} is already listed");
+            entry.prev = newest;
+            entry.next = NIL;
+            entry.list = list as u8;
+            entry.stamp = self.clock;
+        }
+        self.clock += 1;
+        if newest == NIL {
+            self.lists.get_mut(list).oldest = id;
+        } else {
+            self.entries[newest as usize].next = id;
+        }
+        let ends = self.lists.get_mut(list);
+        ends.newest = id;
+        ends.len += 1;
+    }
+
+    /// Takes entry `id` off its list (nothing if it is on none).
+    pub(super) fn list_unlink(&mut self, id: u32) {
+        let (list, prev, next) = {
+            let entry = &mut self.entries[id as usize];
+            if entry.list == NONE {
+                return;
+            }
+            let list = List::ALL[entry.list as usize];
+            entry.list = NONE;
+            (
+                list,
+                std::mem::replace(&mut entry.prev, NIL),
+                std::mem::replace(&mut entry.next, NIL),
+            )
+        };
+        if prev == NIL {
+            self.lists.get_mut(list).oldest = next;
+        } else {
+            self.entries[prev as usize].next = next;
+        }
+        if next == NIL {
+            self.lists.get_mut(list).newest = prev;
+        } else {
+            self.entries[next as usize].prev = prev;
+        }
+        self.lists.get_mut(list).len -= 1;
+    }
+
+    /// Moves entry `id` to `list` (newest end) if it is on another list; keeps its place when
+    /// it is on `list` already, does nothing when it is on none.
+    pub(super) fn list_move(&mut self, id: u32, list: List) {
+        let current = self.entries[id as usize].list;
+        if current != NONE && current != list as u8 {
+            self.list_unlink(id);
+            self.list_push(list, id);
+        }
+    }
+
+    /// The ids on `list`, oldest first.
+    pub(super) fn list_ids(&self, list: List) -> Vec<u32> {
+        let ends = self.lists.get(list);
+        let mut ids = Vec::with_capacity(ends.len);
+        let mut id = ends.oldest;
+        while id != NIL && ids.len() <= self.entries.len() {
+            ids.push(id);
+            id = self.entries[id as usize].next;
+        }
+        ids
+    }
+
+    /// Empties every list (the entries' fields are the caller's).
+    pub(super) fn lists_clear(&mut self) {
+        self.lists = Lists::default();
+    }
+}
