@@ -508,6 +508,10 @@ def test_shared_window_store_events_follow_the_attachments():
     seq.num_computed_tokens = 4 * BS
     pool.cache(seq)
     window = [e for e in pool.drain_events() if e.group == 1]
+    assert [(e.kind, e.group_kind, e.sliding_window) for e in window[:1]] == [
+        ("group", "sliding_window", 8)
+    ], "the group is announced first"
+    window = window[1:]
     assert [(e.kind, e.block_hashes, e.parent_hash, e.extra_key) for e in window] == [
         ("stored", hashes, None, b"k")
     ], "one event for the run, nothing removed by the slide"

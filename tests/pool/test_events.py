@@ -286,7 +286,12 @@ def test_r21_random_workload_events_replay_to_the_cache(seed):
 
 
 @pytest.mark.parametrize(
-    "options", [{"linear_state_slots": 8, "checkpoint_interval": 2 * BS}, {"sliding_window": 6}]
+    "options",
+    [
+        {"linear_state_slots": 8, "checkpoint_interval": 2 * BS},
+        {"sliding_window": 6},  # the window in the shared store
+        {"sliding_window": 6, "swa_num_blocks": 32},  # the window in a store of its own
+    ],
 )
 def test_a_hybrid_pool_announces_its_groups_first(options):
     """A rank with groups besides full attention announces them ("group" events: group 0, then

@@ -226,10 +226,15 @@ impl BlockManagerPool {
                 log.record(KvEvent::new(KvEventKind::Group, Medium::Device, bs, rank));
             }
             for (position, group) in groups.iter().enumerate() {
-                let group_kind = match group.as_window() {
+                // A window in its own store or in the shared one (R25).
+                let window = group
+                    .as_window()
+                    .map(|w| w.manager().window())
+                    .or_else(|| group.as_shared_window().map(|w| w.window()));
+                let group_kind = match window {
                     // A window past 2**32 tokens covers any sequence, as the largest u32 does.
                     Some(window) => GroupKind::SlidingWindow {
-                        window: u32::try_from(window.manager().window()).unwrap_or(u32::MAX),
+                        window: u32::try_from(window).unwrap_or(u32::MAX),
                     },
                     None if group.as_linear().is_some() => GroupKind::LinearState,
                     None => continue,
