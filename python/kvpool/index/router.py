@@ -168,7 +168,7 @@ class Router:
         return self._cached(token_ids, extra_key, now)[0]
 
     def _cached(
-        self, token_ids: Sequence[int], extra_key: bytes | str | None, now: float
+        self, token_ids: TokenIds, extra_key: bytes | str | None, now: float
     ) -> tuple[np.ndarray, np.ndarray]:
         """``cached``'s array, and per instance the device KV tokens held past the depth a hit
         restores (counted only with ``recompute_weight``)."""
