@@ -9,7 +9,7 @@ PIP := $(PY) -m pip install -q --disable-pip-version-check
 export VIRTUAL_ENV := $(abspath $(VENV))
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: run test build wheel wheel-from-sdist test-deps redis-server test-rust test-loom test-python test-vllm vllm-venv-kvpool test-models test-models-slow lint bench clean
+.PHONY: run test build wheel wheel-from-sdist test-deps redis-server test-rust test-loom test-python test-vllm vllm-venv-kvpool test-models test-models-slow lint bench bench-index-peers clean
 
 $(PY):
 	@$(PYTHON) -m venv $(VENV)
@@ -67,7 +67,8 @@ test-rust:
 	cargo test -p kvpool --release
 
 # loom models of the lock-free paths (rust/kvpool/tests/loom.rs, and the index's shared table in
-# rust/kvpool/src/index/table.rs, the batched release in rust/kvpool/src/release.rs, the block store's
+# rust/kvpool/src/index/table.rs, its shards' copies in rust/kvpool/src/index/shard.rs, the
+# batched release in rust/kvpool/src/release.rs, the block store's
 # bulk reference count in rust/kvpool/src/bulk_arc.rs); own target dir so the cfg flag
 # does not invalidate the normal build; debug assertions on, so the state-word checks of
 # block.rs run in every explored interleaving.
@@ -78,6 +79,9 @@ test-loom:
 	RUSTFLAGS="--cfg kvpool_loom" LOOM_MAX_PREEMPTIONS=3 CARGO_TARGET_DIR=target/loom \
 		CARGO_PROFILE_RELEASE_DEBUG_ASSERTIONS=true \
 		cargo test -p kvpool --release --lib index::table
+	RUSTFLAGS="--cfg kvpool_loom" LOOM_MAX_PREEMPTIONS=3 CARGO_TARGET_DIR=target/loom \
+		CARGO_PROFILE_RELEASE_DEBUG_ASSERTIONS=true \
+		cargo test -p kvpool --release --lib index::shard
 	RUSTFLAGS="--cfg kvpool_loom" LOOM_MAX_PREEMPTIONS=3 CARGO_TARGET_DIR=target/loom \
 		CARGO_PROFILE_RELEASE_DEBUG_ASSERTIONS=true \
 		cargo test -p kvpool --release --lib release::
@@ -137,6 +141,13 @@ lint: $(DEPS) build
 
 bench:
 	cargo bench -p kvpool
+
+# KVIndex beside the routers' own indexes (Dynamo's dynamo-kv-router, SGLang's smg-radix-tree and
+# kv-index, from crates.io) on one recorded Mooncake stream: benches/index_peers, its own workspace
+# and Cargo.lock, so that neither build, lint nor CI compiles the peers. ARGS="--instances 1000
+# --rounds 3" narrows a run (see benches/index_peers/src/main.rs); benches/RESULTS.md has the table.
+bench-index-peers:
+	cd benches/index_peers && cargo run --release --quiet -- $(ARGS)
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) target dist

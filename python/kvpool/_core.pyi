@@ -64,7 +64,7 @@ _ExtraKey: TypeAlias = bytes | str | None
 
 _LinearStateMatch: TypeAlias = Literal["deepest", "contiguous"]
 _LinearStateSave: TypeAlias = Literal["copy", "promote"]
-_EventKind: TypeAlias = Literal["stored", "removed", "cleared"]
+_EventKind: TypeAlias = Literal["stored", "removed", "cleared", "group"]
 
 class _BlockCounts(TypedDict):
     """Block counts of one manager (R2)."""
@@ -2087,6 +2087,7 @@ class _IndexStats(TypedDict):
     sources: int
     stalled_sources: int
     max_entries: int
+    writers: int
     events_applied: int
     duplicates: int
     dropped: int
@@ -2100,19 +2101,25 @@ class KVIndex:
     """A prefix index over the KV events of many instances, for KV-aware routing.
 
     Entries are (block hash, location), a location being (instance, dp rank, medium, block
-    size). Reads never wait for the writer (two copies behind an atomic swap); every call
+    size). Reads never wait for a writer (two copies behind an atomic swap); every call
     releases the GIL around the core work. At most ``max_entries`` entries are kept: beyond,
     the least-recently stored chains are evicted from their tails.
 
     Parameters
     ----------
     max_entries : int
-        Memory bound, at least 1.
+        Memory bound, at least 1 (and at least ``writers``: it is split among them).
     hash_seed : int or None
         Seed of the chained hashes token-id lookups compute; must be the pools' (R6).
+    writers : int
+        Shards by instance, each with its own writer (1 to 64): batches of instances of
+        different writers (``writer_of``) apply concurrently from threads. A lookup then sees
+        each writer's state after some whole write of it.
     """
 
-    def __new__(cls, *, max_entries: int = 16777216, hash_seed: int | None = None) -> KVIndex: ...
+    def __new__(
+        cls, *, max_entries: int = 16777216, hash_seed: int | None = None, writers: int = 1
+    ) -> KVIndex: ...
     def apply(self, instance: int, events: Iterable[_IndexEvent | Any]) -> _ApplyReport:
         """Apply a batch of ``instance``'s events in order (dicts or objects, docs/events.md).
 
@@ -2130,6 +2137,7 @@ class KVIndex:
     def apply_msgpack(self, instance: int, data: bytes) -> _ApplyReport:
         """Apply a batch in the msgpack wire format of docs/events.md."""
 
+    @overload
     def lookup(
         self,
         token_ids: _TokenIds | None = None,
@@ -2138,14 +2146,44 @@ class KVIndex:
         block_hashes: _Sequence[bytes] | None = None,
         block_size: int | None = None,
         now: float = 0.0,
+        depths: Literal[False] = False,
     ) -> list[tuple[int, int, _Medium, int, int]]:
         """The matched prefix of a request on every location holding its first block.
 
         Give ``token_ids`` (and ``extra_key``; hashed for every block size in use) or its
         ``block_hashes`` with their ``block_size``. Speculative entries count unless lapsed at
         ``now``. Returns ``(instance, dp_rank, medium, blocks, tokens)`` rows, unordered.
+        With ``depths=True``: ``(instance, dp_rank, medium, blocks, tokens, kv_blocks,
+        kv_tokens)`` on every location holding KV of the first block, ``blocks`` the depth a
+        hit restores (a linear-state group's deepest checkpoint), ``kv_blocks >= blocks`` the
+        KV held (past ``blocks`` a hit recomputes from that checkpoint).
         """
 
+    @overload
+    def lookup(
+        self,
+        token_ids: _TokenIds | None = None,
+        *,
+        extra_key: _ExtraKey = None,
+        block_hashes: _Sequence[bytes] | None = None,
+        block_size: int | None = None,
+        now: float = 0.0,
+        depths: Literal[True],
+    ) -> list[tuple[int, int, _Medium, int, int, int, int]]: ...
+    @overload
+    def lookup(
+        self,
+        token_ids: _TokenIds | None = None,
+        *,
+        extra_key: _ExtraKey = None,
+        block_hashes: _Sequence[bytes] | None = None,
+        block_size: int | None = None,
+        now: float = 0.0,
+        depths: bool,
+    ) -> (
+        list[tuple[int, int, _Medium, int, int]]
+        | list[tuple[int, int, _Medium, int, int, int, int]]
+    ): ...
     def insert_speculative(
         self,
         instance: int,
@@ -2184,6 +2222,10 @@ class KVIndex:
 
     def remove_instance(self, instance: int) -> int:
         """Drop every entry and source of ``instance``."""
+
+    def writer_of(self, instance: int) -> int:
+        """The writer (in ``range(writers)``) applying ``instance``'s events: give each of
+        several applying threads the instances of its writers."""
 
     def sources(self) -> list[_Source]:
         """Every source's last sequence number and gap (``stalled``), sorted."""

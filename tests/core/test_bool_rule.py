@@ -423,7 +423,10 @@ TABLE: dict[str, tuple[Callable, dict[str, str]]] = {
         {"num_tokens": COUNT},
     ),
     # --- the index
-    "KVIndex.__new__": (kvpool.KVIndex, {"max_entries": COUNT, "hash_seed": COUNT}),
+    "KVIndex.__new__": (
+        kvpool.KVIndex,
+        {"max_entries": COUNT, "hash_seed": COUNT, "writers": COUNT},
+    ),
     "KVIndex.apply": (
         _with({"instance": 1, "events": []}, lambda **kw: kvpool.KVIndex().apply(**kw)),
         {"instance": COUNT},
@@ -437,7 +440,11 @@ TABLE: dict[str, tuple[Callable, dict[str, str]]] = {
     ),
     "KVIndex.lookup": (
         lambda **kw: kvpool.KVIndex().lookup(**{"block_hashes": _hashes(), "block_size": 4, **kw}),
-        {"block_size": COUNT},
+        {"block_size": COUNT, "depths": FLAG},
+    ),
+    "KVIndex.writer_of": (
+        _with({"instance": 1}, lambda **kw: kvpool.KVIndex().writer_of(**kw)),
+        {"instance": COUNT},
     ),
     "KVIndex.insert_speculative": (
         _with(

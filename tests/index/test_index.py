@@ -514,3 +514,91 @@ def test_lookups_match_a_dict_of_sets_model(steps):
                     want.append((i, 0, m, n, n * BS))
             assert sorted(idx.lookup(d)) == sorted(want)
     idx.check()
+
+
+def test_groups_announced_up_front_and_depths():
+    """Groups announced up front (a "group" event) stop the over-credit of a hybrid location whose
+    linear-state group committed nothing yet; ``lookup(depths=True)`` rows carry the depth a hit
+    restores and the KV depth (docs/events.md, contract "groups announced up front")."""
+    idx = kvpool.KVIndex()
+    tokens = list(range(32))
+    c = chain(tokens)
+    groups = [
+        {"kind": "group", "block_size": BS, "group": 0},
+        {"kind": "group", "block_size": BS, "group": 1, "group_kind": "linear_state"},
+    ]
+    idx.apply(1, groups + [stored(c)])
+    idx.apply(2, [stored(c)])  # the same stores, no announcement: a plain location
+    assert best(idx.lookup(tokens), 1) == 0, "no checkpoint: no hit"
+    assert best(idx.lookup(tokens), 2) == 8, "without the announcement: credited"
+    rows = {r[0]: r for r in idx.lookup(tokens, depths=True)}
+    assert rows[1] == (1, 0, "device", 0, 0, 8, 32) and rows[2] == (2, 0, "device", 8, 32, 8, 32)
+    checkpoint = {
+        "kind": "stored",
+        "block_size": BS,
+        "group": 1,
+        "group_kind": "linear_state",
+        "parent_hash": c[4],
+        "block_hashes": [c[5]],
+    }
+    idx.apply(1, [checkpoint])
+    rows = {r[0]: r for r in idx.lookup(tokens, depths=True)}
+    assert rows[1] == (1, 0, "device", 6, 24, 8, 32)
+    assert (1, 0, "device", 6, 24) in idx.lookup(tokens), "the default rows are unchanged"
+    with pytest.raises(ValueError, match=r"events\[0\].block_hashes"):
+        idx.apply(1, [{"kind": "group", "block_size": BS, "block_hashes": [c[0]]}])
+    with pytest.raises(TypeError, match="depths"):
+        idx.lookup(tokens, depths=1)
+    idx.check()
+
+
+def test_several_writers_from_threads():
+    """``KVIndex(writers=n)``: threads applying the batches of the instances of their writers
+    (``writer_of``) at once end with the state one writer reaches; lookups meanwhile never fail."""
+    n = 3
+    idx, one = kvpool.KVIndex(writers=n), kvpool.KVIndex()
+    assert idx.stats()["writers"] == n and one.stats()["writers"] == 1
+    docs = [[1000 * d + i for i in range(32)] for d in range(6)]
+    batches = {
+        i: [[stored(chain(docs[(i + k) % 6])[: 2 + (i * k) % 7])] for k in range(20)]
+        for i in range(24)
+    }
+    assert {idx.writer_of(i) for i in batches} == set(range(n))
+    stop = threading.Event()
+    errors = []
+
+    def read():
+        while not stop.is_set():
+            try:
+                idx.lookup(docs[0])
+            except Exception as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+
+    def write(w):
+        for k in range(20):
+            for i, mine in batches.items():
+                if idx.writer_of(i) == w:
+                    idx.apply(i, mine[k])
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    threads = [threading.Thread(target=write, args=(w,)) for w in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    stop.set()
+    reader.join()
+    assert not errors
+    for k in range(20):
+        for i, mine in batches.items():
+            one.apply(i, mine[k])
+    for d in docs:
+        assert sorted(idx.lookup(d)) == sorted(one.lookup(d))
+    assert idx.stats()["entries"] == one.stats()["entries"]
+    idx.check()
+    assert kvpool.KVIndex.load(idx.dump()).stats()["writers"] == n
+    with pytest.raises(ValueError, match="writers"):
+        kvpool.KVIndex(writers=0)
+    with pytest.raises(ValueError, match="max_entries"):
+        kvpool.KVIndex(writers=4, max_entries=3)

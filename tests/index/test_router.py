@@ -142,3 +142,38 @@ def test_g10_a_rejected_request_changes_nothing(policy):
     assert second.request_id == first.request_id + 1
     if policy == "round_robin":
         assert (first.instance, second.instance) == (0, 1), "no instance skipped"
+
+
+def test_recompute_weight_costs_kv_past_the_checkpoint():
+    """A hybrid instance's row is the depth a hit restores (its deepest checkpoint); with
+    ``recompute_weight`` the device KV it holds past it saves that share of each token
+    (docs/events.md, kvpool.router)."""
+    idx = kvpool.KVIndex()
+    tokens = prompt(0)
+    hashes = kvpool.hash_blocks(tokens, BS)
+    groups = [
+        {"kind": "group", "block_size": BS, "group": 0},
+        {"kind": "group", "block_size": BS, "group": 1, "group_kind": "linear_state"},
+    ]
+    idx.apply(
+        0, groups + [{"kind": "stored", "block_size": BS, "block_hashes": hashes}]
+    )  # 8 blocks, no checkpoint
+    store(idx, 1, tokens, n=2)  # a plain instance holding 2 blocks
+    plain = Router(2, "kv_aware", index=idx, block_size=BS, speculative_ttl=None)
+    assert plain.costs(tokens).tolist() == [32.0, 24.0], (
+        "no checkpoint: instance 0 restores nothing"
+    )
+    assert plain.route(tokens).instance == 1
+    weighted = Router(
+        2, "kv_aware", index=idx, block_size=BS, speculative_ttl=None, recompute_weight=0.5
+    )
+    assert weighted.costs(tokens).tolist() == [16.0, 24.0], (
+        "32 KV tokens past the checkpoint at half"
+    )
+    assert weighted.route(tokens).instance == 0
+    for bad in (-0.1, 1.5, True):
+        with pytest.raises(ValueError, match="recompute_weight"):
+            Router(2, "kv_aware", index=idx, recompute_weight=bad)
+    for bad in ("0.5", None):
+        with pytest.raises(TypeError, match="recompute_weight"):
+            Router(2, "kv_aware", index=idx, recompute_weight=bad)

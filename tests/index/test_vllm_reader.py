@@ -484,3 +484,40 @@ def test_reader_and_index_match_the_publisher_under_loss_duplicates_reordering_a
         assert sorted(idx.lookup(doc)) == Publisher.lookup(pub.held, doc)
     assert reader.keys == reference.keys
     idx.check()
+
+
+def test_the_reader_announces_the_models_groups():
+    """``VllmEventReader(index, groups=...)`` puts one "group" event per model group before the
+    first batch of each source (kept only if the index applies that batch), so a hybrid model's
+    instance is not credited before its linear-state group commits a checkpoint."""
+    idx = kvpool.KVIndex()
+    groups = [{"kind": "full_attention", "block_size": BS}, {"kind": "mamba", "block_size": BS}]
+    reader = VllmEventReader(idx, groups=groups)
+    events = reader.read(7, batch([STORED]), sequence=5)
+    assert [(e["kind"], e["group"], e["group_kind"], e["sequence"]) for e in events[:2]] == [
+        ("group", 0, "full_attention", 5),
+        ("group", 1, "linear_state", 5),
+    ]
+    assert events[2]["kind"] == "stored"
+    # read() kept the announcement (the index would apply number 5): apply that batch itself
+    idx.apply(7, events)
+    assert idx.lookup(TOKENS) == [], "no checkpoint: no hit"
+    assert [r[3:] for r in idx.lookup(TOKENS, depths=True)] == [(0, 0, 2, 8)]
+    again = reader.read(7, batch([OTHER]), sequence=6)
+    assert all(e["kind"] != "group" for e in again), "once per source"
+    # a batch the index skips (a duplicate) does not count as announced
+    fresh = VllmEventReader(kvpool.KVIndex(), groups=groups)
+    fresh.index.apply(3, [{"kind": "removed", "block_size": BS, "sequence": 9}])
+    fresh.apply(3, batch([STORED]), sequence=8)  # a duplicate: skipped, announcement undone
+    assert fresh.announced == {}
+    assert fresh.read(3, batch([STORED]), sequence=9)[0]["kind"] == "group"
+    plain = VllmEventReader(kvpool.KVIndex())
+    assert all(e["kind"] != "group" for e in plain.read(1, batch([STORED]), sequence=0))
+    for bad, error in [
+        ("full_attention", TypeError),
+        ([{"kind": "mamba"}], ValueError),
+        ([{"block_size": BS, "window": 3}], ValueError),
+        ([[BS]], TypeError),
+    ]:
+        with pytest.raises(error, match="groups"):
+            VllmEventReader(idx, groups=bad)

@@ -283,3 +283,46 @@ def test_r21_random_workload_events_replay_to_the_cache(seed):
         assert flatten_stored(ev) == []
         apply(ev)
     pool.check()
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"linear_state_slots": 8, "checkpoint_interval": 2 * BS},
+        {"sliding_window": 6},  # the window in the shared store
+        {"sliding_window": 6, "swa_num_blocks": 32},  # the window in a store of its own
+    ],
+)
+def test_a_hybrid_pool_announces_its_groups_first(options):
+    """A rank with groups besides full attention announces them ("group" events: group 0, then
+    its other groups) before any other event of its own; an index fed the stream then asks a
+    hit for every group's blocks from the start (contract: groups announced up front). A plain
+    pool announces nothing."""
+    pool = kvpool.BlockManagerPool(32, BS, enable_events=True, dp_size=2, **options)
+    tokens = list(range(6 * BS))
+    seq = kvpool.Sequence(tokens)
+    assert pool.allocate(seq)
+    seq.num_computed_tokens = BS  # one block: no checkpoint at its boundary yet
+    pool.cache(seq)
+    events = pool.drain_events()
+    rank = seq.dp_rank
+    mine = [e for e in events if e.dp_rank == rank]
+    kind = "linear_state" if "linear_state_slots" in options else "sliding_window"
+    assert [(e.kind, e.group, e.group_kind) for e in mine[:2]] == [
+        ("group", 0, "full_attention"),
+        ("group", 1, kind),
+    ]
+    assert [e.sequence for e in mine[:2]] == [1, 2] and mine[0].block_hashes == []
+    assert all(e.kind != "group" for e in mine[2:])
+    assert mine[1].sliding_window == options.get("sliding_window")
+    index = kvpool.KVIndex()
+    assert index.apply(0, events)["gaps"] == []
+    if kind == "linear_state":
+        rows = [r for r in index.lookup(tokens, depths=True) if r[1] == rank]
+        assert [(r[3], r[5]) for r in rows] == [(0, 1)], "KV of one block, no checkpoint: no hit"
+    plain = kvpool.BlockManagerPool(32, BS, enable_events=True)
+    s = kvpool.Sequence(tokens)
+    assert plain.allocate(s)
+    s.num_computed_tokens = BS
+    plain.cache(s)
+    assert all(e.kind != "group" for e in plain.drain_events())

@@ -11,10 +11,14 @@ where ``d``, ``h``, ``r`` are the prompt tokens instance ``i`` holds on its devi
 host, and on any medium (nested prefixes: ``d <= h <= r``), ``w_*`` the share of a token's
 prefill a hit on that medium saves (``medium_weights``), and ``load(i)`` the prompt tokens of the
 requests routed to ``i`` and not yet finished. With ``shared_remote`` a remote tier is one store
-shared by the fleet: its prefix counts for every instance. Ties go to the lowest instance. The
-routed request's chain is then inserted into the index as speculative entries (TTL
-``speculative_ttl`` on the caller's clock), so that a burst of requests sharing a prefix follows
-the first one before its instance's stored events arrive.
+shared by the fleet: its prefix counts for every instance. Ties go to the lowest instance. On a
+hybrid instance (a linear-state group) the index's rows are the depth a hit restores (its deepest
+checkpoint); with ``recompute_weight`` > 0 the device KV it holds past that depth (``kv - d``
+tokens) counts too, each token saving that share of its prefill (it must be recomputed from the
+checkpoint; the share says what that saves), in place of the host and remote terms when it saves
+more than they do. The routed request's chain is then inserted into the index as speculative
+entries (TTL ``speculative_ttl`` on the caller's clock), so that a burst of requests sharing a
+prefix follows the first one before its instance's stored events arrive.
 """
 
 from __future__ import annotations
@@ -87,6 +91,9 @@ class Router:
         Whether the remote medium is one store shared by the fleet.
     speculative_ttl : float or None
         TTL of the speculative entries (None: none are inserted).
+    recompute_weight : float
+        Share of a token's prefill saved by device KV held past a hybrid instance's deepest
+        checkpoint (module doc); 0 counts those tokens as uncached.
     """
 
     def __init__(
@@ -100,6 +107,7 @@ class Router:
         load_weight: float = 1.0,
         shared_remote: bool = True,
         speculative_ttl: float | None = 2.0,
+        recompute_weight: float = 0.0,
     ) -> None:
         # R29: a bool is no count or id, a flag is a bool (a TypeError naming the argument)
         ids = _instance_ids(instances)
@@ -130,6 +138,12 @@ class Router:
             raise ValueError(f"load_weight: must be >= 0, got {load_weight!r}")
         if speculative_ttl is not None and not speculative_ttl > 0.0:
             raise ValueError(f"speculative_ttl: must be > 0 or None, got {speculative_ttl!r}")
+        if not isinstance(recompute_weight, (int, float, np.integer, np.floating)):
+            raise TypeError(
+                f"recompute_weight: must be a number, got {type(recompute_weight).__name__}"
+            )
+        if isinstance(recompute_weight, (bool, np.bool_)) or not 0.0 <= recompute_weight <= 1.0:
+            raise ValueError(f"recompute_weight: must be in [0, 1], got {recompute_weight!r}")
         self.instances = ids
         self.position = {i: k for k, i in enumerate(ids)}
         self.policy = policy
@@ -139,6 +153,7 @@ class Router:
         self.load_weight = float(load_weight)
         self.shared_remote = shared_remote
         self.speculative_ttl = speculative_ttl
+        self.recompute_weight = float(recompute_weight)
         self.load = np.zeros(len(ids), dtype=np.float64)  # outstanding prompt tokens
         self.active: dict[Any, tuple[int, int]] = {}  # request id -> (position, tokens)
         self._next = 0  # round robin: the next turn
@@ -150,14 +165,24 @@ class Router:
     ) -> np.ndarray:
         """Prompt tokens each instance holds per medium: float64 ``[len(instances), 3]``
         (device, device-or-host, any medium: nested prefixes)."""
+        return self._cached(token_ids, extra_key, now)[0]
+
+    def _cached(
+        self, token_ids: TokenIds, extra_key: bytes | str | None, now: float
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """``cached``'s array, and per instance the device KV tokens held past the depth a hit
+        restores (counted only with ``recompute_weight``)."""
         out = np.zeros((len(self.instances), 3), dtype=np.float64)
+        past = np.zeros(len(self.instances), dtype=np.float64)
         if self.index is None:
-            return out
+            return out, past
         remote = 0.0
-        for instance, _rank, medium, _blocks, tokens in self.index.lookup(
-            token_ids, extra_key=extra_key, now=now
-        ):
+        depths = self.recompute_weight > 0.0
+        for row in self.index.lookup(token_ids, extra_key=extra_key, now=now, depths=depths):
+            instance, _rank, medium, _blocks, tokens = row[:5]
             k = self.position.get(instance)
+            if len(row) == 7 and k is not None and medium == "device":  # depths=True rows
+                past[k] = max(past[k], row[-1] - tokens)
             if medium == "remote" and self.shared_remote:
                 remote = max(remote, tokens)
             if k is None:
@@ -166,18 +191,21 @@ class Router:
             out[k, column] = max(out[k, column], tokens)
         out[:, 1] = np.maximum(out[:, 1], out[:, 0])
         out[:, 2] = np.maximum(np.maximum(out[:, 2], out[:, 1]), remote)
-        return out
+        return out, past
 
     def costs(
         self, token_ids: TokenIds, *, extra_key: bytes | str | None = None, now: float = 0.0
     ) -> np.ndarray:
         """``kv_aware``'s cost of each instance (float64 ``[len(instances)]``)."""
-        return self._costs(len(token_ids), self.cached(token_ids, extra_key=extra_key, now=now))
+        return self._costs(len(token_ids), *self._cached(token_ids, extra_key, now))
 
-    def _costs(self, prompt: int, cached: np.ndarray) -> np.ndarray:
+    def _costs(self, prompt: int, cached: np.ndarray, past: np.ndarray) -> np.ndarray:
         w = self.medium_weights
         d, h, r = cached[:, 0], cached[:, 1], cached[:, 2]
-        saved = w["device"] * d + w["host"] * (h - d) + w["remote"] * (r - h)
+        beyond = np.maximum(
+            w["host"] * (h - d) + w["remote"] * (r - h), self.recompute_weight * past
+        )
+        saved = w["device"] * d + beyond
         return (prompt - saved) + self.load_weight * self.load
 
     # ----------------------------------------------------------------------------- route
@@ -204,8 +232,8 @@ class Router:
             k = int(np.argmin(self.load))
             cost = float(self.load[k])
         else:
-            cached = self.cached(token_ids, extra_key=extra_key, now=now)
-            costs = self._costs(prompt, cached)
+            cached, past = self._cached(token_ids, extra_key, now)
+            costs = self._costs(prompt, cached, past)
             k = int(np.argmin(costs))
             cost = float(costs[k])
         instance = self.instances[k]

@@ -51,7 +51,8 @@ class PrefixIndex:
     rebuilt from events (``kvpool.KVIndex`` is the full one: every medium, group and rank).
 
     ``stored`` adds the hashes, ``removed`` drops them, ``cleared`` drops everything of that
-    instance and rank; events of the host and remote media are not the device's and are skipped.
+    instance and rank, ``group`` registers a group holding nothing yet; events of the host and
+    remote media are not the device's and are skipped.
     Each KV-cache group is kept apart: ``holders`` and ``snapshot`` are the full-attention group
     (0); ``best_holder`` credits a holder with the longest prefix every one of its groups admits
     (docs/events.md): full attention its leading run, a sliding window of ``w`` tokens the blocks
@@ -77,9 +78,19 @@ class PrefixIndex:
             for state in self.groups.get(holder, {}).values():
                 state[3].clear()
             return
-        if kind not in ("stored", "removed"):
+        if kind not in ("stored", "removed", "group"):
             raise ValueError(f"event: unknown kind {kind!r}")
         group = int(event.get("group") or 0)
+        if kind == "group":  # a group announced up front: it holds nothing yet
+            if group != 0 and group not in self.groups.get(holder, {}):
+                window = event.get("sliding_window")
+                self.groups.setdefault(holder, {})[group] = (
+                    event.get("group_kind") or "full_attention",
+                    None if window is None else int(window),
+                    int(event["block_size"]),
+                    set(),
+                )
+            return
         if group != 0:
             known = self.groups.setdefault(holder, {})
             entry = known.get(group)

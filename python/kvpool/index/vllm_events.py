@@ -31,6 +31,12 @@ Media: ``"GPU"`` (or none) is ``device``, ``"CPU"`` is ``host``, anything else (
 connectors' tiers) ``remote``. Group kinds: ``sliding_window`` and ``sliding_window_mla`` are
 sliding windows, ``mamba`` a linear state, everything else (full, MLA, sink, chunked local, or
 none) full attention, which asks the most of a hit and so never claims one that is not there.
+
+Groups announced up front: vLLM sends nothing for a group that has stored nothing, so an index
+that learns groups from stored events takes a hybrid model's instance for a plain one until its
+linear-state group commits a checkpoint (and credits hits the instance cannot restore). Given
+the model's ``groups`` (as its KV-cache config lists them), the reader puts one ``"group"`` event
+per group (device medium) before the first batch it reads of each (instance, dp rank).
 """
 
 from __future__ import annotations
@@ -124,10 +130,17 @@ class VllmEventReader:
     ----------
     index : kvpool.KVIndex
         The index the events are for: its hash seed keys the blocks; ``apply`` feeds it.
+    groups : sequence of dict, optional
+        The model's KV-cache groups in ``group_idx`` order, each ``{"kind": kv_cache_spec_kind,
+        "block_size": int, "sliding_window": int or None}``: announced for every source before
+        its first batch (module doc).
     """
 
-    def __init__(self, index: KVIndex) -> None:
+    def __init__(self, index: KVIndex, *, groups: Sequence[dict[str, Any]] | None = None) -> None:
         self.index = index
+        self.announce = _announcements(groups)
+        # sources whose groups went out with a batch the index applied (or would)
+        self.announced: dict[tuple[int, int], bool] = {}
         # (instance, dp_rank) -> vLLM hash bytes -> (kvpool key, frozenset of (medium, group))
         self.keys: dict[tuple[int, int], dict[bytes, tuple[bytes, frozenset[tuple[str, int]]]]] = {}
         # (instance, dp_rank, group) -> (group_kind, sliding_window, block_size)
@@ -219,6 +232,9 @@ class VllmEventReader:
             raise
         if not out:
             out.append({"kind": "removed", "dp_rank": dp_rank, "block_size": 1, "block_hashes": []})
+        if self.announce and (instance, dp_rank) not in self.announced:
+            self._put(self.announced, (instance, dp_rank), True)
+            out[:0] = [dict(event, dp_rank=dp_rank) for event in self.announce]
         for event in out:  # every field on every event, as the pool's (docs/events.md)
             event["sequence"] = sequence
             for key, default in _DEFAULTS:
@@ -391,6 +407,41 @@ class VllmEventReader:
             elif kept != presence:
                 self._put(keys, h, (key, kept))
         return {"kind": "cleared", "medium": "device", "dp_rank": dp_rank, "block_size": 1}
+
+
+def _announcements(groups: Sequence[dict[str, Any]] | None) -> list[dict[str, Any]]:
+    """The ``"group"`` events of the model's ``groups`` (class doc), checked."""
+    if groups is None:
+        return []
+    if isinstance(groups, (str, bytes, dict)) or not isinstance(groups, (list, tuple)):
+        raise TypeError(f"groups: must be a sequence of dicts, got {type(groups).__name__}")
+    if len(groups) > _MAX_GROUPS:
+        raise ValueError(f"groups: at most {_MAX_GROUPS} groups, got {len(groups)}")
+    out = []
+    for i, g in enumerate(groups):
+        at = f"groups[{i}]"
+        if not isinstance(g, dict):
+            raise TypeError(f"{at}: must be a dict, got {type(g).__name__}")
+        unknown = set(g) - {"kind", "block_size", "sliding_window"}
+        if unknown:
+            raise ValueError(f"{at}: unknown keys {sorted(unknown)}")
+        block_size = _check_int(
+            _required(g, "block_size", at), f"{at}.block_size", 2**32 - 1, low=1
+        )
+        kind, window = _group_kind(
+            _optional_str(g, "kind", at), _optional_int(g, "sliding_window", at)
+        )
+        out.append(
+            {
+                "kind": "group",
+                "medium": "device",
+                "group": i,
+                "group_kind": kind,
+                "sliding_window": window,
+                "block_size": block_size,
+            }
+        )
+    return out
 
 
 # ------------------------------------------------------------------------- field checks

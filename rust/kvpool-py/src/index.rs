@@ -290,12 +290,13 @@ fn request(
 impl PyKVIndex {
     #[new]
     #[pyo3(
-        signature = (*, max_entries = convert::Given::Missing, hash_seed = None),
-        text_signature = "(*, max_entries=16777216, hash_seed=None)"
+        signature = (*, max_entries = convert::Given::Missing, hash_seed = None, writers = convert::Given::Missing),
+        text_signature = "(*, max_entries=16777216, hash_seed=None, writers=1)"
     )]
     fn new(
         max_entries: convert::Given<'_>,
         hash_seed: Option<&Bound<'_, PyAny>>,
+        writers: convert::Given<'_>,
     ) -> PyResult<Self> {
         let max_entries = match max_entries.value() {
             Some(value) => unsigned(value, "max_entries", u64::MAX)?,
@@ -304,6 +305,7 @@ impl PyKVIndex {
         let config = IndexConfig {
             max_entries: usize::try_from(max_entries).unwrap_or(usize::MAX),
             hash_seed: convert::hash_seed(hash_seed)?,
+            writers: writers.count("writers", 1)?,
         };
         Ok(Self {
             inner: KVIndex::new(config).py()?,
@@ -345,7 +347,12 @@ impl PyKVIndex {
 
     /// The matched prefix of a request on every (instance, dp rank, medium) holding at least
     /// its first block: a list of `(instance, dp_rank, medium, blocks, tokens)`, unordered.
-    #[pyo3(signature = (token_ids = None, *, extra_key = None, block_hashes = None, block_size = None, now = 0.0))]
+    /// With `depths=True`, `(instance, dp_rank, medium, blocks, tokens, kv_blocks, kv_tokens)`
+    /// on every location holding KV of the request's first block: `blocks` a hit restores,
+    /// `kv_blocks >= blocks` whose KV is held (past `blocks`, a hit recomputes from the
+    /// deepest checkpoint; docs/events.md).
+    #[pyo3(signature = (token_ids = None, *, extra_key = None, block_hashes = None, block_size = None, now = 0.0, depths = convert::Given::Missing))]
+    #[allow(clippy::too_many_arguments)]
     fn lookup<'py>(
         &self,
         py: Python<'py>,
@@ -354,7 +361,9 @@ impl PyKVIndex {
         block_hashes: Option<&Bound<'py, PyAny>>,
         block_size: Option<&Bound<'py, PyAny>>,
         now: f64,
+        depths: convert::Given<'py>,
     ) -> PyResult<Bound<'py, PyList>> {
+        let depths = depths.flag("depths", false)?;
         let request = request(token_ids, extra_key, block_hashes, block_size)?;
         let matches = py.detach(|| match &request {
             Request::Tokens(tokens, key) => self.inner.lookup_tokens(tokens, key.as_deref(), now),
@@ -368,7 +377,20 @@ impl PyKVIndex {
         let out = PyList::empty(py);
         for m in matches {
             let medium = media[usize::from(m.medium.code())].clone();
-            out.append((m.instance, m.dp_rank, medium, m.blocks, m.tokens))?;
+            if depths {
+                let kv_tokens = u64::from(m.kv_blocks) * u64::from(m.block_size);
+                out.append((
+                    m.instance,
+                    m.dp_rank,
+                    medium,
+                    m.blocks,
+                    m.tokens,
+                    m.kv_blocks,
+                    kv_tokens,
+                ))?;
+            } else if m.blocks > 0 {
+                out.append((m.instance, m.dp_rank, medium, m.blocks, m.tokens))?;
+            }
         }
         Ok(out)
     }
@@ -495,6 +517,14 @@ impl PyKVIndex {
         Ok(self.inner.can_apply(instance, dp_rank, sequence))
     }
 
+    /// The writer (in `range(writers)`) that applies `instance`'s events: batches of
+    /// instances of different writers apply concurrently (from threads; `apply` releases the
+    /// GIL), so a consumer with several threads gives each the instances of its writers.
+    fn writer_of(&self, instance: &Bound<'_, PyAny>) -> PyResult<usize> {
+        let instance = unsigned(instance, "instance", u64::MAX)?;
+        Ok(self.inner.writer_of(instance))
+    }
+
     /// Drops every entry and source of `instance`. Returns the entries dropped.
     fn remove_instance(&self, py: Python<'_>, instance: &Bound<'_, PyAny>) -> PyResult<usize> {
         let instance = unsigned(instance, "instance", u64::MAX)?;
@@ -527,6 +557,7 @@ impl PyKVIndex {
         d.set_item("sources", s.sources)?;
         d.set_item("stalled_sources", s.stalled_sources)?;
         d.set_item("max_entries", s.max_entries)?;
+        d.set_item("writers", self.inner.config().writers)?;
         let c = s.counters;
         d.set_item("events_applied", c.events_applied)?;
         d.set_item("duplicates", c.duplicates)?;

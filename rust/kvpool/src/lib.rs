@@ -44,6 +44,7 @@ pub use index::wire::{decode_batch as decode_index_events, encode_batch as encod
 pub use index::{
     ApplyReport, EventKind, Gap, GroupKind, IndexConfig, IndexCounters, IndexEvent, IndexStats,
     KVIndex, LocationKey, Match, Matches, Medium, Row, Snapshot, SourceState, MAX_GROUPS,
+    MAX_WRITERS,
 };
 pub use linear_state::{LinearStatePrefixCache, LinearStateStats};
 pub use manager::{

@@ -335,9 +335,7 @@ impl SlidingWindowBlockManager {
     /// one of its block boundaries can attend to (R25); returns how many.
     #[inline]
     pub fn slide(&self, table: &mut WindowTable, num_computed_tokens: usize) -> usize {
-        let first = self
-            .first_kept_block(num_computed_tokens)
-            .min(table.len());
+        let first = self.first_kept_block(num_computed_tokens).min(table.len());
         if first <= table.released {
             return 0; // most steps: the window did not pass a block boundary
         }
@@ -357,9 +355,7 @@ impl SlidingWindowBlockManager {
     /// whose last handle outside this manager is the table's (free at once), and kept tails
     /// whose only other holder is the table (evictable once it lets go, F4).
     pub fn releasable(&self, table: &WindowTable, num_computed_tokens: usize) -> usize {
-        let first = self
-            .first_kept_block(num_computed_tokens)
-            .min(table.len());
+        let first = self.first_kept_block(num_computed_tokens).min(table.len());
         let store = &self.inner.store;
         (table.released..first)
             .filter(|&i| {

@@ -15,8 +15,14 @@ use kvpool::{Gap, LocationKey};
 use proptest::prelude::*;
 
 fn index(max_entries: usize) -> KVIndex {
+    index_of(max_entries, 1)
+}
+
+/// An index of `writers` shards.
+fn index_of(max_entries: usize, writers: usize) -> KVIndex {
     KVIndex::new(IndexConfig {
         max_entries,
+        writers,
         ..IndexConfig::default()
     })
     .unwrap()
@@ -141,6 +147,12 @@ impl Model {
                     k.instance == instance && k.dp_rank == e.dp_rank && k.medium == e.medium
                 });
             }
+            EventKind::Group => {
+                let groups = self.groups.entry(key).or_default();
+                if !groups.contains(&group) {
+                    groups.push(group);
+                }
+            }
         }
         (true, None)
     }
@@ -212,7 +224,9 @@ impl Model {
                         .get(&(*key, g.0, g.1))
                         .is_some_and(|s| s.contains(&chain[i]))
             };
-            let admits = |n: usize| -> bool {
+            // `linear`: whether a linear-state group needs its checkpoint (the restorable
+            // depth) or not (the KV depth).
+            let admits = |n: usize, linear: bool| -> bool {
                 if groups.is_empty() {
                     return (0..n).all(spec);
                 }
@@ -222,10 +236,14 @@ impl Model {
                         let first = (n * bs).saturating_sub(window as usize - 1) / bs;
                         (first..n).all(|i| held(g, i))
                     }
-                    GroupKind::LinearState => held(g, n - 1),
+                    GroupKind::LinearState => !linear || held(g, n - 1),
                 })
             };
-            if let Some(n) = (1..=len).rev().find(|&n| admits(n)) {
+            let kv_groups =
+                groups.is_empty() || groups.iter().any(|g| g.1 != GroupKind::LinearState);
+            let kv = (1..=len).rev().find(|&n| admits(n, !kv_groups));
+            if let Some(kv) = kv {
+                let n = (1..=kv).rev().find(|&n| admits(n, true)).unwrap_or(0);
                 out.push(Match {
                     instance: key.instance,
                     dp_rank: key.dp_rank,
@@ -233,6 +251,7 @@ impl Model {
                     block_size: key.block_size,
                     blocks: n as u32,
                     tokens: (n * bs) as u64,
+                    kv_blocks: kv as u32,
                 });
             }
         }
@@ -296,6 +315,14 @@ enum Op {
         instance: u64,
         dp: u32,
     },
+    /// A location's group announced up front (a "group" event).
+    Announce {
+        instance: u64,
+        dp: u32,
+        medium: usize,
+        group: usize,
+        fate: u8,
+    },
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -316,7 +343,10 @@ fn op() -> impl Strategy<Value = Op> {
         1 => (0u8..4).prop_map(Op::Advance),
         1 => source.clone().prop_map(|(instance, dp)| Op::Replay { instance, dp }),
         1 => source.clone().prop_map(|(instance, dp)| Op::Redeliver { instance, dp }),
-        1 => source.prop_map(|(instance, dp)| Op::Resync { instance, dp }),
+        1 => source.clone().prop_map(|(instance, dp)| Op::Resync { instance, dp }),
+        1 => (source, 0usize..3, 0usize..3, any::<u8>())
+            .prop_map(|((instance, dp), medium, group, fate)| Op::Announce {
+                instance, dp, medium, group, fate }),
     ]
 }
 
@@ -355,8 +385,19 @@ impl Publishers {
     }
 }
 
-fn run_workload(ops: Vec<Op>) -> Result<(), TestCaseError> {
-    let idx = index(1 << 20);
+/// A "group" event announcing `group` of `kind` at (`dp`, `medium`).
+fn announce(block_size: u32, dp: u32, medium: Medium, group: u32, kind: GroupKind) -> IndexEvent {
+    IndexEvent {
+        kind: EventKind::Group,
+        ..IndexEvent::stored(block_size, None, Vec::new())
+    }
+    .with_dp_rank(dp)
+    .with_medium(medium)
+    .with_group(group, kind)
+}
+
+fn run_workload(ops: Vec<Op>, writers: usize) -> Result<(), TestCaseError> {
+    let idx = index_of(1 << 20, writers);
     let mut model = Model::default();
     let mut publishers = Publishers::default();
     let mut now = 0.0f64;
@@ -496,6 +537,18 @@ fn run_workload(ops: Vec<Op>) -> Result<(), TestCaseError> {
                 model.forget(instance, dp);
                 idx.resync(instance, dp);
             }
+            Op::Announce {
+                instance,
+                dp,
+                medium,
+                group,
+                fate,
+            } => {
+                let (g, kind) = GROUPS[group];
+                let e = announce(block_size_of(instance), dp, Medium::ALL[medium], g, kind);
+                let events = publishers.publish(instance, e, fate);
+                deliver(&idx, &mut model, instance, events);
+            }
         }
         idx.check()
             .map_err(|e| TestCaseError::fail(e.to_string()))?;
@@ -543,7 +596,16 @@ proptest! {
     #![proptest_config(ProptestConfig { cases: 96, ..ProptestConfig::default() })]
     #[test]
     fn index_matches_the_dict_of_sets_model(ops in proptest::collection::vec(op(), 1..60)) {
-        run_workload(ops)?;
+        run_workload(ops, 1)?;
+    }
+
+    /// The same over several writers (shards by instance): one thread, the same answers.
+    #[test]
+    fn an_index_of_several_writers_matches_the_model(
+        ops in proptest::collection::vec(op(), 1..60),
+        writers in 2usize..5,
+    ) {
+        run_workload(ops, writers)?;
     }
 }
 
@@ -554,6 +616,16 @@ proptest! {
 /// model does, and both copies are equal, node for node (`check`).
 #[test]
 fn a_fleet_with_shared_prefixes_matches_the_model() {
+    fleet(1);
+}
+
+/// The fleet over three writers: the lookups' layers and rows come from three shards.
+#[test]
+fn a_fleet_over_three_writers_matches_the_model() {
+    fleet(3);
+}
+
+fn fleet(writers: usize) {
     const INSTANCES: u64 = 150;
     // Documents of 64 tokens (16 blocks of 4): document d shares its first 4 * (d % 4) + 4
     // tokens with document 0.
@@ -588,7 +660,7 @@ fn a_fleet_with_shared_prefixes_matches_the_model() {
         rng ^= rng << 17;
         rng % n
     };
-    let idx = index(1 << 20);
+    let idx = index_of(1 << 20, writers);
     let mut model = Model::default();
     let mut now = 0.0f64;
     for step in 0..1500 {
@@ -1174,4 +1246,366 @@ fn readers_never_see_a_torn_or_older_state() {
         assert!(r.join().unwrap() >= 100);
     }
     idx.check().unwrap();
+}
+
+// ---------------------------------------------------------------- groups and depths (item 4)
+
+/// A hybrid location (full attention and a linear state) announced up front is credited
+/// nothing before its first checkpoint, where the same stores without the announcement make a
+/// plain location credited with all of them (the over-credit); every row carries the depth a
+/// hit restores and the KV depth.
+#[test]
+fn group_events_stop_over_credit_and_rows_carry_both_depths() {
+    let idx = index(1000);
+    let c = chain(0, 4);
+    let linear = |i: usize| {
+        IndexEvent::stored(4, Some(c[i - 1]), vec![c[i]]).with_group(1, GroupKind::LinearState)
+    };
+    let full = IndexEvent::stored(4, None, c[..8].to_vec());
+    // Instance 1 announces its groups; instance 2 sends the same stores without.
+    let groups = vec![
+        announce(4, 0, Medium::Device, 0, GroupKind::FullAttention),
+        announce(4, 0, Medium::Device, 1, GroupKind::LinearState),
+    ];
+    idx.apply(
+        1,
+        groups
+            .iter()
+            .cloned()
+            .chain([full.clone()])
+            .collect::<Vec<_>>(),
+    )
+    .unwrap();
+    idx.apply(2, vec![full.clone()]).unwrap();
+    let row = |m: &[Match], instance: u64| {
+        m.iter()
+            .find(|m| m.instance == instance)
+            .map(|m| (m.blocks, m.kv_blocks))
+    };
+    let m = idx.lookup_chain(&c, 4, 0.0);
+    assert_eq!(
+        row(&m, 2),
+        Some((8, 8)),
+        "a plain location: both depths are its run"
+    );
+    assert_eq!(
+        row(&m, 1),
+        Some((0, 8)),
+        "no checkpoint yet: nothing restorable, the KV is there"
+    );
+    // Checkpoints after blocks 3 and 5: a hit restores 6 blocks, the KV goes to 8.
+    idx.apply(1, vec![linear(3), linear(5)]).unwrap();
+    let m = idx.lookup_chain(&c, 4, 0.0);
+    assert_eq!(row(&m, 1), Some((6, 8)));
+    // The compact answer carries the same depths.
+    let snapshot = idx.snapshot();
+    let mut compact = kvpool::Matches::new();
+    snapshot.lookup_into(&c, 4, 0.0, &mut compact);
+    let rows: Vec<Match> = compact
+        .iter()
+        .filter_map(|r| snapshot.to_match(r))
+        .collect();
+    assert_eq!(sorted(rows), sorted(m));
+    // Announcing again changes nothing but the count of events applied; the groups stay
+    // through a clear and a dump. (The dump without its header, 84 bytes up to and with the
+    // 7 counters, and its checksum, 8: see dump.rs.)
+    let state = |d: &[u8]| d[84..d.len() - 8].to_vec();
+    let (before, applied) = (idx.dump(), idx.stats().counters.events_applied);
+    idx.apply(1, groups.clone()).unwrap();
+    assert_eq!(state(&idx.dump()), state(&before));
+    assert_eq!(idx.stats().counters.events_applied, applied + 2);
+    idx.apply(1, vec![IndexEvent::cleared(4)]).unwrap();
+    idx.apply(1, vec![full.clone()]).unwrap();
+    let loaded = KVIndex::load(&idx.dump(), None).unwrap();
+    assert_eq!(
+        row(&loaded.lookup_chain(&c, 4, 0.0), 1),
+        Some((0, 8)),
+        "after the clear the checkpoints are gone, the groups are not"
+    );
+    // A "group" event carries no blocks and no parent; a batch holding one is refused whole.
+    let mut bad = announce(4, 0, Medium::Device, 2, GroupKind::LinearState);
+    bad.block_hashes = vec![c[0]];
+    match idx.apply(1, vec![full.clone(), bad]) {
+        Err(KvPoolError::InvalidArgument { name, .. }) => assert_eq!(name, "block_hashes"),
+        other => panic!("{other:?}"),
+    }
+    let mut bad = announce(4, 0, Medium::Device, 2, GroupKind::LinearState);
+    bad.parent_hash = Some(c[0]);
+    assert!(idx.apply(1, vec![bad]).is_err());
+    // A location whose only group is a linear state: its depth is the checkpoint's.
+    idx.apply(3, vec![linear(4)]).unwrap();
+    assert_eq!(row(&idx.lookup_chain(&c, 4, 0.0), 3), Some((5, 5)));
+    idx.check().unwrap();
+}
+
+// --------------------------------------------------------------------- several writers (item 3)
+
+/// An index of three writers dumps version 2 (one image per shard) and loads back with its
+/// writers, the same answers, sources and stats; an index of one writer still dumps version 1;
+/// truncated, corrupt or other-version images are refused.
+#[test]
+fn dumps_of_several_writers_round_trip() {
+    let idx = index_of(1000, 3);
+    assert_eq!(idx.config().writers, 3);
+    let mut shards = BTreeSet::new();
+    for instance in 0..12u64 {
+        shards.insert(idx.writer_of(instance));
+        let doc = instance as usize % 3;
+        idx.apply(
+            instance,
+            vec![IndexEvent::stored(
+                4,
+                None,
+                chain(doc, 4)[..(instance as usize % 7) + 1].to_vec(),
+            )
+            .with_sequence(instance)],
+        )
+        .unwrap();
+    }
+    assert_eq!(shards.len(), 3, "twelve instances over every writer");
+    idx.insert_speculative(20, 0, 4, chain(1, 4), 1.0, 2.0)
+        .unwrap();
+    let dump = idx.dump();
+    assert_eq!(&dump[8..12], &2u32.to_le_bytes(), "version 2");
+    let loaded = KVIndex::load(&dump, None).unwrap();
+    loaded.check().unwrap();
+    assert_eq!(loaded.config(), idx.config());
+    assert_eq!(loaded.dump(), dump);
+    assert_eq!(loaded.sources(), idx.sources());
+    assert_eq!(loaded.stats(), idx.stats());
+    for doc in 0..3 {
+        assert_eq!(
+            sorted(loaded.lookup_tokens(&document(doc), None, 1.5)),
+            sorted(idx.lookup_tokens(&document(doc), None, 1.5))
+        );
+    }
+    // A smaller bound is split among the writers.
+    let small = KVIndex::load(&dump, Some(9)).unwrap();
+    small.check().unwrap();
+    assert!(small.stats().entries <= 9 && small.config().max_entries == 9);
+    assert!(
+        KVIndex::load(&dump, Some(2)).is_err(),
+        "fewer entries than writers"
+    );
+    for cut in (0..dump.len()).step_by(3) {
+        assert!(KVIndex::load(&dump[..cut], None).is_err(), "cut at {cut}");
+    }
+    for at in (0..dump.len()).step_by(5) {
+        let mut bad = dump.clone();
+        bad[at] ^= 0x5a;
+        assert!(KVIndex::load(&bad, None).is_err(), "flip at {at}");
+    }
+    let mut other = dump.clone();
+    other[8..12].copy_from_slice(&3u32.to_le_bytes());
+    match KVIndex::load(&other, None) {
+        Err(KvPoolError::InvalidArgument { message, .. }) => {
+            assert!(message.contains("version 3"), "{message}")
+        }
+        other => panic!("{other:?}"),
+    }
+    let one = index(1000);
+    one.apply(1, vec![IndexEvent::stored(4, None, chain(0, 4))])
+        .unwrap();
+    assert_eq!(
+        &one.dump()[8..12],
+        &1u32.to_le_bytes(),
+        "one writer: version 1"
+    );
+    assert_eq!(
+        KVIndex::load(&one.dump(), None).unwrap().config().writers,
+        1
+    );
+    assert!(KVIndex::new(IndexConfig {
+        writers: 0,
+        ..IndexConfig::default()
+    })
+    .is_err());
+    assert!(KVIndex::new(IndexConfig {
+        writers: 4,
+        max_entries: 3,
+        ..IndexConfig::default()
+    })
+    .is_err());
+}
+
+/// One instance's events in a threaded run: stores, removals, clears and announcements.
+#[derive(Clone, Debug)]
+enum InstanceOp {
+    Store {
+        doc: usize,
+        start: usize,
+        len: usize,
+        group: usize,
+    },
+    Remove {
+        doc: usize,
+        blocks: u8,
+        group: usize,
+    },
+    Clear,
+    Announce {
+        group: usize,
+    },
+}
+
+fn instance_op() -> impl Strategy<Value = InstanceOp> {
+    prop_oneof![
+        6 => (0usize..3, 0usize..8, 1usize..9, prop_oneof![4 => Just(0usize), 1 => 1usize..3])
+            .prop_map(|(doc, start, len, group)| InstanceOp::Store { doc, start, len, group }),
+        3 => (0usize..3, any::<u8>(), prop_oneof![4 => Just(0usize), 1 => 1usize..3])
+            .prop_map(|(doc, blocks, group)| InstanceOp::Remove { doc, blocks, group }),
+        1 => Just(InstanceOp::Clear),
+        1 => (0usize..3).prop_map(|group| InstanceOp::Announce { group }),
+    ]
+}
+
+fn instance_event(op: &InstanceOp, sequence: u64) -> IndexEvent {
+    let e = match *op {
+        InstanceOp::Store {
+            doc,
+            start,
+            len,
+            group,
+        } => {
+            let c = chain(doc, 4);
+            let start = start.min(c.len() - 1);
+            let end = (start + len).min(c.len());
+            let (g, kind) = GROUPS[group];
+            IndexEvent::stored(
+                4,
+                start.checked_sub(1).map(|i| c[i]),
+                c[start..end].to_vec(),
+            )
+            .with_group(g, kind)
+        }
+        InstanceOp::Remove { doc, blocks, group } => {
+            let c = chain(doc, 4);
+            let (g, kind) = GROUPS[group];
+            let hashes = (0..c.len())
+                .filter(|i| blocks >> i & 1 != 0)
+                .map(|i| c[i])
+                .collect();
+            IndexEvent::removed(4, hashes).with_group(g, kind)
+        }
+        InstanceOp::Clear => IndexEvent::cleared(4),
+        InstanceOp::Announce { group } => {
+            let (g, kind) = GROUPS[group];
+            announce(4, 0, Medium::Device, g, kind)
+        }
+    };
+    e.with_sequence(sequence)
+}
+
+/// The rows of `instance` among `matches`, sorted.
+fn rows_of(matches: &[Match], instance: u64) -> Vec<Match> {
+    sorted(
+        matches
+            .iter()
+            .filter(|m| m.instance == instance)
+            .copied()
+            .collect(),
+    )
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
+    /// Several writer threads, each applying the batches of the instances of its writers (sticky,
+    /// as `writer_of` says) while two readers look up: every answer a reader sees for an
+    /// instance is that instance's state after some prefix of its batches, never an older one
+    /// after a newer one, and the index ends as the model does (instances are independent in
+    /// the model, so any interleaving of different instances' batches ends the same). With
+    /// `shared`, one thread more than writers takes instances round robin instead, so that
+    /// threads also take turns on one writer (its lock).
+    #[test]
+    fn threaded_writers_match_the_model(
+        streams in proptest::collection::vec(proptest::collection::vec(instance_op(), 1..14), 6),
+        writers in 2usize..4,
+        shared in any::<bool>(),
+    ) {
+        let instances = streams.len() as u64;
+        // Each instance's expected rows for each document after each of its batches.
+        let mut expected: Vec<Vec<Vec<Vec<Match>>>> = Vec::new();
+        for (i, ops) in streams.iter().enumerate() {
+            let mut model = Model::default();
+            let states = |model: &Model| -> Vec<Vec<Match>> {
+                (0..3).map(|doc| rows_of(&model.lookup(&document(doc), 0.0), i as u64)).collect()
+            };
+            let mut mine = vec![states(&model)];
+            for (k, op) in ops.iter().enumerate() {
+                model.apply(i as u64, &instance_event(op, k as u64));
+                mine.push(states(&model));
+            }
+            expected.push(mine);
+        }
+        let idx = Arc::new(index_of(1 << 20, writers));
+        let expected = Arc::new(expected);
+        let done = Arc::new(AtomicBool::new(false));
+        let readers: Vec<_> = (0..2)
+            .map(|_| {
+                let (idx, done, expected) = (idx.clone(), done.clone(), expected.clone());
+                std::thread::spawn(move || -> Result<usize, String> {
+                    let mut last = vec![0usize; instances as usize];
+                    let mut reads = 0;
+                    // Relaxed: the flag only ends the loop; the index's own orderings are tested.
+                    while !done.load(Ordering::Relaxed) || reads < 20 {
+                        let snapshot = idx.snapshot();
+                        let answers: Vec<Vec<Match>> = (0..3)
+                            .map(|doc| snapshot.lookup_tokens(&document(doc), None, 0.0))
+                            .collect();
+                        for i in 0..instances as usize {
+                            let seen: Vec<Vec<Match>> =
+                                answers.iter().map(|a| rows_of(a, i as u64)).collect();
+                            let k = (last[i]..expected[i].len())
+                                .find(|&k| expected[i][k] == seen)
+                                .ok_or_else(|| format!("instance {i}: {seen:?} is no state from {}", last[i]))?;
+                            last[i] = k;
+                        }
+                        reads += 1;
+                    }
+                    Ok(reads)
+                })
+            })
+            .collect();
+        let streams = Arc::new(streams);
+        let threads = writers + usize::from(shared);
+        let writers_threads: Vec<_> = (0..threads)
+            .map(|t| {
+                let (idx, streams) = (idx.clone(), streams.clone());
+                std::thread::spawn(move || {
+                    let mine: Vec<u64> = (0..instances)
+                        .filter(|&i| {
+                            if shared {
+                                i as usize % threads == t
+                            } else {
+                                idx.writer_of(i) == t
+                            }
+                        })
+                        .collect();
+                    let longest = mine.iter().map(|&i| streams[i as usize].len()).max().unwrap_or(0);
+                    for k in 0..longest {
+                        for &i in &mine {
+                            if let Some(op) = streams[i as usize].get(k) {
+                                idx.apply(i, vec![instance_event(op, k as u64)]).unwrap();
+                            }
+                        }
+                    }
+                })
+            })
+            .collect();
+        for w in writers_threads {
+            w.join().unwrap();
+        }
+        done.store(true, Ordering::Relaxed);
+        for r in readers {
+            let reads = r.join().unwrap().map_err(TestCaseError::fail)?;
+            prop_assert!(reads >= 20);
+        }
+        idx.check().map_err(|e| TestCaseError::fail(e.to_string()))?;
+        for i in 0..instances as usize {
+            let end: Vec<Vec<Match>> = (0..3)
+                .map(|doc| rows_of(&idx.lookup_tokens(&document(doc), None, 0.0), i as u64))
+                .collect();
+            prop_assert_eq!(&end, expected[i].last().unwrap(), "instance {}", i);
+        }
+    }
 }

@@ -14,6 +14,9 @@
 //! checksum u64: XXH3-64 of every byte before it
 //! ```
 //!
+//! An index of several writers (shards by instance) dumps version 2: magic | version u32 (2) |
+//! shards u32, each: length u64 | that shard's version-1 image | checksum u64 (as above).
+//!
 //! Loading checks bounds, the checksum and every invariant of the state it rebuilds
 //! (`IndexState::check`): a truncated, corrupt or foreign image is an `InvalidArgument` on
 //! "data", never a panic. Equal states give equal dumps (node slots do not appear in it), which
@@ -27,17 +30,19 @@ use crate::index::expiry::Due;
 use crate::index::location::LocationKey;
 use crate::index::sequence::SourceState;
 use crate::index::state::{IndexConfig, IndexCounters, IndexState};
-use crate::index::tree::{Entry, SPECULATIVE};
+use crate::index::tree::{Entry, Links, Tree, SPECULATIVE};
 
 const MAGIC: &[u8; 8] = b"KVPIDX\0\0";
-/// The format's version; a dump of another version is refused.
+/// The version of one shard's image; a dump of another version is refused.
 pub(crate) const VERSION: u32 = 1;
+/// The version of a dump of several shards (writers): their images in order.
+pub(crate) const VERSION_SHARDS: u32 = 2;
 const NO_PARENT: u8 = 0;
 const UNKNOWN_PARENT: u8 = 1;
 const KNOWN_PARENT: u8 = 2;
 
-/// The dump of `state`.
-pub(crate) fn encode(state: &IndexState) -> Vec<u8> {
+/// The dump of `state`, `links` being its tree's.
+pub(crate) fn encode(state: &IndexState, links: &Links) -> Vec<u8> {
     let mut out = Vec::with_capacity(64 + state.tree.entries * 8 + state.tree.len() * 25);
     out.extend_from_slice(MAGIC);
     put_u32(&mut out, VERSION);
@@ -77,22 +82,21 @@ pub(crate) fn encode(state: &IndexState) -> Vec<u8> {
         out.push(u8::from(source.stalled.is_some()));
         put_u64(&mut out, source.stalled.unwrap_or(0));
     }
-    let order = state.tree.ids_in_order();
+    let order = links.ids_in_order(&state.tree);
     let mut position = vec![u32::MAX; order.iter().map(|&id| id as usize + 1).max().unwrap_or(0)];
     for (i, &id) in order.iter().enumerate() {
         position[id as usize] = i as u32;
     }
     put_u32(&mut out, order.len() as u32);
     for &id in &order {
-        let node = state.tree.node(id);
-        out.extend_from_slice(&node.hash.to_be_bytes());
-        if !node.parent_known() {
-            out.push(UNKNOWN_PARENT);
-        } else if node.parent == u32::MAX {
-            out.push(NO_PARENT);
-        } else {
-            out.push(KNOWN_PARENT);
-            put_u32(&mut out, position[node.parent as usize]);
+        out.extend_from_slice(&state.tree.rec(id).hash().to_be_bytes());
+        match links.parent(id) {
+            None => out.push(UNKNOWN_PARENT),
+            Some(None) => out.push(NO_PARENT),
+            Some(Some(parent)) => {
+                out.push(KNOWN_PARENT);
+                put_u32(&mut out, position[parent as usize]);
+            }
         }
         let entries = state.tree.entries_of(id);
         put_u32(&mut out, entries.len() as u32);
@@ -107,6 +111,66 @@ pub(crate) fn encode(state: &IndexState) -> Vec<u8> {
     let checksum = xxh3_64(&out);
     put_u64(&mut out, checksum);
     out
+}
+
+/// The dump of an index of several shards (version 2): magic, version, the number of shards,
+/// each shard's version-1 image (its length u64, then the image), the checksum.
+pub(crate) fn encode_shards(images: &[Vec<u8>]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(24 + images.iter().map(|i| i.len() + 8).sum::<usize>());
+    out.extend_from_slice(MAGIC);
+    put_u32(&mut out, VERSION_SHARDS);
+    put_u32(&mut out, images.len() as u32);
+    for image in images {
+        put_u64(&mut out, image.len() as u64);
+        out.extend_from_slice(image);
+    }
+    let checksum = xxh3_64(&out);
+    put_u64(&mut out, checksum);
+    out
+}
+
+/// The shards' images of a dump: itself for version 1, the images of version 2 (checked for
+/// framing and checksum here; each image is checked when decoded).
+pub(crate) fn decode_shards(data: &[u8]) -> Result<Vec<&[u8]>> {
+    if data.len() < MAGIC.len() + 4 + 8 || &data[..MAGIC.len()] != MAGIC {
+        return Err(bad("not a kvpool index dump"));
+    }
+    let mut r = Reader {
+        data,
+        at: MAGIC.len(),
+    };
+    match r.u32()? {
+        VERSION => return Ok(vec![data]),
+        VERSION_SHARDS => {}
+        version => {
+            return Err(bad(format!(
+                "dump version {version}, this kvpool reads versions {VERSION} and {VERSION_SHARDS}"
+            )))
+        }
+    }
+    let (body, tail) = data.split_at(data.len() - 8);
+    let mut checksum = [0u8; 8];
+    checksum.copy_from_slice(tail);
+    if xxh3_64(body) != u64::from_le_bytes(checksum) {
+        return Err(bad("checksum mismatch (corrupt or truncated)"));
+    }
+    let mut r = Reader {
+        data: body,
+        at: MAGIC.len() + 4,
+    };
+    let shards = r.count(8)?;
+    if !(2..=crate::index::MAX_WRITERS).contains(&shards) {
+        return Err(bad(format!("{shards} shards")));
+    }
+    let mut images = Vec::with_capacity(shards);
+    for _ in 0..shards {
+        let len = usize::try_from(r.u64()?).map_err(|_| bad("image too large"))?;
+        images.push(r.take(len)?);
+    }
+    if r.at != body.len() {
+        return Err(bad(format!("{} trailing bytes", body.len() - r.at)));
+    }
+    Ok(images)
 }
 
 fn put_u32(out: &mut Vec<u8>, value: u32) {
@@ -167,8 +231,8 @@ impl<'a> Reader<'a> {
     }
 }
 
-/// The state a dump holds.
-pub(crate) fn decode(data: &[u8]) -> Result<IndexState> {
+/// The state a dump holds, with its tree's links.
+pub(crate) fn decode(data: &[u8]) -> Result<(IndexState, Links)> {
     if data.len() < MAGIC.len() + 4 + 8 || &data[..MAGIC.len()] != MAGIC {
         return Err(bad("not a kvpool index dump"));
     }
@@ -185,18 +249,16 @@ pub(crate) fn decode(data: &[u8]) -> Result<IndexState> {
     let version = r.u32()?;
     if version != VERSION {
         return Err(bad(format!(
-            "dump version {version}, this kvpool reads version {VERSION}"
+            "dump version {version}, this kvpool reads versions {VERSION} and {VERSION_SHARDS}"
         )));
     }
     let hash_seed = r.u64()?;
     let max_entries = usize::try_from(r.u64()?).map_err(|_| bad("max_entries too large"))?;
-    let mut state = IndexState::new(
-        IndexConfig {
-            max_entries,
-            hash_seed,
-        },
-        0,
-    )
+    let mut state = IndexState::new(IndexConfig {
+        max_entries,
+        hash_seed,
+        writers: 1,
+    })
     .map_err(|e| bad(e.to_string()))?;
     let mut counters = [0u64; 7];
     for value in &mut counters {
@@ -296,10 +358,11 @@ pub(crate) fn decode(data: &[u8]) -> Result<IndexState> {
     if r.at != body.len() {
         return Err(bad(format!("{} trailing bytes", body.len() - r.at)));
     }
-    state.tree = crate::index::tree::Tree::restore(nodes, state.locations.width())
-        .map_err(|e| bad(e.to_string()))?;
+    let (tree, links) =
+        Tree::restore(nodes, state.locations.width()).map_err(|e| bad(e.to_string()))?;
+    state.tree = tree;
     let live: Vec<Due> = state.speculative_due();
     state.expiry.rebuild(live);
-    state.check().map_err(|e| bad(e.to_string()))?;
-    Ok(state)
+    state.check(&links).map_err(|e| bad(e.to_string()))?;
+    Ok((state, links))
 }

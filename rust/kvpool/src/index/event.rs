@@ -11,7 +11,8 @@
 //! - `token_ids`, when given on a stored event, hold exactly `block_size` tokens per block;
 //! - no block is its own parent (`parent_hash` differs from the first hash, and consecutive
 //!   hashes differ), so the chains an index builds have no cycles of length one;
-//! - a group index is below [`MAX_GROUPS`].
+//! - a group index is below [`MAX_GROUPS`];
+//! - a "group" event carries no blocks and no parent.
 
 use crate::error::{ensure_arg, Result};
 use crate::hash::BlockHash;
@@ -30,15 +31,20 @@ pub enum EventKind {
     Removed,
     /// Everything of the event's (instance, dp rank, medium) was dropped.
     Cleared,
+    /// The location has the event's group (index, kind and window), announced up front: an
+    /// index then counts it in every hit there before the group stores anything, so that a
+    /// linear-state group with no checkpoint yet admits no hit (no blocks, no parent).
+    Group,
 }
 
 impl EventKind {
-    /// "stored", "removed" or "cleared".
+    /// "stored", "removed", "cleared" or "group".
     pub fn as_str(self) -> &'static str {
         match self {
             Self::Stored => "stored",
             Self::Removed => "removed",
             Self::Cleared => "cleared",
+            Self::Group => "group",
         }
     }
 
@@ -48,9 +54,10 @@ impl EventKind {
             "stored" => Ok(Self::Stored),
             "removed" => Ok(Self::Removed),
             "cleared" => Ok(Self::Cleared),
+            "group" => Ok(Self::Group),
             other => Err(crate::KvPoolError::invalid(
                 "kind",
-                format!("must be 'stored', 'removed' or 'cleared', got {other:?}"),
+                format!("must be 'stored', 'removed', 'cleared' or 'group', got {other:?}"),
             )),
         }
     }
@@ -304,6 +311,19 @@ impl IndexEvent {
                 );
             }
         }
+        if self.kind == EventKind::Group {
+            ensure_arg!(
+                self.block_hashes.is_empty(),
+                "block_hashes",
+                "must be empty for a 'group' event, got {} hashes",
+                self.block_hashes.len()
+            );
+            ensure_arg!(
+                self.parent_hash.is_none(),
+                "parent_hash",
+                "must be None for a 'group' event"
+            );
+        }
         let mut parent = self.parent_hash;
         for &hash in &self.block_hashes {
             ensure_arg!(
@@ -323,7 +343,12 @@ mod tests {
 
     #[test]
     fn names_round_trip() {
-        for kind in [EventKind::Stored, EventKind::Removed, EventKind::Cleared] {
+        for kind in [
+            EventKind::Stored,
+            EventKind::Removed,
+            EventKind::Cleared,
+            EventKind::Group,
+        ] {
             assert_eq!(EventKind::parse(kind.as_str()), Ok(kind));
         }
         for medium in Medium::ALL {

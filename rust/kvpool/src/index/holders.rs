@@ -1,44 +1,64 @@
 //! A node's holders: the set of location ids whose entry at that node is exactly group bit 0
 //! (the one full-attention group of a plain location; see `tree.rs` for the other entries).
 //!
-//! A small set is a sorted array (inline up to [`INLINE`] ids, else in the tree's [`Sets`]);
-//! a large one a bitset over location ids (in [`Sets`] too), so that a lookup intersects it
-//! with the locations still matching a word at a time. A set becomes a bitset when its array
-//! would take more bytes than the bitset of every known location (more than `2 * width` ids,
-//! `width` being the bitset's words), and an array again when it shrinks to `width / 2` ids:
-//! the form depends only on the operations, so two copies given the same ones agree. The set
-//! itself is plain data (16 bytes, `Copy`), so that a node copies with a `memcpy`; the arrays
-//! and bitsets it names live in [`Sets`], whose slots are reused.
+//! The set is one packed word (62 bits, so that a node record keeps two flag bits beside it):
+//! up to [`INLINE`] ids inline (each below 2^29), else a slot of the tree's [`Sets`]: a sorted
+//! array, or a bitset over location ids (so that a lookup intersects it with the locations
+//! still matching a word at a time). A set becomes a bitset when its array would take more
+//! bytes than the bitset of every known location (more than `2 * width` ids, `width` being the
+//! bitset's words), and an array again when it shrinks to `width / 2` ids: the form depends
+//! only on the operations, so two copies given the same ones agree. The arrays and bitsets live
+//! in [`Sets`], whose slots are reused.
 //!
-//! Invariants (checked by [`Holders::check`]): arrays are sorted without duplicates and `len`
-//! counts them; a bitset's `len` is its popcount; a set of at most [`INLINE`] ids is inline;
-//! [`Sets`] slots are named by exactly one set or free.
+//! Layout: bits 60-61 the form (0 inline, 1 array, 2 bitset); inline: bits 58-59 the count, the
+//! ids in bits 0-28 and 29-57 (sorted); otherwise bits 32-59 the count, bits 0-31 the slot.
+//!
+//! Invariants (checked by [`Holders::check`]): arrays are sorted without duplicates and the
+//! count counts them; a bitset's count is its popcount; a set of at most [`INLINE`] ids is
+//! inline; [`Sets`] slots are named by exactly one set or free.
 
 /// Ids kept inline.
-pub(crate) const INLINE: usize = 3;
+pub(crate) const INLINE: usize = 2;
 
-#[derive(Clone, Copy, Debug)]
-pub(crate) enum Holders {
-    Inline {
-        len: u32,
-        ids: [u32; INLINE],
-    },
-    /// Sorted ids in `Sets::lists[at]`.
-    List {
-        len: u32,
-        at: u32,
-    },
-    /// A bitset in `Sets::bits[at]`.
-    Bits {
-        len: u32,
-        at: u32,
-    },
-}
+/// Location ids a holder set can name (an inline id has 29 bits; counts have 28).
+pub(crate) const MAX_LOCATIONS: usize = 1 << 28;
 
-/// A read-only view for lookups.
+const FORM_SHIFT: u32 = 60;
+const FORM_INLINE: u64 = 0;
+const FORM_LIST: u64 = 1;
+const FORM_BITS: u64 = 2;
+const ID_BITS: u32 = 29;
+const ID_MASK: u64 = (1 << ID_BITS) - 1;
+const COUNT_SHIFT_INLINE: u32 = 58;
+const COUNT_SHIFT: u32 = 32;
+const COUNT_MASK: u64 = (1 << 28) - 1;
+
+/// The set (see the module doc): plain data, 8 bytes, `Copy`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub(crate) struct Holders(u64);
+
+/// A read-only view for lookups (an inline set's ids copied out).
 pub(crate) enum View<'a> {
+    Inline { ids: [u32; INLINE], len: usize },
     Sorted(&'a [u32]),
     Bits(&'a [u64]),
+}
+
+/// What a [`View`] holds: sorted ids or a bitset.
+pub(crate) enum Form<'a> {
+    Sorted(&'a [u32]),
+    Bits(&'a [u64]),
+}
+
+impl View<'_> {
+    #[inline]
+    pub(crate) fn form(&self) -> Form<'_> {
+        match self {
+            View::Inline { ids, len } => Form::Sorted(&ids[..*len]),
+            View::Sorted(ids) => Form::Sorted(ids),
+            View::Bits(words) => Form::Bits(words),
+        }
+    }
 }
 
 /// The arrays and bitsets of the sets too large to be inline, by slot.
@@ -95,12 +115,6 @@ impl Sets {
     }
 }
 
-impl Default for Holders {
-    fn default() -> Self {
-        Self::EMPTY
-    }
-}
-
 #[inline]
 fn bit(words: &[u64], id: u32) -> bool {
     words
@@ -109,97 +123,134 @@ fn bit(words: &[u64], id: u32) -> bool {
 }
 
 impl Holders {
-    pub(crate) const EMPTY: Self = Self::Inline {
-        len: 0,
-        ids: [0; INLINE],
-    };
+    pub(crate) const EMPTY: Self = Self(0);
+    /// The bits a set takes of a word (the rest are the record's flags).
+    pub(crate) const MASK: u64 = (1 << 62) - 1;
+
+    /// The set packed in the low 62 bits of `word`.
+    #[inline]
+    pub(crate) const fn from_word(word: u64) -> Self {
+        Self(word & Self::MASK)
+    }
+
+    /// The packed set.
+    #[inline]
+    pub(crate) const fn word(self) -> u64 {
+        self.0
+    }
+
+    #[inline]
+    const fn inline(ids: [u32; INLINE], len: usize) -> Self {
+        Self(
+            (len as u64) << COUNT_SHIFT_INLINE
+                | (ids[1] as u64 & ID_MASK) << ID_BITS
+                | (ids[0] as u64 & ID_MASK),
+        )
+    }
+
+    #[inline]
+    fn out_of_line(form: u64, len: usize, at: u32) -> Self {
+        Self(form << FORM_SHIFT | (len as u64 & COUNT_MASK) << COUNT_SHIFT | u64::from(at))
+    }
+
+    #[inline]
+    fn form(self) -> u64 {
+        self.0 >> FORM_SHIFT & 3
+    }
+
+    #[inline]
+    fn inline_ids(self) -> [u32; INLINE] {
+        [
+            (self.0 & ID_MASK) as u32,
+            (self.0 >> ID_BITS & ID_MASK) as u32,
+        ]
+    }
 
     /// The set of one id.
     #[inline]
     pub(crate) const fn one(id: u32) -> Self {
-        Self::Inline {
-            len: 1,
-            ids: [id, 0, 0],
+        Self::inline([id, 0], 1)
+    }
+
+    #[inline]
+    pub(crate) fn len(self) -> usize {
+        if self.form() == FORM_INLINE {
+            (self.0 >> COUNT_SHIFT_INLINE & 3) as usize
+        } else {
+            (self.0 >> COUNT_SHIFT & COUNT_MASK) as usize
         }
     }
 
     #[inline]
-    pub(crate) fn len(&self) -> usize {
-        match *self {
-            Self::Inline { len, .. } | Self::List { len, .. } | Self::Bits { len, .. } => {
-                len as usize
-            }
-        }
-    }
-
-    #[inline]
-    pub(crate) fn is_empty(&self) -> bool {
-        self.len() == 0
+    pub(crate) fn is_empty(self) -> bool {
+        self.0 == 0
     }
 
     /// The slot of `sets` this set names: `(is a bitset, slot)`.
     #[inline]
-    pub(crate) fn slot(&self) -> Option<(bool, u32)> {
-        match *self {
-            Self::Inline { .. } => None,
-            Self::List { at, .. } => Some((false, at)),
-            Self::Bits { at, .. } => Some((true, at)),
+    pub(crate) fn slot(self) -> Option<(bool, u32)> {
+        match self.form() {
+            FORM_LIST => Some((false, self.0 as u32)),
+            FORM_BITS => Some((true, self.0 as u32)),
+            _ => None,
         }
     }
 
     #[inline]
-    pub(crate) fn view<'a>(&'a self, sets: &'a Sets) -> View<'a> {
-        match self {
-            Self::Inline { len, ids } => View::Sorted(&ids[..*len as usize]),
-            Self::List { at, .. } => View::Sorted(&sets.lists[*at as usize]),
-            Self::Bits { at, .. } => View::Bits(&sets.bits[*at as usize]),
+    pub(crate) fn view(self, sets: &Sets) -> View<'_> {
+        match self.form() {
+            FORM_LIST => View::Sorted(&sets.lists[self.0 as u32 as usize]),
+            FORM_BITS => View::Bits(&sets.bits[self.0 as u32 as usize]),
+            _ => View::Inline {
+                ids: self.inline_ids(),
+                len: self.len(),
+            },
         }
     }
 
     #[inline]
-    pub(crate) fn contains(&self, id: u32, sets: &Sets) -> bool {
-        match self.view(sets) {
-            View::Sorted(ids) => ids.binary_search(&id).is_ok(),
-            View::Bits(words) => bit(words, id),
+    pub(crate) fn contains(self, id: u32, sets: &Sets) -> bool {
+        match self.view(sets).form() {
+            Form::Sorted(ids) => ids.binary_search(&id).is_ok(),
+            Form::Bits(words) => bit(words, id),
         }
     }
 
     /// Adds `id`; `width` is the bitset size of every known location. Returns whether new.
     #[inline]
     pub(crate) fn insert(&mut self, id: u32, width: usize, sets: &mut Sets) -> bool {
-        if let Self::Inline { len: len @ 0, ids } = self {
+        if self.is_empty() {
             // The common case: the first holder of a new node.
-            ids[0] = id;
-            *len = 1;
+            *self = Self::one(id);
             return true;
         }
         self.insert_slow(id, width, sets)
     }
 
     fn insert_slow(&mut self, id: u32, width: usize, sets: &mut Sets) -> bool {
-        match *self {
-            Self::Inline { len, mut ids } => {
-                let n = len as usize;
-                let Err(at) = ids[..n].binary_search(&id) else {
+        let len = self.len();
+        match self.form() {
+            FORM_INLINE => {
+                let ids = self.inline_ids();
+                let Err(at) = ids[..len].binary_search(&id) else {
                     return false;
                 };
-                if n < INLINE {
-                    ids.copy_within(at..n, at + 1);
+                if len < INLINE {
+                    let mut ids = ids;
+                    ids.copy_within(at..len, at + 1);
                     ids[at] = id;
-                    *self = Self::Inline { len: len + 1, ids };
+                    *self = Self::inline(ids, len + 1);
                 } else {
                     let mut all = [0u32; INLINE + 1];
                     all[..at].copy_from_slice(&ids[..at]);
                     all[at] = id;
                     all[at + 1..].copy_from_slice(&ids[at..]);
-                    *self = Self::List {
-                        len: len + 1,
-                        at: sets.new_list(&all),
-                    };
+                    *self = Self::out_of_line(FORM_LIST, len + 1, sets.new_list(&all));
                 }
                 true
             }
-            Self::List { len, at } => {
+            FORM_LIST => {
+                let at = self.0 as u32;
                 let list = &mut sets.lists[at as usize];
                 let Err(i) = list.binary_search(&id) else {
                     return false;
@@ -214,17 +265,15 @@ impl Holders {
                     }
                     sets.lists[at as usize] = list;
                     sets.free_lists.push(at);
-                    *self = Self::Bits {
-                        len: len + 1,
-                        at: bits,
-                    };
+                    *self = Self::out_of_line(FORM_BITS, len + 1, bits);
                     return true;
                 }
                 list.insert(i, id);
-                *self = Self::List { len: len + 1, at };
+                *self = Self::out_of_line(FORM_LIST, len + 1, at);
                 true
             }
-            Self::Bits { len, at } => {
+            _ => {
+                let at = self.0 as u32;
                 let words = &mut sets.bits[at as usize];
                 grow_to(words, id);
                 let (w, b) = (id as usize / 64, 1u64 << (id % 64));
@@ -232,7 +281,7 @@ impl Holders {
                     return false;
                 }
                 words[w] |= b;
-                *self = Self::Bits { len: len + 1, at };
+                *self = Self::out_of_line(FORM_BITS, len + 1, at);
                 true
             }
         }
@@ -241,43 +290,44 @@ impl Holders {
     /// Removes `id`; returns whether it was there.
     #[inline]
     pub(crate) fn remove(&mut self, id: u32, width: usize, sets: &mut Sets) -> bool {
-        if let Self::Inline { len: len @ 1, ids } = self {
-            // The common case: a block's only holder goes (as the general path leaves it).
-            if ids[0] != id {
-                return false;
-            }
-            *len = 0;
+        if *self == Self::one(id) {
+            // The common case: a block's only holder goes.
+            *self = Self::EMPTY;
             return true;
         }
         self.remove_slow(id, width, sets)
     }
 
     fn remove_slow(&mut self, id: u32, width: usize, sets: &mut Sets) -> bool {
-        match *self {
-            Self::Inline { len, mut ids } => {
-                let n = len as usize;
-                let Ok(at) = ids[..n].binary_search(&id) else {
+        let len = self.len();
+        match self.form() {
+            FORM_INLINE => {
+                let mut ids = self.inline_ids();
+                let Ok(at) = ids[..len].binary_search(&id) else {
                     return false;
                 };
-                ids.copy_within(at + 1..n, at);
-                *self = Self::Inline { len: len - 1, ids };
+                ids.copy_within(at + 1..len, at);
+                ids[len - 1] = 0;
+                *self = Self::inline(ids, len - 1);
             }
-            Self::List { len, at } => {
+            FORM_LIST => {
+                let at = self.0 as u32;
                 let list = &mut sets.lists[at as usize];
                 let Ok(i) = list.binary_search(&id) else {
                     return false;
                 };
                 list.remove(i);
-                *self = Self::List { len: len - 1, at };
+                *self = Self::out_of_line(FORM_LIST, len - 1, at);
             }
-            Self::Bits { len, at } => {
+            _ => {
+                let at = self.0 as u32;
                 let words = &mut sets.bits[at as usize];
                 let (w, b) = (id as usize / 64, 1u64 << (id % 64));
                 if words.get(w).is_none_or(|x| x & b == 0) {
                     return false;
                 }
                 words[w] &= !b;
-                *self = Self::Bits { len: len - 1, at };
+                *self = Self::out_of_line(FORM_BITS, len - 1, at);
             }
         }
         self.settle(width, sets);
@@ -292,26 +342,27 @@ impl Holders {
         sets: &mut Sets,
     ) -> usize {
         let before = self.len();
-        match *self {
-            Self::Inline { len, mut ids } => {
+        match self.form() {
+            FORM_INLINE => {
+                let ids = self.inline_ids();
+                let mut kept = [0u32; INLINE];
                 let mut n = 0;
-                for i in 0..len as usize {
-                    if keep(ids[i]) {
-                        ids[n] = ids[i];
+                for &x in &ids[..before] {
+                    if keep(x) {
+                        kept[n] = x;
                         n += 1;
                     }
                 }
-                *self = Self::Inline { len: n as u32, ids };
+                *self = Self::inline(kept, n);
             }
-            Self::List { at, .. } => {
+            FORM_LIST => {
+                let at = self.0 as u32;
                 let list = &mut sets.lists[at as usize];
                 list.retain(|&x| keep(x));
-                *self = Self::List {
-                    len: list.len() as u32,
-                    at,
-                };
+                *self = Self::out_of_line(FORM_LIST, list.len(), at);
             }
-            Self::Bits { at, .. } => {
+            _ => {
+                let at = self.0 as u32;
                 let mut n = 0;
                 for (w, word) in sets.bits[at as usize].iter_mut().enumerate() {
                     let mut bits = *word;
@@ -322,9 +373,9 @@ impl Holders {
                             *word &= !(1u64 << b);
                         }
                     }
-                    n += word.count_ones();
+                    n += word.count_ones() as usize;
                 }
-                *self = Self::Bits { len: n, at };
+                *self = Self::out_of_line(FORM_BITS, n, at);
             }
         }
         self.settle(width, sets);
@@ -334,10 +385,10 @@ impl Holders {
     /// Back to a smaller form after removals (see the module doc).
     fn settle(&mut self, width: usize, sets: &mut Sets) {
         let len = self.len();
-        let shrink = match self {
-            Self::Inline { .. } => false,
-            Self::List { .. } => len <= INLINE,
-            Self::Bits { .. } => len <= width / 2 || len <= INLINE,
+        let shrink = match self.form() {
+            FORM_INLINE => false,
+            FORM_LIST => len <= INLINE,
+            _ => len <= width / 2 || len <= INLINE,
         };
         if shrink {
             let ids: Vec<u32> = self.iter(sets).collect();
@@ -348,10 +399,10 @@ impl Holders {
 
     /// Gives this set's slot back to `sets` (the set is dropped, or about to be replaced).
     pub(crate) fn release(&mut self, sets: &mut Sets) {
-        match *self {
-            Self::Inline { .. } => {}
-            Self::List { at, .. } => sets.free_lists.push(at),
-            Self::Bits { at, .. } => sets.free_bits.push(at),
+        match self.slot() {
+            Some((false, at)) => sets.free_lists.push(at),
+            Some((true, at)) => sets.free_bits.push(at),
+            None => {}
         }
         *self = Self::EMPTY;
     }
@@ -361,26 +412,23 @@ impl Holders {
         if ids.len() <= INLINE {
             let mut inline = [0; INLINE];
             inline[..ids.len()].copy_from_slice(ids);
-            return Self::Inline {
-                len: ids.len() as u32,
-                ids: inline,
-            };
+            return Self::inline(inline, ids.len());
         }
-        Self::List {
-            len: ids.len() as u32,
-            at: sets.new_list(ids),
-        }
+        Self::out_of_line(FORM_LIST, ids.len(), sets.new_list(ids))
     }
 
     /// Members, ascending.
-    pub(crate) fn iter<'a>(&'a self, sets: &'a Sets) -> impl Iterator<Item = u32> + 'a {
-        let (sorted, words): (&[u32], &[u64]) = match self.view(sets) {
-            View::Sorted(ids) => (ids, &[]),
-            View::Bits(words) => (&[], words),
-        };
-        sorted
-            .iter()
-            .copied()
+    pub(crate) fn iter(self, sets: &Sets) -> impl Iterator<Item = u32> + '_ {
+        let (inline, n, sorted, words): ([u32; INLINE], usize, &[u32], &[u64]) =
+            match self.view(sets) {
+                View::Inline { ids, len } => (ids, len, &[], &[]),
+                View::Sorted(ids) => ([0; INLINE], 0, ids, &[]),
+                View::Bits(words) => ([0; INLINE], 0, &[], words),
+            };
+        inline
+            .into_iter()
+            .take(n)
+            .chain(sorted.iter().copied())
             .chain(words.iter().enumerate().flat_map(|(w, &word)| {
                 let mut bits = word;
                 std::iter::from_fn(move || {
@@ -394,20 +442,25 @@ impl Holders {
     }
 
     /// Checks the module's invariants for this set; `Err` says which.
-    pub(crate) fn check(&self, sets: &Sets) -> std::result::Result<(), String> {
-        match *self {
-            Self::Inline { len, ids } => {
-                let n = len as usize;
-                if n > INLINE || ids[..n].windows(2).any(|p| p[0] >= p[1]) {
-                    return Err(format!("inline holders {:?} unsorted or long", &ids[..n]));
+    pub(crate) fn check(self, sets: &Sets) -> std::result::Result<(), String> {
+        let len = self.len();
+        match self.form() {
+            FORM_INLINE => {
+                let ids = self.inline_ids();
+                if len > INLINE
+                    || ids[..len].windows(2).any(|p| p[0] >= p[1])
+                    || ids[len..].iter().any(|&x| x != 0)
+                    || self.0 >> 60 != 0
+                {
+                    return Err(format!("inline holders {self:?} unsorted, long or untidy"));
                 }
             }
-            Self::List { len, at } => {
+            FORM_LIST => {
                 let list = sets
                     .lists
-                    .get(at as usize)
+                    .get(self.0 as u32 as usize)
                     .ok_or("holders list slot out of range")?;
-                if list.len() != len as usize
+                if list.len() != len
                     || list.len() <= INLINE
                     || list.windows(2).any(|p| p[0] >= p[1])
                 {
@@ -416,16 +469,17 @@ impl Holders {
                     ));
                 }
             }
-            Self::Bits { len, at } => {
+            FORM_BITS => {
                 let words = sets
                     .bits
-                    .get(at as usize)
+                    .get(self.0 as u32 as usize)
                     .ok_or("holders bitset slot out of range")?;
-                let count: u32 = words.iter().map(|w| w.count_ones()).sum();
+                let count: usize = words.iter().map(|w| w.count_ones() as usize).sum();
                 if count != len {
                     return Err(format!("holders bitset counts {len}, holds {count}"));
                 }
             }
+            _ => return Err(format!("holders {self:?} of an unknown form")),
         }
         Ok(())
     }
@@ -470,9 +524,11 @@ mod tests {
             h.check(&sets).unwrap();
             other.check(&sets).unwrap();
             assert_eq!(h.len(), model.len());
+            assert_eq!(h.is_empty(), model.is_empty());
             assert!(h.iter(&sets).eq(model.iter().copied()));
             assert!(h.contains(id, &sets) == model.contains(&id));
             assert!(h.slot().is_none() || h.slot() != other.slot());
+            assert_eq!(Holders::from_word(h.word() | 3 << 62), h, "flags stay out");
         }
         h.release(&mut sets);
         other.release(&mut sets);
@@ -481,5 +537,9 @@ mod tests {
             sets.lists.len() + sets.bits.len(),
             "every slot back"
         );
+        let big = (1u32 << 29) - 1;
+        let mut h = Holders::one(big);
+        assert!(h.insert(big - 1, 1, &mut sets));
+        assert!(h.iter(&sets).eq([big - 1, big]), "ids of 29 bits inline");
     }
 }

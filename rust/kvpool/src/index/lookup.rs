@@ -23,10 +23,10 @@ use std::collections::HashMap;
 
 use crate::hash::BlockHash;
 use crate::index::event::{GroupKind, Medium};
-use crate::index::holders::View;
+use crate::index::holders::Form;
 use crate::index::location::Kind;
 use crate::index::state::IndexState;
-use crate::index::tree::{Entry, Node, PLAIN, SPECULATIVE};
+use crate::index::tree::{Entry, Rec, PLAIN, SPECULATIVE};
 
 /// How many blocks ahead of itself a walk asks for table slots (the first ones before it
 /// starts, then one more per block walked): enough for the misses to overlap, few enough
@@ -45,20 +45,28 @@ pub struct Match {
     pub medium: Medium,
     /// Tokens per block at this location.
     pub block_size: u32,
-    /// Leading blocks of the request held there.
+    /// Leading blocks of the request a hit there restores: every group holds what a hit of
+    /// this many blocks needs, a linear-state group a checkpoint at its end (see the module
+    /// doc).
     pub blocks: u32,
     /// `blocks * block_size`.
     pub tokens: u64,
+    /// Leading blocks whose KV is held there (every group but the linear-state ones holds
+    /// what a hit of this many needs): `>= blocks`; past `blocks` a hit must recompute from
+    /// the deepest checkpoint. Equal to `blocks` at a location without a linear-state group.
+    pub kv_blocks: u32,
 }
 
-/// One location's matched prefix, compact (8 bytes): the location's id within the index
-/// (`Snapshot::location` resolves it) and its blocks.
+/// One location's matched prefix, compact (12 bytes): the location's id within the index
+/// (`Snapshot::location` resolves it) and its depths (see [`Match`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Row {
-    /// Index into the match's locations.
+    /// The location's id within the index.
     pub location: u32,
-    /// Leading blocks of the query held at that location.
+    /// Leading blocks of the query a hit there restores (see [`Match::blocks`]).
     pub blocks: u32,
+    /// Leading blocks whose KV is held there (see [`Match::kv_blocks`]).
+    pub kv_blocks: u32,
 }
 
 /// A lookup's answer, compact: rows, plus layers (a bitset of location ids that all matched
@@ -66,15 +74,30 @@ pub struct Row {
 #[derive(Clone, Debug, Default)]
 pub struct Matches {
     rows: Vec<Row>,
-    /// The blocks of each layer; layer `i` is `words[i * width..(i + 1) * width]`.
-    layers: Vec<u32>,
+    layers: Vec<Layer>,
     words: Vec<u64>,
+    /// The walk in progress: its shard, the index's shards (a location's id in the answer is
+    /// its id in its shard times `shards` plus `shard`), where its rows start, its bitsets'
+    /// words.
+    shard: u32,
+    shards: u32,
+    rows_start: usize,
     width: usize,
     /// The walk's working sets.
     dense: Vec<u64>,
     sparse: Vec<u32>,
     next: Vec<u32>,
     keep: Vec<u32>,
+}
+
+/// A layer: the locations of one shard (a bitset of their ids in the shard,
+/// `words[at..at + width]`) that matched `blocks` blocks.
+#[derive(Clone, Copy, Debug)]
+struct Layer {
+    blocks: u32,
+    at: u32,
+    width: u32,
+    shard: u32,
 }
 
 #[inline]
@@ -122,70 +145,126 @@ impl Matches {
         self.rows.is_empty() && self.layers.is_empty()
     }
 
+    /// The id in the answer of location `local` of shard `shard`.
+    #[inline]
+    fn global(&self, local: u32, shard: u32) -> u32 {
+        local * self.shards.max(1) + shard
+    }
+
+    /// Every location matched, in [`Matches::iter`]'s order, as its shard and its row with the
+    /// location's id within that shard (what a snapshot resolves, without dividing ids).
+    #[inline]
+    pub(crate) fn for_each_local(&self, mut f: impl FnMut(u32, Row)) {
+        let shards = self.shards.max(1);
+        for &row in &self.rows {
+            let (shard, location) = if shards == 1 {
+                (0, row.location)
+            } else {
+                (row.location % shards, row.location / shards)
+            };
+            f(shard, Row { location, ..row });
+        }
+        for layer in &self.layers {
+            let words = &self.words[layer.at as usize..(layer.at + layer.width) as usize];
+            for (w, &word) in words.iter().enumerate() {
+                let mut bits = word;
+                while bits != 0 {
+                    let b = bits.trailing_zeros();
+                    bits &= bits - 1;
+                    let row = Row {
+                        location: (w * 64) as u32 + b,
+                        blocks: layer.blocks,
+                        kv_blocks: layer.blocks,
+                    };
+                    f(layer.shard, row);
+                }
+            }
+        }
+    }
+
     /// Every location matched (in no particular order), as rows.
     pub fn iter(&self) -> impl Iterator<Item = Row> + '_ {
-        let layers = self
-            .layers
-            .iter()
-            .enumerate()
-            .flat_map(move |(i, &blocks)| {
-                let words = &self.words[i * self.width..(i + 1) * self.width];
-                words.iter().enumerate().flat_map(move |(w, &word)| {
-                    let mut bits = word;
-                    std::iter::from_fn(move || {
-                        (bits != 0).then(|| {
-                            let b = bits.trailing_zeros();
-                            bits &= bits - 1;
-                            Row {
-                                location: (w * 64) as u32 + b,
-                                blocks,
-                            }
-                        })
+        let layers = self.layers.iter().flat_map(move |layer| {
+            let words = &self.words[layer.at as usize..(layer.at + layer.width) as usize];
+            words.iter().enumerate().flat_map(move |(w, &word)| {
+                let mut bits = word;
+                std::iter::from_fn(move || {
+                    (bits != 0).then(|| {
+                        let b = bits.trailing_zeros();
+                        bits &= bits - 1;
+                        Row {
+                            location: self.global((w * 64) as u32 + b, layer.shard),
+                            blocks: layer.blocks,
+                            kv_blocks: layer.blocks,
+                        }
                     })
                 })
-            });
+            })
+        });
         self.rows.iter().copied().chain(layers)
     }
 
     /// A location with the most blocks (the lowest id among ties), if any matched.
     pub fn best(&self) -> Option<Row> {
-        let row = self
-            .rows
-            .iter()
-            .copied()
-            .max_by_key(|r| (r.blocks, std::cmp::Reverse(r.location)));
+        let key = |r: &Row| (r.blocks, std::cmp::Reverse(r.location));
+        let row = self.rows.iter().copied().max_by_key(key);
         let layer = self
             .layers
             .iter()
-            .enumerate()
-            .max_by_key(|&(i, &blocks)| (blocks, std::cmp::Reverse(i)))
-            .and_then(|(i, &blocks)| {
-                let words = &self.words[i * self.width..(i + 1) * self.width];
+            .filter_map(|layer| {
+                let words = &self.words[layer.at as usize..(layer.at + layer.width) as usize];
                 let w = words.iter().position(|&x| x != 0)?;
                 Some(Row {
-                    location: (w * 64) as u32 + words[w].trailing_zeros(),
-                    blocks,
+                    location: self.global((w * 64) as u32 + words[w].trailing_zeros(), layer.shard),
+                    blocks: layer.blocks,
+                    kv_blocks: layer.blocks,
                 })
-            });
+            })
+            .max_by_key(key);
         match (row, layer) {
-            (Some(a), Some(b)) => Some(
-                if (a.blocks, std::cmp::Reverse(a.location))
-                    >= (b.blocks, std::cmp::Reverse(b.location))
-                {
-                    a
-                } else {
-                    b
-                },
-            ),
+            (Some(a), Some(b)) => Some(if key(&a) >= key(&b) { a } else { b }),
             (a, b) => a.or(b),
         }
     }
 
+    /// Starts the walks of shard `shard` of `shards`: the rows they add get ids in the answer
+    /// at [`Matches::end_shard`].
+    #[inline]
+    pub(crate) fn begin_shard(&mut self, shard: u32, shards: u32) {
+        self.shard = shard;
+        self.shards = shards;
+        self.rows_start = self.rows.len();
+    }
+
+    /// Ends the walks of the shard begun last: its rows' location ids become the answer's.
+    #[inline]
+    pub(crate) fn end_shard(&mut self) {
+        if self.shards > 1 {
+            let (shards, shard) = (self.shards, self.shard);
+            for row in &mut self.rows[self.rows_start..] {
+                row.location = row.location * shards + shard;
+            }
+        }
+    }
+
+    /// Records the layer of `blocks` blocks whose words start at `at`.
+    #[inline]
+    fn push_layer(&mut self, blocks: usize, at: usize) {
+        self.layers.push(Layer {
+            blocks: blocks as u32,
+            at: at as u32,
+            width: self.width as u32,
+            shard: self.shard,
+        });
+    }
+
     #[inline]
     fn row(&mut self, location: u32, blocks: usize) {
+        let blocks = u32::try_from(blocks).unwrap_or(u32::MAX);
         self.rows.push(Row {
             location,
-            blocks: u32::try_from(blocks).unwrap_or(u32::MAX),
+            blocks,
+            kv_blocks: blocks,
         });
     }
 }
@@ -217,24 +296,6 @@ impl IndexState {
         }
     }
 
-    /// [`IndexState::lookup_chain`] for the chain of `tokens` under `extra_key`, for each
-    /// block size in use.
-    pub(crate) fn lookup_tokens(
-        &self,
-        tokens: &[u32],
-        extra_key: Option<&[u8]>,
-        now: f64,
-        out: &mut Matches,
-    ) {
-        for (block_size, counts) in self.locations.block_sizes() {
-            if counts.locations == 0 || tokens.len() < block_size as usize {
-                continue;
-            }
-            let chain = self.hasher.chain(tokens, block_size as usize, extra_key);
-            self.lookup_chain(&chain, block_size, now, out);
-        }
-    }
-
     /// The [`Match`] of a row.
     #[inline]
     pub(crate) fn to_match(&self, row: Row) -> Match {
@@ -246,7 +307,14 @@ impl IndexState {
             block_size: key.block_size,
             blocks: row.blocks,
             tokens: u64::from(row.blocks) * u64::from(key.block_size),
+            kv_blocks: row.kv_blocks,
         }
+    }
+
+    /// The [`Match`] of a row, `None` for a location id this state never gave.
+    #[inline]
+    pub(crate) fn try_to_match(&self, row: Row) -> Option<Match> {
+        ((row.location as usize) < self.locations.len()).then(|| self.to_match(row))
     }
 
     /// The location of a row.
@@ -259,7 +327,7 @@ impl IndexState {
     fn speculative_holders<'a>(
         &'a self,
         id: u32,
-        node: &Node,
+        node: &Rec,
         eligible: &'a [u64],
         now: f64,
     ) -> impl Iterator<Item = u32> + 'a {
@@ -290,14 +358,10 @@ impl IndexState {
             return;
         };
         let width = self.locations.width();
-        if m.width != width {
-            // Layers of earlier walks of this lookup (another block size) have this width.
-            debug_assert!(m.layers.is_empty());
-            m.width = width;
-        }
+        m.width = width;
         let mut dense = false;
-        match self.tree.holders(first) {
-            View::Bits(words) => {
+        match self.tree.holders(first).form() {
+            Form::Bits(words) => {
                 m.dense.clear();
                 m.dense.extend((0..width).map(|i| {
                     words.get(i).copied().unwrap_or(0) & eligible.get(i).copied().unwrap_or(0)
@@ -309,7 +373,7 @@ impl IndexState {
                     }
                 }
             }
-            View::Sorted(ids) => {
+            Form::Sorted(ids) => {
                 m.sparse.clear();
                 m.sparse
                     .extend(ids.iter().copied().filter(|&l| bit(eligible, l)));
@@ -346,8 +410,8 @@ impl IndexState {
                 m.words.extend_from_slice(&m.dense);
                 let layer = &mut m.words[at..];
                 let mut left = 0u64;
-                match self.tree.holders(node) {
-                    View::Bits(words) => {
+                match self.tree.holders(node).form() {
+                    Form::Bits(words) => {
                         for (i, (a, d)) in m.dense.iter_mut().zip(layer.iter_mut()).enumerate() {
                             let n = *a & words.get(i).copied().unwrap_or(0);
                             *d = *a & !n;
@@ -360,7 +424,7 @@ impl IndexState {
                             left = 1;
                         }
                     }
-                    View::Sorted(ids) => {
+                    Form::Sorted(ids) => {
                         // The set becomes small: list the survivors, the rest is a layer.
                         m.sparse.clear();
                         for &l in ids {
@@ -382,7 +446,7 @@ impl IndexState {
                     }
                 }
                 if m.words[at..].iter().any(|&w| w != 0) {
-                    m.layers.push(depth as u32);
+                    m.push_layer(depth, at);
                 } else {
                     m.words.truncate(at);
                 }
@@ -403,10 +467,10 @@ impl IndexState {
                 } else {
                     &[]
                 };
-                let holds = |l: u32, view: &View<'_>, j: &mut usize| -> bool {
+                let holds = |l: u32, view: &Form<'_>, j: &mut usize| -> bool {
                     let real = match view {
-                        View::Bits(words) => bit(words, l),
-                        View::Sorted(ids) => {
+                        Form::Bits(words) => bit(words, l),
+                        Form::Sorted(ids) => {
                             while *j < ids.len() && ids[*j] < l {
                                 *j += 1;
                             }
@@ -417,15 +481,18 @@ impl IndexState {
                         .binary_search_by_key(&l, |e| e.location)
                         .is_ok_and(|i| extras[i].speculative_at(now))
                 };
-                let view = self.tree.holders(node);
+                let holders = self.tree.holders(node);
+                let view = holders.form();
                 let mut j = 0;
                 for &l in &m.sparse {
                     if holds(l, &view, &mut j) {
                         m.next.push(l);
                     } else {
+                        let blocks = depth as u32;
                         m.rows.push(Row {
                             location: l,
-                            blocks: depth as u32,
+                            blocks,
+                            kv_blocks: blocks,
                         });
                     }
                 }
@@ -435,8 +502,9 @@ impl IndexState {
         }
         if dense {
             if m.dense.iter().any(|&w| w != 0) {
-                m.layers.push(depth as u32);
+                let at = m.words.len();
                 m.words.extend_from_slice(&m.dense);
+                m.push_layer(depth, at);
             }
         } else {
             for i in 0..m.sparse.len() {
@@ -482,10 +550,7 @@ impl IndexState {
                     .binary_search_by_key(&l, |e| e.location)
                     .is_ok_and(|i| complex(&extras[i]));
                 if !keep {
-                    m.rows.push(Row {
-                        location: l,
-                        blocks: depth as u32,
-                    });
+                    m.row(l, depth);
                 }
                 keep
             });
@@ -526,15 +591,15 @@ impl IndexState {
             let Some((id, node)) = self.tree.get(hash.0) else {
                 continue;
             };
-            match self.tree.holders(node) {
-                View::Sorted(ids) => {
+            match self.tree.holders(node).form() {
+                Form::Sorted(ids) => {
                     for &l in ids {
                         if bit(gapped, l) {
                             note(l, PLAIN, false, i);
                         }
                     }
                 }
-                View::Bits(bits) => {
+                Form::Bits(bits) => {
                     for (w, (&a, &g)) in bits.iter().zip(gapped).enumerate() {
                         let mut x = a & g;
                         while x != 0 {
@@ -554,16 +619,21 @@ impl IndexState {
         let mut locations: Vec<u32> = seen.keys().copied().collect();
         locations.sort_unstable();
         for location in locations {
-            let blocks = self.admissible(location, &seen[&location], chain.len());
-            if blocks > 0 {
-                out.row(location, blocks);
+            let (blocks, kv_blocks) = self.admissible(location, &seen[&location], chain.len());
+            if kv_blocks > 0 {
+                out.rows.push(Row {
+                    location,
+                    blocks: blocks as u32,
+                    kv_blocks: kv_blocks as u32,
+                });
             }
         }
     }
 
-    /// The largest `n <= len` that every group of gapped `location` admits, given the blocks
-    /// each holds (`sets[g]`, `sets[groups]` the speculative ones).
-    fn admissible(&self, location: u32, sets: &[Vec<u64>], len: usize) -> usize {
+    /// The largest `n <= len` that every group of gapped `location` admits, and the largest
+    /// that every group but the linear-state ones admits (its KV depth), given the blocks each
+    /// group holds (`sets[g]`, `sets[groups]` the speculative ones).
+    fn admissible(&self, location: u32, sets: &[Vec<u64>], len: usize) -> (usize, usize) {
         let location = self.locations.get(location);
         let block_size = location.key.block_size as usize;
         let speculative = &sets[location.groups.len()];
@@ -586,21 +656,32 @@ impl IndexState {
                 cap = cap.min(run);
             }
         }
-        (1..=cap)
-            .rev()
-            .find(|&n| {
-                streaks.iter().all(|(kind, streak)| {
-                    let need = match *kind {
-                        GroupKind::SlidingWindow { window } => {
-                            let end = n * block_size;
-                            let first = end.saturating_sub(window as usize - 1) / block_size;
-                            n - first
-                        }
-                        _ => 1, // a linear state: the checkpoint at block n - 1
-                    };
-                    need == 0 || streak[n - 1] as usize >= need
-                })
+        let admits = |n: usize, linear: bool| {
+            streaks.iter().all(|(kind, streak)| {
+                let need = match *kind {
+                    GroupKind::SlidingWindow { window } => {
+                        let end = n * block_size;
+                        let first = end.saturating_sub(window as usize - 1) / block_size;
+                        n - first
+                    }
+                    // A linear state: the checkpoint at block n - 1 (for the restorable depth).
+                    _ if linear => 1,
+                    _ => 0,
+                };
+                need == 0 || streak[n - 1] as usize >= need
             })
-            .unwrap_or(0)
+        };
+        if location
+            .groups
+            .iter()
+            .all(|&(_, k)| k == GroupKind::LinearState)
+        {
+            // No group holds KV (a linear state alone): the depth is the checkpoint's.
+            let blocks = (1..=cap).rev().find(|&n| admits(n, true)).unwrap_or(0);
+            return (blocks, blocks);
+        }
+        let kv = (1..=cap).rev().find(|&n| admits(n, false)).unwrap_or(0);
+        let blocks = (1..=kv).rev().find(|&n| admits(n, true)).unwrap_or(0);
+        (blocks, kv)
     }
 }

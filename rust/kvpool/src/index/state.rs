@@ -1,16 +1,17 @@
 //! One copy of the index's state and the writer's operations on it.
 //!
-//! A write validates everything first (`Err` changes nothing), then changes this copy. The
-//! other copy, equal before the write, is brought level afterwards by
-//! [`IndexState::level_with`]: it copies the nodes the write changed (the tree tracks them,
-//! `tree.rs`) and replays the write's [`Journal`] of the small steps elsewhere (sequence
-//! states, locations and groups, expiry records). No validation, sequence check, hash probe
-//! or table store is done twice; the copies end equal (same node slots, same LRU order), as
+//! A write validates everything first (`Err` changes nothing), then changes this copy and the
+//! writer's links (`tree/mod.rs`). The other copy, equal before the write, is brought level
+//! afterwards by [`IndexState::level_with`]: it copies the node records the write changed (the
+//! links list them) and replays the write's [`Journal`] of the small steps elsewhere
+//! (sequence states, locations and groups, expiry records). No validation, sequence check,
+//! hash probe or table store is done twice; the copies end equal (same node slots), as
 //! [`crate::KVIndex::check`] verifies.
 //!
-//! Invariants (checked by [`IndexState::check`]): those of the tree, the locations and the
-//! expiry heap; every entry's group bits are groups of its location; after every operation
-//! the entries number at most `max_entries` (eviction, see `tree.rs`).
+//! Invariants (checked by [`IndexState::check`]): those of the tree (with the links), the
+//! locations and the expiry heap; every entry's group bits are groups of its location; after
+//! every operation the entries number at most `max_entries` (eviction, see `tree/lru.rs`); at
+//! most `MAX_LOCATIONS` locations (a holder set's ids have 29 bits).
 
 use std::collections::HashMap;
 
@@ -18,9 +19,10 @@ use crate::error::{ensure_arg, ensure_invariant, Result};
 use crate::hash::{BlockHash, BlockHasher};
 use crate::index::event::{EventKind, GroupKind, IndexEvent, Medium};
 use crate::index::expiry::{Due, Expiry};
+use crate::index::holders::MAX_LOCATIONS;
 use crate::index::location::{FixedState, LocationKey, Locations};
 use crate::index::sequence::{Cursor, Gap, SourceState, Sources, Verdict};
-use crate::index::tree::{Parent, Tree, SPECULATIVE};
+use crate::index::tree::{Changes, Links, Nodes, Parent, Tree, SPECULATIVE};
 
 /// Settings of an index.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -30,6 +32,10 @@ pub struct IndexConfig {
     pub max_entries: usize,
     /// Seed of the chained hashes that token-id lookups compute (R6); must be the pools'.
     pub hash_seed: u64,
+    /// Writers: the index is split by instance into this many shards, each with its own
+    /// writer, so that batches of instances of different shards apply concurrently (1: one
+    /// writer). `max_entries` is split evenly among them, each evicting from its own LRU.
+    pub writers: usize,
 }
 
 impl Default for IndexConfig {
@@ -37,6 +43,7 @@ impl Default for IndexConfig {
         Self {
             max_entries: 1 << 24,
             hash_seed: crate::DEFAULT_HASH_SEED,
+            writers: 1,
         }
     }
 }
@@ -73,6 +80,19 @@ pub struct IndexCounters {
     pub expired_entries: u64,
     /// Speculative entries inserted.
     pub speculative_inserted: u64,
+}
+
+impl IndexCounters {
+    /// Adds `other`'s counts to these.
+    pub(crate) fn add(&mut self, other: &IndexCounters) {
+        self.events_applied += other.events_applied;
+        self.duplicates += other.duplicates;
+        self.dropped += other.dropped;
+        self.gaps += other.gaps;
+        self.evicted_entries += other.evicted_entries;
+        self.expired_entries += other.expired_entries;
+        self.speculative_inserted += other.speculative_inserted;
+    }
 }
 
 /// A step of a write outside the tree, as the journal keeps it for the other copy.
@@ -120,7 +140,7 @@ impl Journal {
 pub(crate) struct IndexState {
     pub config: IndexConfig,
     pub hasher: BlockHasher,
-    pub tree: Tree,
+    pub tree: Nodes,
     pub locations: Locations,
     pub sources: Sources,
     pub expiry: Expiry,
@@ -131,7 +151,7 @@ pub(crate) struct IndexState {
 type Resolved = Option<(LocationKey, u32, GroupKind, u32, u32)>;
 
 impl IndexState {
-    pub(crate) fn new(config: IndexConfig, capacity: usize) -> Result<Self> {
+    pub(crate) fn new(config: IndexConfig) -> Result<Self> {
         ensure_arg!(
             config.max_entries >= 1,
             "max_entries",
@@ -140,7 +160,7 @@ impl IndexState {
         Ok(Self {
             config,
             hasher: BlockHasher::new(config.hash_seed),
-            tree: Tree::with_capacity(capacity),
+            tree: Nodes::new(),
             locations: Locations::default(),
             sources: Sources::default(),
             expiry: Expiry::default(),
@@ -149,8 +169,13 @@ impl IndexState {
     }
 
     /// Brings this copy level with `source`, which was equal to it before its last write,
-    /// that write's `journal`.
-    pub(crate) fn level_with(&mut self, source: &IndexState, journal: &Journal) -> Result<()> {
+    /// that write's `journal` and tree `changes`.
+    pub(crate) fn level_with(
+        &mut self,
+        source: &IndexState,
+        journal: &Journal,
+        changes: &Changes,
+    ) -> Result<()> {
         for step in &journal.steps {
             match *step {
                 Step::Source(state) => self.sources.restore(state),
@@ -175,7 +200,7 @@ impl IndexState {
         if journal.expiry_rebuilt {
             self.expiry.clone_from(&source.expiry);
         }
-        self.tree.level_with(&source.tree);
+        self.tree.level_with(&source.tree, changes);
         self.counters = source.counters;
         Ok(())
     }
@@ -217,7 +242,7 @@ impl IndexState {
         let mut known: Option<(LocationKey, u32, GroupKind)> = None;
         for event in events {
             event.validate()?;
-            if event.kind != EventKind::Stored {
+            if !matches!(event.kind, EventKind::Stored | EventKind::Group) {
                 continue;
             }
             let key = location_key(instance, event);
@@ -246,12 +271,22 @@ impl IndexState {
             );
             pending.push(group);
         }
+        let fresh = new_groups
+            .keys()
+            .filter(|k| self.locations.find(k).is_none())
+            .count();
+        ensure_arg!(
+            self.locations.len() + fresh <= MAX_LOCATIONS,
+            "instance",
+            "the index holds at most {MAX_LOCATIONS} locations"
+        );
         Ok(())
     }
 
     /// Applies `instance`'s events in order (see `sequence.rs` for gaps and duplicates).
     pub(crate) fn apply(
         &mut self,
+        links: &mut Links,
         instance: u64,
         events: &[IndexEvent],
         journal: &mut Journal,
@@ -277,7 +312,7 @@ impl IndexState {
                         let _ = self.tree.prefetch_candidate(parent.0);
                     }
                 }
-                EventKind::Cleared => {}
+                EventKind::Cleared | EventKind::Group => {}
             }
         }
         let mut report = ApplyReport::default();
@@ -309,7 +344,7 @@ impl IndexState {
                     }
                 }
             }
-            self.apply_one(instance, event, journal, &mut last)?;
+            self.apply_one(links, instance, event, journal, &mut last)?;
             report.applied += 1;
         }
         if let Some(done) = cursor {
@@ -317,7 +352,7 @@ impl IndexState {
                 .steps
                 .extend(self.sources.close(done).map(Step::Source));
         }
-        report.evicted = self.evict_to_bound();
+        report.evicted = self.evict_to_bound(links);
         let c = &mut self.counters;
         c.events_applied += report.applied as u64;
         c.duplicates += report.duplicates as u64;
@@ -329,6 +364,7 @@ impl IndexState {
 
     fn apply_one(
         &mut self,
+        links: &mut Links,
         instance: u64,
         event: &IndexEvent,
         journal: &mut Journal,
@@ -351,7 +387,7 @@ impl IndexState {
                         (location, bit)
                     }
                 };
-                self.tree.store_run(
+                Tree::new(&mut self.tree, links).store_run(
                     &event.block_hashes,
                     event.parent_hash.map(|h| h.0),
                     location,
@@ -380,9 +416,10 @@ impl IndexState {
                         (location, bit)
                     }
                 };
+                let mut tree = Tree::new(&mut self.tree, links);
                 for hash in &event.block_hashes {
-                    if let Some(id) = self.tree.find(hash.0) {
-                        self.tree.clear_bits(id, location, bit, None);
+                    if let Some(id) = tree.find(hash.0) {
+                        tree.clear_bits(id, location, bit, None);
                     }
                 }
             }
@@ -390,13 +427,17 @@ impl IndexState {
                 let ids =
                     self.locations
                         .matching(instance, Some(event.dp_rank), Some(event.medium));
-                self.drop_locations(&ids);
+                self.drop_locations(links, &ids);
+            }
+            EventKind::Group => {
+                let location = self.location_id(key, journal);
+                self.group_bit(location, event.group, event.group_kind, journal)?;
             }
         }
         Ok(())
     }
 
-    fn drop_locations(&mut self, ids: &[u32]) -> usize {
+    fn drop_locations(&mut self, links: &mut Links, ids: &[u32]) -> usize {
         if ids.is_empty() {
             return 0;
         }
@@ -404,13 +445,15 @@ impl IndexState {
         for &id in ids {
             hit[id as usize] = true;
         }
-        self.tree.drop_locations(|l| hit[l as usize])
+        Tree::new(&mut self.tree, links).drop_locations(|l| hit[l as usize])
     }
 
-    fn evict_to_bound(&mut self) -> usize {
+    fn evict_to_bound(&mut self, links: &mut Links) -> usize {
         let mut evicted = 0;
-        while self.tree.entries > self.config.max_entries {
-            let gone = self.tree.evict_one();
+        let max = self.config.max_entries;
+        let mut tree = Tree::new(&mut self.tree, links);
+        while tree.nodes.entries > max {
+            let gone = tree.evict_one();
             if gone == 0 {
                 break;
             }
@@ -421,10 +464,10 @@ impl IndexState {
 
     /// Evicts until the entries fit `max_entries` (the only copy: a loaded index); returns
     /// how many went.
-    pub(crate) fn enforce_bound(&mut self) -> usize {
-        self.tree.begin_write();
-        let evicted = self.evict_to_bound();
-        self.tree.drop_deleted(self.tree.deleted());
+    pub(crate) fn enforce_bound(&mut self, links: &mut Links) -> usize {
+        links.begin_write();
+        let evicted = self.evict_to_bound(links);
+        self.tree.drop_deleted(links.deleted());
         self.counters.evicted_entries += evicted as u64;
         evicted
     }
@@ -433,6 +476,7 @@ impl IndexState {
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn speculate(
         &mut self,
+        links: &mut Links,
         instance: u64,
         dp_rank: u32,
         block_size: u32,
@@ -461,24 +505,28 @@ impl IndexState {
                 pair[0]
             );
         }
-        let expired = self.expire_due(now, journal);
-        let location = self.location_id(
-            LocationKey {
-                instance,
-                dp_rank,
-                medium: Medium::Device,
-                block_size,
-            },
-            journal,
+        let key = LocationKey {
+            instance,
+            dp_rank,
+            medium: Medium::Device,
+            block_size,
+        };
+        ensure_arg!(
+            self.locations.find(&key).is_some() || self.locations.len() < MAX_LOCATIONS,
+            "instance",
+            "the index holds at most {MAX_LOCATIONS} locations"
         );
+        let expired = self.expire_due(links, now, journal);
+        let location = self.location_id(key, journal);
         let expires = now + ttl;
         let mut ids = std::mem::take(&mut journal.ids);
         ids.clear();
         let mut up = Parent::Root;
         let mut marked = 0;
+        let mut tree = Tree::new(&mut self.tree, links);
         for hash in chain {
-            let id = self.tree.get_or_create(hash.0, up);
-            if self.tree.add_speculative(id, location, expires) {
+            let id = tree.get_or_create(hash.0, up);
+            if tree.add_speculative(id, location, expires) {
                 let due = Due {
                     expires,
                     hash: hash.0,
@@ -492,10 +540,10 @@ impl IndexState {
             up = Parent::Node(id);
         }
         for &id in ids.iter().rev() {
-            self.tree.touch(id);
+            tree.touch(id);
         }
         journal.ids = ids;
-        let evicted = self.evict_to_bound();
+        let evicted = self.evict_to_bound(links);
         let c = &mut self.counters;
         c.expired_entries += expired as u64;
         c.speculative_inserted += marked as u64;
@@ -504,22 +552,26 @@ impl IndexState {
     }
 
     /// Drops the speculative entries lapsing at or before `now`; returns how many.
-    pub(crate) fn expire(&mut self, now: f64, journal: &mut Journal) -> Result<usize> {
+    pub(crate) fn expire(
+        &mut self,
+        links: &mut Links,
+        now: f64,
+        journal: &mut Journal,
+    ) -> Result<usize> {
         ensure_arg!(!now.is_nan(), "now", "must be a number, got NaN");
-        let expired = self.expire_due(now, journal);
+        let expired = self.expire_due(links, now, journal);
         self.counters.expired_entries += expired as u64;
         Ok(expired)
     }
 
-    fn expire_due(&mut self, now: f64, journal: &mut Journal) -> usize {
+    fn expire_due(&mut self, links: &mut Links, now: f64, journal: &mut Journal) -> usize {
         let mut expired = 0;
         let mut popped = false;
+        let mut tree = Tree::new(&mut self.tree, links);
         while let Some(due) = self.expiry.pop_due(now) {
             popped = true;
-            if let Some(id) = self.tree.find(due.hash) {
-                let cleared =
-                    self.tree
-                        .clear_bits(id, due.location, SPECULATIVE, Some(due.expires));
+            if let Some(id) = tree.find(due.hash) {
+                let cleared = tree.clear_bits(id, due.location, SPECULATIVE, Some(due.expires));
                 expired += usize::from(cleared & SPECULATIVE != 0);
             }
         }
@@ -537,8 +589,8 @@ impl IndexState {
     /// An expiry record per speculative entry.
     pub(crate) fn speculative_due(&self) -> Vec<Due> {
         let mut out = Vec::with_capacity(self.tree.speculative);
-        for id in self.tree.ids_in_order() {
-            let hash = self.tree.node(id).hash;
+        for id in self.tree.ids() {
+            let hash = self.tree.rec(id).hash();
             for entry in self.tree.extras(id) {
                 if entry.mask & SPECULATIVE != 0 {
                     out.push(Due {
@@ -556,6 +608,7 @@ impl IndexState {
     /// instance; returns the entries dropped.
     pub(crate) fn forget(
         &mut self,
+        links: &mut Links,
         instance: u64,
         dp_rank: Option<u32>,
         journal: &mut Journal,
@@ -563,7 +616,7 @@ impl IndexState {
         self.sources.forget(instance, dp_rank);
         journal.steps.push(Step::Forget { instance, dp_rank });
         let ids = self.locations.matching(instance, dp_rank, None);
-        Ok(self.drop_locations(&ids))
+        Ok(self.drop_locations(links, &ids))
     }
 
     /// Every source's sequence state.
@@ -571,8 +624,9 @@ impl IndexState {
         self.sources.list()
     }
 
-    /// Checks every invariant of the module doc.
-    pub(crate) fn check(&self) -> Result<()> {
+    /// Checks every invariant of the module doc, `links` being the tree's (level with this
+    /// copy).
+    pub(crate) fn check(&self, links: &Links) -> Result<()> {
         self.locations.check()?;
         ensure_invariant!(
             self.tree.width == self.locations.width(),
@@ -580,7 +634,7 @@ impl IndexState {
             self.tree.width,
             self.locations.width()
         );
-        self.tree.check(self.locations.len())?;
+        links.check(&self.tree, self.locations.len())?;
         ensure_invariant!(
             self.tree.entries <= self.config.max_entries,
             "{} entries over the bound {}",
@@ -588,8 +642,8 @@ impl IndexState {
             self.config.max_entries
         );
         let records = self.expiry.records();
-        for id in self.tree.ids_in_order() {
-            let hash = self.tree.node(id).hash;
+        for id in self.tree.ids() {
+            let hash = self.tree.rec(id).hash();
             for entry in self.tree.entries_of(id) {
                 let location = self.locations.get(entry.location);
                 let groups = (1u64 << location.groups.len()) - 1;

@@ -11,6 +11,8 @@
 //! - every event names its medium, group (0: full attention; the rank's other groups 1, 2, ...
 //!   in the order of a sequence's tables: the linear-state group's checkpoints, the
 //!   sliding-window group's published blocks), dp rank, block size, extra key and parent hash;
+//! - a rank with groups besides full attention first announces them, one "group" event each
+//!   (full attention as group 0, then its other groups), before any other event of its own;
 //! - a sliding-window group's "removed" events follow its "stored" ones per hash (its blocks
 //!   that stopped being findable are found when the pool takes its events, `drain_events`, or
 //!   when the hash is published again, whichever comes first), and a reset's device "cleared"
@@ -37,6 +39,10 @@ pub enum KvEventKind {
     Removed,
     /// The cache was reset.
     Cleared,
+    /// The rank has this group (announced once, before its other events, by a rank with groups
+    /// besides full attention: an index then asks a hit there for every group's blocks before
+    /// the group stored any).
+    Group,
 }
 
 impl KvEventKind {
@@ -46,6 +52,7 @@ impl KvEventKind {
             Self::Stored => "stored",
             Self::Removed => "removed",
             Self::Cleared => "cleared",
+            Self::Group => "group",
         }
     }
 
@@ -55,6 +62,7 @@ impl KvEventKind {
             Self::Stored => EventKind::Stored,
             Self::Removed => EventKind::Removed,
             Self::Cleared => EventKind::Cleared,
+            Self::Group => EventKind::Group,
         }
     }
 }
@@ -158,6 +166,8 @@ pub(crate) struct EventLog {
     next: Vec<u64>,
     replay: Vec<VecDeque<KvEvent>>,
     capacity: usize,
+    /// Whether each rank's groups were announced.
+    announced: Vec<bool>,
 }
 
 impl EventLog {
@@ -167,6 +177,7 @@ impl EventLog {
             next: vec![1; dp_size],
             replay: (0..dp_size).map(|_| VecDeque::new()).collect(),
             capacity,
+            announced: vec![false; dp_size],
         }
     }
 
@@ -207,6 +218,33 @@ impl BlockManagerPool {
             return;
         };
         let bs = self.config.block_size;
+        if !log.announced[rank] {
+            // First of the rank's events: its groups, when it has more than full attention.
+            log.announced[rank] = true;
+            let groups = &self.ranks[rank].groups;
+            if !groups.is_empty() {
+                log.record(KvEvent::new(KvEventKind::Group, Medium::Device, bs, rank));
+            }
+            for (position, group) in groups.iter().enumerate() {
+                // A window in its own store or in the shared one (R25).
+                let window = group
+                    .as_window()
+                    .map(|w| w.manager().window())
+                    .or_else(|| group.as_shared_window().map(|w| w.window()));
+                let group_kind = match window {
+                    // A window past 2**32 tokens covers any sequence, as the largest u32 does.
+                    Some(window) => GroupKind::SlidingWindow {
+                        window: u32::try_from(window).unwrap_or(u32::MAX),
+                    },
+                    None if group.as_linear().is_some() => GroupKind::LinearState,
+                    None => continue,
+                };
+                let mut event = KvEvent::new(KvEventKind::Group, Medium::Device, bs, rank);
+                event.group = position as u32 + 1;
+                event.group_kind = group_kind;
+                log.record(event);
+            }
+        }
         if let Some(cache) = self.ranks[rank].full.cache_mut() {
             log.record_cache(cache, Medium::Device, bs, rank);
         }

@@ -1,21 +1,70 @@
 //! A tree restored from a dump, and the check of the parent module's invariants.
 
-use super::{Entry, Tree, NIL, PARENT_KNOWN, PLAIN, SPECULATIVE};
+use super::{Entry, Links, Nodes, Tree, NIL, OFF, PLAIN, SPECULATIVE, UNKNOWN};
 use crate::error::{ensure_invariant, Result};
-use crate::index::table::Probe;
+use crate::index::table::{Probe, Table};
 
-impl Tree {
-    /// A tree of `nodes` in LRU order (oldest first; entry-less ones anywhere): each a hash,
-    /// its parent (`None` unknown, `Some(None)` a chain's first block, `Some(Some(i))` the
-    /// `i`-th of `nodes`) and its entries, sorted by location. Structural checks are left to
-    /// [`Tree::check`] except those restoring needs.
-    #[allow(clippy::type_complexity)]
-    pub(crate) fn restore(
-        nodes: Vec<(u128, Option<Option<u32>>, Vec<Entry>)>,
-        width: usize,
-    ) -> Result<Self> {
-        let mut tree = Self::with_capacity(nodes.len());
-        tree.width = width;
+/// A node of a dump: its hash, its parent (`None` unknown, `Some(None)` a chain's first
+/// block, `Some(Some(i))` the `i`-th node) and its entries, sorted by location.
+pub(crate) type Restored = (u128, Option<Option<u32>>, Vec<Entry>);
+
+impl Nodes {
+    /// Checks that this copy is record for record the same as `other` (the two copies of an
+    /// index once levelled): the same ids for the same hashes (the shared table relies on it),
+    /// the same holders, extras and counts.
+    pub(crate) fn check_same_as(&self, other: &Nodes) -> Result<()> {
+        ensure_invariant!(
+            self.recs.len() == other.recs.len(),
+            "copies have {} and {} node records",
+            self.recs.len(),
+            other.recs.len()
+        );
+        for (i, (a, b)) in self.recs.iter().zip(other.recs.iter()).enumerate() {
+            ensure_invariant!(
+                a.lo == b.lo && a.hi == b.hi && a.word >> 62 == b.word >> 62,
+                "node {i}: hash or flags differ between copies"
+            );
+            ensure_invariant!(
+                a.holders().slot() == b.holders().slot()
+                    && a.holders()
+                        .iter(&self.sets)
+                        .eq(b.holders().iter(&other.sets)),
+                "node {i}: holders differ between copies"
+            );
+            ensure_invariant!(
+                self.extras(i as u32) == other.extras(i as u32),
+                "node {i}: extras differ between copies"
+            );
+        }
+        ensure_invariant!(
+            self.extras.len() == other.extras.len(),
+            "copies keep {} and {} extras lists",
+            self.extras.len(),
+            other.extras.len()
+        );
+        ensure_invariant!(
+            (self.live, self.entries, self.speculative, self.width)
+                == (other.live, other.entries, other.speculative, other.width),
+            "counts differ between copies"
+        );
+        ensure_invariant!(
+            self.sets.free_lists == other.sets.free_lists
+                && self.sets.free_bits == other.sets.free_bits,
+            "holder set free slots differ between copies"
+        );
+        Ok(())
+    }
+}
+
+impl Tree<'_> {
+    /// A tree of `nodes` in LRU order (oldest first; entry-less ones anywhere). Structural
+    /// checks are left to [`Tree::check`] except those restoring needs.
+    pub(crate) fn restore(nodes: Vec<Restored>, width: usize) -> Result<(Nodes, Links)> {
+        let mut copy = Nodes::new();
+        copy.width = width;
+        copy.table = std::sync::Arc::new(Table::with_capacity(nodes.len()));
+        let mut links = Links::default();
+        let mut tree = Tree::new(&mut copy, &mut links);
         let mut parents = Vec::with_capacity(nodes.len());
         for (hash, parent, entries) in nodes {
             let Probe::Vacant(vacant) = tree.probe(hash) else {
@@ -30,75 +79,88 @@ impl Tree {
             );
             for entry in entries {
                 ensure_invariant!(entry.mask != 0, "node {id}: an empty entry");
-                tree.entries += 1;
-                tree.speculative += usize::from(entry.mask & SPECULATIVE != 0);
+                tree.nodes.entries += 1;
+                tree.nodes.speculative += usize::from(entry.mask & SPECULATIVE != 0);
                 if entry.mask == PLAIN {
                     tree.insert_holder(id, entry.location);
                 } else {
                     tree.extras_mut(id).push(entry);
                 }
             }
-            if parent.is_some() {
-                tree.nodes[id as usize].flags |= PARENT_KNOWN;
-            }
-            parents.push(parent.flatten());
-            if tree.nodes[id as usize].has_entries() {
+            if tree.nodes.recs[id as usize].has_entries() {
                 tree.touch(id);
             }
+            parents.push(parent);
         }
         for (id, parent) in parents.into_iter().enumerate() {
-            if let Some(parent) = parent {
-                tree.nodes[id].parent = parent;
-                tree.nodes[parent as usize].children += 1;
+            match parent {
+                None => {}
+                Some(None) => tree.links.meta[id].parent = NIL,
+                Some(Some(parent)) => {
+                    tree.links.meta[id].parent = parent;
+                    tree.links.meta[parent as usize].children += 1;
+                }
             }
         }
-        tree.begin_write();
-        Ok(tree)
+        tree.links.begin_write();
+        Ok((copy, links))
     }
+}
 
-    /// Checks the module's invariants; `locations` is the number of registered locations.
-    pub(crate) fn check(&self, locations: usize) -> Result<()> {
-        let mut children = vec![0u32; self.nodes.len()];
+impl Links {
+    /// Checks the module's invariants of these links and copy `nodes` (level with them);
+    /// `locations` is the number of registered locations.
+    pub(crate) fn check(&self, nodes: &Nodes, locations: usize) -> Result<()> {
+        let links = self;
+        ensure_invariant!(
+            nodes.recs.len() == links.meta.len(),
+            "{} records, {} links",
+            nodes.recs.len(),
+            links.meta.len()
+        );
+        let mut children = vec![0u32; nodes.recs.len()];
         let (mut entries, mut speculative, mut live, mut with_entries) = (0, 0, 0, 0);
-        for (i, node) in self.nodes.iter().enumerate() {
+        for (i, rec) in nodes.recs.iter().enumerate() {
             let id = i as u32;
-            if !node.live() {
+            let meta = &links.meta[i];
+            if !rec.live() {
                 ensure_invariant!(
-                    node.flags == 0 && node.holders.is_empty() && !self.extras.contains_key(&id),
+                    *rec == super::Rec::default()
+                        && *meta == super::BLANK
+                        && !nodes.extras.contains_key(&id),
                     "free node {id} holds something"
                 );
                 continue;
             }
             live += 1;
             ensure_invariant!(
-                self.find(node.hash) == Some(id),
+                nodes.find(rec.hash()) == Some(id),
                 "the table does not find node {id}"
             );
             ensure_invariant!(
-                node.has_entries() || node.children > 0,
+                rec.has_entries() || meta.children > 0,
                 "node {id} has neither entries nor children"
             );
             ensure_invariant!(
-                (node.stamp != 0) == node.has_entries(),
-                "node {id}: a stamp iff it has entries"
+                (meta.prev != OFF) == rec.has_entries(),
+                "node {id}: on the LRU iff it has entries"
             );
-            with_entries += usize::from(node.has_entries());
-            node.holders
-                .check(&self.sets)
+            with_entries += usize::from(rec.has_entries());
+            let holders = rec.holders();
+            holders
+                .check(&nodes.sets)
                 .map_err(|e| crate::KvPoolError::Invariant(format!("node {id}: {e}")))?;
             ensure_invariant!(
-                node.holders
-                    .iter(&self.sets)
-                    .all(|l| (l as usize) < locations),
+                holders.iter(&nodes.sets).all(|l| (l as usize) < locations),
                 "node {id}: a holder of no location"
             );
             ensure_invariant!(
-                node.has_extras() == self.extras.contains_key(&id),
+                rec.has_extras() == nodes.extras.contains_key(&id),
                 "node {id}: extras flag"
             );
-            let extras = self.extras(id);
+            let extras = nodes.extras(id);
             ensure_invariant!(
-                !node.has_extras() || !extras.is_empty(),
+                !rec.has_extras() || !extras.is_empty(),
                 "node {id}: empty extras kept"
             );
             for pair in extras.windows(2) {
@@ -119,175 +181,113 @@ impl Tree {
                     entry.location
                 );
                 ensure_invariant!(
-                    !node.holders.contains(entry.location, &self.sets),
+                    !holders.contains(entry.location, &nodes.sets),
                     "node {id}: location {} both holder and extra",
                     entry.location
                 );
                 speculative += usize::from(entry.mask & SPECULATIVE != 0);
             }
-            entries += node.holders.len() + extras.len();
-            if node.parent != NIL {
-                ensure_invariant!(node.parent_known(), "node {id}: a parent while unknown");
-                let parent = node.parent as usize;
+            entries += holders.len() + extras.len();
+            if meta.parent != NIL && meta.parent != UNKNOWN {
+                let parent = meta.parent as usize;
                 ensure_invariant!(
-                    self.nodes.get(parent).is_some_and(|p| p.live()),
+                    nodes.recs.get(parent).is_some_and(|p| p.live()),
                     "node {id}: dead parent"
                 );
                 children[parent] += 1;
             }
         }
-        for (i, node) in self.nodes.iter().enumerate() {
-            if !node.live() {
+        for (i, rec) in nodes.recs.iter().enumerate() {
+            if !rec.live() {
                 continue;
             }
+            let meta = &links.meta[i];
             ensure_invariant!(
-                node.children == children[i],
+                meta.children == children[i],
                 "node {i} counts {} children, has {}",
-                node.children,
+                meta.children,
                 children[i]
             );
             // No cycle: walking up ends within `live` steps.
-            let (mut up, mut steps) = (node.parent, 0);
-            while up != NIL {
+            let (mut up, mut steps) = (meta.parent, 0);
+            while up != NIL && up != UNKNOWN {
                 steps += 1;
                 ensure_invariant!(steps <= live, "node {i}: parent links cycle");
-                up = self.nodes[up as usize].parent;
+                up = links.meta[up as usize].parent;
             }
         }
         ensure_invariant!(
-            live == self.live,
+            live == nodes.live,
             "{} live nodes counted, {live} held",
-            self.live
+            nodes.live
         );
         ensure_invariant!(
-            entries == self.entries,
+            entries == nodes.entries,
             "{} entries counted, {entries} held",
-            self.entries
+            nodes.entries
         );
         ensure_invariant!(
-            speculative == self.speculative,
+            speculative == nodes.speculative,
             "{} speculative entries counted, {speculative} held",
-            self.speculative
+            nodes.speculative
         );
-        let (mut on_lru, mut last) = (0, 0u64);
-        for &(id, stamp) in &self.lru[self.lru_head..] {
-            ensure_invariant!(stamp > last, "LRU records out of stamp order");
-            last = stamp;
-            on_lru += usize::from(
-                self.nodes
-                    .get(id as usize)
-                    .is_some_and(|n| n.stamp == stamp),
+        // The LRU list: linked both ways, every node on it once, with entries.
+        let (mut on_lru, mut prev, mut at) = (0, NIL, links.head);
+        while at != NIL {
+            ensure_invariant!(
+                on_lru < with_entries + 1,
+                "the LRU list is longer than the nodes with entries (a cycle?)"
             );
+            let meta = &links.meta[at as usize];
+            ensure_invariant!(meta.prev == prev, "LRU node {at}: its back link");
+            ensure_invariant!(
+                nodes.recs[at as usize].has_entries(),
+                "LRU node {at} has no entries"
+            );
+            on_lru += 1;
+            prev = at;
+            at = meta.next;
         }
+        ensure_invariant!(links.tail == prev, "the LRU list's tail");
         ensure_invariant!(
-            on_lru == with_entries && on_lru == self.on_lru,
-            "{on_lru} current LRU records, {with_entries} nodes with entries, {} counted",
-            self.on_lru
+            on_lru == with_entries && on_lru == links.on_lru,
+            "{on_lru} nodes on the LRU, {with_entries} nodes with entries, {} counted",
+            links.on_lru
         );
         // Every slot of the sets is named by one live node's holders, or free, once.
-        let mut lists = vec![0u32; self.sets.lists.len()];
-        let mut bits = vec![0u32; self.sets.bits.len()];
-        for node in self.nodes.iter().filter(|n| n.live()) {
-            match node.holders.slot() {
+        let mut lists = vec![0u32; nodes.sets.lists.len()];
+        let mut bits = vec![0u32; nodes.sets.bits.len()];
+        for rec in nodes.recs.iter().filter(|r| r.live()) {
+            match rec.holders().slot() {
                 Some((false, at)) => lists[at as usize] += 1,
                 Some((true, at)) => bits[at as usize] += 1,
                 None => {}
             }
         }
-        for &at in &self.sets.free_lists {
+        for &at in &nodes.sets.free_lists {
             lists[at as usize] += 1;
         }
-        for &at in &self.sets.free_bits {
+        for &at in &nodes.sets.free_bits {
             bits[at as usize] += 1;
         }
         ensure_invariant!(
             lists.iter().chain(&bits).all(|&n| n == 1),
             "a holder set slot is named twice or lost"
         );
-        ensure_invariant!(
-            self.free.len() + self.live == self.nodes.len(),
-            "node slots: {} free + {} live != {}",
-            self.free.len(),
-            self.live,
-            self.nodes.len()
-        );
-        Ok(())
-    }
-}
-
-impl Tree {
-    /// Checks that this copy is node for node the same as `other` (the two copies of an index
-    /// once levelled): the same ids for the same hashes (the shared table relies on it), the
-    /// same links, holders, extras, stamps, free list, current LRU records and counts.
-    pub(crate) fn check_same_as(&self, other: &Tree) -> Result<()> {
-        ensure_invariant!(
-            self.nodes.len() == other.nodes.len(),
-            "copies have {} and {} node slots",
-            self.nodes.len(),
-            other.nodes.len()
-        );
-        for (i, (a, b)) in self.nodes.iter().zip(&other.nodes).enumerate() {
-            ensure_invariant!(a.flags == b.flags, "node {i}: flags differ between copies");
-            if !a.live() {
-                continue;
-            }
+        let mut free = vec![false; nodes.recs.len()];
+        for &id in &links.free {
             ensure_invariant!(
-                a.hash == b.hash
-                    && a.stamp == b.stamp
-                    && a.parent == b.parent
-                    && a.children == b.children,
-                "node {i}: hash, stamp or links differ between copies"
+                (id as usize) < free.len() && !free[id as usize] && !nodes.recs[id as usize].live(),
+                "free id {id} repeated, out of range or live"
             );
-            ensure_invariant!(
-                a.holders.slot() == b.holders.slot()
-                    && a.holders.iter(&self.sets).eq(b.holders.iter(&other.sets)),
-                "node {i}: holders differ between copies"
-            );
-            ensure_invariant!(
-                self.extras(i as u32) == other.extras(i as u32),
-                "node {i}: extras differ between copies"
-            );
+            free[id as usize] = true;
         }
         ensure_invariant!(
-            self.extras.len() == other.extras.len(),
-            "copies keep {} and {} extras lists",
-            self.extras.len(),
-            other.extras.len()
-        );
-        ensure_invariant!(self.free == other.free, "free lists differ between copies");
-        let current = |tree: &Tree| -> Vec<(u32, u64)> {
-            tree.lru[tree.lru_head..]
-                .iter()
-                .copied()
-                .filter(|&(id, stamp)| tree.nodes[id as usize].stamp == stamp)
-                .collect()
-        };
-        ensure_invariant!(
-            current(self) == current(other),
-            "current LRU records differ between copies"
-        );
-        ensure_invariant!(
-            (
-                self.live,
-                self.entries,
-                self.speculative,
-                self.on_lru,
-                self.tick,
-                self.width
-            ) == (
-                other.live,
-                other.entries,
-                other.speculative,
-                other.on_lru,
-                other.tick,
-                other.width
-            ),
-            "counts differ between copies"
-        );
-        ensure_invariant!(
-            self.sets.free_lists == other.sets.free_lists
-                && self.sets.free_bits == other.sets.free_bits,
-            "holder set free slots differ between copies"
+            links.free.len() + nodes.live == nodes.recs.len(),
+            "node slots: {} free + {} live != {}",
+            links.free.len(),
+            nodes.live,
+            nodes.recs.len()
         );
         Ok(())
     }

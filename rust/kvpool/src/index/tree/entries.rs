@@ -2,19 +2,19 @@
 //! confirmed, cleared and dropped; the counts `entries` and `speculative` follow each change
 //! (invariants in the parent module's doc).
 
-use super::{Entry, Tree, HAS_EXTRAS, PLAIN, SPECULATIVE};
+use super::{Entry, Holders, Tree, HAS_EXTRAS, PLAIN, SPECULATIVE};
 
-impl Tree {
+impl Tree<'_> {
     pub(super) fn extras_mut(&mut self, id: u32) -> &mut Vec<Entry> {
-        self.node_mut(id).flags |= HAS_EXTRAS;
-        self.extras.entry(id).or_default()
+        self.rec_mut(id).word |= HAS_EXTRAS;
+        self.nodes.extras.entry(id).or_default()
     }
 
     /// Drops node `id`'s extras if none are left.
     pub(super) fn tidy_extras(&mut self, id: u32) {
-        if self.extras.get(&id).is_some_and(|e| e.is_empty()) {
-            self.extras.remove(&id);
-            self.node_mut(id).flags &= !HAS_EXTRAS;
+        if self.nodes.extras.get(&id).is_some_and(|e| e.is_empty()) {
+            self.nodes.extras.remove(&id);
+            self.rec_mut(id).word &= !HAS_EXTRAS;
         }
     }
 
@@ -31,27 +31,41 @@ impl Tree {
         );
     }
 
+    /// Changes node `id`'s holder set by `change` (which says whether it changed it).
+    #[inline]
+    fn change_holders(
+        &mut self,
+        id: u32,
+        change: impl FnOnce(&mut Holders, usize, &mut super::Sets) -> bool,
+    ) -> bool {
+        let width = self.nodes.width;
+        let rec = &mut self.nodes.recs[id as usize];
+        let mut holders = rec.holders();
+        let changed = change(&mut holders, width, &mut self.nodes.sets);
+        if changed {
+            rec.set_holders(holders);
+            self.mark(id);
+        }
+        changed
+    }
+
     pub(super) fn insert_holder(&mut self, id: u32, location: u32) -> bool {
-        self.mark(id);
-        let node = &mut self.nodes[id as usize];
-        node.holders.insert(location, self.width, &mut self.sets)
+        self.change_holders(id, |h, width, sets| h.insert(location, width, sets))
     }
 
     #[inline]
     pub(super) fn remove_holder(&mut self, id: u32, location: u32) -> bool {
-        self.mark(id);
-        let node = &mut self.nodes[id as usize];
-        node.holders.remove(location, self.width, &mut self.sets)
+        self.change_holders(id, |h, width, sets| h.remove(location, width, sets))
     }
 
     /// Adds group bits `bits` of `location` to node `id`; a speculative bit there is
     /// confirmed (cleared). Returns whether the entry is new.
     #[inline]
     pub(crate) fn add_groups(&mut self, id: u32, location: u32, bits: u32) -> bool {
-        if bits == PLAIN && !self.nodes[id as usize].has_extras() {
+        if bits == PLAIN && !self.nodes.recs[id as usize].has_extras() {
             // The common case: a holder more (or again).
             let new = self.insert_holder(id, location);
-            self.entries += usize::from(new);
+            self.nodes.entries += usize::from(new);
             return new;
         }
         self.add_groups_slow(id, location, bits)
@@ -67,6 +81,7 @@ impl Tree {
             return false;
         }
         if let Ok(i) = self
+            .nodes
             .extras(id)
             .binary_search_by_key(&location, |e| e.location)
         {
@@ -74,7 +89,7 @@ impl Tree {
             let confirmed = entry.mask & SPECULATIVE != 0;
             entry.mask = (entry.mask | bits) & !SPECULATIVE;
             let plain = entry.mask == PLAIN;
-            self.speculative -= usize::from(confirmed);
+            self.nodes.speculative -= usize::from(confirmed);
             if plain {
                 self.extras_mut(id).remove(i);
                 self.tidy_extras(id);
@@ -87,7 +102,7 @@ impl Tree {
         } else {
             self.insert_extra(id, location, bits, 0.0);
         }
-        self.entries += 1;
+        self.nodes.entries += 1;
         true
     }
 
@@ -98,10 +113,11 @@ impl Tree {
             return false; // held for real: nothing to predict
         }
         if let Ok(i) = self
+            .nodes
             .extras(id)
             .binary_search_by_key(&location, |e| e.location)
         {
-            let held = self.extras(id)[i];
+            let held = self.nodes.extras(id)[i];
             if held.mask & !SPECULATIVE != 0 || expires <= held.expires {
                 return false;
             }
@@ -109,8 +125,8 @@ impl Tree {
             return true;
         }
         self.insert_extra(id, location, SPECULATIVE, expires);
-        self.entries += 1;
-        self.speculative += 1;
+        self.nodes.entries += 1;
+        self.nodes.speculative += 1;
         true
     }
 
@@ -128,8 +144,8 @@ impl Tree {
     ) -> u32 {
         if bits & PLAIN != 0 && self.remove_holder(id, location) {
             // The common case: a holder goes (a removed event of a plain location).
-            self.entries -= 1;
-            if !self.nodes[id as usize].has_entries() {
+            self.nodes.entries -= 1;
+            if !self.nodes.recs[id as usize].has_entries() {
                 self.collect(id);
             }
             return PLAIN;
@@ -146,12 +162,13 @@ impl Tree {
         only_expiring: Option<f64>,
     ) -> u32 {
         let Ok(i) = self
+            .nodes
             .extras(id)
             .binary_search_by_key(&location, |e| e.location)
         else {
             return 0;
         };
-        let held = self.extras(id)[i];
+        let held = self.nodes.extras(id)[i];
         let mut clear = bits & held.mask;
         if clear & SPECULATIVE != 0 && only_expiring.is_some_and(|t| t != held.expires) {
             clear &= !SPECULATIVE;
@@ -162,17 +179,17 @@ impl Tree {
         let left = held.mask & !clear;
         self.extras_mut(id)[i].mask = left;
         if clear & SPECULATIVE != 0 {
-            self.speculative -= 1;
+            self.nodes.speculative -= 1;
         }
         if left == 0 || left == PLAIN {
             self.extras_mut(id).remove(i);
             if left == PLAIN {
                 self.insert_holder(id, location);
             } else {
-                self.entries -= 1;
+                self.nodes.entries -= 1;
             }
             self.tidy_extras(id);
-            if !self.nodes[id as usize].has_entries() {
+            if !self.nodes.recs[id as usize].has_entries() {
                 self.collect(id);
             }
         }
@@ -184,23 +201,21 @@ impl Tree {
         let mut emptied = Vec::new();
         let mut dropped = 0;
         let mut speculative = 0;
-        for i in 0..self.nodes.len() {
+        for i in 0..self.nodes.recs.len() {
             let id = i as u32;
-            let node = &self.nodes[i];
-            if !node.live() || !node.has_entries() {
+            let rec = self.nodes.recs[i];
+            if !rec.live() || !rec.has_entries() {
                 continue;
             }
-            let hit = node.holders.iter(&self.sets).any(&drop)
-                || self.extras(id).iter().any(|e| drop(e.location));
+            let hit = rec.holders().iter(&self.nodes.sets).any(&drop)
+                || self.nodes.extras(id).iter().any(|e| drop(e.location));
             if !hit {
                 continue;
             }
-            self.mark(id);
-            let node = &mut self.nodes[i];
-            dropped += node
-                .holders
-                .retain(|l| !drop(l), self.width, &mut self.sets);
-            if self.nodes[i].has_extras() {
+            let before = rec.holders().len();
+            self.change_holders(id, |h, width, sets| h.retain(|l| !drop(l), width, sets) > 0);
+            dropped += before - self.nodes.recs[i].holders().len();
+            if self.nodes.recs[i].has_extras() {
                 let extras = self.extras_mut(id);
                 let before = extras.len();
                 extras.retain(|e| {
@@ -211,12 +226,12 @@ impl Tree {
                 dropped += before - extras.len();
                 self.tidy_extras(id);
             }
-            if !self.nodes[i].has_entries() {
+            if !self.nodes.recs[i].has_entries() {
                 emptied.push(id);
             }
         }
-        self.entries -= dropped;
-        self.speculative -= speculative;
+        self.nodes.entries -= dropped;
+        self.nodes.speculative -= speculative;
         for id in emptied {
             self.collect(id);
         }

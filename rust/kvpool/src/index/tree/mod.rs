@@ -3,42 +3,55 @@
 //! A location's entry at a node is a mask of the location's groups that hold the block, plus
 //! a speculative bit with its expiry. Most entries are exactly group bit 0 (a location with
 //! one full-attention group): those are kept as the node's [`Holders`], a set of location ids
-//! (an array or a bitset); every other entry (more groups, a speculative bit) is an "extra",
-//! kept sorted by location in a side map for the few nodes that have any. Nodes are plain
-//! data; a large holder set lives in the tree's [`Sets`]. A node also has its
-//! parent (from the chain the hash came in), a count of its children and its LRU stamp.
+//! (inline, an array or a bitset); every other entry (more groups, a speculative bit) is an
+//! "extra", kept sorted by location in a side map for the few nodes that have any.
 //!
-//! The hash -> id table is shared with the index's other copy (`table.rs`). A write keeps
-//! track of what it changes (the nodes, marked once each, the free list's and the LRU
-//! queue's ends, the nodes it deleted), so that the other copy is brought level by copying
-//! just that from this one ([`Tree::level_with`]) rather than doing the write again.
+//! The state is split by who reads it:
+//! - [`Nodes`], one per copy of the index (readers walk the published one): per node a
+//!   24-byte record ([`Rec`]: the hash, the packed holder set and two flags), the holder sets
+//!   too large to be inline, the extras, and the hash -> id table, which is shared with the
+//!   other copy (`table.rs`);
+//! - [`Links`], the writer's alone (readers never look at them, so there is one): per node its
+//!   parent, a count of its children and its place in the LRU list (16 bytes), the free ids
+//!   and what the current write changed.
+//!
+//! A write changes the unpublished copy's records through a [`Tree`] (the copy and the links
+//! together) and lists the records it changes, so that the other copy is brought level by
+//! copying just those from this one ([`Nodes::level_with`]) rather than doing the write again.
+//! Nodes deleted by a write keep their table entries until the other copy is level too.
 //!
 //! Invariants (checked by [`Tree::check`]):
 //! - a node is live iff it has an entry or a child (an emptied leaf is deleted at once, and its
-//!   parent reconsidered); the table finds every live node under its hash;
+//!   parent reconsidered); the table finds every live node under its hash; a free record is
+//!   all zero;
 //! - a location is a holder or an extra of a node, never both; extras have masks other than 0
 //!   and group bit 0 alone, sorted by location; `entries` and `speculative` count all entries
 //!   and those with the speculative bit;
 //! - `children` counts the live nodes whose parent it is; parent links have no cycle;
-//! - LRU: a node has a non-zero stamp iff it has entries; the queue (from `lru_head` on) holds
-//!   one record `(id, stamp)` per such node with its current stamp, in stamp order (oldest
-//!   first), plus stale records (a node touched again, or gone), dropped when they outnumber
-//!   the live ones (amortized O(1) per touch). Writers touch a chain deepest block first, so a parent is
-//!   newer than the children stored with it and eviction, which takes the oldest node with no
-//!   children, works from the chains' tails: a location that held a prefix-closed set still
-//!   does after an eviction.
+//! - LRU: the list (oldest first) holds exactly the nodes with entries. Writers touch a chain
+//!   deepest block first, so a parent is newer than the children stored with it and eviction,
+//!   which takes the oldest node with no children, works from the chains' tails: a location
+//!   that held a prefix-closed set still does after an eviction.
 
 mod check;
 mod entries;
+mod level;
 mod lru;
 
 use std::sync::Arc;
 
+use crate::index::chunked::Chunked;
 use crate::index::holders::{Holders, Sets, View};
 use crate::index::location::FixedState;
 use crate::index::table::{Probe, Table, Vacant};
 
 pub(crate) const NIL: u32 = u32::MAX;
+/// A parent not known yet (a node made for a parent hash before its own event came).
+pub(crate) const UNKNOWN: u32 = u32::MAX - 1;
+/// `Meta::prev` of a node that is not on the LRU list.
+const OFF: u32 = u32::MAX - 1;
+/// Node ids stay below this (the two values above are markers).
+const MAX_NODES: usize = (u32::MAX - 1) as usize;
 
 /// The bit of an entry's mask that marks a speculative entry (bits below it are groups).
 pub(crate) const SPECULATIVE: u32 = 1 << crate::index::event::MAX_GROUPS;
@@ -46,16 +59,9 @@ pub(crate) const SPECULATIVE: u32 = 1 << crate::index::event::MAX_GROUPS;
 /// The mask of a holder: group bit 0 alone.
 pub(crate) const PLAIN: u32 = 1;
 
-const LIVE: u8 = 1;
-const PARENT_KNOWN: u8 = 2;
-const HAS_EXTRAS: u8 = 4;
-
-/// A table rebuilt for growth or tombstones has room for this many times the live nodes (the
-/// rebuild, O(table), then comes after about that many inserts again).
-const REBUILD_ROOM: usize = 2;
-
-/// Stale LRU records tolerated beyond the live ones before the queue is compacted.
-const LRU_SLACK: usize = 1024;
+/// Record flag bits (above the 62 bits of the holder set).
+const LIVE: u64 = 1 << 62;
+const HAS_EXTRAS: u64 = 1 << 63;
 
 /// One location's entry in a node.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -75,50 +81,73 @@ impl Entry {
     }
 }
 
-/// A node (64 bytes, plain data: copies are `memcpy`s).
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct Node {
-    pub hash: u128,
-    /// LRU stamp; 0 when the node has no entries.
-    stamp: u64,
-    pub parent: u32,
-    pub children: u32,
-    pub holders: Holders,
-    /// The write that last changed it (see [`Tree::node_mut`]).
-    written: u32,
-    flags: u8,
+/// A node's record in one copy (24 bytes, plain data): what a reader needs of it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Rec {
+    lo: u64,
+    hi: u64,
+    /// The holder set (low 62 bits), [`LIVE`] and [`HAS_EXTRAS`].
+    word: u64,
 }
 
-const BLANK: Node = Node {
-    hash: 0,
-    stamp: 0,
-    parent: NIL,
-    children: 0,
-    holders: Holders::EMPTY,
-    written: 0,
-    flags: 0,
-};
+impl Rec {
+    #[inline]
+    pub(crate) fn hash(&self) -> u128 {
+        u128::from(self.hi) << 64 | u128::from(self.lo)
+    }
 
-impl Node {
-    /// Whether `parent` is known (a chain's first block has none); a node made for a parent
-    /// hash before its own event came has an unknown parent until that event links it.
-    pub(crate) fn parent_known(&self) -> bool {
-        self.flags & PARENT_KNOWN != 0
+    #[inline]
+    fn is(&self, hash: u128) -> bool {
+        self.lo == hash as u64 && self.hi == (hash >> 64) as u64
+    }
+
+    #[inline]
+    pub(crate) fn holders(&self) -> Holders {
+        Holders::from_word(self.word)
+    }
+
+    #[inline]
+    fn set_holders(&mut self, holders: Holders) {
+        self.word = self.word & !Holders::MASK | holders.word();
     }
 
     #[inline]
     pub(crate) fn has_extras(&self) -> bool {
-        self.flags & HAS_EXTRAS != 0
+        self.word & HAS_EXTRAS != 0
     }
 
     #[inline]
     fn live(&self) -> bool {
-        self.flags & LIVE != 0
+        self.word & LIVE != 0
     }
 
     #[inline]
     fn has_entries(&self) -> bool {
-        !self.holders.is_empty() || self.has_extras()
+        self.word & (Holders::MASK | HAS_EXTRAS) != 0
+    }
+}
+
+/// A node's links, the writer's own (16 bytes).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Meta {
+    /// The parent node, [`NIL`] for a chain's first block, [`UNKNOWN`] until known.
+    parent: u32,
+    children: u32,
+    /// The LRU neighbours (older, newer); `prev == OFF` when not on the list.
+    prev: u32,
+    next: u32,
+}
+
+const BLANK: Meta = Meta {
+    parent: UNKNOWN,
+    children: 0,
+    prev: OFF,
+    next: NIL,
+};
+
+impl Default for Meta {
+    fn default() -> Self {
+        BLANK
     }
 }
 
@@ -133,231 +162,91 @@ pub(crate) enum Parent {
     Node(u32),
 }
 
-/// What the last write changed, for [`Tree::level_with`].
+/// What the last write changed, for [`Nodes::level_with`].
 #[derive(Clone, Debug, Default)]
-struct Changes {
-    /// Nodes changed below `nodes_start` (each once: see [`Tree::node_mut`]); the nodes from
-    /// there on are new and copied whole.
+pub(crate) struct Changes {
+    /// Records changed below `nodes_start` (some maybe more than once); the records from there
+    /// on are new and copied whole.
     nodes: Vec<u32>,
     nodes_start: usize,
-    /// The free list's length at the write's start, and the least it had since.
-    free_low: usize,
-    /// The LRU queue's length at the write's start, and whether it was compacted since (then
-    /// it is copied whole).
-    lru_start: usize,
-    lru_compacted: bool,
-    /// The write counter wrapped: every node's `written` was reset.
-    wrapped: bool,
     /// Nodes deleted, with their hashes: their table entries go once no copy holds them.
     deleted: Vec<(u128, u32)>,
 }
 
-/// Nodes, the shared table, the extras and the LRU queue.
+/// One copy's nodes (see the module doc): what readers walk.
 #[derive(Clone)]
-pub(crate) struct Tree {
-    nodes: Vec<Node>,
-    free: Vec<u32>,
+pub(crate) struct Nodes {
+    recs: Chunked<Rec>,
     sets: Sets,
     table: Arc<Table>,
     extras: std::collections::HashMap<u32, Vec<Entry>, FixedState>,
-    /// LRU records; those before `lru_head` are popped.
-    lru: Vec<(u32, u64)>,
-    lru_head: usize,
-    tick: u64,
-    /// Nodes with entries (a current LRU record each).
-    on_lru: usize,
+    /// Live nodes.
     live: usize,
     pub entries: usize,
     pub speculative: usize,
     /// Words of a bitset over every known location (kept by the state as locations come).
     pub width: usize,
-    /// The current write's number (a node changed by it has `written == write`).
-    write: u32,
+}
+
+/// The writer's own state of the tree (see the module doc).
+#[derive(Clone, Debug)]
+pub(crate) struct Links {
+    meta: Chunked<Meta>,
+    free: Vec<u32>,
+    /// The LRU list's oldest and newest nodes.
+    head: u32,
+    tail: u32,
+    on_lru: usize,
     changes: Changes,
 }
 
-impl Tree {
-    /// An empty tree with room for `capacity` nodes (reserved and touched up front).
-    pub(crate) fn with_capacity(capacity: usize) -> Self {
-        let mut tree = Self {
-            nodes: Vec::new(),
-            free: Vec::new(),
+/// A write's view: one copy's nodes and the links.
+pub(crate) struct Tree<'a> {
+    pub(crate) nodes: &'a mut Nodes,
+    links: &'a mut Links,
+}
+
+impl Nodes {
+    /// An empty copy.
+    pub(crate) fn new() -> Self {
+        Self {
+            recs: Chunked::default(),
             sets: Sets::default(),
-            table: Arc::new(Table::with_capacity(capacity)),
+            table: Arc::new(Table::with_capacity(0)),
             extras: Default::default(),
-            lru: Vec::new(),
-            lru_head: 0,
-            tick: 0,
-            on_lru: 0,
             live: 0,
             entries: 0,
             speculative: 0,
             width: 0,
-            write: 1,
-            changes: Changes::default(),
-        };
-        tree.reserve(capacity);
-        tree
-    }
-
-    /// Reserves room for `capacity` nodes in this copy's own vectors, touching the pages (so
-    /// that a fresh index does not take its page faults during its first writes).
-    pub(crate) fn reserve(&mut self, capacity: usize) {
-        let more = capacity.saturating_sub(self.nodes.len());
-        if more == 0 {
-            return;
         }
-        let at = self.nodes.len();
-        self.nodes.resize(at + more, BLANK);
-        self.nodes.truncate(at);
-        // The queue holds up to about two records per node before it is compacted.
-        let at = self.lru.len();
-        self.lru.resize(at + capacity.saturating_mul(2), (NIL, 0));
-        self.lru.truncate(at);
-        self.changes.nodes.reserve(1024);
-    }
-
-    /// Starts tracking a write's changes (on the copy it writes).
-    pub(crate) fn begin_write(&mut self) {
-        self.write = self.write.wrapping_add(1);
-        self.changes.wrapped = self.write == 0;
-        if self.changes.wrapped {
-            // Once in 2^32 writes: no node may look changed by a write that has not run.
-            for node in &mut self.nodes {
-                node.written = 0;
-            }
-            self.write = 1;
-        }
-        let c = &mut self.changes;
-        c.nodes.clear();
-        c.deleted.clear();
-        c.nodes_start = self.nodes.len();
-        c.free_low = self.free.len();
-        c.lru_start = self.lru.len();
-        c.lru_compacted = false;
-    }
-
-    /// Brings this copy level with `source`, which was equal to it before its last write:
-    /// copies what that write changed (see `Changes`). The caller then drops the table
-    /// entries of the nodes deleted.
-    pub(crate) fn level_with(&mut self, source: &Tree) {
-        let c = &source.changes;
-        if c.wrapped {
-            for node in &mut self.nodes {
-                node.written = 0;
-            }
-        }
-        // This copy's nodes are cold (the other copy was written last): ask for them all
-        // before copying into any, so that their misses overlap.
-        for &id in &c.nodes {
-            if let Some(node) = self.nodes.get(id as usize) {
-                crate::index::table::prefetch(node);
-            }
-        }
-        let old = c.nodes_start;
-        self.nodes.extend_from_slice(&source.nodes[old..]);
-        for &id in &c.nodes {
-            let i = id as usize;
-            let had_extras = self.nodes[i].has_extras();
-            let node = source.nodes[i];
-            self.nodes[i] = node;
-            if had_extras || node.has_extras() || node.holders.slot().is_some() {
-                self.level_node(source, i, had_extras);
-            }
-        }
-        for i in old..self.nodes.len() {
-            if source.nodes[i].holders.slot().is_some() || source.nodes[i].has_extras() {
-                self.level_node(source, i, false);
-            }
-        }
-        // Slots made and freed within the write exist (empty) here too.
-        self.sets
-            .lists
-            .resize_with(source.sets.lists.len(), Vec::new);
-        self.sets.bits.resize_with(source.sets.bits.len(), Vec::new);
-        self.sets.free_lists.clone_from(&source.sets.free_lists);
-        self.sets.free_bits.clone_from(&source.sets.free_bits);
-        self.free.truncate(c.free_low);
-        self.free.extend_from_slice(&source.free[c.free_low..]);
-        if c.lru_compacted {
-            self.lru.clone_from(&source.lru);
-        } else {
-            self.lru.extend_from_slice(&source.lru[c.lru_start..]);
-        }
-        self.lru_head = source.lru_head;
-        self.tick = source.tick;
-        self.on_lru = source.on_lru;
-        self.live = source.live;
-        self.entries = source.entries;
-        self.speculative = source.speculative;
-        self.width = source.width;
-        self.write = source.write;
-        if !Arc::ptr_eq(&self.table, &source.table) {
-            self.table = Arc::clone(&source.table);
-        }
-    }
-
-    /// Copies what node `i` names outside the node (its set's slot, its extras) from `source`.
-    #[inline]
-    fn level_node(&mut self, source: &Tree, i: usize, had_extras: bool) {
-        let node = &source.nodes[i];
-        match node.holders.slot() {
-            Some((false, at)) => self.sets.copy_list(&source.sets, at),
-            Some((true, at)) => self.sets.copy_bits(&source.sets, at),
-            None => {}
-        }
-        let id = i as u32;
-        if node.has_extras() {
-            self.extras
-                .entry(id)
-                .or_default()
-                .clone_from(&source.extras[&id]);
-        } else if had_extras {
-            self.extras.remove(&id);
-        }
-    }
-
-    /// Nodes the current (or last) write changed.
-    pub(crate) fn changed(&self) -> usize {
-        self.changes.nodes.len() + self.nodes.len() - self.changes.nodes_start
-    }
-
-    /// The nodes the last write deleted, with their hashes.
-    pub(crate) fn deleted(&self) -> &[(u128, u32)] {
-        &self.changes.deleted
-    }
-
-    /// Tombstones the table entries of `deleted` nodes (a write's, see [`Tree::deleted`]) that
-    /// this copy does not hold (again): once no copy a reader can reach holds them (this copy
-    /// is the only one, or the other copy is level with it).
-    pub(crate) fn drop_deleted(&self, deleted: &[(u128, u32)]) {
-        for &(hash, id) in deleted {
-            self.table.remove(hash, id, |id| self.valid(id, hash));
-        }
-    }
-
-    /// Marks node `id` changed by this write (once).
-    #[inline]
-    fn mark(&mut self, id: u32) {
-        let node = &mut self.nodes[id as usize];
-        if node.written != self.write {
-            node.written = self.write;
-            if (id as usize) < self.changes.nodes_start {
-                self.changes.nodes.push(id);
-            }
-        }
-    }
-
-    /// Node `id`, to change: marks it changed by this write (once).
-    #[inline]
-    fn node_mut(&mut self, id: u32) -> &mut Node {
-        self.mark(id);
-        &mut self.nodes[id as usize]
     }
 
     /// Live nodes.
     pub(crate) fn len(&self) -> usize {
         self.live
+    }
+
+    /// Bytes this copy holds (capacity, not length), by part; the shared table once.
+    pub(crate) fn bytes(&self) -> [(&'static str, usize); 4] {
+        let lists: usize = self.sets.lists.iter().map(|l| l.capacity() * 4 + 24).sum();
+        let bits: usize = self.sets.bits.iter().map(|l| l.capacity() * 8 + 24).sum();
+        let extras: usize = self.extras.values().map(|e| e.capacity() * 24 + 40).sum();
+        [
+            ("records", self.recs.bytes()),
+            ("sets", lists + bits),
+            ("extras", extras),
+            ("table", self.table.bytes()),
+        ]
+    }
+
+    /// The hash table (shared with the other copy while both are level).
+    pub(crate) fn table(&self) -> &Arc<Table> {
+        &self.table
+    }
+
+    /// The ids of the live nodes.
+    pub(crate) fn ids(&self) -> impl Iterator<Item = u32> + '_ {
+        (0..self.recs.len() as u32).filter(|&id| self.recs[id as usize].live())
     }
 
     /// The live node of `hash`.
@@ -368,40 +257,32 @@ impl Tree {
 
     #[inline]
     fn valid(&self, id: u32, hash: u128) -> bool {
-        self.nodes
+        self.recs
             .get(id as usize)
-            .is_some_and(|n| n.live() && n.hash == hash)
+            .is_some_and(|r| r.live() && r.is(hash))
     }
 
     #[inline]
-    pub(crate) fn node(&self, id: u32) -> &Node {
-        &self.nodes[id as usize]
+    pub(crate) fn rec(&self, id: u32) -> &Rec {
+        &self.recs[id as usize]
     }
 
     /// The live node of `hash`, with its id.
     #[inline]
-    pub(crate) fn get(&self, hash: u128) -> Option<(u32, &Node)> {
-        self.find(hash).map(|id| (id, &self.nodes[id as usize]))
+    pub(crate) fn get(&self, hash: u128) -> Option<(u32, &Rec)> {
+        self.find(hash).map(|id| (id, &self.recs[id as usize]))
     }
 
     /// A node's holders, to read.
     #[inline]
-    pub(crate) fn holders<'a>(&'a self, node: &'a Node) -> View<'a> {
-        node.holders.view(&self.sets)
-    }
-
-    /// Whether `location` is a holder of node `id`.
-    #[inline]
-    fn holds(&self, id: u32, location: u32) -> bool {
-        self.nodes[id as usize]
-            .holders
-            .contains(location, &self.sets)
+    pub(crate) fn holders(&self, rec: &Rec) -> View<'_> {
+        rec.holders().view(&self.sets)
     }
 
     /// Node `id`'s entries other than its holders, sorted by location.
     #[inline]
     pub(crate) fn extras(&self, id: u32) -> &[Entry] {
-        if self.nodes[id as usize].has_extras() {
+        if self.recs[id as usize].has_extras() {
             self.extras.get(&id).map_or(&[], |e| &e[..])
         } else {
             &[]
@@ -410,9 +291,9 @@ impl Tree {
 
     /// Every entry of node `id`, sorted by location.
     pub(crate) fn entries_of(&self, id: u32) -> Vec<Entry> {
-        let node = &self.nodes[id as usize];
-        let mut out: Vec<Entry> = node
-            .holders
+        let rec = &self.recs[id as usize];
+        let mut out: Vec<Entry> = rec
+            .holders()
             .iter(&self.sets)
             .map(|location| Entry {
                 location,
@@ -424,22 +305,6 @@ impl Tree {
         if !extras.is_empty() {
             out.extend_from_slice(extras);
             out.sort_by_key(|e| e.location);
-        }
-        out
-    }
-
-    /// Live node ids in LRU order (oldest first), then the nodes without entries.
-    pub(crate) fn ids_in_order(&self) -> Vec<u32> {
-        let mut out = Vec::with_capacity(self.live);
-        for &(id, stamp) in &self.lru[self.lru_head..] {
-            if self.nodes[id as usize].stamp == stamp && stamp != 0 {
-                out.push(id);
-            }
-        }
-        for (i, node) in self.nodes.iter().enumerate() {
-            if node.live() && node.stamp == 0 {
-                out.push(i as u32);
-            }
         }
         out
     }
@@ -459,23 +324,131 @@ impl Tree {
     }
 
     /// Asks for the node the table names for `hash` without confirming it (see
-    /// [`Table::candidate`]); returns its id, a hint for [`Tree::get_hinted`].
+    /// [`Table::candidate`]); returns its id, a hint for [`Nodes::get_hinted`].
     #[inline]
     pub(crate) fn prefetch_candidate(&self, hash: u128) -> Option<u32> {
         let id = self.table.candidate(hash)?;
-        crate::index::table::prefetch(self.nodes.get(id as usize)?);
+        crate::index::table::prefetch(self.recs.get(id as usize)?);
         Some(id)
     }
 
-    /// [`Tree::get`], trying `hint` (a [`Tree::prefetch_candidate`] of `hash`, taken any time
+    /// [`Nodes::get`], trying `hint` (a [`Nodes::prefetch_candidate`] of `hash`, taken any time
     /// before on this copy) first: a live node of this copy with that hash is the one node of
     /// `hash` here, whatever the table holds now; otherwise the table is probed.
     #[inline]
-    pub(crate) fn get_hinted(&self, hash: u128, hint: Option<u32>) -> Option<(u32, &Node)> {
+    pub(crate) fn get_hinted(&self, hash: u128, hint: Option<u32>) -> Option<(u32, &Rec)> {
         match hint {
-            Some(id) if self.valid(id, hash) => Some((id, &self.nodes[id as usize])),
+            Some(id) if self.valid(id, hash) => Some((id, &self.recs[id as usize])),
             _ => self.get(hash),
         }
+    }
+}
+
+impl Default for Links {
+    fn default() -> Self {
+        Self {
+            meta: Chunked::default(),
+            free: Vec::new(),
+            head: NIL,
+            tail: NIL,
+            on_lru: 0,
+            changes: Changes::default(),
+        }
+    }
+}
+
+impl Links {
+    /// Starts tracking a write's changes; `nodes` is the number of node records.
+    pub(crate) fn begin_write(&mut self) {
+        let c = &mut self.changes;
+        c.nodes.clear();
+        c.deleted.clear();
+        c.nodes_start = self.meta.len();
+    }
+
+    /// Bytes the links hold (capacity).
+    pub(crate) fn bytes(&self) -> usize {
+        self.meta.bytes() + self.free.capacity() * 4
+    }
+
+    pub(crate) fn changes(&self) -> &Changes {
+        &self.changes
+    }
+
+    /// Records the current write changed.
+    pub(crate) fn changed(&self) -> usize {
+        self.changes.nodes.len() + self.meta.len() - self.changes.nodes_start
+    }
+
+    /// The nodes the last write deleted, with their hashes.
+    pub(crate) fn deleted(&self) -> &[(u128, u32)] {
+        &self.changes.deleted
+    }
+
+    /// Live node ids in LRU order (oldest first), then the nodes without entries by id.
+    pub(crate) fn ids_in_order(&self, nodes: &Nodes) -> Vec<u32> {
+        let mut out = Vec::with_capacity(nodes.live);
+        let mut at = self.head;
+        while at != NIL && out.len() <= self.meta.len() {
+            out.push(at);
+            at = self.meta[at as usize].next;
+        }
+        for (i, rec) in nodes.recs.iter().enumerate() {
+            if rec.live() && !rec.has_entries() {
+                out.push(i as u32);
+            }
+        }
+        out
+    }
+
+    /// Node `id`'s parent: `None` unknown, `Some(None)` a chain's first block.
+    pub(crate) fn parent(&self, id: u32) -> Option<Option<u32>> {
+        match self.meta[id as usize].parent {
+            UNKNOWN => None,
+            NIL => Some(None),
+            p => Some(Some(p)),
+        }
+    }
+}
+
+impl<'a> Tree<'a> {
+    pub(crate) fn new(nodes: &'a mut Nodes, links: &'a mut Links) -> Self {
+        Self { nodes, links }
+    }
+
+    /// Lists record `id` as changed by this write (ids from `nodes_start` on are new and
+    /// copied whole).
+    #[inline]
+    fn mark(&mut self, id: u32) {
+        if (id as usize) < self.links.changes.nodes_start {
+            self.links.changes.nodes.push(id);
+        }
+    }
+
+    /// Record `id`, to change: lists it.
+    #[inline]
+    fn rec_mut(&mut self, id: u32) -> &mut Rec {
+        self.mark(id);
+        &mut self.nodes.recs[id as usize]
+    }
+
+    #[inline]
+    fn meta(&mut self, id: u32) -> &mut Meta {
+        &mut self.links.meta[id as usize]
+    }
+
+    /// The live node of `hash`.
+    #[inline]
+    pub(crate) fn find(&self, hash: u128) -> Option<u32> {
+        self.nodes.find(hash)
+    }
+
+    /// Whether `location` is a holder of node `id`.
+    #[inline]
+    fn holds(&self, id: u32, location: u32) -> bool {
+        self.nodes.recs[id as usize]
+            .holders()
+            .contains(location, &self.nodes.sets)
     }
 
     /// Stores a run of consecutive blocks `hashes` at `location` under group bit `bits`, the
@@ -493,17 +466,18 @@ impl Tree {
     ) {
         ids.clear();
         // Room for the whole run (and a parent) first: no table rebuild inside the loop.
-        if self.table.needs_room_for(hashes.len() + 1) {
-            self.rebuild_table(REBUILD_ROOM * (self.live + hashes.len() + 1));
-        }
+        self.make_room(hashes.len() + 1);
         ids.reserve(hashes.len());
-        self.lru.reserve(hashes.len());
         let mut up = parent.map_or(Parent::Root, Parent::Hash);
         for hash in hashes {
             let hash = hash.0;
-            let id = match self.table.probe(hash, |id| self.valid(id, hash)) {
+            let id = match self
+                .nodes
+                .table
+                .probe(hash, |id| self.nodes.valid(id, hash))
+            {
                 Probe::Found(id) => {
-                    if !self.nodes[id as usize].parent_known() {
+                    if self.links.meta[id as usize].parent == UNKNOWN {
                         self.link_late(id, up);
                     }
                     self.add_groups(id, location, bits);
@@ -517,20 +491,10 @@ impl Tree {
                             Parent::Node(p) => p,
                             _ => NIL,
                         };
-                        let id = self.alloc_node(
-                            vacant,
-                            Node {
-                                hash,
-                                written: self.write,
-                                flags: LIVE | PARENT_KNOWN,
-                                parent,
-                                holders: Holders::one(location),
-                                ..BLANK
-                            },
-                        );
-                        self.entries += 1;
+                        let id = self.alloc_node(vacant, hash, Holders::one(location), parent);
+                        self.nodes.entries += 1;
                         if parent != NIL {
-                            self.node_mut(parent).children += 1;
+                            self.meta(parent).children += 1;
                         }
                         id
                     }
@@ -538,8 +502,8 @@ impl Tree {
                         let id = self.alloc_at(vacant, hash);
                         if bits == PLAIN {
                             // A new node's first holder.
-                            self.nodes[id as usize].holders = Holders::one(location);
-                            self.entries += 1;
+                            self.nodes.recs[id as usize].set_holders(Holders::one(location));
+                            self.nodes.entries += 1;
                         } else {
                             self.add_groups(id, location, bits);
                         }
@@ -552,9 +516,8 @@ impl Tree {
             up = Parent::Node(id);
         }
         for &id in ids.iter().rev() {
-            self.stamp(id);
+            self.touch(id);
         }
-        self.compact_lru();
     }
 
     /// The node of `hash`, created (without entries) if new. A new node, or a live one whose
@@ -563,7 +526,7 @@ impl Tree {
     pub(crate) fn get_or_create(&mut self, hash: u128, parent: Parent) -> u32 {
         match self.probe(hash) {
             Probe::Found(id) => {
-                if !self.nodes[id as usize].parent_known() {
+                if self.links.meta[id as usize].parent == UNKNOWN {
                     self.link_late(id, parent);
                 }
                 id
@@ -582,7 +545,7 @@ impl Tree {
         // `id` is new, so no node descends from it: the link closes no cycle.
         let parent_id = match parent {
             Parent::Root => {
-                self.nodes[id as usize].flags |= PARENT_KNOWN;
+                self.meta(id).parent = NIL;
                 return;
             }
             Parent::Node(p) => p,
@@ -591,25 +554,33 @@ impl Tree {
                 Probe::Vacant(vacant) => self.alloc_at(vacant, p),
             },
         };
-        let node = &mut self.nodes[id as usize];
-        node.flags |= PARENT_KNOWN;
-        node.parent = parent_id;
-        self.node_mut(parent_id).children += 1;
+        self.meta(id).parent = parent_id;
+        self.meta(parent_id).children += 1;
     }
 
     /// Where `hash` is in the table, making room first.
     #[inline]
     fn probe(&mut self, hash: u128) -> Probe {
-        if self.table.needs_room_for(1) {
-            self.rebuild_table(REBUILD_ROOM * (self.live + 1));
+        self.make_room(1);
+        self.nodes
+            .table
+            .probe(hash, |id| self.nodes.valid(id, hash))
+    }
+
+    /// Rebuilds the table first if `inserts` more would fill more than three quarters of its
+    /// slots (tombstones included): into one where the live nodes and the inserts take a
+    /// quarter to a half of the slots (then it grows to three quarters before the next).
+    #[inline]
+    fn make_room(&mut self, inserts: usize) {
+        if self.nodes.table.needs_room_for(inserts) {
+            self.nodes.rebuild_table(self.nodes.live + inserts);
         }
-        self.table.probe(hash, |id| self.valid(id, hash))
     }
 
     fn link_late(&mut self, id: u32, parent: Parent) {
         let found = match parent {
             Parent::Root => {
-                self.node_mut(id).flags |= PARENT_KNOWN;
+                self.meta(id).parent = NIL;
                 return;
             }
             Parent::Node(p) => Probe::Found(p),
@@ -618,11 +589,11 @@ impl Tree {
         if let Probe::Found(parent_id) = found {
             // Refuse a link under one of `id`'s own descendants (corrupt input only).
             let mut up = parent_id;
-            while up != NIL {
+            while up != NIL && up != UNKNOWN {
                 if up == id {
                     return;
                 }
-                up = self.nodes[up as usize].parent;
+                up = self.links.meta[up as usize].parent;
             }
         }
         let parent_id = match (found, parent) {
@@ -630,56 +601,46 @@ impl Tree {
             (Probe::Vacant(vacant), Parent::Hash(p)) => self.alloc_at(vacant, p),
             (Probe::Vacant(_), _) => return,
         };
-        let node = self.node_mut(id);
-        node.flags |= PARENT_KNOWN;
-        node.parent = parent_id;
-        self.node_mut(parent_id).children += 1;
+        self.meta(id).parent = parent_id;
+        self.meta(parent_id).children += 1;
     }
 
-    /// A new node for `hash`, entered in the table where a probe just made said.
+    /// A new node for `hash` (no entries, parent unknown), entered in the table where a probe
+    /// just made said.
     #[inline(always)]
     fn alloc_at(&mut self, vacant: Vacant, hash: u128) -> u32 {
-        let node = Node {
-            hash,
-            written: self.write,
-            flags: LIVE,
-            ..BLANK
-        };
-        self.alloc_node(vacant, node)
+        self.alloc_node(vacant, hash, Holders::EMPTY, UNKNOWN)
     }
 
-    /// A new node `node` (live, `written` by this write), entered in the table where a probe
-    /// of its hash just made said.
+    /// A new live node of `hash` with `holders` under `parent`, entered in the table where a
+    /// probe of its hash just made said. The caller counts the entries and the parent's child.
     #[inline(always)]
-    fn alloc_node(&mut self, vacant: Vacant, node: Node) -> u32 {
-        let id = match self.free.pop() {
+    fn alloc_node(&mut self, vacant: Vacant, hash: u128, holders: Holders, parent: u32) -> u32 {
+        let rec = Rec {
+            lo: hash as u64,
+            hi: (hash >> 64) as u64,
+            word: LIVE | holders.word(),
+        };
+        let meta = Meta { parent, ..BLANK };
+        let id = match self.links.free.pop() {
             Some(id) => {
-                self.changes.free_low = self.changes.free_low.min(self.free.len());
-                self.nodes[id as usize] = node;
-                if (id as usize) < self.changes.nodes_start {
-                    self.changes.nodes.push(id);
-                }
+                self.nodes.recs[id as usize] = rec;
+                self.links.meta[id as usize] = meta;
+                self.mark(id);
                 id
             }
             None => {
-                self.nodes.push(node);
-                (self.nodes.len() - 1) as u32
+                assert!(
+                    self.links.meta.len() < MAX_NODES,
+                    "index: node ids exhausted"
+                );
+                self.nodes.recs.push(rec);
+                self.links.meta.push(meta);
+                (self.links.meta.len() - 1) as u32
             }
         };
-        self.live += 1;
-        self.table.insert_at(vacant, id);
+        self.nodes.live += 1;
+        self.nodes.table.insert_at(vacant, id);
         id
-    }
-
-    /// Gives this copy a new table holding its live nodes, with room for `capacity` (the
-    /// other copy keeps the old one until it is brought level; see `table.rs`).
-    pub(crate) fn rebuild_table(&mut self, capacity: usize) {
-        let live = self
-            .nodes
-            .iter()
-            .enumerate()
-            .filter(|(_, n)| n.live())
-            .map(|(i, n)| (n.hash, i as u32));
-        self.table = Arc::new(Table::rebuilt(live, capacity.max(self.live)));
     }
 }
