@@ -13,35 +13,11 @@
 use std::sync::{Arc, Barrier};
 use std::time::Instant;
 
-use kv_index::{ChainBlockMap, ContentHash, SequenceHash, ShardedChainIndex, StoredBlock};
+use kv_index::{ChainBlockMap, ShardedChainIndex};
 use kvpool::{IndexConfig, IndexEvent, KVIndex};
 
-use crate::workload::{Event, Workload, BLOCK_SIZE, NONE};
-
-fn kvpool_batches(w: &Workload) -> Vec<(u64, Vec<IndexEvent>)> {
-    w.batches()
-        .map(|(instance, first, events)| {
-            let events = events
-                .iter()
-                .enumerate()
-                .map(|(i, e)| {
-                    let e = match e {
-                        Event::Stored { parent, blocks } => IndexEvent::stored(
-                            BLOCK_SIZE,
-                            (*parent != NONE).then(|| w.hash[*parent as usize]),
-                            blocks.iter().map(|&b| w.hash[b as usize]).collect(),
-                        ),
-                        Event::Removed { block } => {
-                            IndexEvent::removed(BLOCK_SIZE, vec![w.hash[*block as usize]])
-                        }
-                    };
-                    e.with_sequence(first + i as u64)
-                })
-                .collect();
-            (u64::from(instance), events)
-        })
-        .collect()
-}
+use crate::peers::kv_index::Op;
+use crate::workload::Workload;
 
 /// kvpool with `writers` shards, applied by `threads` threads; seconds.
 fn kvpool_apply(batches: &Arc<Vec<(u64, Vec<IndexEvent>)>>, writers: usize, threads: usize) -> f64 {
@@ -79,38 +55,7 @@ fn kvpool_apply(batches: &Arc<Vec<(u64, Vec<IndexEvent>)>>, writers: usize, thre
     time
 }
 
-enum KvOp {
-    Store(Option<SequenceHash>, Vec<StoredBlock>),
-    Remove(Vec<SequenceHash>),
-}
-
-fn kv_index_batches(w: &Workload) -> Vec<(u32, Vec<KvOp>)> {
-    let key = |b: u32| SequenceHash(w.hash[b as usize].0 as u64);
-    w.batches()
-        .map(|(instance, _, events)| {
-            let ops = events
-                .iter()
-                .map(|e| match e {
-                    Event::Stored { parent, blocks } => KvOp::Store(
-                        (*parent != NONE).then(|| key(*parent)),
-                        blocks
-                            .iter()
-                            .map(|&b| StoredBlock {
-                                seq_hash: key(b),
-                                content_hash: ContentHash(w.content[b as usize]),
-                            })
-                            .collect(),
-                    ),
-                    Event::Removed { block } => KvOp::Remove(vec![key(*block)]),
-                })
-                .collect();
-            (instance, ops)
-        })
-        .collect()
-}
-
-/// kv-index applied by `threads` threads (workers `i % threads`); seconds.
-fn kv_index_apply(batches: &Arc<Vec<(u32, Vec<KvOp>)>>, instances: usize, threads: usize) -> f64 {
+fn kv_index_apply(batches: &Arc<Vec<(u32, Vec<Op>)>>, instances: usize, threads: usize) -> f64 {
     const MAX_WORKERS: usize = 1024;
     let shards = instances.div_ceil(MAX_WORKERS);
     let index = Arc::new(ShardedChainIndex::new(shards, instances.min(MAX_WORKERS)));
@@ -144,10 +89,10 @@ fn kv_index_apply(batches: &Arc<Vec<(u32, Vec<KvOp>)>>, instances: usize, thread
                     let map = maps[*instance as usize].get_or_insert_with(ChainBlockMap::default);
                     for op in ops {
                         match op {
-                            KvOp::Store(parent, blocks) => {
+                            Op::Store(parent, blocks) => {
                                 let _ = index.apply_stored(worker, blocks, *parent, map);
                             }
-                            KvOp::Remove(hashes) => index.apply_removed(worker, hashes, map),
+                            Op::Remove(hashes) => index.apply_removed(worker, hashes, map),
                         }
                     }
                 }
@@ -186,8 +131,8 @@ fn median(mut v: Vec<f64>) -> f64 {
 /// Runs every configuration `rounds` times, interleaved; prints the table.
 pub fn run(w: &Workload, threads: &[usize], rounds: usize, peers: bool) {
     let events = w.events() as f64;
-    let kv_batches = Arc::new(kvpool_batches(w));
-    let ki_batches = Arc::new(kv_index_batches(w));
+    let kv_batches = Arc::new(crate::peers::kvpool::batches(w));
+    let ki_batches = Arc::new(crate::peers::kv_index::batches(w));
     // (label, writer threads, measure)
     type Measure<'a> = Box<dyn Fn() -> f64 + 'a>;
     let mut configs: Vec<(String, usize, Measure)> = Vec::new();

@@ -10,7 +10,8 @@ use kv_index::{ChainBlockMap, ContentHash, SequenceHash, ShardedChainIndex, Stor
 use super::{Answer, Index};
 use crate::workload::{Event, Workload, NONE};
 
-enum Op {
+/// One kv-index operation of an event.
+pub enum Op {
     Store(Option<SequenceHash>, Vec<StoredBlock>),
     Remove(Vec<SequenceHash>),
 }
@@ -31,29 +32,7 @@ const MAX_WORKERS: usize = 1024;
 
 impl KvIndex {
     pub fn new(w: &Workload) -> Self {
-        let key = |b: u32| SequenceHash(w.hash[b as usize].0 as u64);
-        let batches = w
-            .batches()
-            .map(|(instance, _, events)| {
-                let ops = events
-                    .iter()
-                    .map(|e| match e {
-                        Event::Stored { parent, blocks } => Op::Store(
-                            (*parent != NONE).then(|| key(*parent)),
-                            blocks
-                                .iter()
-                                .map(|&b| StoredBlock {
-                                    seq_hash: key(b),
-                                    content_hash: ContentHash(w.content[b as usize]),
-                                })
-                                .collect(),
-                        ),
-                        Event::Removed { block } => Op::Remove(vec![key(*block)]),
-                    })
-                    .collect();
-                (instance, ops)
-            })
-            .collect();
+        let batches = batches(w);
         let chains = w
             .chains
             .iter()
@@ -143,4 +122,30 @@ impl Index for KvIndex {
         out.sort_unstable();
         out
     }
+}
+
+/// The stream as kv-index operations per batch: (worker's instance, operations).
+pub fn batches(w: &Workload) -> Vec<(u32, Vec<Op>)> {
+    let key = |b: u32| SequenceHash(w.hash[b as usize].0 as u64);
+    w.batches()
+        .map(|(instance, _, events)| {
+            let ops = events
+                .iter()
+                .map(|e| match e {
+                    Event::Stored { parent, blocks } => Op::Store(
+                        (*parent != NONE).then(|| key(*parent)),
+                        blocks
+                            .iter()
+                            .map(|&b| StoredBlock {
+                                seq_hash: key(b),
+                                content_hash: ContentHash(w.content[b as usize]),
+                            })
+                            .collect(),
+                    ),
+                    Event::Removed { block } => Op::Remove(vec![key(*block)]),
+                })
+                .collect();
+            (instance, ops)
+        })
+        .collect()
 }

@@ -16,29 +16,7 @@ pub struct Kvpool {
 
 impl Kvpool {
     pub fn new(w: &Workload) -> Self {
-        let batches = w
-            .batches()
-            .map(|(instance, first, events)| {
-                let events = events
-                    .iter()
-                    .enumerate()
-                    .map(|(i, e)| {
-                        let e = match e {
-                            Event::Stored { parent, blocks } => IndexEvent::stored(
-                                BLOCK_SIZE,
-                                (*parent != NONE).then(|| w.hash[*parent as usize]),
-                                blocks.iter().map(|&b| w.hash[b as usize]).collect(),
-                            ),
-                            Event::Removed { block } => {
-                                IndexEvent::removed(BLOCK_SIZE, vec![w.hash[*block as usize]])
-                            }
-                        };
-                        e.with_sequence(first + i as u64)
-                    })
-                    .collect();
-                (u64::from(instance), events)
-            })
-            .collect();
+        let batches = batches(w);
         let chains = w
             .chains
             .iter()
@@ -110,4 +88,31 @@ impl Index for Kvpool {
     fn compact(&self) -> bool {
         true
     }
+}
+
+/// The stream as kvpool's `IndexEvent` batches: (instance, events numbered from the batch's
+/// first sequence number).
+pub fn batches(w: &Workload) -> Vec<(u64, Vec<IndexEvent>)> {
+    w.batches()
+        .map(|(instance, first, events)| {
+            let events = events
+                .iter()
+                .enumerate()
+                .map(|(i, e)| {
+                    let e = match e {
+                        Event::Stored { parent, blocks } => IndexEvent::stored(
+                            BLOCK_SIZE,
+                            (*parent != NONE).then(|| w.hash[*parent as usize]),
+                            blocks.iter().map(|&b| w.hash[b as usize]).collect(),
+                        ),
+                        Event::Removed { block } => {
+                            IndexEvent::removed(BLOCK_SIZE, vec![w.hash[*block as usize]])
+                        }
+                    };
+                    e.with_sequence(first + i as u64)
+                })
+                .collect();
+            (u64::from(instance), events)
+        })
+        .collect()
 }
