@@ -9,7 +9,7 @@ PIP := $(PY) -m pip install -q --disable-pip-version-check
 export VIRTUAL_ENV := $(abspath $(VENV))
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: run test build wheel wheel-from-sdist test-deps redis-server test-rust test-loom test-python test-vllm vllm-venv-kvpool test-models test-models-slow lint bench bench-index-peers clean
+.PHONY: run test build wheel wheel-from-sdist test-deps redis-server test-rust test-loom test-python test-vllm test-vllm-033 test-vllm-034 vllm-venv-kvpool vllm034-venv-kvpool test-models test-models-slow lint bench bench-index-peers clean
 
 $(PY):
 	@$(PYTHON) -m venv $(VENV)
@@ -92,29 +92,64 @@ test-loom:
 test-python: test-deps build
 	$(PY) -m pytest -q
 
-# kvpool under vLLM 0.33.0's real Scheduler, on CPU (tests/vllm). Its own venv: vllm
-# pins torch 2.14.0, whose CUDA build (with its nvidia-* wheels, about 9 GB) imports without a
-# GPU; uv installs it from PyPI in about a minute, once per machine (the stamp). kvpool goes in
-# with maturin develop (the warm cargo target of `make build`).
+# kvpool under the real Scheduler of both vLLM versions it supports (0.33.x, 0.34.x), on CPU
+# (tests/vllm): one venv each, .venv-vllm (0.33.0, which test-models uses too) and
+# .venv-vllm-034 (0.34.0). Both pin torch 2.14.0, whose CUDA build (with its nvidia-* wheels,
+# about 9 GB) imports without a GPU. uv installs each from PyPI in about a minute, once per
+# machine (the stamps), from its one cache (uv's default, ~/.cache/uv, or UV_CACHE_DIR): every
+# file is hardlinked from it, so the cache and both venvs take about 11 GB together (the second
+# venv 1.3 GB of its own), not 2 x 9 plus the cache. vLLM 0.34.0 pins flashinfer-python 0.7.3, which is not on PyPI: uv takes 0.7.4 instead
+# (tests/vllm/uv-overrides-034.txt; flashinfer is never imported on CPU). kvpool goes in with
+# maturin develop (the warm cargo target of `make build`).
 VLLM_VENV ?= .venv-vllm
+VLLM_VERSION ?= 0.33.0
 VLLM_STAMP := $(VLLM_VENV)/.vllm-stamp
+VLLM034_VENV ?= .venv-vllm-034
+VLLM034_VERSION ?= 0.34.0
+VLLM034_STAMP := $(VLLM034_VENV)/.vllm-stamp
+VLLM_TEST_ENV := VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1
+
+# $(call install_vllm,VENV,VERSION,more uv arguments): the venv, uv in it, vLLM and the test tools
+define install_vllm
+	@echo "== installing vllm==$(2) (torch 2.14.0) into $(1) with uv (about a minute; 9 GB, hardlinked from uv's cache)"
+	@$(PYTHON) -m venv $(1)
+	@$(1)/bin/python -m pip install -q --disable-pip-version-check uv >$(1)/install.log 2>&1 \
+		|| (cat $(1)/install.log >&2; exit 1)
+	@$(1)/bin/uv pip install -q --python $(1)/bin/python --link-mode hardlink "vllm==$(2)" $(3) \
+		"pytest>=8" xxhash "hypothesis>=6.100" "numpy>=1.24" >>$(1)/install.log 2>&1 \
+		|| (cat $(1)/install.log >&2; exit 1)
+	@touch $@
+endef
+
+# $(call install_kvpool,VENV): kvpool into a vLLM venv (maturin develop, the warm cargo target)
+define install_kvpool
+	@echo "== installing kvpool into $(1)"
+	@VIRTUAL_ENV=$(abspath $(1)) PATH=$(abspath $(1))/bin:$$PATH $(VENV)/bin/maturin develop --release \
+		>$(1)/build.log 2>&1 || (cat $(1)/build.log >&2; exit 1)
+endef
 
 $(VLLM_STAMP): $(RUN_DEPS)
-	@echo "== installing vllm==0.33.0 (torch 2.14.0) into $(VLLM_VENV) with uv (about a minute, 9 GB)"
-	@$(PYTHON) -m venv $(VLLM_VENV)
-	@$(VLLM_VENV)/bin/python -m pip install -q --disable-pip-version-check uv >$(VLLM_VENV)/install.log 2>&1 \
-		|| (cat $(VLLM_VENV)/install.log >&2; exit 1)
-	@$(VLLM_VENV)/bin/uv pip install -q --python $(VLLM_VENV)/bin/python "vllm==0.33.0" "pytest>=8" xxhash \
-		"hypothesis>=6.100" "numpy>=1.24" >>$(VLLM_VENV)/install.log 2>&1 || (cat $(VLLM_VENV)/install.log >&2; exit 1)
-	@touch $@
+	$(call install_vllm,$(VLLM_VENV),$(VLLM_VERSION))
+
+$(VLLM034_STAMP): $(RUN_DEPS) tests/vllm/uv-overrides-034.txt
+	$(call install_vllm,$(VLLM034_VENV),$(VLLM034_VERSION),--override tests/vllm/uv-overrides-034.txt)
 
 vllm-venv-kvpool: $(VLLM_STAMP)
-	@echo "== installing kvpool into $(VLLM_VENV)"
-	@VIRTUAL_ENV=$(abspath $(VLLM_VENV)) PATH=$(abspath $(VLLM_VENV))/bin:$$PATH $(VENV)/bin/maturin develop --release \
-		>$(VLLM_VENV)/build.log 2>&1 || (cat $(VLLM_VENV)/build.log >&2; exit 1)
+	$(call install_kvpool,$(VLLM_VENV))
 
-test-vllm: vllm-venv-kvpool
-	VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 $(VLLM_VENV)/bin/python -m pytest -q tests/vllm
+vllm034-venv-kvpool: $(VLLM034_STAMP)
+	$(call install_kvpool,$(VLLM034_VENV))
+
+# both versions, one after the other (each run prints its own pytest summary)
+test-vllm: test-vllm-033 test-vllm-034
+
+test-vllm-033: vllm-venv-kvpool
+	@echo "== tests/vllm under vLLM $(VLLM_VERSION) ($(VLLM_VENV))"
+	$(VLLM_TEST_ENV) $(VLLM_VENV)/bin/python -m pytest -q tests/vllm
+
+test-vllm-034: vllm034-venv-kvpool
+	@echo "== tests/vllm under vLLM $(VLLM034_VERSION) ($(VLLM034_VENV))"
+	$(VLLM_TEST_ENV) $(VLLM034_VENV)/bin/python -m pytest -q tests/vllm
 
 # ruff format decides the layout of every Python file (100 columns, pyproject.toml); mypy checks
 # the package and its stub ([tool.mypy]); clippy denies an unsafe block without `// SAFETY:`.
@@ -150,4 +185,4 @@ bench-index-peers:
 	cd benches/index_peers && cargo run --release --quiet -- $(ARGS)
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) target dist
+	rm -rf $(VENV) $(VLLM_VENV) $(VLLM034_VENV) target dist

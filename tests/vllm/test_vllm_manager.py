@@ -1,6 +1,9 @@
-"""kvpool.integrations.vllm.KVCacheManager against vLLM 0.33.0's own.
+"""kvpool.integrations.vllm.KVCacheManager against vLLM's own (0.33 or 0.34, whichever is
+installed).
 
-Skipped unless vLLM 0.33.0 is installed (``make test-vllm``). ``vllm_harness.drive`` makes the
+Skipped unless a supported vLLM is installed (``make test-vllm`` runs it under both). Every test
+runs at block sizes 16 (0.33's default) and 64 (0.34's), the memory of the differentials the same
+in tokens (``h.blocks``). ``vllm_harness.drive`` makes the
 sync Scheduler's exact calls on many requests at once (admission, chunked prefill, decode with
 lookahead, preemption, free, reset_prefix_cache) and checks that every hit block holds the KV of
 its tokens and that tables only grow. Three managers run each seeded trace:
@@ -23,27 +26,33 @@ difference is counted and printed, and the runs must agree up to the first one:
 
 from __future__ import annotations
 
-import importlib
 import importlib.metadata
-import sys
 
 import pytest
+from kvpool.integrations._vllm_versions import SUPPORTED, SUPPORTED_MINORS, version_of
 
 try:  # the installed distribution (tests/vllm itself would pass for a namespace package)
-    _FOUND = importlib.metadata.version("vllm").split("+")[0]
+    _FOUND = importlib.metadata.version("vllm")
 except importlib.metadata.PackageNotFoundError:
     _FOUND = None
-if _FOUND != "0.33.0":
-    pytest.skip(f"needs vLLM 0.33.0 (found {_FOUND}): make test-vllm", allow_module_level=True)
+if version_of(_FOUND or "") not in SUPPORTED_MINORS:
+    pytest.skip(f"needs vLLM{SUPPORTED} (found {_FOUND}): make test-vllm", allow_module_level=True)
 
 import vllm_harness as h  # noqa: E402  (imports vLLM: 15-25 s, once per process)
 
-BS = 16
+SIZES = sorted({16, 64, h.BS})  # h.BS: the installed version's default
+
+
+@pytest.fixture(
+    scope="module", params=SIZES, ids=[f"bs{b}{'-default' if b == h.BS else ''}" for b in SIZES]
+)
+def bs(request):
+    return request.param
 
 
 @pytest.fixture(scope="module")
-def hasher():
-    return h.block_hasher(BS)
+def hasher(bs):
+    return h.block_hasher(bs)
 
 
 def _cut(*steps):
@@ -65,10 +74,10 @@ def _differing(a, b):
     )
 
 
-def _drive_three(trace, num_blocks, hasher, **kw):
+def _drive_three(trace, num_blocks, hasher, bs, **kw):
     logs = {}
     for kind in ("kvpool", "vllm-r17", "vllm"):
-        manager = h.make_manager(kind, num_blocks, BS, events=True)
+        manager = h.make_manager(kind, h.blocks(num_blocks, bs), bs, events=True)
         check = (lambda m: m.check()) if kind == "kvpool" else None
         logs[kind] = h.drive(
             manager, trace, hasher=None if kind == "kvpool" else hasher, check=check, **kw
@@ -96,10 +105,10 @@ def _report(name, logs):
 
 
 @pytest.mark.parametrize("seed,lookahead", [(0, 0), (1, 2), (3, 0)])
-def test_differential_no_pressure(seed, lookahead, hasher):
+def test_differential_no_pressure(seed, lookahead, hasher, bs):
     trace = h.chat_trace(160, seed=seed)
-    logs = _drive_three(trace, 4096, hasher, lookahead=lookahead, reset_at=(6,))
-    _report(f"seed {seed}, lookahead {lookahead}, 4096 blocks", logs)
+    logs = _drive_three(trace, 4096, hasher, bs, lookahead=lookahead, reset_at=(6,))
+    _report(f"seed {seed}, lookahead {lookahead}, {h.blocks(4096, bs)} blocks of {bs}", logs)
     k, r, v = logs["kvpool"], logs["vllm-r17"], logs["vllm"]
     assert k.first_eviction_step is None and r.first_eviction_step is None
     assert k.resets == r.resets == v.resets == [False]  # requests hold blocks at step 6
@@ -124,10 +133,10 @@ def test_differential_no_pressure(seed, lookahead, hasher):
 
 
 @pytest.mark.parametrize("seed,num_blocks", [(0, 300), (2, 360)])
-def test_differential_memory_pressure(seed, num_blocks, hasher):
+def test_differential_memory_pressure(seed, num_blocks, hasher, bs):
     trace = h.chat_trace(160, seed=seed)
-    logs = _drive_three(trace, num_blocks, hasher, arrival_scale=0.5)
-    _report(f"seed {seed}, {num_blocks} blocks (pressure)", logs)
+    logs = _drive_three(trace, num_blocks, hasher, bs, arrival_scale=0.5)
+    _report(f"seed {seed}, {h.blocks(num_blocks, bs)} blocks of {bs} (pressure)", logs)
     k, r, v = logs["kvpool"], logs["vllm-r17"], logs["vllm"]
     assert k.first_eviction_step is not None and r.first_eviction_step is not None
     assert k.preemptions > 0 and r.preemptions > 0  # the trace does exercise preemption
@@ -139,16 +148,18 @@ def test_differential_memory_pressure(seed, num_blocks, hasher):
     assert k.steps[:cut_v] == v.steps[:cut_v]
 
 
-def test_prefix_cache_stats_and_events_are_vllms_types(hasher):
+def test_prefix_cache_stats_and_events_are_vllms_types(bs):
     from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch
     from vllm.v1.metrics.stats import PrefixCacheStats
 
-    manager = h.make_manager("kvpool", 64, BS, events=True)
+    # small enough to evict, big enough not to preempt (rounding to blocks of 64 costs more)
+    num_blocks = {16: 64, 64: 20}[bs]
+    manager = h.make_manager("kvpool", num_blocks, bs, events=True)
     trace = h.chat_trace(12, seed=5, system_prompt_len=200, user_mean=40, max_prompt_len=400)
     h.drive(manager, trace)
     stats = manager.make_prefix_cache_stats()
     assert isinstance(stats, PrefixCacheStats) and stats.requests == 0  # drained each step
-    manager = h.make_manager("kvpool", 64, BS, events=True)
+    manager = h.make_manager("kvpool", num_blocks, bs, events=True)
     seen = []
     original = manager.take_events
 
@@ -162,11 +173,11 @@ def test_prefix_cache_stats_and_events_are_vllms_types(hasher):
     assert log.stats_hits == log.hit_tokens > 0  # no preemption: every hit is counted
     stored = [e for e in seen if isinstance(e, BlockStored)]
     removed = [e for e in seen if isinstance(e, BlockRemoved)]
-    assert stored and removed  # 64 blocks: the trace evicts
+    assert stored and removed  # the trace evicts
     known: set[int] = set()
     for e in stored:
         assert e.medium == "GPU" and e.group_idx == 0 and e.kv_cache_spec_kind == "full_attention"
-        assert e.block_size == BS and len(e.token_ids) == BS * len(e.block_hashes)
+        assert e.block_size == bs and len(e.token_ids) == bs * len(e.block_hashes)
         assert all(isinstance(x, int) and 0 <= x < 2**64 for x in e.block_hashes)
         assert e.parent_block_hash is None or e.parent_block_hash in known
         known.update(e.block_hashes)
@@ -179,18 +190,19 @@ def test_prefix_cache_stats_and_events_are_vllms_types(hasher):
     )
 
 
-def test_cache_salt_and_lora_root_the_chain():
+def test_cache_salt_and_lora_root_the_chain(bs):
     from vllm.lora.request import LoRARequest
     from vllm.sampling_params import SamplingParams
     from vllm.v1.request import Request
 
-    manager = h.make_manager("kvpool", 64, BS)
+    manager = h.make_manager("kvpool", 64, bs)
     sp = SamplingParams(max_tokens=1)
-    prompt = list(range(100, 164))
+    prompt = list(range(100, 100 + 4 * bs))  # 4 blocks
 
     def admit_and_free(rid, skip_reading=False, **kw):
         r = Request(rid, prompt, sp, None, **kw)
-        r.skip_reading_prefix_cache = skip_reading  # what prompt-logprobs requests set
+        if skip_reading:
+            h.skip_reading(r)  # what prompt-logprobs requests set
         blocks, hit, _ = manager.get_computed_blocks(r)
         assert manager.allocate_slots(r, r.num_tokens - hit, hit, blocks) is not None
         r.num_computed_tokens = r.num_tokens
@@ -198,61 +210,61 @@ def test_cache_salt_and_lora_root_the_chain():
         return hit
 
     assert admit_and_free("a") == 0
-    assert admit_and_free("b") == 48  # R8: the last block is left to compute
+    assert admit_and_free("b") == 3 * bs  # R8: the last block is left to compute
     assert admit_and_free("c", cache_salt="tenant-1") == 0
-    assert admit_and_free("d", cache_salt="tenant-1") == 48
+    assert admit_and_free("d", cache_salt="tenant-1") == 3 * bs
     assert admit_and_free("e", lora_request=LoRARequest("adapter", 1, "/nowhere")) == 0
     assert admit_and_free("f", skip_reading=True) == 0  # vLLM's rule: no lookup for it
-    assert admit_and_free("g") == 48
+    assert admit_and_free("g") == 3 * bs
     manager.check()
 
 
-def test_get_computed_blocks_is_pure_and_allocation_all_or_nothing():
+def test_get_computed_blocks_is_pure_and_allocation_all_or_nothing(bs):
     from vllm.sampling_params import SamplingParams
     from vllm.v1.request import Request
 
-    manager = h.make_manager("kvpool", 9, BS)  # 8 usable blocks
+    manager = h.make_manager("kvpool", 9, bs)  # 8 usable blocks
     sp = SamplingParams(max_tokens=4)
-    big = Request("big", list(range(1, 200)), sp, None)  # 13 blocks: never fits
+    big = Request("big", list(range(1, 12 * bs + 7)), sp, None)  # 13 blocks: never fits
     before = manager.pool.stats()
     for _ in range(3):  # the Scheduler asks again every step
         blocks, hit, boundary = manager.get_computed_blocks(big)
         assert (hit, boundary) == (0, 0)
-        assert manager.allocate_slots(big, 64, hit, blocks, full_sequence_must_fit=True) is None
+        assert manager.allocate_slots(big, 4 * bs, hit, blocks, full_sequence_must_fit=True) is None
     assert (
         manager.pool.stats() == before
         and manager.get_blocks("big").get_block_ids(allow_none=True) is None
     )
     # without the whole-sequence gate the first chunk fits (4 blocks), then growth fails cleanly
-    new = manager.allocate_slots(big, 64, hit, blocks)
+    new = manager.allocate_slots(big, 4 * bs, hit, blocks)
     assert new is not None and len(new.get_block_ids()[0]) == 4 and 0 not in new.get_block_ids()[0]
-    big.num_computed_tokens = 64
-    assert manager.allocate_slots(big, 128) is None  # 8 more blocks: only 4 free
+    big.num_computed_tokens = 4 * bs
+    assert manager.allocate_slots(big, 8 * bs) is None  # 8 more blocks: only 4 free
     assert manager.get_block_ids("big") == (new.get_block_ids()[0],)
     manager.free(big)
     manager.check()
     assert manager.block_pool.get_num_free_blocks() == 8 and manager.reset_prefix_cache()
 
 
-def test_bad_input_and_unsupported_configs():
+def test_bad_input_and_unsupported_configs(bs):
     import torch
     from kvpool.integrations import vllm as kv_vllm
     from vllm.sampling_params import SamplingParams
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
     from vllm.v1.request import Request
 
-    manager = h.make_manager("kvpool", 32, BS)
+    manager = h.make_manager("kvpool", 32, bs)
     r = Request("r", list(range(1, 40)), SamplingParams(max_tokens=2), None)
     with pytest.raises(ValueError, match="num_new_tokens"):
         manager.allocate_slots(r, 0)
     with pytest.raises(NotImplementedError, match="num_external_computed_tokens"):
         manager.allocate_slots(r, 8, num_external_computed_tokens=16)
     assert manager.pool.stats()["num_used_blocks"] == 0
-    full = h.kv_cache_config(32, BS)
+    full = h.kv_cache_config(32, bs)
     sliding = SlidingWindowSpec(
-        block_size=BS, num_kv_heads=2, head_size=64, dtype=torch.bfloat16, sliding_window=128
+        block_size=bs, num_kv_heads=2, head_size=64, dtype=torch.bfloat16, sliding_window=128
     )
-    kwargs = dict(max_model_len=1024, scheduler_block_size=BS, hash_block_size=BS)
+    kwargs = dict(max_model_len=1024, scheduler_block_size=bs, hash_block_size=bs)
     hybrid = KVCacheConfig(
         num_blocks=32,
         kv_cache_tensors=[],
@@ -265,35 +277,33 @@ def test_bad_input_and_unsupported_configs():
         kv_vllm.KVCacheManager(kv_cache_config=hybrid, **kwargs)
     with pytest.raises(NotImplementedError, match="use_eagle"):
         kv_vllm.KVCacheManager(kv_cache_config=full, use_eagle=True, **kwargs)
-    with pytest.raises(ValueError, match="hash_block_size"):
+    with pytest.raises(ValueError, match="scheduler_block_size"):
         kv_vllm.KVCacheManager(
-            kv_cache_config=full, max_model_len=1024, scheduler_block_size=BS, hash_block_size=8
+            kv_cache_config=full,
+            max_model_len=1024,
+            scheduler_block_size=2 * bs,
+            hash_block_size=bs,
         )
 
 
-def test_import_names_the_found_and_required_versions(monkeypatch):
-    import vllm
-
-    module = sys.modules["kvpool.integrations.vllm"]
-    monkeypatch.setattr(vllm, "__version__", "0.32.1")
-    monkeypatch.delitem(sys.modules, "kvpool.integrations.vllm")
-    with pytest.raises(ImportError, match=r"vllm==0\.33\.0 only; found vllm 0\.32\.1"):
-        importlib.import_module("kvpool.integrations.vllm")
-    monkeypatch.setitem(sys.modules, "kvpool.integrations.vllm", module)
-
-
-def _scenario(kind, hasher):
+def _scenario(kind, hasher, bs):
     """The two by-design differences on four requests sharing a 64-token prefix P:
     step 1 admits A = P+a and B = P+b (same step); step 2 admits C = P+b+c while A and B run;
     then B is freed and D = P+b+d is admitted. Returns the hits of B, C and D."""
     from vllm.sampling_params import SamplingParams
     from vllm.v1.request import Request, RequestStatus
 
-    manager = h.make_manager(kind, 64, BS)
+    manager = h.make_manager(kind, 64, bs)
     sp = SamplingParams(max_tokens=4)
     prefix, a, b, c, d = (
         list(range(s, s + n))
-        for s, n in ((1000, 64), (2000, 16), (3000, 16), (4000, 16), (5000, 16))
+        for s, n in (
+            (1000, 4 * bs),
+            (2000 + bs, bs),
+            (3000 + bs, bs),
+            (4000 + bs, bs),
+            (5000 + bs, bs),
+        )
     )
     hashing = None if kind == "kvpool" else hasher
 
@@ -325,43 +335,45 @@ def _scenario(kind, hasher):
     return hit_b, hit_c, hit_d
 
 
-def test_by_design_differences_on_a_crafted_trace(hasher):
+def test_by_design_differences_on_a_crafted_trace(hasher, bs):
     # vLLM publishes A's blocks when it allocates them: B, admitted in the same step, hits P
     # before its KV exists; kvpool (R17) and vLLM publishing after compute do not.
-    assert _scenario("vllm", hasher)[0] == 64
-    assert _scenario("vllm-r17", hasher)[0] == _scenario("kvpool", hasher)[0] == 0
+    assert _scenario("vllm", hasher, bs)[0] == 4 * bs
+    assert _scenario("vllm-r17", hasher, bs)[0] == _scenario("kvpool", hasher, bs)[0] == 0
     # B recomputed P, a duplicate of A's published P (R9: first writer wins, no dedup), so
     # kvpool publishes B's block b only when B is released: C (P+b+c) hits P alone while B runs,
     # vLLM publishing after compute also hits b; once B is freed, D hits P+b in both.
-    assert _scenario("vllm-r17", hasher)[1:] == (80, 80)
-    assert _scenario("kvpool", hasher)[1:] == (64, 80)
+    assert _scenario("vllm-r17", hasher, bs)[1:] == (5 * bs, 5 * bs)
+    assert _scenario("kvpool", hasher, bs)[1:] == (4 * bs, 5 * bs)
 
 
 @pytest.mark.parametrize("events", [False, True])
-def test_blocks_a_decode_fills_are_published_before_the_next_lookup(events):
+def test_blocks_a_decode_fills_are_published_before_the_next_lookup(events, bs):
     """R17 as the manager publishes: a running request's filled block is published once its KV
     exists and before the next lookup, whether or not a lookup ran in the step that scheduled
     it (that lookup must neither see it nor forget it); with KV events, at the step's start."""
     from vllm.sampling_params import SamplingParams
     from vllm.v1.request import Request, RequestStatus
 
-    manager = h.make_manager("kvpool", 64, BS, events=events)
+    manager = h.make_manager("kvpool", 64, bs, events=events)
     sp = SamplingParams(max_tokens=8)
-    prompt = list(range(100, 130))  # 30 tokens: block 1 fills at the 32nd
+    prompt = list(range(100, 100 + 2 * bs - 2))  # block 1 fills at token 2 * bs
     running = Request("run", prompt, sp, None)
     manager.new_step_starts()
     blocks, hit, _ = manager.get_computed_blocks(running)
-    assert manager.allocate_slots(running, 30, hit, blocks) is not None
-    running.status, running.num_computed_tokens = RequestStatus.RUNNING, 30
+    assert manager.allocate_slots(running, len(prompt), hit, blocks) is not None
+    running.status, running.num_computed_tokens = RequestStatus.RUNNING, len(prompt)
     running.append_output_token_ids(7)  # the prefill's sampled token: 31 tokens
     manager.take_events()
     step = 0
-    while running.num_tokens < 33:  # decode steps; the one scheduling token 32 fills block 1
+    while (
+        running.num_tokens < 2 * bs + 1
+    ):  # decode steps; the one scheduling token 2 * bs fills block 1
         manager.new_step_starts()
         assert manager.allocate_slots(running, 1) is not None
         # a lookup in the step under way: the block's KV does not exist yet
         probe = Request(f"probe{step}", prompt + [7, 8, 9], sp, None)
-        assert manager.get_computed_blocks(probe)[1] == 16
+        assert manager.get_computed_blocks(probe)[1] == bs
         manager.free(probe)
         running.num_computed_tokens += 1  # the forward pass returns
         running.append_output_token_ids(8 + step)
@@ -370,7 +382,7 @@ def test_blocks_a_decode_fills_are_published_before_the_next_lookup(events):
     stored = [e for e in manager.take_events() if type(e).__name__ == "BlockStored"]
     assert bool(stored) == events  # with events: published at the step's start, events out
     later = Request("later", prompt + [7, 8, 9], sp, None)
-    assert manager.get_computed_blocks(later)[1] == 32  # both blocks: block 1's KV exists
+    assert manager.get_computed_blocks(later)[1] == 2 * bs  # both blocks: block 1's KV exists
     manager.check()
     manager.free(later)
     manager.free(running)

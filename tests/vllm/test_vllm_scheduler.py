@@ -1,6 +1,9 @@
-"""vLLM 0.33.0's real Scheduler and AsyncScheduler on kvpool's manager, on CPU.
+"""vLLM's real Scheduler and AsyncScheduler (0.33 or 0.34, whichever is installed) on kvpool's
+manager, on CPU.
 
-Skipped unless vLLM 0.33.0 is installed (``make test-vllm``). The Scheduler is built from a
+Skipped unless a supported vLLM is installed (``make test-vllm`` runs it under both). The runs
+use the block size the installed version's defaults pick (``h.BS``: 16 in 0.33, 64 in 0.34);
+the schedule comparisons run at the other size too, the memory the same in tokens. The Scheduler is built from a
 written config.json (no hub, no weights) and fed fake ``ModelRunnerOutput``s
 (``vllm_harness.run_scheduler``); kvpool's manager goes in through ``scheduler_cls``, the route
 of ``--scheduler-cls kvpool.integrations.vllm.Scheduler``. Every run ends with no leaked block and
@@ -16,27 +19,40 @@ from __future__ import annotations
 import importlib.metadata
 
 import pytest
+from kvpool.integrations._vllm_versions import SUPPORTED, SUPPORTED_MINORS, version_of
 
 try:  # the installed distribution (tests/vllm itself would pass for a namespace package)
-    _FOUND = importlib.metadata.version("vllm").split("+")[0]
+    _FOUND = importlib.metadata.version("vllm")
 except importlib.metadata.PackageNotFoundError:
     _FOUND = None
-if _FOUND != "0.33.0":
-    pytest.skip(f"needs vLLM 0.33.0 (found {_FOUND}): make test-vllm", allow_module_level=True)
+if version_of(_FOUND or "") not in SUPPORTED_MINORS:
+    pytest.skip(f"needs vLLM{SUPPORTED} (found {_FOUND}): make test-vllm", allow_module_level=True)
 
 import vllm_harness as h  # noqa: E402  (imports vLLM: 15-25 s, once per process)
+
+BS = h.BS
+SIZES = sorted({16, 64, BS})
+SIZE_IDS = [f"bs{b}{'-default' if b == BS else ''}" for b in SIZES]
+_HASHERS: dict[int, object] = {}
+
+
+def hasher_for(bs):
+    if bs not in _HASHERS:
+        _HASHERS[bs] = h.block_hasher(bs)
+    return _HASHERS[bs]
 
 
 @pytest.fixture(scope="module")
 def hasher():
-    return h.block_hasher(16)
+    return hasher_for(BS)
 
 
-def _three(trace, hasher, num_blocks, **kw):
+def _three(trace, hasher, num_blocks, bs=BS, **kw):
+    """The three managers under the real Scheduler; ``num_blocks`` in blocks of 16 tokens."""
     runs, managers = {}, {}
     scale = kw.pop("arrival_scale", 1.0)
     for kind in ("kvpool", "vllm-r17", "vllm"):
-        scheduler, config = h.build_scheduler(kind, num_blocks, **kw)
+        scheduler, config = h.build_scheduler(kind, h.blocks(num_blocks, bs), block_size=bs, **kw)
         managers[kind] = type(scheduler.kv_cache_manager).__module__
         runs[kind] = h.run_scheduler(
             scheduler,
@@ -89,11 +105,12 @@ def _assert_same_or_hit_first(a, b):
     )
 
 
-def test_scheduler_light_load_identical(hasher):
+@pytest.mark.parametrize("bs", SIZES, ids=SIZE_IDS)
+def test_scheduler_light_load_identical(bs):
     # no memory pressure, and (seeded, deterministic) no R9 duplicate: nothing by design differs
     trace = h.chat_trace(120, seed=2)
-    runs = _three(trace, hasher, 4096)
-    _report("sync Scheduler, 4096 blocks", runs)
+    runs = _three(trace, hasher_for(bs), 4096, bs)
+    _report(f"sync Scheduler, {h.blocks(4096, bs)} blocks of {bs}", runs)
     assert runs["kvpool"].records == runs["vllm-r17"].records
     assert runs["kvpool"].hits == runs["vllm-r17"].hits > 0
     _assert_same_or_hit_first(runs["kvpool"], runs["vllm"])
@@ -101,16 +118,18 @@ def test_scheduler_light_load_identical(hasher):
 
 def test_scheduler_denser_trace_parts_at_a_hit(hasher):
     runs = _three(h.chat_trace(160, seed=2), hasher, 4096)
-    _report("sync Scheduler, 4096 blocks, 160 requests", runs)
+    _report(f"sync Scheduler, {h.blocks(4096, BS)} blocks of {BS}, 160 requests", runs)
     _assert_same_or_hit_first(runs["kvpool"], runs["vllm-r17"])
     _assert_same_or_hit_first(runs["kvpool"], runs["vllm"])
 
 
+@pytest.mark.parametrize("bs", SIZES, ids=SIZE_IDS)
 @pytest.mark.parametrize("async_", [False, True], ids=["sync", "async"])
-def test_scheduler_dense_pressure_and_async(async_, hasher):
+def test_scheduler_dense_pressure_and_async(async_, bs):
     trace = h.chat_trace(200, seed=4)
-    runs = _three(trace, hasher, 400, arrival_scale=0.3, async_=async_)
-    _report(f"{'AsyncScheduler' if async_ else 'Scheduler'}, 400 blocks, dense arrivals", runs)
+    runs = _three(trace, hasher_for(bs), 400, bs, arrival_scale=0.3, async_=async_)
+    name = "AsyncScheduler" if async_ else "Scheduler"
+    _report(f"{name}, {h.blocks(400, bs)} blocks of {bs}, dense arrivals", runs)
     assert runs["kvpool"].preemptions > 0
     _assert_same_or_hit_first(runs["kvpool"], runs["vllm-r17"])
     _assert_same_or_hit_first(runs["vllm-r17"], runs["vllm"])
@@ -118,7 +137,7 @@ def test_scheduler_dense_pressure_and_async(async_, hasher):
 
 def test_scheduler_publishes_vllm_kv_events(hasher):
     trace = h.chat_trace(30, seed=6)
-    scheduler, config = h.build_scheduler("kvpool", 200, events=True)
+    scheduler, config = h.build_scheduler("kvpool", h.blocks(200, BS), block_size=BS, events=True)
     kinds: dict[str, int] = {}
 
     def publish(batch):
@@ -138,7 +157,7 @@ def test_install_puts_kvpool_under_every_scheduler_built_after(monkeypatch):
 
     monkeypatch.setattr(sched_module, "KVCacheManager", sched_module.KVCacheManager)  # undone after
     kv_vllm.install()  # the documented one line
-    scheduler, config = h.build_scheduler("vllm", 256)  # vLLM's own Scheduler class
+    scheduler, config = h.build_scheduler("vllm", h.blocks(256, BS), block_size=BS)  # vLLM's own
     assert isinstance(scheduler.kv_cache_manager, kv_vllm.KVCacheManager)
     trace = h.chat_trace(20, seed=7)
     assert h.run_scheduler(scheduler, config, trace, arrival_scale=0.5).finished == len(trace)
@@ -156,12 +175,12 @@ def test_kvpool_scheduler_spares_the_engine_core_vllms_unused_hashing(hasher):
 
     class EngineCore:  # EngineCore.__init__'s order: the Scheduler, then the hasher
         def __init__(self, kind):
-            self.scheduler, self.config = h.build_scheduler(kind, 1024)
+            self.scheduler, self.config = h.build_scheduler(kind, h.blocks(1024, BS), block_size=BS)
             self.request_block_hasher = engine_core.get_request_block_hasher(
-                16, get_hash_fn_by_name("sha256"), 0
+                BS, get_hash_fn_by_name("sha256"), 0
             )
 
-    prompt = list(range(100, 164))  # 4 full blocks
+    prompt = list(range(100, 100 + 4 * BS))  # 4 full blocks
     params = SamplingParams(max_tokens=4)
     ours, theirs = EngineCore("kvpool"), EngineCore("vllm")  # kvpool's first: the switch is on
     assert engine_core.get_request_block_hasher is kv_vllm._request_block_hasher
@@ -175,7 +194,7 @@ def test_kvpool_scheduler_spares_the_engine_core_vllms_unused_hashing(hasher):
     assert theirs_hashes == Request("c", prompt, params, None, block_hasher=hasher).block_hashes
     assert len(theirs_hashes) == 4
     # not called from an engine core: vLLM's own factory
-    plain = engine_core.get_request_block_hasher(16, get_hash_fn_by_name("sha256"), 0)
+    plain = engine_core.get_request_block_hasher(BS, get_hash_fn_by_name("sha256"), 0)
     assert len(Request("d", prompt, params, None, block_hasher=plain).block_hashes) == 4
     # kvpool's Scheduler still schedules and hits with requests that carry no vLLM hashes
     trace = h.chat_trace(12, seed=3)

@@ -1,4 +1,4 @@
-"""Shared by tests/vllm and benches/vllm_bench.py: vLLM 0.33.0 on CPU, both managers, traces.
+"""Shared by tests/vllm and benches/vllm_bench.py: vLLM 0.33 or 0.34 on CPU, both managers, traces.
 
 Importing this module imports vLLM (15-25 s): callers check ``vllm_available()`` first. It sets
 ``VLLM_TARGET_DEVICE=cpu`` and ``HF_HUB_OFFLINE=1`` (no hub, no GPU).
@@ -13,6 +13,10 @@ Importing this module imports vLLM (15-25 s): callers check ``vllm_available()``
   on many requests at once, with a fake KV store that checks every hit block holds the KV of the
   tokens it stands for and that tables only grow. Returns a log to compare.
 - ``build_scheduler`` / ``run_scheduler``: vLLM's real Scheduler on a written config.json.
+- ``BS``: the block size the installed version's defaults pick (16 in 0.33, 64 in 0.34);
+  ``blocks(n)``: ``n`` blocks of 16 tokens as blocks of another size (the same memory);
+  ``skip_reading(request)``: mark a request as one that must not read the cache (each version's
+  attribute).
 """
 
 from __future__ import annotations
@@ -27,18 +31,27 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-REQUIRED = "0.33.0"
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
-def vllm_available() -> bool:
-    """Whether vLLM 0.33.0 is installed (without importing it)."""
+def installed_version() -> tuple[int, int] | None:
+    """The installed vLLM's ``(major, minor)``, or None (without importing it)."""
+    from kvpool.integrations._vllm_versions import version_of
+
     try:
-        return importlib.metadata.version("vllm").split("+")[0] == REQUIRED
+        return version_of(importlib.metadata.version("vllm"))
     except importlib.metadata.PackageNotFoundError:
-        return False
+        return None
+
+
+def vllm_available() -> bool:
+    """Whether a vLLM that kvpool's drop-in supports (0.33.x, 0.34.x) is installed (without
+    importing it)."""
+    from kvpool.integrations._vllm_versions import SUPPORTED_MINORS
+
+    return installed_version() in SUPPORTED_MINORS
 
 
 import kvpool  # noqa: E402
@@ -53,6 +66,48 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCache
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
 
 VOCAB = 32000
+VERSION = installed_version()
+VLLM_034 = VERSION == (0, 34)
+if VLLM_034:
+    # 0.34's CPU platform refuses to build a config on x86 without triton-cpu (0.33 warned);
+    # PyPI's wheel brings CUDA's triton, which has no CPU driver. Nothing here runs a kernel
+    # (configs, Schedulers and managers only), so the check is told Triton is there.
+    import vllm.triton_utils as _triton_utils
+
+    _triton_utils.HAS_TRITON = True
+
+
+def default_block_size() -> int:
+    """The block size vLLM's config resolves when none is given (the version's default), for
+    the full-attention model of ``model_dir``."""
+    from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+
+    config = VllmConfig(
+        model_config=ModelConfig(model=model_dir(), skip_tokenizer_init=True, max_model_len=8192),
+        cache_config=CacheConfig(enable_prefix_caching=True),
+        scheduler_config=SchedulerConfig(
+            max_num_batched_tokens=512,
+            max_num_seqs=32,
+            max_model_len=8192,
+            is_encoder_decoder=False,
+        ),
+    )
+    return config.cache_config.block_size
+
+
+def blocks(n16: int, block_size: int) -> int:
+    """``n16`` blocks of 16 tokens as blocks of ``block_size`` tokens (the same memory)."""
+    return n16 * 16 // block_size
+
+
+def skip_reading(request: Request) -> Request:
+    """Mark ``request`` as one that must not read the prefix cache (what prompt-logprobs
+    requests set): 0.33's ``skip_reading_prefix_cache``, 0.34's ``prefix_cache_hit_limit`` 0."""
+    if VLLM_034:
+        request.prefix_cache_hit_limit = 0
+    else:
+        request.skip_reading_prefix_cache = True
+    return request
 
 
 # ---------------------------------------------------------------------------------- traces
@@ -418,6 +473,9 @@ def model_dir() -> str:
     return _MODEL_DIR[0]
 
 
+BS = default_block_size()  # 16 under vLLM 0.33, 64 under 0.34
+
+
 def build_scheduler(
     manager: str,
     num_blocks: int,
@@ -429,9 +487,12 @@ def build_scheduler(
     async_: bool = False,
     events: bool = False,
     hash_algo: str = "sha256",
+    scheduler_options: dict | None = None,
 ):
     """vLLM's real Scheduler (or AsyncScheduler); ``manager`` "vllm" or "kvpool" (kvpool's
-    installed through ``scheduler_cls``, the route ``--scheduler-cls`` takes)."""
+    installed through ``scheduler_cls``, the route ``--scheduler-cls`` takes).
+    ``scheduler_options``: more ``SchedulerConfig`` fields (0.34's
+    ``cache_aware_admission_window``, ...)."""
     from vllm.config import CacheConfig, KVEventsConfig, ModelConfig, SchedulerConfig, VllmConfig
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
     from vllm.v1.core.sched.scheduler import Scheduler  # noqa: F401 (cls below)
@@ -446,6 +507,7 @@ def build_scheduler(
         max_num_seqs=max_seqs,
         max_model_len=max_model_len,
         is_encoder_decoder=False,
+        **(scheduler_options or {}),
     )
     kv_events = KVEventsConfig(enable_kv_cache_events=True, publisher="null") if events else None
     config = VllmConfig(
@@ -545,11 +607,10 @@ def run_scheduler(
                 i = sampled[rid]
                 sampled[rid] += 1
                 tokens.append([answers[rid][i] if i < len(answers[rid]) else 0])
+            rows = {} if VLLM_034 else {"req_id_to_index": {r: i for i, r in enumerate(ids)}}
             mro = ModelRunnerOutput(
-                req_ids=ids,
-                req_id_to_index={r: i for i, r in enumerate(ids)},
-                sampled_token_ids=tokens,
-            )
+                req_ids=ids, sampled_token_ids=tokens, **rows
+            )  # (0.34: no index)
             cached = so.scheduled_cached_reqs
             run.records.append(
                 (  # block counts, not ids: which free block comes is the allocator's

@@ -4,8 +4,8 @@ Each engine has its own module, imported on its own (it imports that engine, if 
 
 * :mod:`kvpool.integrations.nanovllm`: ``BlockManager(num_blocks, block_size)``, nano-vllm's
   block-manager interface on nano-vllm's own ``Sequence`` objects;
-* :mod:`kvpool.integrations.vllm`: ``KVCacheManager``, vLLM 0.33.0's KV cache manager under its
-  real Scheduler (``kvpool.integrations.vllm.install()``).
+* :mod:`kvpool.integrations.vllm`: ``KVCacheManager``, vLLM's KV cache manager (0.33.x, 0.34.x)
+  under its real Scheduler (``kvpool.integrations.vllm.install()``).
 
 docs/integrations.md shows the swap for each.
 """

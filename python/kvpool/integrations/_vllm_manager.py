@@ -1,8 +1,9 @@
-"""``KVCacheManager``: kvpool's pool as vLLM 0.33.0's KV cache manager.
+"""``KVCacheManager``: kvpool's pool as vLLM 0.33's and 0.34's KV cache manager.
 
 The class behind ``kvpool.integrations.vllm``, whose module doc states what it keeps and what
 it covers; that module checks the vLLM version and puts the manager under vLLM's Scheduler
-(``install``, ``Scheduler``). Import ``kvpool.integrations.vllm``, not this module.
+(``install``, ``Scheduler``); ``_vllm_versions`` has what differs between the versions. Import
+``kvpool.integrations.vllm``, not this module.
 """
 
 from __future__ import annotations
@@ -11,15 +12,16 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from vllm import envs
-from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig
 from vllm.v1.metrics.stats import PrefixCacheStats
 from vllm.v1.request import Request, RequestStatus
 
-from kvpool._core import BlockManagerPool, InvariantError, KVEvent
+from kvpool._core import BlockManagerPool, InvariantError
 from kvpool._core import Sequence as PoolSequence
+from kvpool.integrations._vllm_events import KIND, vllm_event
+from kvpool.integrations._vllm_versions import hit_unbounded, reads_cache, token_ids
 from kvpool.integrations._vllm_views import (
     PoolBlocks,
     _BlockPoolView,
@@ -32,10 +34,6 @@ from kvpool.integrations._vllm_views import (
 
 __all__ = ["KVCacheManager"]
 
-_MEDIUM = "GPU"
-_KIND = "full_attention"
-
-
 _NO_COPIES: tuple[tuple[()], tuple[()]] = ((), ())  # take_kv_cache_block_copies: nothing to copy
 
 
@@ -44,17 +42,20 @@ def _unsupported(what: str) -> NotImplementedError:
 
 
 class KVCacheManager:
-    """vLLM 0.33.0's ``KVCacheManager`` interface on ``kvpool.BlockManagerPool`` (module doc).
+    """vLLM 0.33's and 0.34's ``KVCacheManager`` interface on ``kvpool.BlockManagerPool`` (module
+    doc; the differences between the versions: ``_vllm_versions``).
 
     Parameters
     ----------
     kv_cache_config : vllm.v1.kv_cache_interface.KVCacheConfig
         One full-attention group; ``num_blocks`` (null block 0 included) becomes the pool's
-        ``num_blocks`` (padding block 0 included).
+        ``num_blocks`` (padding block 0 included). Its ``prefix_cache_retention_interval`` must
+        be 0 or None (both mean every full block is kept, for full attention).
     max_model_len : int
         Tables never hold more tokens.
     scheduler_block_size, hash_block_size : int
-        Both must equal the group's block size (one group, no DCP).
+        Both must equal the group's block size (one group, no DCP): ``hash_block_size`` is
+        vLLM's ``prefix_match_unit``, and hits inside a block (partial hash hits) are refused.
     max_in_flight_tokens, num_prefill_lookahead : int or None
         Accepted; admission caps and prefill lookahead concern sliding-window and MTP groups.
     enable_caching : bool
@@ -81,9 +82,10 @@ class KVCacheManager:
     ------
     NotImplementedError
         The config or an option needs something listed as not covered in the module doc; the
-        message names the group kind or the option.
+        message names the group kind or the option (``prefix_match_unit`` finer than the block).
     ValueError
-        The block sizes disagree, or ``num_blocks`` is below 2.
+        The scheduler block size disagrees, ``prefix_cache_retention_interval`` is positive, or
+        ``num_blocks`` is below 2.
     """
 
     def __init__(
@@ -137,10 +139,21 @@ class KVCacheManager:
                 raise _unsupported(f"{name}={value!r}")
         spec = groups[0].kv_cache_spec
         block_size = spec.block_size
-        if scheduler_block_size != block_size or (enable_caching and hash_block_size != block_size):
+        if scheduler_block_size != block_size:
             raise ValueError(
-                f"scheduler_block_size, hash_block_size: must equal the group's block "
-                f"size {block_size}, got {scheduler_block_size} and {hash_block_size}"
+                f"scheduler_block_size: must equal the group's block size {block_size}, "
+                f"got {scheduler_block_size}"
+            )
+        if enable_caching and hash_block_size != block_size:
+            raise _unsupported(
+                f"prefix_match_unit (hash_block_size) {hash_block_size}, not the block size "
+                f"{block_size} (partial hash hits inside a block)"
+            )
+        retention = getattr(kv_cache_config, "prefix_cache_retention_interval", None)
+        if retention not in (None, 0):  # (vLLM's own coordinator refuses it too)
+            raise ValueError(
+                f"prefix_cache_retention_interval: {retention} has no effect on a "
+                "full-attention group (every full block is kept); set it to 0 or None"
             )
         num_blocks = kv_cache_config.num_blocks
         if num_blocks < 2:
@@ -171,7 +184,7 @@ class KVCacheManager:
         self.watermark_blocks = int(watermark * num_blocks)
         self.mamba_shared_prefix_checkpoint = False
         self.retained_hit_group_ids: tuple[int, ...] = ()
-        self.kv_cache_event_metadata = [(_KIND, None)]
+        self.kv_cache_event_metadata = [(KIND, None)]
         self.empty_kv_cache_blocks: KVCacheBlocks = _EmptyBlocks(((),))
         self._seqs: dict[str, _Entry] = {}
         # requests whose scheduled tokens fill a block, with the end of those tokens: kept until
@@ -185,22 +198,24 @@ class KVCacheManager:
         self.usage = 0.0
         if enable_kv_cache_events:  # the class's methods (no events) are the cheaper calls
             self.take_events = self._take_vllm_events  # type: ignore[method-assign]
-            self.new_step_starts = self._publish_computed  # type: ignore[method-assign]
+            self.publish_at_step_start()
 
     # ------------------------------------------------------------------------------ requests
-    def _extra_key(self, request: Request) -> bytes | None:
+    def _extra_key(self, request: Request, record: bool = True) -> bytes | None:
         """Root of the request's hash chain (R6): LoRA adapter, multimodal inputs, cache salt.
 
         Requests that must not read the cache, or whose prompt is embeddings, get a key of their
         own (they never hit). Multimodal inputs root the whole chain (vLLM keys each block by the
         inputs it overlaps): such requests share blocks only with identical inputs, never more.
+        ``record``: remember the key's LoRA name and salt for the KV events (off for the probe).
         """
+        unbounded = hit_unbounded(request)
         if (
-            not request.lora_request
+            unbounded
+            and not request.lora_request
             and not request.mm_features
             and not request.cache_salt
             and request.prompt_embeds is None
-            and not request.skip_reading_prefix_cache
         ):
             return None  # the common case: the plain chain
         parts: list[Any] = []
@@ -211,12 +226,12 @@ class KVCacheManager:
             parts.append(("mm", feature.identifier, feature.mm_position.offset))
         if request.cache_salt:
             parts.append(("cache_salt", request.cache_salt))
-        if request.prompt_embeds is not None or request.skip_reading_prefix_cache:
+        if request.prompt_embeds is not None or not unbounded:
             parts.append(("request", request.request_id))
         if not parts:
             return None
         key = repr(tuple(parts)).encode()
-        if self.enable_kv_cache_events and parts[-1][0] in ("lora", "cache_salt"):
+        if record and self.enable_kv_cache_events and parts[-1][0] in ("lora", "cache_salt"):
             self._chain_keys[key] = (
                 lora,
                 request.cache_salt,
@@ -231,9 +246,9 @@ class KVCacheManager:
             prompt = request.prompt_token_ids
             if prompt is None:  # prompt embeddings: placeholder tokens, never shared (_extra_key)
                 prompt = request.all_token_ids[: request.num_prompt_tokens]
-            seq = PoolSequence(prompt, extra_key=self._extra_key(request))
+            seq = PoolSequence(token_ids(prompt), extra_key=self._extra_key(request))
             entry = self._seqs[request.request_id] = _Entry(seq, len(prompt))
-        tokens = request._all_token_ids  # the plain list behind all_token_ids (vLLM 0.33.0)
+        tokens = request._all_token_ids  # the list behind all_token_ids (0.34: a TokenBuffer)
         if len(tokens) != entry.length:
             self._sync(request, entry, tokens)
         return entry
@@ -246,7 +261,10 @@ class KVCacheManager:
             raise _unsupported(
                 f"request {request.request_id!r} losing tokens ({entry.length} -> {want})"
             )
-        entry.seq.extend_to(tokens)  # reads the new tokens only, no slice
+        if type(tokens) is list:  # vLLM 0.33
+            entry.seq.extend_to(tokens)  # reads the new tokens only, no slice
+        else:  # vLLM 0.34's TokenBuffer: the new tokens, as one int32 copy
+            entry.seq.append_tokens(token_ids(tokens, entry.length))
         entry.length = want
 
     def _publish(self, request: Request, entry: _Entry, num_computed_tokens: int) -> None:
@@ -264,8 +282,8 @@ class KVCacheManager:
 
     # --------------------------------------------------------------------------- the lookup
     def prefix_cache_lookup_enabled(self, request: Request) -> bool:
-        """Whether a prefix-cache lookup runs for this request."""
-        return self.enable_caching and not request.skip_reading_prefix_cache
+        """Whether a prefix-cache lookup runs for this request (and is counted in the stats)."""
+        return self.enable_caching and reads_cache(request)
 
     def get_computed_blocks(
         self, request: Request, max_cache_hit_length: int | None = None
@@ -292,7 +310,7 @@ class KVCacheManager:
         else:  # the whole sequence does not fit now: the hit alone, for the Scheduler's budget
             small = self.pool.plan(entry.seq, 1)
             hit = small.num_cached_tokens if small is not None else 0
-        if request.skip_reading_prefix_cache:  # (its own chain key never hits anyway, _extra_key)
+        if not hit_unbounded(request):  # (its own chain key never hits anyway, _extra_key)
             hit = 0
         return _Hit(plan, plan is not None, hit, entry.length), hit, 0
 
@@ -529,8 +547,43 @@ class KVCacheManager:
         )
         return max(computed, 0) // self.block_size * self.block_size
 
+    def get_num_cached_tokens(self, request: Request) -> int:
+        """vLLM 0.34's probe: the tokens ``get_computed_blocks`` would report as the request's
+        hit now (0 without a lookup), changing nothing: no allocation, no publication, no LRU
+        touch, no stats, no events, no entry for the request (a sequence of its own if it has
+        none yet; ``BlockManagerPool.plan`` has no side effect of any kind).
+
+        Blocks whose KV exists are published lazily, before the next lookup (module doc); the
+        probe does not publish them, so from its first call on the manager publishes them at
+        each step's start instead (as with KV events), and every later probe sees them all
+        (kvpool's ``Scheduler`` switches at construction when cache-aware admission is on).
+        0.34's Scheduler calls it for cache-aware admission (``cache_aware_admission_window``).
+        """
+        if not self.prefix_cache_lookup_enabled(request):
+            return 0
+        if "new_step_starts" not in self.__dict__:
+            self.publish_at_step_start()
+        if not hit_unbounded(request) or request.prompt_embeds is not None:
+            return 0  # a chain of its own: never a hit (_extra_key)
+        tokens = request._all_token_ids
+        entry = self._seqs.get(request.request_id)
+        if entry is not None and not entry.capacity and entry.length == len(tokens):
+            seq = entry.seq  # its lookup's sequence, up to date
+        else:  # none yet, or it holds blocks: a sequence of its own, dropped after
+            seq = PoolSequence(token_ids(tokens), extra_key=self._extra_key(request, False))
+        plan = self.pool.plan(seq)
+        if plan is None:  # the whole sequence does not fit now: the hit alone
+            plan = self.pool.plan(seq, 1)
+        return plan.num_cached_tokens if plan is not None else 0
+
+    def publish_at_step_start(self) -> None:
+        """Publish the blocks whose KV exists at each step's start (``new_step_starts``), not
+        only before the next lookup: what KV events and ``get_num_cached_tokens`` need."""
+        self.new_step_starts = self._publish_computed  # type: ignore[method-assign]
+
     def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
-        """Deprecated in vLLM 0.33.0: zeros, one per group."""
+        """Deprecated in vLLM 0.33 (its Scheduler never calls it), gone from 0.34's manager:
+        zeros, one per group."""
         return [0]
 
     def _held_blocks_changed(self) -> None:
@@ -642,43 +695,8 @@ class KVCacheManager:
         return []  # a manager built with KV events has _take_vllm_events as its take_events
 
     def _take_vllm_events(self) -> list[Any]:
-        return [self._vllm_event(e) for e in self.pool.drain_events()]
-
-    def _external_hash(self, h: bytes) -> int | bytes:
-        # vLLM publishes the low 64 bits of a hash as an int by default
-        return int.from_bytes(h[8:], "big") if self._int_hashes else h
-
-    def _vllm_event(self, event: KVEvent) -> Any:
-        if event.kind == "cleared":
-            return AllBlocksCleared()
-        hashes = [self._external_hash(h) for h in event.block_hashes]
-        if event.kind == "removed":
-            return BlockRemoved(block_hashes=hashes, medium=_MEDIUM, group_idx=0)
-        lora, salt = (
-            self._chain_keys.get(event.extra_key, (None, None)) if event.extra_key else (None, None)
-        )
-        extra_keys = None
-        if lora is not None or salt:
-            first = event.parent_hash is None
-            extra_keys = [
-                tuple([lora] if lora is not None else [])
-                + ((salt,) if salt and first and i == 0 else ())
-                or None
-                for i in range(len(hashes))
-            ]
-        parent = None if event.parent_hash is None else self._external_hash(event.parent_hash)
-        return BlockStored(
-            block_hashes=hashes,
-            parent_block_hash=parent,
-            token_ids=event.token_ids,
-            block_size=event.block_size,
-            lora_id=None,
-            medium=_MEDIUM,
-            lora_name=lora,
-            extra_keys=extra_keys,
-            group_idx=0,
-            kv_cache_spec_kind=_KIND,
-        )
+        chain_keys, int_hashes = self._chain_keys, self._int_hashes
+        return [vllm_event(e, chain_keys, int_hashes) for e in self.pool.drain_events()]
 
     def check(self) -> None:
         """Walk the pool's structures (R20) and this manager's: ``usage`` (cached since the last

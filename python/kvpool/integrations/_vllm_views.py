@@ -1,4 +1,4 @@
-"""The objects kvpool's vLLM manager hands to vLLM 0.33.0 (``kvpool.integrations.vllm``).
+"""The objects kvpool's vLLM manager hands to vLLM 0.33 and 0.34 (``kvpool.integrations.vllm``).
 
 vLLM's own ``KVCacheBlocks`` carrying the pool's block ids, the empty sentinel, the plan a
 lookup hands to ``allocate_slots``, each request's entry (a Python mirror of its sequence) and

@@ -1,8 +1,12 @@
-"""kvpool's pool as the KV cache manager under vLLM 0.33.0's v1 Scheduler.
+"""kvpool's pool as the KV cache manager under vLLM 0.33's and 0.34's v1 Scheduler.
+
+Supported: vLLM 0.33.x and 0.34.x (``REQUIRED_VLLM``, ``>=0.33,<0.35``); importing this module
+with any other version raises one ``ImportError`` naming that range. What differs between the
+two, and how the manager meets it: ``kvpool.integrations._vllm_versions``.
 
 ``KVCacheManager`` takes the constructor arguments of ``vllm.v1.core.kv_cache_manager.
-KVCacheManager`` and serves every method vLLM 0.33.0's ``Scheduler`` and ``AsyncScheduler`` call
-on it; the bookkeeping runs in one ``kvpool.BlockManagerPool``. Install it under the Scheduler
+KVCacheManager`` and serves every method those versions' ``Scheduler`` and ``AsyncScheduler``
+call on it; the bookkeeping runs in one ``kvpool.BlockManagerPool``. Install it under the Scheduler
 with one line (docs/integrations.md, "vLLM")::
 
     import kvpool.integrations.vllm as kv; kv.install()      # in the process building the Scheduler
@@ -27,25 +31,31 @@ Invariants this module keeps:
   request.num_in_flight_tokens`` (the Scheduler's count of tokens whose forward pass has
   returned) for every request whose scheduled tokens filled a block, before the next lookup
   (``get_computed_blocks``, an admission), at the async Scheduler's ``cache_blocks`` and at
-  ``free``; with KV events on, at the next ``new_step_starts`` already (its ``BlockStored``
-  events then come in the step after the KV). KV only comes into existence between steps, so
-  a lookup sees exactly the blocks it would see had each been published at its step's start;
-  a decode that fills block after block between two lookups publishes them in one call.
+  ``free``; with KV events on (or once 0.34's probe ``get_num_cached_tokens`` has run), at the
+  next ``new_step_starts`` already (``BlockStored`` events then come in the step after the
+  KV). KV only comes into existence between steps, so a lookup sees exactly the blocks it
+  would see had each been published at its step's start; a decode that fills block after
+  block between two lookups publishes them in one call.
   vLLM publishes at allocation instead, so a request admitted in the step that another
   schedules the same prefix shares it in vLLM only (by design; docs/integrations.md).
 - ``get_computed_blocks`` changes nothing but that publication (``BlockManagerPool.plan``):
-  the Scheduler calls it again every step for a blocked waiting request. ``allocate_slots`` is
-  all or nothing: None leaves the pool and the request as they were.
+  the Scheduler calls it again every step for a blocked waiting request.
+  ``get_num_cached_tokens`` changes nothing at all. ``allocate_slots`` is all or nothing: None
+  leaves the pool and the request as they were.
 
 Covered: one full-attention group (``FullAttentionSpec`` and its subclasses, MLA included),
 prefix caching on or off, cache salts and LoRA (they root the hash chain, R6), KV events, prefix
 cache stats, chunked prefill, decode with lookahead (spec decode slots), recompute preemption,
-the async scheduler's ``cache_blocks``. Not covered, each a clear ``NotImplementedError`` at
-construction or call: sliding-window, chunked-local, Mamba, cross-attention and hybrid
-(several-group) configs (kvpool's sliding-window group and linear-state slots keep their own id
-spaces, while vLLM's groups share one block pool and one id space), EAGLE's hit trimming,
-hash lookahead, DCP/PCP, KV connectors (external tokens, ``pop_blocks_for_free``,
-``evict_blocks``), ``max_cache_hit_length`` (aux output) and the KV cache metrics collector.
+the async scheduler's ``cache_blocks``, 0.34's cache-aware admission (its probe). Requests that
+must not read the cache, or (0.34) may read only up to a hit limit, get no hit. Not covered,
+each a clear ``NotImplementedError`` at construction or call: sliding-window, chunked-local,
+Mamba, cross-attention and hybrid (several-group) configs (kvpool's sliding-window group and
+linear-state slots keep their own id spaces, while vLLM's groups share one block pool and one id
+space), EAGLE's hit trimming, hash lookahead, DCP/PCP, KV connectors (external tokens,
+``pop_blocks_for_free``, ``evict_blocks``), ``max_cache_hit_length`` (aux output), the KV cache
+metrics collector, and ``prefix_match_unit`` finer than the block (partial hash hits);
+``prefix_cache_retention_interval`` must be 0 or None (a ``ValueError`` otherwise, as vLLM's own:
+it concerns windows and Mamba only).
 """
 
 from __future__ import annotations
@@ -53,19 +63,17 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-REQUIRED_VLLM = "0.33.0"
+from kvpool.integrations._vllm_versions import SUPPORTED, check_version
+
 try:
     import vllm
 except ImportError as error:  # vLLM missing (or broken): one error naming what is needed
     raise ImportError(
-        f"kvpool.integrations.vllm needs vllm=={REQUIRED_VLLM} (pip install "
+        f"kvpool.integrations.vllm needs vllm{SUPPORTED} (pip install "
         f"'kvpool[vllm]'); importing vllm failed: {error}"
     ) from error
-if vllm.__version__.split("+")[0] != REQUIRED_VLLM:
-    raise ImportError(
-        f"kvpool.integrations.vllm supports vllm=={REQUIRED_VLLM} only; found vllm "
-        f"{vllm.__version__} (pip install 'kvpool[vllm]' installs the supported version)"
-    )
+VLLM_VERSION = check_version(vllm.__version__)  # (major, minor); any other: one ImportError
+REQUIRED_VLLM = SUPPORTED  # the supported range, as pip reads it (the ``vllm`` extra)
 
 import vllm.v1.core.sched.scheduler as _sched_module  # noqa: E402
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler as _VllmAsyncScheduler  # noqa: E402
@@ -77,6 +85,7 @@ from kvpool.integrations._vllm_views import PoolBlocks  # noqa: E402
 
 __all__ = [
     "REQUIRED_VLLM",
+    "VLLM_VERSION",
     "KVCacheManager",
     "PoolBlocks",
     "Scheduler",
@@ -144,6 +153,8 @@ class Scheduler(_VllmScheduler):
             super().__init__(*args, **kwargs)
         finally:
             _sched_module.KVCacheManager = saved  # type: ignore[attr-defined]
+        if getattr(self, "cache_aware_window", 0):  # vLLM 0.34's cache-aware admission probes
+            self.kv_cache_manager.publish_at_step_start()  # (get_num_cached_tokens' doc)
         _skip_unused_hashing()
 
 
