@@ -98,9 +98,10 @@ test-python: test-deps build
 # about 9 GB) imports without a GPU. uv installs each from PyPI in about a minute, once per
 # machine (the stamps), from its one cache (uv's default, ~/.cache/uv, or UV_CACHE_DIR): every
 # file is hardlinked from it, so the cache and both venvs take about 11 GB together (the second
-# venv 1.3 GB of its own), not 2 x 9 plus the cache. vLLM 0.34.0 pins flashinfer-python 0.7.3, which is not on PyPI: uv takes 0.7.4 instead
-# (tests/vllm/uv-overrides-034.txt; flashinfer is never imported on CPU). kvpool goes in with
-# maturin develop (the warm cargo target of `make build`).
+# venv 1.3 GB of its own), not 2 x 9 plus the cache. vLLM 0.34.0 pins flashinfer-python 0.7.3,
+# which is not on PyPI: uv takes 0.7.4 instead (tests/vllm/uv-overrides-034.txt; flashinfer is
+# never imported on CPU). kvpool goes in with maturin develop (the warm cargo target of
+# `make build`).
 VLLM_VENV ?= .venv-vllm
 VLLM_VERSION ?= 0.33.0
 VLLM_STAMP := $(VLLM_VENV)/.vllm-stamp
