@@ -328,3 +328,41 @@ def test_r25_the_next_turn_hits_where_full_attention_does(computed, store):
         hits.append(pool.plan(kvpool.Sequence(turn2)).num_cached_tokens)
         pool.check()
     assert hits[0] == hits[1] > 0
+
+
+def test_a_shared_prefix_run_outlives_a_running_sequences_own():
+    """Retention under pressure (docs/contract.md, R10 with one store): two conversations
+    branched after a system prompt S (a junction), a third runs on S and grows until only
+    protected window blocks are left to evict. Its own slid-out blocks, which only the head rule
+    protects, go before S's run, even after the branches that made S a junction were evicted:
+    the next request on S still hits at S's boundary. (Before this rule the oldest went first,
+    S's run, and the next request on S hit nothing.)"""
+    window, prompt = 8, list(range(100, 116))  # S: 4 blocks
+    pool = kvpool.BlockManagerPool(20, BS, sliding_window=window)
+
+    def serve(tokens: list[int]) -> None:
+        seq = kvpool.Sequence(tokens)
+        assert pool.allocate(seq)
+        seq.num_computed_tokens = len(tokens)
+        pool.cache(seq)
+        pool.deallocate(seq)
+
+    serve(prompt + list(range(200, 208)))
+    serve(prompt + list(range(300, 308)))
+    running = kvpool.Sequence(prompt + list(range(400, 416)))
+    assert pool.allocate(running) and running.num_cached_tokens == 16
+    running.num_computed_tokens = len(running)
+    pool.cache(running)
+    evicted = pool.stats()["num_evictions"]
+    for i in range(24):
+        running.append_token(1000 + i)
+        assert pool.may_append(running)
+        running.num_computed_tokens = len(running)
+        pool.cache(running)
+        pool.check()
+    assert pool.stats()["num_evictions"] > evicted + 4, "the branches and window blocks went"
+    pool.deallocate(running)
+    probe = pool.plan(kvpool.Sequence(prompt + [7] * 5))
+    assert probe is not None and probe.kv_hit_tokens == 16
+    assert probe.num_cached_tokens == 16, "S's run was kept"
+    pool.check()

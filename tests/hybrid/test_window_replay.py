@@ -3,8 +3,10 @@
 hybrid hit (docs/hybrid.md "One block store"). Separate stores (79 ids per group, window blocks
 freed as they slide out) served 316 of the 1,520 hit tokens the full-attention group alone could
 have served in that run; here they serve about a third. One store of the same memory (158 ids)
-with window retention and hit-point-aware eviction serves about 85% (benches/RESULTS.md); the
-rest is lost when six running sequences need every id and the kept runs go last.
+with window retention and hit-point-aware eviction serves 92% over these five seeds (87% over
+20 seeds; 81% over 20 before a junction kept its mark after its branches were evicted and the
+runs only the head protects went first among the kept ones); the rest is lost when six running
+sequences need every id and the kept runs go last.
 
 The shape: 16 conversations of 1-3 turns, each follow-up resending the whole previous
 conversation; 85% start with one of 3 system prompts of 21/38/52 tokens; block size 4, 79 usable
@@ -113,5 +115,5 @@ def test_the_hit_points_survive_the_eviction_order():
         for totals, counts in ((shared, one), (separate, two)):
             for key in totals:
                 totals[key] += counts[key]
-    assert shared["hit"] >= 0.8 * shared["kv_hit"], shared
+    assert shared["hit"] >= 0.9 * shared["kv_hit"], shared  # 3,860 of 4,200
     assert shared["hit"] >= 2 * separate["hit"], (shared, separate)

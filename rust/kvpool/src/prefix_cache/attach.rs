@@ -17,12 +17,15 @@
 //!   point went is dropped back to the previous one as a whole;
 //! - **main**: the nodes, least recently used leaves first (R10, R11);
 //! - **keep** (evicted last): attachments a mark protects, and those of a chain's **head**. Two
-//!   marks: a node where the prefix tree branches (a **junction**: two or more children)
-//!   protects its boundary's run; the node of a released sequence's last computed full block
+//!   marks: a node where the prefix tree branched (a **junction**: it has had two or more
+//!   children) protects its boundary's run; the node of a released sequence's last computed full block
 //!   (its **end**) protects the runs of the boundaries in the last `retention_tokens` tokens
 //!   before it, where the next turn of a conversation, which resends it, diverges. A mark
-//!   lives as long as its node (a junction as long as it branches); its protection ends with
-//!   it. The head, the blocks in the first `retention_tokens` tokens of every chain (where
+//!   lives as long as its node (a junction too, after the branches that made it were evicted:
+//!   a prefix that was shared once, such as a system prompt, is likely shared again); its
+//!   protection ends with it. Among the protected, eviction takes first what only the head
+//!   protects (a running sequence's own slid-out blocks), then what no sequence's node holds,
+//!   then the oldest. The head, the blocks in the first `retention_tokens` tokens of every chain (where
 //!   system prompts end and unrelated requests part: a junction before the tree knows it), is
 //!   protected for as long as it is attached.
 //!
@@ -418,32 +421,21 @@ impl PrefixCache {
             return;
         }
         for node in std::mem::take(&mut self.attach.pending) {
-            // A junction that lost a child meanwhile was unmarked already.
+            // A node removed meanwhile took its mark with it (`unmark`).
             if self.is_node(node) && self.entries[node as usize].flags & JUNCTION != 0 {
                 self.protect_mark(node, JUNCTION, 1);
             }
         }
     }
 
-    /// A child of `node` was removed: a junction with fewer than two children loses its mark;
-    /// a cache-only node that became a leaf and is no hit point moves to the low list.
+    /// A child of `node` was removed: a cache-only node that became a leaf and is no hit point
+    /// moves to the low list. A junction keeps its mark (module doc) until the node goes.
     pub(super) fn child_removed(&mut self, node: u32) {
         let entry = &mut self.entries[node as usize];
         entry.children -= 1;
-        if entry.children >= 2 || entry.kind != NODE {
-            return;
-        }
-        if entry.flags & JUNCTION != 0 {
-            entry.flags &= !JUNCTION;
-            let pending = self.attach.pending.contains(&node);
-            if pending {
-                self.attach.pending.retain(|&n| n != node);
-            } else {
-                self.protect_mark(node, JUNCTION, -1);
-            }
-        }
-        if self.entries[node as usize].children == 0
-            && self.entries[node as usize].list == List::Main as u8
+        if entry.children == 0
+            && entry.kind == NODE
+            && entry.list == List::Main as u8
             && self.has_attachments()
             && !self.is_hit_point(node)
         {
@@ -488,21 +480,32 @@ impl PrefixCache {
         self.store.unmark_cached(att)
     }
 
-    /// The protected attachment to evict when nothing else is left: the oldest whose node no
+    /// The protected attachment to evict when nothing else is left, looking at the oldest
+    /// [`KEEP_SCAN`]: the oldest that only the head rule protects (no mark: no junction and no
+    /// end names its run, so no known hit point needs it); else the oldest whose node no
     /// sequence holds (a held node's hit point stays servable on the full-attention side, so
-    /// its run is worth the most), looking at the oldest [`KEEP_SCAN`]; else the oldest.
+    /// its run is worth more); else the oldest.
     pub(super) fn keep_victim(&self) -> Option<u32> {
         let oldest = self.lists.get(List::Keep).oldest;
         let mut id = oldest;
+        let mut unheld = NIL;
         for _ in 0..KEEP_SCAN {
             if id == NIL {
                 break;
             }
-            let node = self.entries[id as usize].parent;
-            if self.store.state(node) & (CACHED | COUNT_MASK) == CACHED | 1 {
-                return Some(id);
+            let entry = &self.entries[id as usize];
+            let head = u32::from((entry.depth as usize) < self.attach.tail_blocks);
+            if entry.children == head {
+                return Some(id); // no mark protects it, only the head rule
             }
-            id = self.entries[id as usize].next;
+            let node = entry.parent;
+            if unheld == NIL && self.store.state(node) & (CACHED | COUNT_MASK) == CACHED | 1 {
+                unheld = id;
+            }
+            id = entry.next;
+        }
+        if unheld != NIL {
+            return Some(unheld);
         }
         (oldest != NIL).then_some(oldest)
     }
