@@ -64,6 +64,7 @@ SWEEP_KEYS: dict[str, tuple[str, Any]] = {
     "tp": ("tp", int),
     "mfu": ("mfu", float),
     "order": ("order", str),
+    "eviction": ("eviction", str),
     "gpu": ("gpu", str),
     "xtensor": ("xtensor", None),
     "page_mib": ("page_mib", float),
@@ -189,6 +190,13 @@ def build_parser(prog: str = "kvpool simulate") -> argparse.ArgumentParser:
     c.add_argument("--block-size", type=_positive_int, default=16, help="tokens per block")
     c.add_argument(
         "--dp", type=_positive_int, default=1, help="data-parallel ranks (one pool each)"
+    )
+    c.add_argument(
+        "--eviction",
+        choices=("lru", "optimal"),
+        default="lru",
+        help="lru: the pool's own eviction; optimal: the offline bound in request order "
+        "(farthest next use; needs --order request and one full-attention cache)",
     )
     c.add_argument(
         "--no-prefix-cache",
@@ -447,6 +455,8 @@ def _parse_sweep(specs: list[str]) -> list[tuple[str, str, list[Any]]]:
             raise UsageError(f"--sweep {key}: values must be > 0")
         if dest == "order" and any(v not in ("serving", "request") for v in values):
             raise UsageError("--sweep order: values are serving, request")
+        if dest == "eviction" and any(v not in ("lru", "optimal") for v in values):
+            raise UsageError("--sweep eviction: values are lru, optimal")
         if dest == "gpu" and any(v not in GPUS for v in values):
             raise UsageError(f"--sweep gpu: values are {', '.join(sorted(GPUS))}")
         out.append((key, dest, values))

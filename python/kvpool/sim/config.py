@@ -57,6 +57,7 @@ class SimConfig:
     max_steps: int | None = None
     seed: int = 0
     order: str = "serving"  # or "request": one request at a time, prompts only
+    eviction: str = "lru"  # or "optimal": the offline bound in request order (sim/optimal.py)
     step_ms: float = 20.0  # the fixed step time (and an idle step of a step-clocked workload)
     gpu: str | None = None  # a key of timing.GPUS: the roofline step time (needs model_shape)
     tp: int = 1  # GPUs per rank (ideal tensor parallelism)

@@ -178,6 +178,8 @@ def make_config(
     if args.gpu is not None and args.step_ms is not None:
         raise UsageError("give --gpu (the roofline) or --step-ms (a fixed step time), not both")
     xtensor, schedule = _xtensor_config(args, shape, extra)
+    if args.eviction == "optimal":
+        _check_optimal(args, host_blocks, xtensor)
     cfg = SimConfig(
         num_blocks=num_blocks,
         block_size=args.block_size,
@@ -196,6 +198,7 @@ def make_config(
         max_steps=args.max_steps,
         seed=args.seed,
         order=args.order,
+        eviction=args.eviction,
         step_ms=args.step_ms or DEFAULT_STEP_MS,
         gpu=args.gpu,
         tp=args.tp,
@@ -210,6 +213,24 @@ def make_config(
     except SimError as e:
         raise UsageError(str(e)) from None
     return cfg, extra
+
+
+def _check_optimal(args: argparse.Namespace, host_blocks: int, xtensor: Any) -> None:
+    """``--eviction optimal`` is the offline bound of one full-attention device cache in request
+    order (kvpool.sim.optimal): every option that leaves that model is a usage error naming it."""
+    if args.order != "request":
+        raise UsageError("--eviction optimal needs --order request (the future is then known)")
+    for flag, given in (
+        ("--sliding-window", args.sliding_window is not None),
+        ("--linear-state-slots", bool(args.linear_state_slots)),
+        ("--host-blocks/--host-cache-tokens", bool(host_blocks)),
+        ("--remote", args.remote is not None),
+        ("--xtensor", xtensor is not None),
+        ("--dp", args.dp != 1),
+        ("--no-prefix-cache", not args.prefix_cache),
+    ):
+        if given:
+            raise UsageError(f"--eviction optimal bounds one full-attention cache: drop {flag}")
 
 
 def _xtensor_config(
