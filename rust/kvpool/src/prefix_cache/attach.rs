@@ -18,16 +18,16 @@
 //! - **main**: the nodes, least recently used leaves first (R10, R11);
 //! - **keep** (evicted last): attachments a mark protects, and those of a chain's **head**. Two
 //!   marks: a node where the prefix tree branched (a **junction**: it has had two or more
-//!   children) protects its boundary's run; the node of a released sequence's last computed full block
-//!   (its **end**) protects the runs of the boundaries in the last `retention_tokens` tokens
-//!   before it, where the next turn of a conversation, which resends it, diverges. A mark
-//!   lives as long as its node (a junction too, after the branches that made it were evicted:
-//!   a prefix that was shared once, such as a system prompt, is likely shared again); its
-//!   protection ends with it. Among the protected, eviction takes first what only the head
-//!   protects (a running sequence's own slid-out blocks), then what no sequence's node holds,
-//!   then the oldest. The head, the blocks in the first `retention_tokens` tokens of every chain (where
-//!   system prompts end and unrelated requests part: a junction before the tree knows it), is
-//!   protected for as long as it is attached.
+//!   children) protects its boundary's run; the node of a released sequence's last computed
+//!   full block (its **end**) protects the runs of the boundaries in the last
+//!   `retention_tokens` tokens before it, where the next turn of a conversation, which resends
+//!   it, diverges. A mark lives as long as its node (a junction too, after the branches that
+//!   made it were evicted: a prefix that was shared once, such as a system prompt, is likely
+//!   shared again); its protection ends with it. The head, the blocks in the first
+//!   `retention_tokens` tokens of every chain (where system prompts end and unrelated requests
+//!   part: a junction before the tree knows it), is protected for as long as it is attached.
+//!   Among the protected, eviction takes first what only the head protects (a running
+//!   sequence's own slid-out blocks), then what no sequence's node holds, then the oldest.
 //!
 //! Marks and protections are counted (an attachment's protect count is the number of marks
 //! whose runs hold it); an attachment that comes after a mark is not counted by it, which only
