@@ -51,7 +51,7 @@ def run_request_order(sim: Any) -> SimResult:
         sim.now_s = max(sim.now_s, lv.arrival_s)
         if bound is not None:
             cached = bound.hit_tokens[i]
-            _account(sim, lv, i, req.prompt_len, cached)
+            _account(sim, lv, req.prompt_len, cached)
             dt = timer.seconds(chunk_work(cached, req.prompt_len))
             sim.busy_s += dt
             sim.step_s.append(dt)
@@ -69,7 +69,7 @@ def run_request_order(sim: Any) -> SimResult:
             sim.sync_loads()
         L = len(seq)
         cached = seq.num_cached_tokens
-        _account(sim, lv, i, L, cached)
+        _account(sim, lv, L, cached)
         if sim.cfg.linear_state_slots:
             sim.ckpt_restores += seq.linear_state_restore_slot is not None
             sim._linear_state_plan()  # the restore (or zeroing) of the admission
@@ -107,7 +107,7 @@ def run_request_order(sim: Any) -> SimResult:
     return SimResult(sim.config_dict(), summary, sim.timeline)
 
 
-def _account(sim: Any, lv: Live, i: int, length: int, cached: int) -> None:
+def _account(sim: Any, lv: Live, length: int, cached: int) -> None:
     """An admission of ``length`` prompt tokens, ``cached`` of them from the cache."""
     sim.admissions += 1
     sim.admit_tokens += length
