@@ -393,38 +393,15 @@ def run_kvpool(cfg: Config, tokens: int, trace, options: dict, check_every: int)
 
 
 # --------------------------------------------------------------------------------- vLLM
-_MODEL_DIR: list[str] = []
-
-
 def _model_dir() -> str:
-    """A Llama-shaped config.json (no weights, no tokenizer, no hub) for ModelConfig."""
-    if not _MODEL_DIR:
-        import tempfile
+    """The vLLM tests' Llama-shaped config (tests/vllm/vllm_harness.py, no weights, no hub),
+    long enough for Mooncake's longest prompts."""
+    sys.path.insert(
+        0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "vllm")
+    )
+    import vllm_harness
 
-        path = tempfile.mkdtemp(prefix="kvpool-hybrid-bench-")
-        with open(os.path.join(path, "config.json"), "w") as f:
-            json.dump(
-                {
-                    "architectures": ["LlamaForCausalLM"],
-                    "model_type": "llama",
-                    "hidden_size": 128,
-                    "intermediate_size": 256,
-                    "num_attention_heads": 2,
-                    "num_key_value_heads": 2,
-                    "num_hidden_layers": 2,
-                    "max_position_embeddings": MAX_MODEL_LEN,
-                    "vocab_size": 32000,
-                    "rms_norm_eps": 1e-5,
-                    "rope_theta": 10000.0,
-                    "torch_dtype": "bfloat16",
-                    "bos_token_id": 1,
-                    "eos_token_id": 2,
-                    "tie_word_embeddings": False,
-                },
-                f,
-            )
-        _MODEL_DIR.append(path)
-    return _MODEL_DIR[0]
+    return vllm_harness.model_dir(MAX_MODEL_LEN)
 
 
 def qwen3_next_specs():

@@ -460,17 +460,18 @@ LLAMA_CONFIG = {
     "eos_token_id": 2,
     "tie_word_embeddings": False,
 }
-_MODEL_DIR: list[str] = []
+_MODEL_DIRS: dict[int, str] = {}
 
 
-def model_dir() -> str:
-    """A folder with a Llama-shaped config.json (no weights, no tokenizer, no hub)."""
-    if not _MODEL_DIR:
+def model_dir(max_position_embeddings: int = 16384) -> str:
+    """A folder with a Llama-shaped config.json (no weights, no tokenizer, no hub), one per
+    ``max_position_embeddings`` (benches/hybrid_bench.py takes Mooncake's longest prompts)."""
+    if max_position_embeddings not in _MODEL_DIRS:
         path = tempfile.mkdtemp(prefix="kvpool-vllm-model-")
         with open(os.path.join(path, "config.json"), "w") as f:
-            json.dump(LLAMA_CONFIG, f)
-        _MODEL_DIR.append(path)
-    return _MODEL_DIR[0]
+            json.dump({**LLAMA_CONFIG, "max_position_embeddings": max_position_embeddings}, f)
+        _MODEL_DIRS[max_position_embeddings] = path
+    return _MODEL_DIRS[max_position_embeddings]
 
 
 BS = default_block_size()  # 16 under vLLM 0.33, 64 under 0.34
