@@ -110,6 +110,16 @@ class _MissStats(TypedDict):
     window_blocks_gone: int
     no_checkpoint: int
 
+class _MemoryStats(TypedDict):
+    """Bytes of one rank's store (every value 0 unless the pool was given ``block_bytes``):
+    free blocks, cached KV blocks, KV blocks in use, and blocks held for recurrent states
+    (``linear_state_blocks``)."""
+
+    free_bytes: int
+    cached_bytes: int
+    kv_bytes: int
+    state_bytes: int
+
 class _RankStats(_BlockCounts):
     """Statistics of one dp rank of a pool (R20)."""
 
@@ -124,10 +134,13 @@ class _RankStats(_BlockCounts):
     linear_state_hits: int
     num_checkpoint_evictions: int
     num_checkpoint_commits: int
+    num_linear_state_blocks: int
+    """Blocks of the store held for recurrent states (``linear_state_blocks``; else 0)."""
     window: _WindowCounts | None
     """The sliding-window group's own store (``swa_num_blocks``); None without one (a window
     group in the shared store is counted in ``BlockManagerPool.memory()``)."""
     misses: _MissStats
+    memory: _MemoryStats
     xtensor: _MappedMemoryStats | None
     """Mapped memory on elastic pages (the ``xtensor`` option); None without it."""
     host: _HostStats | None
@@ -181,6 +194,8 @@ class _RankMemory(TypedDict):
 
     num_blocks: int
     free_blocks: int
+    block_bytes: int
+    """Bytes of one block of the store (the pool's ``block_bytes``; 0: unknown)."""
     shared: list[_SharedGroupMemory]
     own_window: _WindowCounts | None
     """A sliding-window group with its own store (``swa_num_blocks``), with its ``group``."""
@@ -216,8 +231,10 @@ class _HierarchyRankStats(_BlockCounts):
     linear_state_hits: int
     num_checkpoint_evictions: int
     num_checkpoint_commits: int
+    num_linear_state_blocks: int
     window: _WindowCounts | None
     misses: _MissStats
+    memory: _MemoryStats
     xtensor: None
     host: _HostStats
 
@@ -1079,6 +1096,15 @@ class BlockManagerPool:
     linear_state_save : {"copy", "promote"}
         Save a checkpoint by copying the live state into a pending slot, or by promoting the
         live slot (zero-copy; the sequence continues in a fresh slot) (R22).
+    linear_state_blocks : int
+        Blocks of the full-attention group's store one recurrent state takes (docs/hybrid.md
+        "Linear state in the one store"): each slot in use (live, pending or committed) then
+        holds that many blocks of the store, so memory flows between KV and states;
+        ``linear_state_slots`` caps the slots (the rows of the state tensor). 0 (the default):
+        the slots are a store of their own.
+    block_bytes : int
+        Bytes of one block of the store (one group's K and V across its layers); ``stats()``
+        and ``memory()`` report bytes with it (0, the default: unknown).
     debug_hash_bits : int or None
         Truncate hashes to this many bits (1..128) to force collisions in tests.
     xtensor : dict or None
@@ -1130,6 +1156,8 @@ class BlockManagerPool:
         shared_blocks: bool | None = None,
         retention_tokens: int = 512,
         linear_state_save: _LinearStateSave = "copy",
+        linear_state_blocks: int = 0,
+        block_bytes: int = 0,
         debug_hash_bits: int | None = None,
         xtensor: _XTensorOption | None = None,
         dedup: bool = True,
@@ -1922,6 +1950,8 @@ class HierarchyBlockManagerPool(BlockManagerPool):
         checkpoint_interval: int | None = None,
         linear_state_match: _LinearStateMatch = "deepest",
         linear_state_save: _LinearStateSave = "copy",
+        linear_state_blocks: int = 0,
+        block_bytes: int = 0,
         concurrent: bool = False,
         enable_events: bool = False,
         event_replay: int = 4096,

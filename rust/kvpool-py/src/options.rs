@@ -22,6 +22,8 @@ pub(crate) const POOL_OPTIONS: &[&str] = &[
     "checkpoint_interval",
     "linear_state_match",
     "linear_state_save",
+    "linear_state_blocks",
+    "block_bytes",
     "concurrent",
     "enable_events",
     "event_replay",
@@ -126,6 +128,8 @@ impl<'py> Options<'py> {
             checkpoint_interval: self.count("checkpoint_interval")?,
             linear_state_match,
             linear_state_save,
+            linear_state_blocks: self.count("linear_state_blocks")?.unwrap_or(0),
+            block_bytes: self.count("block_bytes")?.unwrap_or(0) as u64,
             sliding_window: self.count("sliding_window")?,
             swa_num_blocks: self.count("swa_num_blocks")?,
             // None: the default (shared unless the window group is sized on its own)

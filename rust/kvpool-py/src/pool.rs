@@ -487,6 +487,7 @@ impl PyBlockManagerPool {
             let d = PyDict::new(py);
             d.set_item("num_blocks", rank.num_blocks)?;
             d.set_item("free_blocks", rank.free_blocks)?;
+            d.set_item("block_bytes", rank.block_bytes)?;
             let groups = pyo3::types::PyList::empty(py);
             for (position, cached, used) in rank.shared {
                 let g = PyDict::new(py);

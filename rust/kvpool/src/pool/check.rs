@@ -17,7 +17,7 @@ impl BlockManagerPool {
             rank.single.check().map_err(|e| e.in_rank(index, ""))?;
             for group in &rank.groups {
                 group
-                    .check(&self.ledger)
+                    .check(&rank.full, &self.ledger)
                     .map_err(|e| e.in_rank(index, ""))?;
             }
         }
