@@ -1659,6 +1659,9 @@ class LinearStatePrefixCache:
         ------
         OutOfBlocksError
             Every slot is live, pending or pinned.
+        ValueError
+            A view of a pool whose states take blocks of its one store
+            (``linear_state_blocks``): only the pool takes their slots.
         """
 
     def release_live_slot(self, slot: int) -> None:
@@ -1667,7 +1670,8 @@ class LinearStatePrefixCache:
     def reserve_checkpoint(self, prefix_hash: bytes) -> int | None:
         """Reserve a slot for the checkpoint of ``prefix_hash`` (pending, not matchable).
 
-        Returns None if the hash is already pending or committed, or no slot can be had.
+        Returns None if the hash is already pending or committed, or no slot can be had (always,
+        through a view of a pool whose states take blocks of its one store).
         """
 
     def commit_checkpoint(self, prefix_hash: bytes) -> None:
@@ -1706,7 +1710,9 @@ class LinearStatePrefixCache:
         """Drop every committed checkpoint that nothing pins."""
 
     def lru_order(self) -> list[int]:
-        """Unpinned committed checkpoint slots, least recently used first."""
+        """Unpinned committed checkpoint slots in eviction order: the plain ones (a pool's
+        intermediate saves), then the kept ones (junction saves, restored checkpoints, the API's
+        own), each least recently used first (R23)."""
 
     def stats(self) -> _CheckpointStats:
         """Counters: hits, evictions, commits."""

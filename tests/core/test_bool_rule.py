@@ -151,6 +151,8 @@ POOL_OPTIONS = {
     "num_single_blocks": COUNT,
     "linear_state_slots": COUNT,
     "checkpoint_interval": COUNT,
+    "linear_state_blocks": COUNT,
+    "block_bytes": COUNT,
     "concurrent": FLAG,
     "enable_events": FLAG,
     "event_replay": COUNT,

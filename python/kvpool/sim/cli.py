@@ -58,6 +58,7 @@ SWEEP_KEYS: dict[str, tuple[str, Any]] = {
     "num_requests": ("num_requests", int),
     "linear_state_slots": ("linear_state_slots", int),
     "checkpoint_interval": ("checkpoint_interval", int),
+    "linear_state_blocks": ("linear_state_blocks", int),
     "sliding_window": ("sliding_window", int),
     "cache_tokens": ("cache_tokens", None),
     "host_cache_tokens": ("host_cache_tokens", None),
@@ -332,6 +333,14 @@ def build_parser(prog: str = "kvpool simulate") -> argparse.ArgumentParser:
         type=_positive_int,
         default=None,
         help="tokens between linear-state checkpoints (multiple of --block-size)",
+    )
+    h.add_argument(
+        "--linear-state-blocks",
+        type=_nonneg_int,
+        default=0,
+        help="blocks of the KV store one recurrent state takes: the states then share the "
+        "store with the KV (docs/hybrid.md, 'Linear state in the one store'); 0 = slots of "
+        "their own",
     )
     h.add_argument("--linear-state-match", choices=("deepest", "contiguous"), default="deepest")
     h.add_argument(

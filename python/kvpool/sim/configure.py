@@ -188,6 +188,7 @@ def make_config(
         max_num_batched_tokens=args.max_batched_tokens,
         max_num_seqs=args.max_seqs,
         linear_state_slots=args.linear_state_slots,
+        linear_state_blocks=args.linear_state_blocks,
         checkpoint_interval=args.checkpoint_interval,
         linear_state_match=args.linear_state_match,
         sliding_window=args.sliding_window,

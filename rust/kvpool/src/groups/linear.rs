@@ -436,9 +436,7 @@ impl LinearGroup {
                 return;
             };
             let mut evicted = 0;
-            while evicted < need - free
-                && cache.next_victim_stamp().is_some_and(|kv| kv <= stamp)
-            {
+            while evicted < need - free && cache.next_victim_stamp().is_some_and(|kv| kv <= stamp) {
                 if cache.evict(1) == 0 {
                     break;
                 }
@@ -871,7 +869,9 @@ impl LinearGroup {
             self.in_use()
         );
         ensure_invariant!(
-            self.budget.iter().all(|b| full.owns(b) && b.ref_count() == 1),
+            self.budget
+                .iter()
+                .all(|b| full.owns(b) && b.ref_count() == 1),
             "a block the linear-state group holds is not its own block of the store"
         );
         let saves = ledger.num_saves(self.rank);

@@ -790,6 +790,35 @@ mod tests {
     }
 
     #[test]
+    fn plain_checkpoints_go_before_kept_ones() {
+        let mut cache = LinearStatePrefixCache::new(6).unwrap();
+        for (x, kept) in [(1, true), (2, false), (3, false), (4, true)] {
+            cache.set_clock(x as u64 * 10);
+            cache
+                .reserve_planned(h(x), 0, Tail::default(), kept)
+                .unwrap();
+            cache.commit_planned(h(x)).unwrap();
+        }
+        assert_eq!(
+            (cache.num_plain_checkpoints(), cache.num_kept_checkpoints()),
+            (2, 2)
+        );
+        assert_eq!(cache.next_victim_stamp(), Some(20)); // the oldest plain one
+        cache.set_clock(50);
+        cache.lookup(h(2)); // a hit keeps it
+        assert!(!cache.is_plain(h(2)));
+        let order: Vec<BlockHash> = cache
+            .lru_order()
+            .iter()
+            .map(|&s| cache.hash_of[s as usize])
+            .collect();
+        assert_eq!(order, [h(3), h(1), h(4), h(2)]);
+        assert_eq!(cache.evict(2), 2); // 3 (plain), then 1 (the oldest kept)
+        assert!(!cache.contains(h(3)) && !cache.contains(h(1)) && cache.contains(h(4)));
+        cache.check().unwrap();
+    }
+
+    #[test]
     fn promotion_commits_the_old_slot() {
         let mut cache = LinearStatePrefixCache::new(3).unwrap();
         let live = cache.acquire_live_slot().unwrap();
