@@ -175,7 +175,11 @@ PRESETS: dict[str, dict] = {
     "split": {"window": {"num_blocks": "=C//BS", "swa_num_blocks": "=C//BS"}},
     # the linear-state slots as a store of their own beside C/16 blocks (before the one store)
     "linear-split": {
-        "linear": {"num_blocks": "=C//BS", "linear_state_slots": "=C//PAGE", "linear_state_blocks": None}
+        "linear": {
+            "num_blocks": "=C//BS",
+            "linear_state_slots": "=C//PAGE",
+            "linear_state_blocks": None,
+        }
     },
     "contiguous": {"linear": {"linear_state_match": "contiguous"}},
     "promote": {"linear": {"linear_state_save": "promote"}},
@@ -382,9 +386,7 @@ def run_kvpool(cfg: Config, tokens: int, trace, options: dict, check_every: int)
                 # in the one store, the checkpoints' states hold blocks (and nothing else does)
                 held = pool.num_used_blocks - pool.stats()["num_linear_state_blocks"]
                 if held:
-                    raise AssertionError(
-                        f"kvpool request {i}: {held} blocks held after deallocate"
-                    )
+                    raise AssertionError(f"kvpool request {i}: {held} blocks held after deallocate")
                 if (i + 1) % check_every == 0 or i + 1 == len(trace):
                     pool.check()
                     checks += 1

@@ -205,7 +205,11 @@ CONFIGS = {
     },
     "linear": {"linear_state_slots": 8, "checkpoint_interval": 2},
     # linear state in the one store: a state takes 2 blocks of the full-attention store
-    "linear+one_store": {"linear_state_slots": 8, "checkpoint_interval": 2, "linear_state_blocks": 2},
+    "linear+one_store": {
+        "linear_state_slots": 8,
+        "checkpoint_interval": 2,
+        "linear_state_blocks": 2,
+    },
     "window+linear+one_store": {
         "sliding_window": 4,
         "linear_state_slots": 8,
