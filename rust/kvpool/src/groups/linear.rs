@@ -265,6 +265,10 @@ pub(crate) struct LinearGroup {
     budget: Vec<Block>,
 }
 
+/// KV blocks the one store evicts per call while a checkpoint is newer than the KV (the recency
+/// of the two kinds is compared once per batch).
+const KV_BATCH: usize = 32;
+
 /// Where a new slot's memory comes from in the one store (one rule for the question and the
 /// action of an admission, R15).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -431,16 +435,17 @@ impl LinearGroup {
                 self.cache.evict(1);
                 continue;
             }
-            // The KV goes first: evict it up to the checkpoint's age (or what is missing).
+            // The KV goes first: evict it up to the checkpoint's age (or what is missing), a
+            // batch at a time (the order within a batch is the cache's own, R10).
             let Some(cache) = full.cache_mut() else {
                 return;
             };
             let mut evicted = 0;
             while evicted < need - free && cache.next_victim_stamp().is_some_and(|kv| kv <= stamp) {
-                if cache.evict(1) == 0 {
-                    break;
+                match cache.evict((need - free - evicted).min(KV_BATCH)) {
+                    0 => break,
+                    n => evicted += n,
                 }
-                evicted += 1;
             }
             if evicted == 0 {
                 self.cache.evict(1);
