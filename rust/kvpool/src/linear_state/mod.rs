@@ -43,6 +43,7 @@
 
 mod check;
 mod links;
+mod lists;
 
 use crate::alloc;
 use crate::block::Block;
@@ -239,96 +240,6 @@ impl LinearStatePrefixCache {
     /// Whether `slot` is a handle of this cache's slot manager.
     pub fn owns(&self, slot: &Block) -> bool {
         self.slots.owns(slot)
-    }
-
-    fn list_of(&self, slot: u32) -> usize {
-        match self.kept[slot as usize] {
-            true => KEPT,
-            false => PLAIN,
-        }
-    }
-
-    fn unlink(&mut self, slot: u32) {
-        let list = self.list_of(slot);
-        let (prev, next) = (self.prev[slot as usize], self.next[slot as usize]);
-        match prev {
-            NIL => self.head[list] = next,
-            p => self.next[p as usize] = next,
-        }
-        match next {
-            NIL => self.tail[list] = prev,
-            n => self.prev[n as usize] = prev,
-        }
-        self.prev[slot as usize] = NIL;
-        self.next[slot as usize] = NIL;
-        self.listed[list] -= 1;
-    }
-
-    fn push_tail(&mut self, slot: u32) {
-        let list = self.list_of(slot);
-        self.prev[slot as usize] = self.tail[list];
-        self.next[slot as usize] = NIL;
-        match self.tail[list] {
-            NIL => self.head[list] = slot,
-            t => self.next[t as usize] = slot,
-        }
-        self.tail[list] = slot;
-        self.stamps[slot as usize] = self.clock.max(
-            self.prev_stamp(slot), // stamps never decrease along a list
-        );
-        self.listed[list] += 1;
-    }
-
-    fn prev_stamp(&self, slot: u32) -> u64 {
-        match self.prev[slot as usize] {
-            NIL => 0,
-            p => self.stamps[p as usize],
-        }
-    }
-
-    /// Sets the stamp the next listed checkpoint gets (a pool passes its prefix cache's clock).
-    pub(crate) fn set_clock(&mut self, clock: u64) {
-        self.clock = clock;
-    }
-
-    /// Unpinned committed checkpoints on the plain list (evicted first).
-    pub fn num_plain_checkpoints(&self) -> usize {
-        self.listed[PLAIN]
-    }
-
-    /// Unpinned committed checkpoints on the kept list.
-    pub fn num_kept_checkpoints(&self) -> usize {
-        self.listed[KEPT]
-    }
-
-    /// The stamp of the checkpoint eviction takes next (the plain list first), if any.
-    pub(crate) fn next_victim_stamp(&self) -> Option<u64> {
-        let slot = match self.head[PLAIN] {
-            NIL => self.head[KEPT],
-            slot => slot,
-        };
-        (slot != NIL).then(|| self.stamps[slot as usize])
-    }
-
-    /// Whether the committed checkpoint of `prefix_hash` is on the plain list.
-    pub(crate) fn is_plain(&self, prefix_hash: BlockHash) -> bool {
-        self.peek(prefix_hash)
-            .is_some_and(|slot| !self.kept[slot as usize] && self.pins[slot as usize] == 0)
-    }
-
-    /// Moves the committed checkpoint in `slot` to the kept list (a hit came back to it).
-    fn keep_slot(&mut self, slot: u32) {
-        if self.kept[slot as usize] {
-            return;
-        }
-        let listed = self.pins[slot as usize] == 0;
-        if listed {
-            self.unlink(slot);
-        }
-        self.kept[slot as usize] = true;
-        if listed {
-            self.push_tail(slot);
-        }
     }
 
     /// Evicts the least-recently-used unpinned committed checkpoint, the plain list first;
@@ -712,27 +623,6 @@ impl LinearStatePrefixCache {
     pub fn reset(&mut self) {
         while self.evict_one() {}
     }
-
-    /// Committed checkpoints in eviction order (unpinned ones only): the plain list, then the
-    /// kept list, each from least to most recently used.
-    pub fn lru_order(&self) -> Vec<u32> {
-        let mut order = Vec::with_capacity(self.num_committed);
-        for list in [PLAIN, KEPT] {
-            order.extend(self.list_order(list));
-        }
-        order
-    }
-
-    /// One list from its oldest to its newest checkpoint.
-    fn list_order(&self, list: usize) -> Vec<u32> {
-        let mut order = Vec::with_capacity(self.listed[list]);
-        let mut slot = self.head[list];
-        while slot != NIL {
-            order.push(slot);
-            slot = self.next[slot as usize];
-        }
-        order
-    }
 }
 
 impl std::fmt::Debug for LinearStatePrefixCache {
@@ -748,85 +638,4 @@ impl std::fmt::Debug for LinearStatePrefixCache {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn h(x: u128) -> BlockHash {
-        BlockHash(x)
-    }
-
-    #[test]
-    fn pending_never_matches_and_commit_makes_it_matchable() {
-        let mut cache = LinearStatePrefixCache::new(4).unwrap();
-        let slot = cache.reserve_checkpoint(h(1)).unwrap();
-        assert!(!cache.contains(h(1)));
-        assert_eq!(cache.lookup(h(1)), None);
-        assert_eq!(cache.reserve_checkpoint(h(1)), None);
-        assert_eq!(cache.commit_checkpoint(h(1)).unwrap(), slot);
-        assert_eq!(cache.lookup(h(1)), Some(slot));
-        assert_eq!(cache.reserve_checkpoint(h(1)), None);
-        cache.check().unwrap();
-    }
-
-    #[test]
-    fn lru_eviction_skips_pinned() {
-        let mut cache = LinearStatePrefixCache::new(4).unwrap();
-        for x in 1..=3 {
-            cache.reserve_checkpoint(h(x)).unwrap();
-            cache.commit_checkpoint(h(x)).unwrap();
-        }
-        cache.pin(h(1)).unwrap();
-        cache.lookup(h(2));
-        // LRU: 3 then 2 (1 pinned); a live slot evicts 3.
-        let live = cache.acquire_live_slot().unwrap();
-        assert!(!cache.contains(h(3)) && cache.contains(h(1)) && cache.contains(h(2)));
-        cache.check().unwrap();
-        let _ = cache.acquire_live_slot().unwrap(); // evicts 2
-        assert!(cache.acquire_live_slot().is_err()); // 1 is pinned
-        cache.unpin(h(1)).unwrap();
-        assert!(cache.acquire_live_slot().is_ok());
-        cache.release_live_slot(live).unwrap();
-        cache.check().unwrap();
-    }
-
-    #[test]
-    fn plain_checkpoints_go_before_kept_ones() {
-        let mut cache = LinearStatePrefixCache::new(6).unwrap();
-        for (x, kept) in [(1, true), (2, false), (3, false), (4, true)] {
-            cache.set_clock(x as u64 * 10);
-            cache
-                .reserve_planned(h(x), 0, Tail::default(), kept)
-                .unwrap();
-            cache.commit_planned(h(x)).unwrap();
-        }
-        assert_eq!(
-            (cache.num_plain_checkpoints(), cache.num_kept_checkpoints()),
-            (2, 2)
-        );
-        assert_eq!(cache.next_victim_stamp(), Some(20)); // the oldest plain one
-        cache.set_clock(50);
-        cache.lookup(h(2)); // a hit keeps it
-        assert!(!cache.is_plain(h(2)));
-        let order: Vec<BlockHash> = cache
-            .lru_order()
-            .iter()
-            .map(|&s| cache.hash_of[s as usize])
-            .collect();
-        assert_eq!(order, [h(3), h(1), h(4), h(2)]);
-        assert_eq!(cache.evict(2), 2); // 3 (plain), then 1 (the oldest kept)
-        assert!(!cache.contains(h(3)) && !cache.contains(h(1)) && cache.contains(h(4)));
-        cache.check().unwrap();
-    }
-
-    #[test]
-    fn promotion_commits_the_old_slot() {
-        let mut cache = LinearStatePrefixCache::new(3).unwrap();
-        let live = cache.acquire_live_slot().unwrap();
-        let fresh = cache.promote(live, h(9)).unwrap();
-        assert_ne!(fresh, live);
-        assert_eq!(cache.lookup(h(9)), Some(live));
-        assert_eq!(cache.num_live_slots(), 1);
-        assert!(cache.promote(fresh, h(9)).is_err());
-        cache.check().unwrap();
-    }
-}
+mod tests;
