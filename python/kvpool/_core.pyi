@@ -1123,6 +1123,8 @@ class BlockManagerPool:
         cached with another block switches the sequence's table entry to the cached block and
         frees the duplicate (read the switches with ``drain_block_switches``). False keeps first
         writer wins (engines whose workers only append to block tables, as vLLM's do).
+    max_retained_fraction : float
+        The most of a rank's blocks session hints (``retain``) may hold, in [0, 1]; default 0.5.
 
     Every option composes with every other, and with a host tier (the subclass
     ``HierarchyBlockManagerPool``; docs/host_tier.md), except ``xtensor``, which takes no
@@ -1161,6 +1163,7 @@ class BlockManagerPool:
         debug_hash_bits: int | None = None,
         xtensor: _XTensorOption | None = None,
         dedup: bool = True,
+        max_retained_fraction: float = 0.5,
     ) -> BlockManagerPool: ...
     @property
     def num_blocks(self) -> int:
@@ -1515,6 +1518,44 @@ class BlockManagerPool:
     def mapped_page_ids(self, dp_rank: int = 0) -> list[int]:
         """The mapped pages of rank ``dp_rank``, ascending (page ``p`` holds blocks
         ``p * blocks_per_page ..``); ``[]`` without the ``xtensor`` option."""
+
+    def retain(self, seq: Sequence, ttl: float, now: float) -> bool:
+        """Session hint: keep ``seq``'s published prefix from eviction while its session is away.
+
+        Publishes ``seq``'s computed full blocks, then holds them (used, not cached: R15 stays
+        exact) until ``now + ttl`` on the caller's clock (``expire_retained``) or
+        ``release_retained``. Call it before ``deallocate``. A hint taken from the same sequence
+        id before ends. Full attention only (docs/sessions.md).
+
+        Returns
+        -------
+        bool
+            False, holding nothing, when the hint would take the rank's held blocks over
+            ``max_retained_fraction`` of its blocks.
+
+        Raises
+        ------
+        ValueError
+            ``seq`` holds no blocks of this pool, the pool has other groups or no prefix cache,
+            or ``ttl`` / ``now`` is not finite (``ttl`` must be >= 0).
+        TypeError
+            ``ttl`` or ``now`` is not a number.
+        """
+
+    def release_retained(self, seq: Sequence | int) -> bool:
+        """End the session hint taken from ``seq`` (or the sequence id ``seq``): its session came
+        back or ended. Returns whether there was one."""
+
+    def expire_retained(self, now: float) -> int:
+        """Drop the session hints whose time to live ran out by ``now``; returns how many."""
+
+    @property
+    def num_retained(self) -> int:
+        """Session hints held now."""
+
+    @property
+    def num_retained_blocks(self) -> int:
+        """Blocks session hints hold, over all ranks (each counted once)."""
 
     def linear_state_cache(self, dp_rank: int) -> LinearStatePrefixCache:
         """The linear-state cache of rank ``dp_rank``, a live view (R22).
@@ -1968,6 +2009,7 @@ class HierarchyBlockManagerPool(BlockManagerPool):
         retention_tokens: int = 512,
         debug_hash_bits: int | None = None,
         dedup: bool = True,
+        max_retained_fraction: float = 0.5,
     ) -> Self: ...
     @property
     def host_num_blocks(self) -> int:

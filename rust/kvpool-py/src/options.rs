@@ -34,6 +34,7 @@ pub(crate) const POOL_OPTIONS: &[&str] = &[
     "retention_tokens",
     "debug_hash_bits",
     "dedup",
+    "max_retained_fraction",
 ];
 
 /// The `**options` of a constructor, checked against the names it takes.
@@ -143,6 +144,10 @@ impl<'py> Options<'py> {
             host: None,
             xtensor: crate::elastic::xtensor_option(self.get("xtensor")?.as_ref())?,
             dedup: self.flag("dedup", true)?,
+            max_retained_fraction: match self.get("max_retained_fraction")? {
+                None => 0.5,
+                Some(value) => convert::seconds(&value, "max_retained_fraction")?,
+            },
         };
         Ok((config, concurrent))
     }

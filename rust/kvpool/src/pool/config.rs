@@ -82,6 +82,8 @@ pub struct PoolConfig {
     /// Dedup on publish (R9 revised): a computed duplicate of a cached block switches to the
     /// cached copy. `false`: first writer wins, as at the physical level.
     pub dedup: bool,
+    /// The most of a rank's blocks session hints may hold (`retain`), in [0, 1].
+    pub max_retained_fraction: f64,
 }
 
 impl PoolConfig {
@@ -109,6 +111,7 @@ impl PoolConfig {
             host: None,
             xtensor: None,
             dedup: true,
+            max_retained_fraction: 0.5,
         }
     }
 
@@ -174,6 +177,12 @@ impl PoolConfig {
                 self.block_size
             );
         }
+        ensure_arg!(
+            (0.0..=1.0).contains(&self.max_retained_fraction),
+            "max_retained_fraction",
+            "must be in [0, 1], got {}",
+            self.max_retained_fraction
+        );
         if self.linear_state_blocks > 0 {
             ensure_arg!(
                 self.linear_state_slots > 0,

@@ -21,6 +21,7 @@ mod admission;
 mod batch;
 mod check;
 mod config;
+mod retain;
 mod elastic;
 mod events;
 mod hierarchy;
@@ -132,6 +133,8 @@ pub struct BlockManagerPool {
     block_switches: Vec<(u64, usize, u32, u32)>,
     /// Scratch of one publish's switches (position, old, new).
     switch_scratch: Vec<Switch>,
+    /// Session hints (`retain.rs`).
+    hints: retain::Hints,
 }
 
 // R27: the pool can be shared between threads (behind a lock).
@@ -194,6 +197,7 @@ impl BlockManagerPool {
             generation: 0,
             block_switches: Vec::new(),
             switch_scratch: Vec::new(),
+            hints: retain::Hints::default(),
         })
     }
 
