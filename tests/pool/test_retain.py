@@ -133,7 +133,11 @@ def test_random_hints_keep_every_rule():
 def test_r29_hint_bad_input():
     pool = kvpool.BlockManagerPool(20, BS)
     seq = turn(pool, list(range(8)))
-    for ttl, now, name in ((-1.0, 0.0, "ttl"), (float("inf"), 0.0, "ttl"), (1.0, float("nan"), "now")):
+    for ttl, now, name in (
+        (-1.0, 0.0, "ttl"),
+        (float("inf"), 0.0, "ttl"),
+        (1.0, float("nan"), "now"),
+    ):
         with pytest.raises(ValueError, match=name):
             pool.retain(seq, ttl, now)
     with pytest.raises(TypeError, match="ttl"):

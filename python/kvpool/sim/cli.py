@@ -66,6 +66,7 @@ SWEEP_KEYS: dict[str, tuple[str, Any]] = {
     "mfu": ("mfu", float),
     "order": ("order", str),
     "eviction": ("eviction", str),
+    "retain_ttl": ("retain_ttl", float),
     "gpu": ("gpu", str),
     "xtensor": ("xtensor", None),
     "page_mib": ("page_mib", float),
@@ -198,6 +199,15 @@ def build_parser(prog: str = "kvpool simulate") -> argparse.ArgumentParser:
         default="lru",
         help="lru: the pool's own eviction; optimal: the offline bound in request order "
         "(farthest next use; needs --order request and one full-attention cache)",
+    )
+    c.add_argument(
+        "--retain-ttl",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="session hints: retain every finished turn of a session (workloads with sessions: "
+        "-w agentic, chat traces) for SECONDS or until its next turn is admitted "
+        "(docs/sessions.md)",
     )
     c.add_argument(
         "--no-prefix-cache",

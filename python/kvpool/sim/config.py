@@ -59,6 +59,8 @@ class SimConfig:
     seed: int = 0
     order: str = "serving"  # or "request": one request at a time, prompts only
     eviction: str = "lru"  # or "optimal": the offline bound in request order (sim/optimal.py)
+    # session hints: retain every finished turn of a session this many seconds (docs/sessions.md)
+    retain_ttl_s: float | None = None
     step_ms: float = 20.0  # the fixed step time (and an idle step of a step-clocked workload)
     gpu: str | None = None  # a key of timing.GPUS: the roofline step time (needs model_shape)
     tp: int = 1  # GPUs per rank (ideal tensor parallelism)
@@ -125,6 +127,8 @@ class SimConfig:
             raise SimError("max_num_seqs must be >= 1")
         if self.linear_state_slots < 0:
             raise SimError("linear_state_slots must be >= 0")
+        if self.retain_ttl_s is not None and not self.retain_ttl_s >= 0:
+            raise SimError("retain_ttl_s must be >= 0")
         if self.linear_state_blocks and not self.linear_state_slots:
             raise SimError("linear_state_blocks needs linear_state_slots > 0")
         if self.checkpoint_interval is not None:

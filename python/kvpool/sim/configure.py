@@ -200,6 +200,7 @@ def make_config(
         seed=args.seed,
         order=args.order,
         eviction=args.eviction,
+        retain_ttl_s=args.retain_ttl,
         step_ms=args.step_ms or DEFAULT_STEP_MS,
         gpu=args.gpu,
         tp=args.tp,

@@ -150,6 +150,9 @@ def summarize(sim: Any, wall: float) -> dict[str, Any]:
         out["group_memory"] = group_memory(sim.pool)
     if sim.mapped is not None:
         out.update(sim.mapped.summary(st, sim.now_s))
+    if sim.cfg.retain_ttl_s is not None:
+        out["retained_turns"] = sim.retained
+        out["retain_refused"] = sim.retain_refused
     sessions = [lv for lv in fin if lv.req.session is not None]
     if sessions:
         first_turns = [lv for lv in sessions if lv.req.session.parent_chat_id < 0]
