@@ -348,6 +348,10 @@ TABLE: dict[str, tuple[Callable, dict[str, str]]] = {
         lambda **kw: _pool().allocate(kvpool.Sequence(TOKENS), **kw),
         {"num_tokens": COUNT, "num_new_tokens": COUNT},
     ),
+    "BlockManagerPool.release_retained": (
+        _with({"seq": 1}, lambda **kw: _pool().release_retained(**kw)),
+        {"seq": COUNT},
+    ),
     "BlockManagerPool.drain_block_switches": (
         lambda **kw: _pool().drain_block_switches(**kw),
         {"with_group": FLAG},
