@@ -27,6 +27,7 @@ pub(crate) const POOL_OPTIONS: &[&str] = &[
     "event_replay",
     "hash_seed",
     "sliding_window",
+    "window_groups",
     "swa_num_blocks",
     "shared_blocks",
     "retention_tokens",
@@ -127,6 +128,7 @@ impl<'py> Options<'py> {
             linear_state_match,
             linear_state_save,
             sliding_window: self.count("sliding_window")?,
+            window_groups: self.count("window_groups")?.unwrap_or(1),
             swa_num_blocks: self.count("swa_num_blocks")?,
             // None: the default (shared unless the window group is sized on its own)
             shared_blocks: match self.get("shared_blocks")? {
