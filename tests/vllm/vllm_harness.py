@@ -62,7 +62,12 @@ from vllm.sampling_params import SamplingParams  # noqa: E402
 from vllm.utils.hashing import get_hash_fn_by_name  # noqa: E402
 from vllm.v1.core.kv_cache_manager import KVCacheManager as VllmKVCacheManager  # noqa: E402
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec  # noqa: E402
+from vllm.v1.kv_cache_interface import (  # noqa: E402
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    SlidingWindowSpec,
+)
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
 
 VOCAB = 32000
@@ -158,14 +163,70 @@ def chat_trace(
 
 
 # -------------------------------------------------------------------------------- managers
-def kv_cache_config(num_blocks: int, block_size: int = 16, num_layers: int = 2) -> KVCacheConfig:
+@dataclass(frozen=True)
+class Hybrid:
+    """A hybrid model's KV cache groups as vLLM builds them: ``window_groups`` sliding-window
+    groups of ``window`` tokens beside one full-attention group; ``window_first``: vLLM's group 0
+    is a window group (gpt-oss's first layer is a window layer). ``retention``: the config's
+    ``prefix_cache_retention_interval`` (vLLM's default 0: sparse window retention; None: vLLM
+    keeps every window block)."""
+
+    window: int
+    window_groups: int = 1
+    window_first: bool = False
+    retention: int | None = 0
+
+
+GPT_OSS = Hybrid(window=128, window_groups=1, window_first=True)  # alternating 128 / full
+GEMMA3 = Hybrid(window=512, window_groups=5)  # 5 window layers (512) per full one
+
+
+def kv_cache_config(
+    num_blocks: int, block_size: int = 16, num_layers: int = 2, hybrid: Hybrid | None = None
+) -> KVCacheConfig:
     spec = FullAttentionSpec(
         block_size=block_size, num_kv_heads=2, head_size=64, dtype=torch.bfloat16
     )
-    layers = [f"model.layers.{i}.self_attn.attn" for i in range(num_layers)]
-    return KVCacheConfig(
-        num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(layers, spec)]
+    if hybrid is None:
+        layers = [f"model.layers.{i}.self_attn.attn" for i in range(num_layers)]
+        return KVCacheConfig(
+            num_blocks=num_blocks,
+            kv_cache_tensors=[],
+            kv_cache_groups=[KVCacheGroupSpec(layers, spec)],
+        )
+    window = SlidingWindowSpec(
+        block_size=block_size,
+        num_kv_heads=2,
+        head_size=64,
+        dtype=torch.bfloat16,
+        sliding_window=hybrid.window,
     )
+    n = 1 + hybrid.window_groups  # one layer per group: layer i in group i
+    groups = [
+        KVCacheGroupSpec([f"model.layers.{i}.self_attn.attn"], window if i else spec)
+        for i in range(n)
+    ]
+    if hybrid.window_first:  # window layers first: vLLM's group 0 is a window group
+        groups = groups[1:] + groups[:1]
+    return KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=groups,
+        prefix_cache_retention_interval=hybrid.retention,
+    )
+
+
+def group_windows(config: KVCacheConfig) -> list[int | None]:
+    """Each group's window in tokens (None: full attention), in vLLM's order."""
+    return [getattr(g.kv_cache_spec, "sliding_window", None) for g in config.kv_cache_groups]
+
+
+def first_needed(window: int | None, computed: int, block_size: int) -> int:
+    """The first block a query at position ``computed`` reads (vLLM's
+    ``get_num_skipped_tokens`` in blocks; 0 for full attention)."""
+    if window is None:
+        return 0
+    return max(0, computed - window + 1) // block_size
 
 
 class PublishAfterCompute(VllmKVCacheManager):
@@ -206,12 +267,13 @@ def make_manager(
     max_model_len: int = 8192,
     events: bool = False,
     caching: bool = True,
+    hybrid: Hybrid | None = None,
 ):
     """``kind`` "vllm" (vLLM's own), "vllm-r17" (``PublishAfterCompute``) or "kvpool", built
-    with the Scheduler's keyword arguments."""
+    with the Scheduler's keyword arguments; ``hybrid``: window groups beside full attention."""
     cls = MANAGERS.get(kind, kv_vllm.KVCacheManager)
     return cls(
-        kv_cache_config=kv_cache_config(num_blocks, block_size),
+        kv_cache_config=kv_cache_config(num_blocks, block_size, hybrid=hybrid),
         max_model_len=max_model_len,
         max_in_flight_tokens=2048,
         enable_caching=caching,
@@ -278,15 +340,18 @@ def drive(
     (its result is logged). ``check``: called with the manager after every step.
     """
     bs = manager.kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
+    windows = group_windows(manager.kv_cache_config)  # None: full attention
+    full = windows.index(None)
     params = {}
     pending = collections.deque(trace)
     waiting: collections.deque = collections.deque()
     running: list = []
     reqs: dict[str, Request] = {}
     chains: dict[str, list[bytes]] = {}  # the content each full block of a request stands for
-    tables: dict[str, list[int]] = {}  # the worker's view: NewRequestData, then appends
+    tables: dict[str, list[list[int]]] = {}  # the worker's view per group: NewRequestData, appends
     answers = {str(it.rid): it.output for it in trace}
-    kv_store: dict[int, bytes] = {}  # block id -> content whose KV it holds (full blocks)
+    # block id -> (group, content) whose KV it holds (full blocks; one id space for all groups)
+    kv_store: dict[int, tuple[int, bytes]] = {}
     log = Log()
     step = 0
 
@@ -336,7 +401,8 @@ def drive(
                 break
             ids = new.get_block_ids(allow_none=True)
             if ids is not None:
-                tables[r.request_id].extend(ids[0])
+                for table, more in zip(tables[r.request_id], ids, strict=True):
+                    table.extend(more)
             scheduled[r.request_id] = n
             token_budget -= n
             for j in range(r.num_computed_tokens // bs, (r.num_computed_tokens + n) // bs):
@@ -364,16 +430,22 @@ def drive(
                 break
             waiting.popleft()
             manager.record_prefix_cache_stats(r, hit)
-            table = manager.get_blocks(r.request_id).get_block_ids()[0]
+            groups = manager.get_blocks(r.request_id).get_block_ids()
+            table = groups[full]
             chain = chains[r.request_id]
             shared = False
-            for j in range(hit // bs):  # every hit block holds the KV of its tokens ...
-                if chain[j] in in_flight:  # ... or is being computed this step (vLLM only)
-                    shared = True
-                else:
-                    assert kv_store.get(table[j]) == chain[j], (
-                        f"request {r.request_id}: hit block {j} holds other KV"
-                    )
+            for g, window in enumerate(windows):
+                start = first_needed(window, hit, bs)  # a window's table: null entries before
+                assert not any(groups[g][:start]), (
+                    f"request {r.request_id}: group {g} holds blocks behind its window"
+                )
+                for j in range(start, hit // bs):  # every hit block holds its tokens' KV ...
+                    if chain[j] in in_flight:  # ... or is being computed this step (vLLM only)
+                        shared = True
+                    else:
+                        assert kv_store.get(groups[g][j]) == (g, chain[j]), (
+                            f"request {r.request_id}: hit block {j} of group {g} holds other KV"
+                        )
             log.same_step_shares += shared
             if shared and log.first_share_step is None:
                 log.first_share_step = step
@@ -389,7 +461,7 @@ def drive(
                 log.missed_running += 1
                 if log.first_missed_step is None:
                     log.first_missed_step = step
-            tables[r.request_id] = list(table)
+            tables[r.request_id] = [list(ids) for ids in groups]
             log.admissions.setdefault(int(r.request_id), []).append((step, hit))
             log.hit_tokens += hit
             r.status = RequestStatus.RUNNING
@@ -406,12 +478,29 @@ def drive(
         # --------------------------------------------------- the forward pass, then update
         for rid, n in scheduled.items():
             r = reqs[rid]
-            table = tables[rid]
-            assert table == manager.get_block_ids(rid)[0], (
-                f"request {rid}: table changed under the worker"
-            )
-            for j in range(r.num_computed_tokens // bs, (r.num_computed_tokens + n) // bs):
-                kv_store[table[j]] = chains[rid][j]  # the fake KV of a block once it is full
+            worker, now = tables[rid], manager.get_block_ids(rid)
+            assert worker[full] == now[full], f"request {rid}: table changed under the worker"
+            computed = r.num_computed_tokens
+            for g, window in enumerate(windows):
+                if window is None:
+                    continue
+                # a window table: entries the worker holds, or null once behind the window
+                assert len(worker[g]) == len(now[g]) and all(
+                    b in (a, 0) for a, b in zip(worker[g], now[g], strict=True)
+                ), f"request {rid}: group {g}'s table changed under the worker"
+                # every block a query of this step reads holds its tokens' KV
+                for j in range(first_needed(window, computed, bs), computed // bs):
+                    if chains[rid][j] not in in_flight:
+                        assert kv_store.get(worker[g][j]) == (g, chains[rid][j]), (
+                            f"request {rid}: block {j} of group {g} holds other KV at step {step}"
+                        )
+        for rid, n in scheduled.items():
+            r = reqs[rid]
+            worker = tables[rid]
+            for g in range(len(windows)):
+                for j in range(r.num_computed_tokens // bs, (r.num_computed_tokens + n) // bs):
+                    assert worker[g][j], f"request {rid}: writes block {j} of group {g} to null"
+                    kv_store[worker[g][j]] = (g, chains[rid][j])  # the fake KV, once full
             r.num_computed_tokens += n
         finished = []
         for rid in scheduled:
