@@ -578,6 +578,7 @@ def build_scheduler(
     events: bool = False,
     hash_algo: str = "sha256",
     scheduler_options: dict | None = None,
+    hybrid: Hybrid | None = None,
 ):
     """vLLM's real Scheduler (or AsyncScheduler); ``manager`` "vllm" or "kvpool" (kvpool's
     installed through ``scheduler_cls``, the route ``--scheduler-cls`` takes).
@@ -618,7 +619,7 @@ def build_scheduler(
     try:
         scheduler = cls(
             vllm_config=config,
-            kv_cache_config=kv_cache_config(num_blocks, block_size),
+            kv_cache_config=kv_cache_config(num_blocks, block_size, hybrid=hybrid),
             structured_output_manager=StructuredOutputManager(config),
             block_size=block_size,
             hash_block_size=block_size,
@@ -628,6 +629,74 @@ def build_scheduler(
     finally:
         sched_module.KVCacheManager = saved
     return scheduler, config
+
+
+class FakeKV:
+    """A worker's block tables and a fake KV store under vLLM's real Scheduler, every group in
+    one id space: each ``SchedulerOutput`` is executed as the device would, in order, when it is
+    scheduled. Its reads are checked first: a new request's hit blocks of every group (full
+    attention: all of them; a window: those its first query reads, null entries before), and
+    every step, each window block a scheduled query reads, must hold the KV of exactly the
+    tokens they stand for; then its writes are recorded (a block's KV once it is full).
+    ``reads``: blocks checked, per group."""
+
+    def __init__(self, config: KVCacheConfig, trace: list[Item]) -> None:
+        self.bs = config.kv_cache_groups[0].kv_cache_spec.block_size
+        self.windows = group_windows(config)
+        self.chains = {
+            str(it.rid): kvpool.hash_blocks(it.prompt + it.output, self.bs) for it in trace
+        }
+        self.tables: dict[str, list[list[int]]] = {}
+        self.store: dict[int, tuple[int, bytes]] = {}
+        self.reads = [0] * len(self.windows)
+
+    def _read(self, rid: str, g: int, j: int, step: int) -> None:
+        got = self.store.get(self.tables[rid][g][j])
+        assert got == (g, self.chains[rid][j]), (
+            f"step {step}: request {rid} reads block {j} of group {g} "
+            f"(id {self.tables[rid][g][j]}), which holds other KV"
+        )
+        self.reads[g] += 1
+
+    def execute(self, so, step: int) -> None:
+        """Check the reads of scheduler output ``so``, then record its writes."""
+        bs = self.bs
+        for rid in so.finished_req_ids:
+            self.tables.pop(rid, None)
+        for rid in so.preempted_req_ids or ():
+            self.tables.pop(rid, None)
+        computed: dict[str, int] = {}
+        for r in so.scheduled_new_reqs:
+            self.tables[r.req_id] = [list(ids) for ids in r.block_ids]
+            c = computed[r.req_id] = r.num_computed_tokens
+            for g, window in enumerate(self.windows):
+                start = first_needed(window, c, bs)
+                assert not any(self.tables[r.req_id][g][:start]), (
+                    f"request {r.req_id}: group {g} holds blocks behind its window"
+                )
+                for j in range(start, c // bs):  # the hit, as the first query reads it
+                    self._read(r.req_id, g, j, step)
+        cached = so.scheduled_cached_reqs
+        resumed = getattr(cached, "resumed_req_ids", set())
+        for rid, new_ids, c in zip(
+            cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True
+        ):
+            if rid in resumed:
+                self.tables[rid] = [list(ids) for ids in new_ids]
+            elif new_ids is not None:
+                for table, more in zip(self.tables[rid], new_ids, strict=True):
+                    table.extend(more)
+            computed[rid] = c
+            for g, window in enumerate(self.windows):
+                if window is not None:  # every block the step's first query reads
+                    for j in range(first_needed(window, c, bs), c // bs):
+                        self._read(rid, g, j, step)
+        for rid, n in so.num_scheduled_tokens.items():
+            c = computed[rid]
+            for g, table in enumerate(self.tables[rid]):
+                for j in range(c // bs, (c + n) // bs):
+                    assert table[j], f"step {step}: request {rid} writes block {j} of group {g} to null"
+                    self.store[table[j]] = (g, self.chains[rid][j])
 
 
 @dataclass
@@ -652,10 +721,12 @@ def run_scheduler(
     arrival_scale: float = 1.0,
     hasher=None,
     timed: bool = False,
+    kv: FakeKV | None = None,
 ) -> Run:
     """Feed ``trace`` to the Scheduler as EngineCore does (``step`` for sync,
     ``step_with_batch_queue`` for async: a queue of ``max_concurrent_batches``), with a fake
-    model that samples the trace's answers; ends with ``reset_prefix_cache()`` (must succeed)."""
+    model that samples the trace's answers; ends with ``reset_prefix_cache()`` (must succeed).
+    ``kv``: a ``FakeKV`` that executes and checks every scheduled step."""
     from vllm.v1.outputs import ModelRunnerOutput
 
     answers = {str(it.rid): it.output for it in trace}
@@ -688,6 +759,8 @@ def run_scheduler(
             so = scheduler.schedule()
             if timed:
                 run.schedule_ns.append(clock() - t0)
+            if kv is not None:
+                kv.execute(so, step)
             ids, tokens = list(so.num_scheduled_tokens), []
             for rid in ids:
                 req = scheduler.requests.get(rid)

@@ -179,6 +179,13 @@ class KVCacheManager:
         self.layout = layout
         self.num_kv_cache_groups = layout.num_groups
         self._hybrid = layout.num_groups > 1
+        # vLLM's admission cap of a window group, in blocks (None: uncapped)
+        self._window_cap: int | None = None
+        if self._hybrid and max_in_flight_tokens is not None:
+            spec = layout.specs[layout.vllm_groups[1]]
+            self._window_cap = spec.max_admission_blocks_per_request(
+                max_in_flight_tokens=max_in_flight_tokens, max_model_len=max_model_len
+            )
         self.coordinator = _CoordinatorView(
             tuple(_GroupView(spec, block_size) for spec in layout.specs)
         )
@@ -407,6 +414,16 @@ class KVCacheManager:
             self._unpublished[request.request_id] = (request, entry, end)  # a block fills this step
         return blocks
 
+    def _whole_fits(self, whole: int, hit_tokens: int) -> bool:
+        """vLLM's whole-sequence gate with window groups: the full-attention blocks of
+        ``whole`` tokens past the hit, and per window group the blocks of ``whole`` tokens up to
+        vLLM's admission cap (a window group never holds more at once: its table slides as the
+        prefill's KV comes into existence), within the free and evictable blocks."""
+        blocks = -(-whole // self.block_size)
+        window = blocks if self._window_cap is None else min(blocks, self._window_cap)
+        demand = blocks - hit_tokens // self.block_size + self.layout.window_groups * window
+        return demand <= self.block_pool.get_num_free_blocks()
+
     def _grow(self, entry: _Entry, need: int) -> KVCacheBlocks | None:
         """The table grown to ``need`` tokens. Either call grows it the same way (the core's
         ``grow(seq, need)``): the sequence may lag behind the request's tokens, which only
@@ -459,7 +476,9 @@ class KVCacheManager:
         fresh = isinstance(hit, _Hit) and hit.seq_len == length  # planned at this length
         if must_fit:  # the whole sequence must fit, not only the first chunk (vLLM's gate)
             whole = min(length, self.max_model_len)
-            if fresh and whole == length:
+            if self._hybrid:
+                fits = self._whole_fits(whole, hit_tokens)
+            elif fresh and whole == length:
                 fits = hit.fits  # type: ignore[union-attr]
             else:
                 fits = self.pool.plan(seq, whole) is not None
