@@ -179,6 +179,9 @@ class KVCacheManager:
         self.layout = layout
         self.num_kv_cache_groups = layout.num_groups
         self._hybrid = layout.num_groups > 1
+        # the computed tokens go to the pool: to publish (R17), and with window groups to slide
+        # their tables (prefix caching off too: a window table then stays as small as vLLM's)
+        self._publishes = enable_caching or self._hybrid
         # vLLM's admission cap of a window group, in blocks (None: uncapped)
         self._window_cap: int | None = None
         if self._hybrid and max_in_flight_tokens is not None:
@@ -290,7 +293,7 @@ class KVCacheManager:
         n = num_computed_tokens if num_computed_tokens < entry.capacity else entry.capacity
         if n > entry.length:
             n = entry.length
-        if n > entry.computed and self.enable_caching:
+        if n > entry.computed and self._publishes:
             entry.seq.num_computed_tokens = entry.computed = n
             self.pool.cache(entry.seq)
             if self._hybrid:  # the windows slid: blocks behind them were released
@@ -657,7 +660,7 @@ class KVCacheManager:
                     request, entry, request.num_computed_tokens - request.num_in_flight_tokens
                 )
                 # scheduled, not computed yet (in flight, or scheduled in the step under way)
-                if entry.computed < end - end % bs and self.enable_caching:
+                if entry.computed < end - end % bs and self._publishes:
                     waiting[rid] = pending
         self._unpublished = waiting
 
