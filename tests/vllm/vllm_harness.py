@@ -476,7 +476,7 @@ def drive(
         manager.take_new_block_ids()
         log.steps.append((step, tuple(scheduled.items()), tuple(preempted)))
         # --------------------------------------------------- the forward pass, then update
-        for rid, n in scheduled.items():
+        for rid in scheduled:
             r = reqs[rid]
             worker, now = tables[rid], manager.get_block_ids(rid)
             assert worker[full] == now[full], f"request {rid}: table changed under the worker"
@@ -695,7 +695,9 @@ class FakeKV:
             c = computed[rid]
             for g, table in enumerate(self.tables[rid]):
                 for j in range(c // bs, (c + n) // bs):
-                    assert table[j], f"step {step}: request {rid} writes block {j} of group {g} to null"
+                    assert table[j], (
+                        f"step {step}: request {rid} writes block {j} of group {g} to null"
+                    )
                     self.store[table[j]] = (g, self.chains[rid][j])
 
 
