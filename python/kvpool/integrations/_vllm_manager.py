@@ -50,16 +50,20 @@ class KVCacheManager:
     Parameters
     ----------
     kv_cache_config : vllm.v1.kv_cache_interface.KVCacheConfig
-        One full-attention group; ``num_blocks`` (null block 0 included) becomes the pool's
-        ``num_blocks`` (padding block 0 included). Its ``prefix_cache_retention_interval`` must
-        be 0 or None (both mean every full block is kept, for full attention).
+        One full-attention group, alone or beside up to 8 sliding-window groups of one window
+        (``_vllm_groups.group_layout``), in any order; ``num_blocks`` (null block 0 included)
+        becomes the pool's ``num_blocks`` (padding block 0 included), one store for every
+        group. Its ``prefix_cache_retention_interval`` must be 0 or None.
     max_model_len : int
         Tables never hold more tokens.
     scheduler_block_size, hash_block_size : int
         Both must equal the group's block size (one group, no DCP): ``hash_block_size`` is
         vLLM's ``prefix_match_unit``, and hits inside a block (partial hash hits) are refused.
-    max_in_flight_tokens, num_prefill_lookahead : int or None
-        Accepted; admission caps and prefill lookahead concern sliding-window and MTP groups.
+    max_in_flight_tokens : int or None
+        With window groups, vLLM's admission cap per window group (the window plus these
+        tokens) in the whole-sequence gate; None: uncapped.
+    num_prefill_lookahead : int or None
+        Accepted; prefill lookahead concerns MTP groups.
     enable_caching : bool
         Prefix caching (``enable_prefix_caching``).
     use_eagle : bool
