@@ -145,6 +145,11 @@ def test_unsupported_hybrid_configs():
         manager(*[window(128)] * 9)
     with pytest.raises(NotImplementedError, match="2 full-attention KV cache groups"):
         manager(full.kv_cache_spec, window(128))
+    half = SlidingWindowSpec(
+        sliding_window=128, block_size=bs, num_kv_heads=2, head_size=64, dtype=torch.float16
+    )
+    with pytest.raises(NotImplementedError, match="several precisions"):
+        manager(half)
     with pytest.raises(ValueError, match="prefix_cache_retention_interval"):
         manager(window(128), retention=4 * bs)
     assert manager(*[window(128)] * 8).num_kv_cache_groups == 9

@@ -98,7 +98,8 @@ def group_layout(kv_cache_config: Any) -> GroupLayout:
     NotImplementedError
         Any other group (Mamba, chunked local attention, cross attention, ...), several
         full-attention groups, window groups of different windows or block sizes, a window
-        group retaining tokens below its window (``extra_retained_tokens``, MTP), or no group.
+        group retaining tokens below its window (``extra_retained_tokens``, MTP), groups of
+        several precisions (their blocks need zeroing), or no group.
     """
     specs = tuple(group.kv_cache_spec for group in kv_cache_config.kv_cache_groups)
     full = [i for i, spec in enumerate(specs) if _is_full(spec)]
@@ -128,6 +129,11 @@ def group_layout(kv_cache_config: Any) -> GroupLayout:
             raise _unsupported(
                 f"extra_retained_tokens={extra} in sliding-window group {i} (multi-module MTP)"
             )
+    if getattr(kv_cache_config, "needs_kv_cache_zeroing", False):
+        raise _unsupported(
+            "KV cache groups of several precisions (vLLM's workers zero a block reused across "
+            "groups, which kvpool's manager does not report)"
+        )
     pool_groups = [0] * len(specs)
     for position, i in enumerate(windows):
         pool_groups[i] = position + 1
