@@ -24,9 +24,10 @@ Invariants this module keeps:
 - Block ids are the pool's ids, which are the ids vLLM's workers index: vLLM's null block 0 is
   kvpool's padding block 0 and never appears in a full-attention table (a window table has it
   behind the window, as vLLM's); ``kv_cache_config.num_blocks`` counts it in both, and every
-  group draws from the one store. An id handed out in ``NewRequestData`` or ``new_block_ids`` stays in the request's
-  table until ``free``: the pool runs first-writer-wins publication (R9, ``dedup=False``), so
-  a table only grows, as vLLM's workers assume.
+  group draws from the one store. An id handed out in ``NewRequestData`` or ``new_block_ids``
+  stays in the request's table until ``free`` (a window's slid-out entries become null, which
+  its worker never reads again): the pool runs first-writer-wins publication (R9,
+  ``dedup=False``), so a table only grows, as vLLM's workers assume.
 - Blocks are published when their KV exists (R17), and before anything reads the cache:
   ``seq.num_computed_tokens`` follows ``request.num_computed_tokens -
   request.num_in_flight_tokens`` (the Scheduler's count of tokens whose forward pass has
