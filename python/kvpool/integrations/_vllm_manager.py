@@ -757,7 +757,8 @@ class KVCacheManager:
         """Walk the pool's structures (R20) and this manager's: ``usage`` (cached since the last
         allocation or release) and the free count are the pool's stats; each entry mirrors its
         sequence (length, table capacity, computed tokens), a held table has no id 0 and holds the
-        computed tokens, and every request awaiting publication is tracked.
+        computed tokens, each window table has one entry per full-attention entry and shares no
+        id with it, and every request awaiting publication is tracked.
 
         Raises
         ------
@@ -801,6 +802,13 @@ class KVCacheManager:
                     f"request {rid!r}: entry (length, capacity, computed) "
                     f"{mirror}, sequence {actual}, table {table}"
                 )
+            for g in range(1, self.num_kv_cache_groups):  # window tables: one entry per block
+                window = seq.group_block_table(g).tolist() if entry.capacity else []
+                if len(window) != len(table) or set(window) & set(table) - {0}:
+                    raise InvariantError(
+                        f"request {rid!r}: window group {g}'s table {window} against the "
+                        f"full-attention table {table}"
+                    )
         for rid, (_, entry, _end) in self._unpublished.items():
             if self._seqs.get(rid) is not entry:
                 raise InvariantError(f"request {rid!r}: awaits publication but is not tracked")
