@@ -289,11 +289,14 @@ def test_real_scheduler_to_completion_with_fake_kv(name, pressure, async_):
         _assert_same_or_hit_first(k, v)
 
 
-def test_window_groups_publish_vllm_kv_events():
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_window_groups_publish_vllm_kv_events(name):
     from vllm.distributed.kv_events import BlockRemoved, BlockStored
 
-    bs = 16
-    manager = h.make_manager("kvpool", 200, bs, events=True, hybrid=h.GPT_OSS)
+    bs, hybrid = 16, CONFIGS[name]
+    manager = h.make_manager(
+        "kvpool", 200 * (1 + hybrid.window_groups), bs, events=True, hybrid=hybrid
+    )
     seen = []
     original = manager.take_events
 
@@ -306,5 +309,11 @@ def test_window_groups_publish_vllm_kv_events():
     h.drive(manager, h.chat_trace(30, seed=6), arrival_scale=0.3)
     stored = [e for e in seen if isinstance(e, BlockStored)]
     by_group = {(e.group_idx, e.kv_cache_spec_kind, e.kv_cache_spec_sliding_window) for e in stored}
-    assert by_group == {(0, "sliding_window", 128), (1, "full_attention", None)}
-    assert {e.group_idx for e in seen if isinstance(e, BlockRemoved)} <= {0, 1}
+    windows = h.group_windows(manager.kv_cache_config)  # vLLM's order
+    assert by_group == {
+        (g, "full_attention" if w is None else "sliding_window", w) for g, w in enumerate(windows)
+    }
+    removed = [e for e in seen if isinstance(e, BlockRemoved)]
+    assert removed and {e.group_idx for e in removed} <= set(range(len(windows)))
+    for e in stored:
+        assert e.block_size == bs and len(e.token_ids) == bs * len(e.block_hashes)
