@@ -317,3 +317,29 @@ def test_window_groups_publish_vllm_kv_events(name):
     assert removed and {e.group_idx for e in removed} <= set(range(len(windows)))
     for e in stored:
         assert e.block_size == bs and len(e.token_ids) == bs * len(e.block_hashes)
+
+
+def test_prefix_caching_off_window_tables_still_slide():
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request, RequestStatus
+
+    bs = 16
+    manager = h.make_manager("kvpool", 128, bs, caching=False, hybrid=h.GPT_OSS)
+    sp = SamplingParams(max_tokens=4)
+    prompt = list(range(100, 100 + 20 * bs))
+    a = Request("a", prompt, sp, None)
+    blocks, hit, _ = manager.get_computed_blocks(a)
+    assert hit == 0 and manager.allocate_slots(a, a.num_tokens, hit, blocks) is not None
+    a.status, a.num_computed_tokens = RequestStatus.RUNNING, a.num_tokens
+    a.append_output_token_ids(7)
+    assert manager.pool.stats()["num_used_blocks"] == 40  # the prefill held every block
+    b = Request("b", prompt, sp, None)
+    assert manager.get_computed_blocks(b)[1] == 0  # no hit; a's computed tokens went to the pool
+    window, full = manager.get_block_ids("a")
+    first = h.first_needed(128, a.num_computed_tokens, bs)
+    assert window[:first] == [0] * first and 0 not in window[first:] + full
+    assert manager.pool.stats()["num_used_blocks"] == 40 - first  # slid out: free at once
+    manager.check()
+    manager.free(a)
+    manager.check()
+    assert manager.block_pool.get_num_free_blocks() == 127
