@@ -18,8 +18,9 @@ from vllm.v1.kv_cache_interface import KVCacheConfig
 from vllm.v1.metrics.stats import PrefixCacheStats
 from vllm.v1.request import Request, RequestStatus
 
-from kvpool._core import BlockManagerPool, InvariantError
+from kvpool._core import BlockManagerPool
 from kvpool._core import Sequence as PoolSequence
+from kvpool.integrations._vllm_check import check_manager
 from kvpool.integrations._vllm_events import event_groups, vllm_event
 from kvpool.integrations._vllm_groups import group_layout
 from kvpool.integrations._vllm_versions import hit_unbounded, reads_cache, token_ids
@@ -754,61 +755,11 @@ class KVCacheManager:
         ]
 
     def check(self) -> None:
-        """Walk the pool's structures (R20) and this manager's: ``usage`` (cached since the last
-        allocation or release) and the free count are the pool's stats; each entry mirrors its
-        sequence (length, table capacity, computed tokens), a held table has no id 0 and holds the
-        computed tokens, each window table has one entry per full-attention entry and shares no
-        id with it, and every request awaiting publication is tracked.
+        """Walk the pool's structures (R20) and this manager's (``_vllm_check.check_manager``).
 
         Raises
         ------
         kvpool.InvariantError
             A rule is broken.
         """
-        self.pool.check()
-        stats = self.pool.stats()
-        counted = (
-            self.usage,
-            self.block_pool.get_num_free_blocks(),
-        )  # usage: set at the last change
-        if counted != (stats["usage"], stats["num_free_blocks"] + stats["num_cached_blocks"]):
-            raise InvariantError(
-                f"usage and free blocks {counted} disagree with the pool's stats {stats}"
-            )
-        recorded = self.prefix_cache_stats
-        if recorded is not None and self._stats_recorded != bool(
-            recorded.requests or recorded.preempted_requests or recorded.reset
-        ):
-            raise InvariantError(
-                f"prefix cache stats {recorded} but recorded={self._stats_recorded}"
-            )
-        for rid, entry in self._seqs.items():
-            seq = entry.seq
-            table = seq.block_table.tolist()
-            mirror = (
-                entry.length,
-                entry.capacity,
-                entry.computed if entry.capacity else 0,
-                entry.ids if entry.capacity else [],
-            )
-            actual = (len(seq), len(table) * self.block_size, seq.num_computed_tokens, table)
-            if (
-                mirror != actual
-                or (entry.capacity == 0) == seq.is_allocated
-                or 0 in table
-                or entry.computed > entry.capacity
-            ):
-                raise InvariantError(
-                    f"request {rid!r}: entry (length, capacity, computed) "
-                    f"{mirror}, sequence {actual}, table {table}"
-                )
-            for g in range(1, self.num_kv_cache_groups):  # window tables: one entry per block
-                window = seq.group_block_table(g).tolist() if entry.capacity else []
-                if len(window) != len(table) or set(window) & set(table) - {0}:
-                    raise InvariantError(
-                        f"request {rid!r}: window group {g}'s table {window} against the "
-                        f"full-attention table {table}"
-                    )
-        for rid, (_, entry, _end) in self._unpublished.items():
-            if self._seqs.get(rid) is not entry:
-                raise InvariantError(f"request {rid!r}: awaits publication but is not tracked")
+        check_manager(self)
