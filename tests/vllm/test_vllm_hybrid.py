@@ -101,6 +101,42 @@ def test_groups_in_vllms_order_and_one_id_space():
     assert manager.reset_prefix_cache()
 
 
+# layer i's window (None: full attention), as the models' configs give them
+MODELS = {
+    "gpt-oss-20b": [128 if i % 2 == 0 else None for i in range(24)],
+    "gemma-3-1b": [None if i % 6 == 5 else 512 for i in range(26)],
+    "gemma-3-27b": [None if i % 6 == 5 else 1024 for i in range(62)],
+}
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+def test_the_configs_vllms_planner_builds(model):
+    """The groups vLLM's own planner (``get_kv_cache_groups``) makes of the model's layers:
+    kvpool's manager takes them in vLLM's order, and on a light-load trace its schedules and
+    hits equal vLLM's own manager keeping every window block, every hit of every group checked
+    against the fake KV store."""
+    import copy
+
+    bs = h.BS
+    config = h.vllm_grouped_config(h.blocks(24576, bs), bs, MODELS[model])
+    windows = h.group_windows(config)
+    manager = h.make_manager("kvpool", 0, bs, config=config, events=True)
+    assert manager.layout.pool_groups[windows.index(None)] == 0
+    assert manager.pool.num_groups == len(windows) and windows.count(None) == 1
+    dense = copy.copy(config)
+    dense.prefix_cache_retention_interval = None
+    trace = h.chat_trace(60, seed=3)
+    k = h.drive(manager, trace, check=lambda m: m.check())
+    r = h.drive(h.make_manager("vllm-r17", 0, bs, config=dense), trace, hasher=hasher_for(bs))
+    v = h.drive(h.make_manager("vllm", 0, bs, config=config), trace, hasher=hasher_for(bs))
+    print(
+        f"\n{model}: {len(windows)} groups (windows {windows}); hit tokens kvpool "
+        f"{k.hit_tokens}, vllm-r17 dense {r.hit_tokens}, vllm {v.hit_tokens}"
+    )
+    assert k.first_eviction_step is None and r.first_eviction_step is None
+    assert k.steps == r.steps and k.hit_tokens == r.hit_tokens >= v.hit_tokens > 0
+
+
 def test_unsupported_hybrid_configs():
     import torch
     from kvpool.integrations import vllm as kv_vllm

@@ -178,7 +178,9 @@ class Hybrid:
 
 
 GPT_OSS = Hybrid(window=128, window_groups=1, window_first=True)  # alternating 128 / full
-GEMMA3 = Hybrid(window=512, window_groups=5)  # 5 window layers (512) per full one
+# 5 window layers (512) per full one: five window groups here; vLLM's planner splits Gemma 3's
+# layers into six (test_vllm_hybrid.py's test_the_configs_vllms_planner_builds)
+GEMMA3 = Hybrid(window=512, window_groups=5)
 
 
 def kv_cache_config(
@@ -213,6 +215,44 @@ def kv_cache_config(
         kv_cache_tensors=[],
         kv_cache_groups=groups,
         prefix_cache_retention_interval=hybrid.retention,
+    )
+
+
+def vllm_grouped_config(
+    num_blocks: int, block_size: int, layer_windows: list[int | None]
+) -> KVCacheConfig:
+    """The KV cache config vLLM's own planner groups for a model whose layer i has window
+    ``layer_windows[i]`` (None: full attention): ``get_kv_cache_groups`` of the installed
+    version (gpt-oss: alternating 128 / None; Gemma 3: five windows per full layer)."""
+    from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+    from vllm.v1.core.kv_cache_planning import get_kv_cache_groups
+
+    config = VllmConfig(
+        model_config=ModelConfig(model=model_dir(), skip_tokenizer_init=True, max_model_len=8192),
+        cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=True),
+        scheduler_config=SchedulerConfig(
+            max_num_batched_tokens=512,
+            max_num_seqs=32,
+            max_model_len=8192,
+            is_encoder_decoder=False,
+        ),
+    )
+    config.cache_config.kv_cache_layout = "LBHNC"  # (the engine core resolves it: any will do)
+    common = dict(block_size=block_size, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+    specs = {
+        f"model.layers.{i}.self_attn.attn": (
+            FullAttentionSpec(**common)
+            if w is None
+            else SlidingWindowSpec(sliding_window=w, **common)
+        )
+        for i, w in enumerate(layer_windows)
+    }
+    groups = get_kv_cache_groups(config, specs)
+    return KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=groups,
+        prefix_cache_retention_interval=config.cache_config.prefix_cache_retention_interval,
     )
 
 
@@ -268,12 +308,14 @@ def make_manager(
     events: bool = False,
     caching: bool = True,
     hybrid: Hybrid | None = None,
+    config: KVCacheConfig | None = None,
 ):
     """``kind`` "vllm" (vLLM's own), "vllm-r17" (``PublishAfterCompute``) or "kvpool", built
-    with the Scheduler's keyword arguments; ``hybrid``: window groups beside full attention."""
+    with the Scheduler's keyword arguments; ``hybrid``: window groups beside full attention;
+    ``config``: this KV cache config instead (``num_blocks`` and ``hybrid`` unused)."""
     cls = MANAGERS.get(kind, kv_vllm.KVCacheManager)
     return cls(
-        kv_cache_config=kv_cache_config(num_blocks, block_size, hybrid=hybrid),
+        kv_cache_config=config or kv_cache_config(num_blocks, block_size, hybrid=hybrid),
         max_model_len=max_model_len,
         max_in_flight_tokens=2048,
         enable_caching=caching,
