@@ -379,3 +379,22 @@ def test_prefix_caching_off_window_tables_still_slide():
     manager.free(a)
     manager.check()
     assert manager.block_pool.get_num_free_blocks() == 127
+
+
+def test_the_fake_kv_store_catches_a_wrong_window_block():
+    """The checks have teeth: a manager handing out a window run in the wrong order (each block
+    holds KV, of the wrong position) fails the hit check of the differential's driver."""
+    manager = h.make_manager("kvpool", 4096, 16, hybrid=h.GPT_OSS)
+    group_ids = manager._group_ids
+
+    def swapped(entry, start):
+        groups = group_ids(entry, start)
+        window = groups[0]  # vLLM's group 0: the window
+        run = [i for i, b in enumerate(window) if b]
+        if start == 0 and len(run) >= 2 and window[0] == 0:  # a hit's table: swap its run
+            window[run[0]], window[run[1]] = window[run[1]], window[run[0]]
+        return groups
+
+    manager._group_ids = swapped
+    with pytest.raises(AssertionError, match="holds other KV"):
+        h.drive(manager, h.chat_trace(40, seed=0))
