@@ -4,9 +4,10 @@ vLLM 0.33 and 0.34 split a hybrid model's layers into groups of equal page size,
 table each, all indexing one set of tensors by block id (block 0 is the null block): gpt-oss
 (alternating window 128 and full attention) has one full-attention and one window group,
 Gemma 3 (five window layers per full one) six window groups of one window and one
-full-attention group (groups of equal layer count: 4 layers each for the 1B model's 26). kvpool's pool holds them in one block store (docs/hybrid.md "One block store"):
-group 0 is full attention, groups 1 to ``window_groups`` the window groups of one
-``sliding_window``, every id from the one free list.
+full-attention group (groups of equal layer count: 4 layers each of the 1B model's 26).
+kvpool's pool holds them in one block store (docs/hybrid.md "One block store"): group 0 is
+full attention, groups 1 to ``window_groups`` the window groups of one ``sliding_window``,
+every id from the one free list.
 
 ``group_layout`` reads a ``KVCacheConfig`` into that mapping, or raises NotImplementedError
 naming the group it cannot hold. Import ``kvpool.integrations.vllm``, which checks the vLLM
