@@ -86,12 +86,13 @@ from vllm.v1.core.sched.scheduler import Scheduler as _VllmScheduler  # noqa: E4
 from vllm.v1.request import Request  # noqa: E402
 
 from kvpool.integrations._vllm_manager import KVCacheManager  # noqa: E402
-from kvpool.integrations._vllm_views import PoolBlocks  # noqa: E402
+from kvpool.integrations._vllm_views import GroupBlocks, PoolBlocks  # noqa: E402
 
 __all__ = [
     "REQUIRED_VLLM",
     "VLLM_VERSION",
     "KVCacheManager",
+    "GroupBlocks",
     "PoolBlocks",
     "Scheduler",
     "AsyncScheduler",
