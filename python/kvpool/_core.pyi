@@ -1079,6 +1079,10 @@ class BlockManagerPool:
         Seed of the block hash in ``[0, 2**64)``; None is ``DEFAULT_HASH_SEED``.
     sliding_window : int or None
         Window in tokens of a sliding-window group 1 (R25).
+    window_groups : int
+        Groups of ``sliding_window`` in the shared store (default 1, at most 8): groups 1 to
+        ``window_groups``, each with a table of its own and its ids from the one store (vLLM's
+        several window groups of one spec, e.g. Gemma 3's); more than 1 needs the shared store.
     swa_num_blocks : int or None
         Block ids per rank of a sliding-window group with a store of its own. None (the
         default): the window group draws its blocks from the full-attention group's store, one
@@ -1154,6 +1158,7 @@ class BlockManagerPool:
         event_replay: int = 4096,
         hash_seed: int | None = None,
         sliding_window: int | None = None,
+        window_groups: int = 1,
         swa_num_blocks: int | None = None,
         shared_blocks: bool | None = None,
         retention_tokens: int = 512,
@@ -1199,7 +1204,8 @@ class BlockManagerPool:
 
     @property
     def num_groups(self) -> int:
-        """Block groups of every sequence: 1, or 2 with ``sliding_window`` (R25)."""
+        """Block groups of every sequence: 1, or 1 + ``window_groups`` with ``sliding_window``
+        (R25)."""
 
     def can_allocate(
         self, seq: Sequence, num_tokens: int | None = None, *, num_new_tokens: int | None = None
@@ -1972,7 +1978,7 @@ class HierarchyBlockManagerPool(BlockManagerPool):
         holder releases it.
     dp_size, enable_prefix_cache, num_single_blocks, linear_state_slots, checkpoint_interval,
     linear_state_match, linear_state_save, concurrent, enable_events, event_replay, hash_seed,
-    sliding_window, swa_num_blocks, debug_hash_bits
+    sliding_window, window_groups, swa_num_blocks, debug_hash_bits
         As for ``BlockManagerPool``. Without the device prefix cache the host tier stays idle.
 
     Raises
@@ -2004,6 +2010,7 @@ class HierarchyBlockManagerPool(BlockManagerPool):
         event_replay: int = 4096,
         hash_seed: int | None = None,
         sliding_window: int | None = None,
+        window_groups: int = 1,
         swa_num_blocks: int | None = None,
         shared_blocks: bool | None = None,
         retention_tokens: int = 512,

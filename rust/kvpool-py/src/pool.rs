@@ -317,7 +317,7 @@ impl PyBlockManagerPool {
     fn num_used_blocks(&self, py: Python<'_>) -> PyResult<usize> {
         Ok(self.lock(py)?.total_counts().used)
     }
-    /// Block groups of every sequence: 1, or 2 with sliding_window (R25).
+    /// Block groups of every sequence: 1, or 1 + window_groups with sliding_window (R25).
     #[getter]
     fn num_groups(&self, py: Python<'_>) -> PyResult<usize> {
         Ok(self.lock(py)?.num_groups())

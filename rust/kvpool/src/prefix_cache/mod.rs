@@ -47,7 +47,7 @@ use crate::prefetch::prefetch;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 pub(crate) use anchors::{is_ticket, ticket, Anchor, ROOT_LINK};
-pub(crate) use attach::AttachConfig;
+pub(crate) use attach::{AttachConfig, MAX_ATTACH_GROUPS};
 pub(crate) use dedup::Switch;
 use keys::{same_tokens, HashIndex};
 use lists::{List, Lists};
