@@ -569,6 +569,12 @@ impl PyBlockManagerPool {
         self.inner.lock().config().dedup
     }
 
+    /// The prefix cache's eviction policy (R11a): "lru" (the default) or "slru".
+    #[getter]
+    fn eviction(&self) -> &'static str {
+        self.inner.lock().config().eviction.name()
+    }
+
     /// The last event sequence number of dp_rank (0 before its first event).
     fn last_event_sequence(&self, dp_rank: &Bound<'_, PyAny>) -> PyResult<u64> {
         let rank = convert::count(dp_rank, "dp_rank")?;

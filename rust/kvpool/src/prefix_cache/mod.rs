@@ -37,6 +37,7 @@ mod insert;
 mod keys;
 mod lists;
 mod physical;
+mod policy;
 
 use crate::alloc;
 use crate::block::{Block, StoreRef, CACHED, COUNT_MASK};
@@ -51,6 +52,8 @@ pub(crate) use attach::AttachConfig;
 pub(crate) use dedup::Switch;
 use keys::{same_tokens, HashIndex};
 use lists::{List, Lists};
+pub use policy::{Eviction, DEFAULT_PROTECTED_PERCENT};
+use policy::{segment_index, HIT, SEGMENTS};
 
 const NIL: u32 = u32::MAX;
 
@@ -76,7 +79,7 @@ struct Entry {
     list: u8,
     /// [`attach::NODE`], or `1 + g` for an attachment of group `g`.
     kind: u8,
-    /// A node's marks (attach.rs: `END`, `JUNCTION`) and [`ANCHORED`].
+    /// A node's marks (attach.rs: `END`, `JUNCTION`), [`ANCHORED`] and [`HIT`] (policy.rs).
     flags: u8,
     /// When the entry last entered a list (increases from the oldest end to the newest).
     stamp: u64,
@@ -188,6 +191,10 @@ pub struct PrefixCache {
     lists: Lists,
     /// Stamp of the next entry pushed on a list.
     clock: u64,
+    /// How the nodes are ordered for eviction (policy.rs).
+    eviction: Eviction,
+    /// Nodes the protected segment may hold (SLRU, policy.rs).
+    protected_cap: usize,
     /// Blocks attached to nodes by other groups of a shared store (attach.rs); empty without.
     attach: attach::Attachments,
     epoch: u64,
@@ -237,6 +244,8 @@ impl PrefixCache {
             token_base,
             lists: Lists::default(),
             clock: 0,
+            eviction: Eviction::Lru,
+            protected_cap: 0,
             attach: attach::Attachments::default(),
             epoch: 0,
             stats: CacheStats::default(),
@@ -411,6 +420,7 @@ impl PrefixCache {
                 "walked block {id} left the cache"
             );
             self.list_unlink(id);
+            self.entries[id as usize].flags |= HIT;
             let (block, was_cache_only) = refs.retain_cached(id);
             were_cache_only += usize::from(was_cache_only);
             out.push(block);
@@ -446,6 +456,7 @@ impl PrefixCache {
                 break;
             };
             self.list_unlink(id);
+            self.entries[id as usize].flags |= HIT;
             out.push(self.store.retain_cached(id));
             matched += 1;
             parent = id;
@@ -470,8 +481,10 @@ impl PrefixCache {
         });
         // The stack holds the newest release first.
         for &id in batch.iter().rev() {
-            let list = self.class_of(id);
-            self.list_push(list, id);
+            match self.class_of(id) {
+                List::Main if self.eviction != Eviction::Lru => self.push_node(id),
+                list => self.list_push(list, id),
+            }
         }
         batch.clear();
         self.scratch = batch;
@@ -481,37 +494,34 @@ impl PrefixCache {
     /// attachments: strictly least recently used among the evictable leaves (R10, module doc).
     /// With them (attach.rs): first what no hit point can use (the low list), then the LRU walk
     /// of the nodes, then the protected attachments; evicting a node drops its attachments and
-    /// its marks, so what only it made useful goes next.
+    /// its marks, so what only it made useful goes next. Under SLRU (policy.rs) the walk of the
+    /// nodes takes the leaves of probation first, then those of the protected segment.
     pub fn evict(&mut self, n: usize) -> usize {
         self.drain_released();
         let mut evicted = 0;
         let mut removed = Vec::new();
-        // Every entry older than `cursor` that is still on the LRU list has children.
-        let mut cursor = self.lists.get(List::Main).oldest;
+        // One walk per segment of nodes (policy.rs; under LRU the second is empty): every entry
+        // older than `cursors[s]` that is still on segment `s` has children.
+        let mut cursors = SEGMENTS.map(|list| self.lists.get(list).oldest);
         while evicted < n {
             let low = self.lists.get(List::Low).oldest;
             if low != NIL {
-                evicted += self.evict_entry(low, &mut removed, &mut cursor);
+                evicted += self.evict_entry(low, &mut removed, &mut cursors);
                 continue;
             }
-            if cursor != NIL && self.entries[cursor as usize].list != List::Main as u8 {
-                // The cursor's entry moved to the low list (a leaf that is no hit point): walk
-                // again from the oldest (every entry skipped before it still has children).
-                cursor = self.lists.get(List::Main).oldest;
-            }
-            if cursor == NIL {
+            let Some(segment) = self.walking_segment(&mut cursors) else {
                 let Some(keep) = self.keep_victim() else {
                     break;
                 };
-                evicted += self.evict_entry(keep, &mut removed, &mut cursor);
+                evicted += self.evict_entry(keep, &mut removed, &mut cursors);
                 continue;
-            }
-            let victim = cursor;
-            cursor = self.entries[victim as usize].next;
+            };
+            let victim = cursors[segment];
+            cursors[segment] = self.entries[victim as usize].next;
             if self.entries[victim as usize].children > 0 {
                 continue;
             }
-            evicted += self.evict_entry(victim, &mut removed, &mut cursor);
+            evicted += self.evict_entry(victim, &mut removed, &mut cursors);
         }
         self.stats.evictions += evicted as u64;
         if let Some(events) = self.events.as_mut() {
@@ -525,27 +535,46 @@ impl PrefixCache {
         evicted
     }
 
+    /// The first segment whose walk has entries left (its cursor not `NIL`), or `None` when
+    /// both are done. A cursor whose entry moved to the low list (a leaf that is no hit point)
+    /// walks again from its segment's oldest: every entry skipped before it still has children.
+    #[inline]
+    fn walking_segment(&self, cursors: &mut [u32; 2]) -> Option<usize> {
+        for (segment, list) in SEGMENTS.into_iter().enumerate() {
+            let cursor = cursors[segment];
+            if cursor != NIL && self.entries[cursor as usize].list != list as u8 {
+                cursors[segment] = self.lists.get(list).oldest;
+            }
+            if cursors[segment] != NIL {
+                return Some(segment);
+            }
+        }
+        None
+    }
+
     /// Evicts listed entry `id` (a leaf node or an attachment) and what goes with it; returns
     /// the blocks freed. A node's removal may turn its parent into an evictable leaf older than
-    /// the LRU walk's `cursor`: the cursor moves back to it, so it goes next in its turn (F8:
-    /// it competes by its own recency).
+    /// its segment's walk `cursors`: that cursor moves back to it, so it goes next in its turn
+    /// (F8: it competes by its own recency).
     fn evict_entry(
         &mut self,
         id: u32,
         removed: &mut Vec<(BlockHash, Option<ExtraKey>)>,
-        cursor: &mut u32,
+        cursors: &mut [u32; 2],
     ) -> usize {
         if self.entries[id as usize].kind != attach::NODE {
             self.drop_attachment(id);
             return 1;
         }
-        if *cursor == id {
-            // The walk's next entry; or, for an entry that moved off the LRU list under the
-            // cursor, the walk starts again from the oldest (what it skipped has children).
-            *cursor = match self.entries[id as usize].list == List::Main as u8 {
-                true => self.entries[id as usize].next,
-                false => self.lists.get(List::Main).oldest,
-            };
+        for (segment, list) in SEGMENTS.into_iter().enumerate() {
+            if cursors[segment] == id {
+                // The walk's next entry; or, for an entry that moved off the segment under the
+                // cursor, the walk starts again from the oldest (what it skipped has children).
+                cursors[segment] = match self.entries[id as usize].list == list as u8 {
+                    true => self.entries[id as usize].next,
+                    false => self.lists.get(list).oldest,
+                };
+            }
         }
         let parent = self.entries[id as usize].parent;
         let (hash, key, attached) = self.remove_entry(id);
@@ -554,10 +583,11 @@ impl PrefixCache {
         }
         if parent != NIL {
             let p = &self.entries[parent as usize];
-            let older_than_cursor =
-                *cursor == NIL || p.stamp < self.entries[*cursor as usize].stamp;
-            if p.children == 0 && p.list == List::Main as u8 && older_than_cursor {
-                *cursor = parent;
+            if let (0, Some(segment)) = (p.children, segment_index(p.list)) {
+                let cursor = cursors[segment];
+                if cursor == NIL || p.stamp < self.entries[cursor as usize].stamp {
+                    cursors[segment] = parent;
+                }
             }
         }
         1 + attached
