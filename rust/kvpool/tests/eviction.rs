@@ -158,7 +158,11 @@ fn scan_hits(eviction: Eviction) -> (usize, usize) {
     let mut m = manager(33, 2, eviction); // 32 usable blocks
     let hot: Vec<u32> = (0..16).map(|i| 1000 + i).collect(); // 8 blocks
     assert_eq!(request(&mut m, &hot), 0);
-    assert_eq!(request(&mut m, &hot), 8, "the second use hits under every policy");
+    assert_eq!(
+        request(&mut m, &hot),
+        8,
+        "the second use hits under every policy"
+    );
     let (mut hot_hits, mut asked, mut one_off) = (0, 0, 0u32);
     for _ in 0..10 {
         // A scan of 40 blocks of one-off prompts (4 blocks each): more than the cache holds.
@@ -222,7 +226,16 @@ fn op() -> impl Strategy<Value = Op> {
 /// Chain `chain`'s first `blocks` blocks (block size 2; chains 0/1 share their first block).
 fn chain_tokens(chain: u8, blocks: usize) -> Vec<u32> {
     (0..blocks)
-        .flat_map(|i| [if i == 0 { u32::from(chain / 2) } else { u32::from(chain) }, i as u32])
+        .flat_map(|i| {
+            [
+                if i == 0 {
+                    u32::from(chain / 2)
+                } else {
+                    u32::from(chain)
+                },
+                i as u32,
+            ]
+        })
         .collect()
 }
 

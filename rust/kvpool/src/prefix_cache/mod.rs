@@ -52,8 +52,8 @@ pub(crate) use attach::AttachConfig;
 pub(crate) use dedup::Switch;
 use keys::{same_tokens, HashIndex};
 use lists::{List, Lists};
-pub use policy::{Eviction, DEFAULT_PROTECTED_PERCENT};
 use policy::{segment_index, HIT, SEGMENTS};
+pub use policy::{Eviction, DEFAULT_PROTECTED_PERCENT};
 
 const NIL: u32 = u32::MAX;
 
