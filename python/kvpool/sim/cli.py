@@ -20,7 +20,7 @@ from rich.console import Console
 import kvpool
 from kvpool.sim import fleet_cli, report
 from kvpool.sim.capacity import DTYPE_BYTES, MODELS
-from kvpool.sim.config import SimError, check_fits
+from kvpool.sim.config import EVICTIONS, SimError, check_fits
 from kvpool.sim.configure import (
     DEFAULT_NUM_BLOCKS,
     DEFAULT_NUM_REQUESTS,
@@ -193,9 +193,10 @@ def build_parser(prog: str = "kvpool simulate") -> argparse.ArgumentParser:
     )
     c.add_argument(
         "--eviction",
-        choices=("lru", "optimal"),
+        choices=EVICTIONS,
         default="lru",
-        help="lru: the pool's own eviction; optimal: the offline bound in request order "
+        help="lru: the pool's default eviction; slru: segmented LRU (scan resistant, "
+        "docs/eviction.md); optimal: the offline bound in request order "
         "(farthest next use; needs --order request and one full-attention cache)",
     )
     c.add_argument(
@@ -455,8 +456,8 @@ def _parse_sweep(specs: list[str]) -> list[tuple[str, str, list[Any]]]:
             raise UsageError(f"--sweep {key}: values must be > 0")
         if dest == "order" and any(v not in ("serving", "request") for v in values):
             raise UsageError("--sweep order: values are serving, request")
-        if dest == "eviction" and any(v not in ("lru", "optimal") for v in values):
-            raise UsageError("--sweep eviction: values are lru, optimal")
+        if dest == "eviction" and any(v not in EVICTIONS for v in values):
+            raise UsageError(f"--sweep eviction: values are {', '.join(EVICTIONS)}")
         if dest == "gpu" and any(v not in GPUS for v in values):
             raise UsageError(f"--sweep gpu: values are {', '.join(sorted(GPUS))}")
         out.append((key, dest, values))

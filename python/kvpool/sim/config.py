@@ -34,6 +34,12 @@ class UnavailableError(SimError):
     """A feature the options ask for is not in this kvpool build."""
 
 
+# The pool's eviction policies (``BlockManagerPool(eviction=...)``, docs/eviction.md), and every
+# value of ``--eviction``: those and the offline bound.
+POOL_EVICTIONS = ("lru", "slru", "ghost_slru")
+EVICTIONS = (*POOL_EVICTIONS, "optimal")
+
+
 @dataclass
 class SimConfig:
     num_blocks: int = 8192
@@ -57,7 +63,9 @@ class SimConfig:
     max_steps: int | None = None
     seed: int = 0
     order: str = "serving"  # or "request": one request at a time, prompts only
-    eviction: str = "lru"  # or "optimal": the offline bound in request order (sim/optimal.py)
+    # a pool policy of POOL_EVICTIONS, or "optimal": the offline bound in request order
+    # (sim/optimal.py)
+    eviction: str = "lru"
     step_ms: float = 20.0  # the fixed step time (and an idle step of a step-clocked workload)
     gpu: str | None = None  # a key of timing.GPUS: the roofline step time (needs model_shape)
     tp: int = 1  # GPUs per rank (ideal tensor parallelism)
@@ -89,6 +97,8 @@ class SimConfig:
             kw["xtensor"] = dict(self.xtensor)
         if self.enable_events:
             kw["enable_events"] = True
+        if self.eviction in POOL_EVICTIONS and self.eviction != "lru":
+            kw["eviction"] = self.eviction
         return kw
 
     def step_timer(self) -> FixedStepTime | Roofline:

@@ -697,13 +697,19 @@ impl PrefixCache {
         }
     }
 
+    /// Whether the ghost filter remembers the eviction of `hash`, cached again or not (a later
+    /// eviction may have overwritten it).
+    #[inline]
+    pub(super) fn ghost_remembers(&self, hash: BlockHash) -> bool {
+        let len = self.ghosts.len() as u128;
+        len > 0 && self.ghosts[(hash.0 % len) as usize] == (hash.0 >> 64) as u64 | 1
+    }
+
     /// Whether block `hash` was evicted from this cache (and is not cached again): the ghost
     /// filter's answer, which may forget an eviction a later one overwrote.
     pub(crate) fn was_evicted(&self, hash: BlockHash) -> bool {
         let len = self.ghosts.len() as u128;
-        len > 0
-            && self.ghosts[(hash.0 % len) as usize] == (hash.0 >> 64) as u64 | 1
-            && !self.contains(hash)
+        self.ghost_remembers(hash) && !self.contains(hash)
     }
 
     /// Hashes of every node (unordered).

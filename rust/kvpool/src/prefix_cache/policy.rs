@@ -13,13 +13,21 @@
 //!   evictable leaves of probation first, least recently released first, then those of the
 //!   protected segment. So a scan of one-off prompts, larger than the cache, flushes only
 //!   probation and never what was hit again: scan resistance.
+//! - [`Eviction::GhostSlru`] (R11a): SLRU whose protected segment also admits what the cache
+//!   evicted too early. A node recorded (published) while the ghost filter of mod.rs
+//!   remembers evicting its hash, about the last `num_blocks` evictions, gets the [`HIT`] flag
+//!   at once: it was used again after it left, so it enters the protected segment when it
+//!   becomes cache-only (S3-FIFO's ghost admission, with LRU segments instead of FIFOs). A
+//!   conversation whose turns come back after longer than LRU keeps them is kept from its
+//!   second computation on, ahead of first-time prompts.
 //!
 //! Invariants (checked by `PrefixCache::check`): under LRU the protected segment is empty;
-//! under SLRU a listed node is on the protected segment iff its [`HIT`] flag is set (a node on
+//! under SLRU and GhostSlru a listed node is on the protected segment iff its [`HIT`] flag is set (a node on
 //! the low list keeps its flag for when it becomes a leaf's parent again), and the segment holds
 //! at most `protected_cap` nodes. Only leaves are evicted from either segment (R10: prefix
 //! closure); the walk is the LRU walk of mod.rs, one cursor per segment, O(1) per block but for
-//! skipped parents. A hit costs one flag write on an entry line the hit touches anyway.
+//! skipped parents. A hit costs one flag write on an entry line the hit touches anyway; ghost
+//! admission one read of the ghost filter per recorded node (GhostSlru only).
 
 use crate::error::{KvPoolError, Result};
 
@@ -31,7 +39,7 @@ use super::{PrefixCache, NIL};
 pub(super) const HIT: u8 = 1 << 6;
 
 /// Default share of a cache's blocks the SLRU protected segment may hold, in percent.
-pub const DEFAULT_PROTECTED_PERCENT: usize = 80;
+pub const DEFAULT_PROTECTED_PERCENT: usize = 20;
 
 /// How a prefix cache orders the nodes it may evict (module doc).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -41,20 +49,24 @@ pub enum Eviction {
     Lru,
     /// Segmented LRU: probation first, then the nodes hit while cached (R11a).
     Slru,
+    /// SLRU whose protected segment also admits a recomputed node the ghost filter remembers
+    /// evicting (R11a).
+    GhostSlru,
 }
 
 impl Eviction {
     /// The names [`Self::parse`] takes, in the order the docs list them.
-    pub const NAMES: [&'static str; 2] = ["lru", "slru"];
+    pub const NAMES: [&'static str; 3] = ["lru", "slru", "ghost_slru"];
 
-    /// From "lru" or "slru"; an error naming `eviction` otherwise.
+    /// From "lru", "slru" or "ghost_slru"; an error naming `eviction` otherwise.
     pub fn parse(name: &str) -> Result<Self> {
         match name {
             "lru" => Ok(Self::Lru),
             "slru" => Ok(Self::Slru),
+            "ghost_slru" => Ok(Self::GhostSlru),
             other => Err(KvPoolError::invalid(
                 "eviction",
-                format!("must be \"lru\" or \"slru\", got {other:?}"),
+                format!("must be \"lru\", \"slru\" or \"ghost_slru\", got {other:?}"),
             )),
         }
     }
@@ -64,6 +76,7 @@ impl Eviction {
         match self {
             Self::Lru => "lru",
             Self::Slru => "slru",
+            Self::GhostSlru => "ghost_slru",
         }
     }
 }
@@ -118,7 +131,7 @@ impl PrefixCache {
     /// The segment a cache-only node of the node class goes to (module doc).
     #[inline]
     pub(super) fn segment_of(&self, id: u32) -> List {
-        if self.eviction == Eviction::Slru && self.entries[id as usize].flags & HIT != 0 {
+        if self.eviction != Eviction::Lru && self.entries[id as usize].flags & HIT != 0 {
             List::Protected
         } else {
             List::Main
@@ -154,6 +167,16 @@ impl PrefixCache {
         }
     }
 
+    /// Ghost admission (GhostSlru): a node just recorded whose eviction the ghost filter
+    /// remembers was used again after it left, so it enters the protected segment when it
+    /// becomes cache-only, as if it had been hit while cached.
+    #[inline]
+    pub(super) fn admit(&mut self, id: u32, hash: super::BlockHash) {
+        if self.ghost_remembers(hash) {
+            self.entries[id as usize].flags |= HIT;
+        }
+    }
+
     /// The nodes of the protected segment, oldest first (empty under LRU).
     pub fn protected_order(&self) -> Vec<u32> {
         self.list_ids(List::Protected)
@@ -163,7 +186,7 @@ impl PrefixCache {
     pub(super) fn check_segments(&self) -> Result<()> {
         let protected = self.lists.get(List::Protected).len;
         crate::error::ensure_invariant!(
-            self.eviction == Eviction::Slru || protected == 0,
+            self.eviction != Eviction::Lru || protected == 0,
             "{protected} nodes on the protected segment under {}",
             self.eviction.name()
         );
@@ -172,7 +195,7 @@ impl PrefixCache {
             "the protected segment holds {protected} nodes, over its cap {}",
             self.protected_cap
         );
-        if self.eviction == Eviction::Slru {
+        if self.eviction != Eviction::Lru {
             for list in SEGMENTS {
                 for id in self.list_ids(list) {
                     let hit = self.entries[id as usize].flags & HIT != 0;
