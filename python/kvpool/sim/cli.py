@@ -456,8 +456,11 @@ def _parse_sweep(specs: list[str]) -> list[tuple[str, str, list[Any]]]:
             raise UsageError(f"--sweep {key}: values must be > 0")
         if dest == "order" and any(v not in ("serving", "request") for v in values):
             raise UsageError("--sweep order: values are serving, request")
-        if dest == "eviction" and any(v not in EVICTIONS for v in values):
-            raise UsageError(f"--sweep eviction: values are {', '.join(EVICTIONS)}")
+        unknown = [v for v in values if v not in EVICTIONS] if dest == "eviction" else []
+        if unknown:
+            raise UsageError(
+                f"--sweep eviction: values are {', '.join(EVICTIONS)}, got {', '.join(unknown)}"
+            )
         if dest == "gpu" and any(v not in GPUS for v in values):
             raise UsageError(f"--sweep gpu: values are {', '.join(sorted(GPUS))}")
         out.append((key, dest, values))
