@@ -64,6 +64,7 @@ _ExtraKey: TypeAlias = bytes | str | None
 
 _LinearStateMatch: TypeAlias = Literal["deepest", "contiguous"]
 _LinearStateSave: TypeAlias = Literal["copy", "promote"]
+_Eviction: TypeAlias = Literal["lru", "slru", "ghost_slru"]
 _EventKind: TypeAlias = Literal["stored", "removed", "cleared", "group"]
 
 class _BlockCounts(TypedDict):
@@ -1097,6 +1098,14 @@ class BlockManagerPool:
         cached with another block switches the sequence's table entry to the cached block and
         frees the duplicate (read the switches with ``drain_block_switches``). False keeps first
         writer wins (engines whose workers only append to block tables, as vLLM's do).
+    eviction : {"lru", "slru", "ghost_slru"}
+        How the prefix cache orders what it may evict (R11a, docs/eviction.md), always leaves
+        first (R10) and, in a hybrid pool, what no hit point can use first. ``"lru"`` (the
+        default): least recently released. ``"slru"``: segmented LRU, a block found by a
+        lookup while cached is kept in a protected segment (20% of the blocks) that is evicted
+        after the others: a scan of one-off prompts cannot flush it. ``"ghost_slru"``: SLRU
+        whose protected segment also admits a block recomputed soon after its eviction. Not
+        with ``xtensor``, and needs ``enable_prefix_cache``.
 
     Every option composes with every other, and with a host tier (the subclass
     ``HierarchyBlockManagerPool``; docs/host_tier.md), except ``xtensor``, which takes no
@@ -1133,6 +1142,7 @@ class BlockManagerPool:
         debug_hash_bits: int | None = None,
         xtensor: _XTensorOption | None = None,
         dedup: bool = True,
+        eviction: _Eviction = "lru",
     ) -> BlockManagerPool: ...
     @property
     def num_blocks(self) -> int:
@@ -1443,6 +1453,11 @@ class BlockManagerPool:
     @property
     def dedup(self) -> bool:
         """Whether the pool dedups on publish (R9 revised)."""
+
+    @property
+    def eviction(self) -> _Eviction:
+        """The prefix cache's eviction policy (R11a): ``"lru"``, ``"slru"`` or
+        ``"ghost_slru"``."""
 
     def last_event_sequence(self, dp_rank: int) -> int:
         """The last event sequence number of rank ``dp_rank`` (0 before its first event)."""
@@ -1897,7 +1912,7 @@ class HierarchyBlockManagerPool(BlockManagerPool):
         holder releases it.
     dp_size, enable_prefix_cache, num_single_blocks, linear_state_slots, checkpoint_interval,
     linear_state_match, linear_state_save, concurrent, enable_events, event_replay, hash_seed,
-    sliding_window, swa_num_blocks, debug_hash_bits
+    sliding_window, swa_num_blocks, debug_hash_bits, eviction
         As for ``BlockManagerPool``. Without the device prefix cache the host tier stays idle.
 
     Raises
@@ -1932,6 +1947,7 @@ class HierarchyBlockManagerPool(BlockManagerPool):
         retention_tokens: int = 512,
         debug_hash_bits: int | None = None,
         dedup: bool = True,
+        eviction: _Eviction = "lru",
     ) -> Self: ...
     @property
     def host_num_blocks(self) -> int:

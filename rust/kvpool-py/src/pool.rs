@@ -569,7 +569,7 @@ impl PyBlockManagerPool {
         self.inner.lock().config().dedup
     }
 
-    /// The prefix cache's eviction policy (R11a): "lru" (the default) or "slru".
+    /// The prefix cache's eviction policy (R11a): "lru" (the default), "slru" or "ghost_slru".
     #[getter]
     fn eviction(&self) -> &'static str {
         self.inner.lock().config().eviction.name()
