@@ -16,8 +16,12 @@ Configs (``--configs``; a blank means the manager has no counterpart)::
     w1024, w128  2C/16 blocks, one store for both      FullAttentionSpec(16) + SlidingWindowSpec(16, w):
                  groups (sliding_window=w)             2C/16 blocks, prefix_cache_retention_interval 0
     w1024-dense  (none today)                          as w1024, retention None (every window block)
-    ls512        C/16 blocks + C/544 state slots,      FullAttentionSpec(544) + MambaSpec(544, "align"):
-                 checkpoint_interval=512               2C/544 blocks, retention 0
+    ls512        2C/16 blocks, one store: a state takes FullAttentionSpec(544) + MambaSpec(544, "align"):
+                 34 blocks (linear_state_blocks=34,    2C/544 blocks, retention 0
+                 544 tokens' KV), at most 2C/544 slots,
+                 checkpoint_interval=512 (preset
+                 "linear-split": C/16 blocks + C/544
+                 slots of their own)
     ls2048       as ls512, checkpoint_interval=2048    (none)
 
 kvpool, per request: ``Sequence(tokens)``, ``allocate`` (the whole prompt), hit =
@@ -169,6 +173,14 @@ PRESETS: dict[str, dict] = {
     "today": {},
     # the window group's own store beside the full-attention one, C/16 blocks each
     "split": {"window": {"num_blocks": "=C//BS", "swa_num_blocks": "=C//BS"}},
+    # the linear-state slots as a store of their own beside C/16 blocks (before the one store)
+    "linear-split": {
+        "linear": {
+            "num_blocks": "=C//BS",
+            "linear_state_slots": "=C//PAGE",
+            "linear_state_blocks": None,
+        }
+    },
     "contiguous": {"linear": {"linear_state_match": "contiguous"}},
     "promote": {"linear": {"linear_state_save": "promote"}},
 }
@@ -243,7 +255,14 @@ def kvpool_kwargs(cfg: Config, tokens: int, options: dict) -> dict:
         # one block store of 2C/16 for both groups, as vLLM's one pool (preset "split": C/16 each)
         kw.update(num_blocks=2 * tokens // BS, sliding_window=cfg.window)
     elif cfg.kind == "linear":
-        kw.update(linear_state_slots=tokens // PAGE, checkpoint_interval=cfg.checkpoint_interval)
+        # one store of 2C/16 blocks, a state taking a 544-token page of it, as vLLM's one pool
+        # (preset "linear-split": C/16 blocks beside C/544 slots of their own)
+        kw.update(
+            num_blocks=2 * tokens // BS,
+            linear_state_slots=2 * tokens // PAGE,
+            linear_state_blocks=PAGE // BS,
+            checkpoint_interval=cfg.checkpoint_interval,
+        )
     names = {
         "C": tokens,
         "BS": BS,
@@ -364,10 +383,10 @@ def run_kvpool(cfg: Config, tokens: int, trace, options: dict, check_every: int)
                     raise AssertionError(
                         f"kvpool request {i}: hit {hit} beyond the shared prefix {bound}"
                     )
-                if pool.num_used_blocks:
-                    raise AssertionError(
-                        f"kvpool request {i}: {pool.num_used_blocks} blocks held after deallocate"
-                    )
+                # in the one store, the checkpoints' states hold blocks (and nothing else does)
+                held = pool.num_used_blocks - pool.stats()["num_linear_state_blocks"]
+                if held:
+                    raise AssertionError(f"kvpool request {i}: {held} blocks held after deallocate")
                 if (i + 1) % check_every == 0 or i + 1 == len(trace):
                     pool.check()
                     checks += 1

@@ -111,6 +111,16 @@ class _MissStats(TypedDict):
     window_blocks_gone: int
     no_checkpoint: int
 
+class _MemoryStats(TypedDict):
+    """Bytes of one rank's store (every value 0 unless the pool was given ``block_bytes``):
+    free blocks, cached KV blocks, KV blocks in use, and blocks held for recurrent states
+    (``linear_state_blocks``)."""
+
+    free_bytes: int
+    cached_bytes: int
+    kv_bytes: int
+    state_bytes: int
+
 class _RankStats(_BlockCounts):
     """Statistics of one dp rank of a pool (R20)."""
 
@@ -125,10 +135,13 @@ class _RankStats(_BlockCounts):
     linear_state_hits: int
     num_checkpoint_evictions: int
     num_checkpoint_commits: int
+    num_linear_state_blocks: int
+    """Blocks of the store held for recurrent states (``linear_state_blocks``; else 0)."""
     window: _WindowCounts | None
     """The sliding-window group's own store (``swa_num_blocks``); None without one (a window
     group in the shared store is counted in ``BlockManagerPool.memory()``)."""
     misses: _MissStats
+    memory: _MemoryStats
     xtensor: _MappedMemoryStats | None
     """Mapped memory on elastic pages (the ``xtensor`` option); None without it."""
     host: _HostStats | None
@@ -182,6 +195,8 @@ class _RankMemory(TypedDict):
 
     num_blocks: int
     free_blocks: int
+    block_bytes: int
+    """Bytes of one block of the store (the pool's ``block_bytes``; 0: unknown)."""
     shared: list[_SharedGroupMemory]
     own_window: _WindowCounts | None
     """A sliding-window group with its own store (``swa_num_blocks``), with its ``group``."""
@@ -217,8 +232,10 @@ class _HierarchyRankStats(_BlockCounts):
     linear_state_hits: int
     num_checkpoint_evictions: int
     num_checkpoint_commits: int
+    num_linear_state_blocks: int
     window: _WindowCounts | None
     misses: _MissStats
+    memory: _MemoryStats
     xtensor: None
     host: _HostStats
 
@@ -1080,6 +1097,15 @@ class BlockManagerPool:
     linear_state_save : {"copy", "promote"}
         Save a checkpoint by copying the live state into a pending slot, or by promoting the
         live slot (zero-copy; the sequence continues in a fresh slot) (R22).
+    linear_state_blocks : int
+        Blocks of the full-attention group's store one recurrent state takes (docs/hybrid.md
+        "Linear state in the one store"): each slot in use (live, pending or committed) then
+        holds that many blocks of the store, so memory flows between KV and states;
+        ``linear_state_slots`` caps the slots (the rows of the state tensor). 0 (the default):
+        the slots are a store of their own.
+    block_bytes : int
+        Bytes of one block of the store (one group's K and V across its layers); ``stats()``
+        and ``memory()`` report bytes with it (0, the default: unknown).
     debug_hash_bits : int or None
         Truncate hashes to this many bits (1..128) to force collisions in tests.
     xtensor : dict or None
@@ -1106,6 +1132,8 @@ class BlockManagerPool:
         after the others: a scan of one-off prompts cannot flush it. ``"ghost_slru"``: SLRU
         whose protected segment also admits a block recomputed soon after its eviction. Not
         with ``xtensor``, and needs ``enable_prefix_cache``.
+    max_retained_fraction : float
+        The most of a rank's blocks session hints (``retain``) may hold, in [0, 1]; default 0.5.
 
     Every option composes with every other, and with a host tier (the subclass
     ``HierarchyBlockManagerPool``; docs/host_tier.md), except ``xtensor``, which takes no
@@ -1139,10 +1167,13 @@ class BlockManagerPool:
         shared_blocks: bool | None = None,
         retention_tokens: int = 512,
         linear_state_save: _LinearStateSave = "copy",
+        linear_state_blocks: int = 0,
+        block_bytes: int = 0,
         debug_hash_bits: int | None = None,
         xtensor: _XTensorOption | None = None,
         dedup: bool = True,
         eviction: _Eviction = "lru",
+        max_retained_fraction: float = 0.5,
     ) -> BlockManagerPool: ...
     @property
     def num_blocks(self) -> int:
@@ -1503,6 +1534,44 @@ class BlockManagerPool:
         """The mapped pages of rank ``dp_rank``, ascending (page ``p`` holds blocks
         ``p * blocks_per_page ..``); ``[]`` without the ``xtensor`` option."""
 
+    def retain(self, seq: Sequence, ttl: float, now: float) -> bool:
+        """Session hint: keep ``seq``'s published prefix from eviction while its session is away.
+
+        Publishes ``seq``'s computed full blocks, then holds them (used, not cached: R15 stays
+        exact) until ``now + ttl`` on the caller's clock (``expire_retained``) or
+        ``release_retained``. Call it before ``deallocate``. A hint taken from the same sequence
+        id before ends. Full attention only (docs/sessions.md).
+
+        Returns
+        -------
+        bool
+            False, holding nothing, when the hint would take the rank's held blocks over
+            ``max_retained_fraction`` of its blocks.
+
+        Raises
+        ------
+        ValueError
+            ``seq`` holds no blocks of this pool, the pool has other groups or no prefix cache,
+            or ``ttl`` / ``now`` is not finite (``ttl`` must be >= 0).
+        TypeError
+            ``ttl`` or ``now`` is not a number.
+        """
+
+    def release_retained(self, seq: Sequence | int) -> bool:
+        """End the session hint taken from ``seq`` (or the sequence id ``seq``): its session came
+        back or ended. Returns whether there was one."""
+
+    def expire_retained(self, now: float) -> int:
+        """Drop the session hints whose time to live ran out by ``now``; returns how many."""
+
+    @property
+    def num_retained(self) -> int:
+        """Session hints held now."""
+
+    @property
+    def num_retained_blocks(self) -> int:
+        """Blocks session hints hold, over all ranks (each counted once)."""
+
     def linear_state_cache(self, dp_rank: int) -> LinearStatePrefixCache:
         """The linear-state cache of rank ``dp_rank``, a live view (R22).
 
@@ -1646,6 +1715,9 @@ class LinearStatePrefixCache:
         ------
         OutOfBlocksError
             Every slot is live, pending or pinned.
+        ValueError
+            A view of a pool whose states take blocks of its one store
+            (``linear_state_blocks``): only the pool takes their slots.
         """
 
     def release_live_slot(self, slot: int) -> None:
@@ -1654,7 +1726,8 @@ class LinearStatePrefixCache:
     def reserve_checkpoint(self, prefix_hash: bytes) -> int | None:
         """Reserve a slot for the checkpoint of ``prefix_hash`` (pending, not matchable).
 
-        Returns None if the hash is already pending or committed, or no slot can be had.
+        Returns None if the hash is already pending or committed, or no slot can be had (always,
+        through a view of a pool whose states take blocks of its one store).
         """
 
     def commit_checkpoint(self, prefix_hash: bytes) -> None:
@@ -1693,7 +1766,9 @@ class LinearStatePrefixCache:
         """Drop every committed checkpoint that nothing pins."""
 
     def lru_order(self) -> list[int]:
-        """Unpinned committed checkpoint slots, least recently used first."""
+        """Unpinned committed checkpoint slots in eviction order: the plain ones (a pool's
+        intermediate saves), then the kept ones (junction saves, restored checkpoints, the API's
+        own), each least recently used first (R23)."""
 
     def stats(self) -> _CheckpointStats:
         """Counters: hits, evictions, commits."""
@@ -1937,6 +2012,8 @@ class HierarchyBlockManagerPool(BlockManagerPool):
         checkpoint_interval: int | None = None,
         linear_state_match: _LinearStateMatch = "deepest",
         linear_state_save: _LinearStateSave = "copy",
+        linear_state_blocks: int = 0,
+        block_bytes: int = 0,
         concurrent: bool = False,
         enable_events: bool = False,
         event_replay: int = 4096,
@@ -1948,6 +2025,7 @@ class HierarchyBlockManagerPool(BlockManagerPool):
         debug_hash_bits: int | None = None,
         dedup: bool = True,
         eviction: _Eviction = "lru",
+        max_retained_fraction: float = 0.5,
     ) -> Self: ...
     @property
     def host_num_blocks(self) -> int:

@@ -110,6 +110,19 @@ def test_options_scope_by_kind_and_name():
         "swa_num_blocks": 62500,
     }
     assert hb.kvpool_kwargs(hb.CONFIGS["ls512"], c, opts)["linear_state_slots"] == c // 544 // 2
+    # linear state: one store of 2C/16 blocks, a state taking 34 of them; "linear-split" gives the
+    # slots a store of their own beside C/16 blocks
+    assert hb.kvpool_kwargs(hb.CONFIGS["ls512"], c, {}) == {
+        "num_blocks": 125000,
+        "linear_state_slots": 2 * c // 544,
+        "linear_state_blocks": 34,
+        "checkpoint_interval": 512,
+    }
+    assert hb.kvpool_kwargs(hb.CONFIGS["ls512"], c, hb.PRESETS["linear-split"]) == {
+        "num_blocks": 62500,
+        "linear_state_slots": c // 544,
+        "checkpoint_interval": 512,
+    }
     # a config with no kvpool counterpart runs kvpool only when the options name it
     assert not hb.runs_on(hb.CONFIGS["w1024-dense"], "kvpool", opts)
     assert hb.runs_on(hb.CONFIGS["w1024-dense"], "kvpool", {"w1024-dense": {}})
@@ -160,8 +173,9 @@ def test_kvpool_runs_checked_and_full_attention_matches_the_oracle(tmp_path, cap
     ):  # a hybrid never serves more than full attention
         assert 0 < got[(name, "10M")]["hit_tokens"] <= want
     assert got[("ls512", "10M")]["kvpool_kwargs"] == {
-        "num_blocks": 625000,
-        "linear_state_slots": 10_000_000 // 544,
+        "num_blocks": 1_250_000,
+        "linear_state_slots": 2 * 10_000_000 // 544,
+        "linear_state_blocks": 34,
         "checkpoint_interval": 512,
     }
     # the tables render from the JSON document

@@ -151,6 +151,8 @@ POOL_OPTIONS = {
     "num_single_blocks": COUNT,
     "linear_state_slots": COUNT,
     "checkpoint_interval": COUNT,
+    "linear_state_blocks": COUNT,
+    "block_bytes": COUNT,
     "concurrent": FLAG,
     "enable_events": FLAG,
     "event_replay": COUNT,
@@ -345,6 +347,10 @@ TABLE: dict[str, tuple[Callable, dict[str, str]]] = {
     "BlockManagerPool.allocate": (
         lambda **kw: _pool().allocate(kvpool.Sequence(TOKENS), **kw),
         {"num_tokens": COUNT, "num_new_tokens": COUNT},
+    ),
+    "BlockManagerPool.release_retained": (
+        _with({"seq": 1}, lambda **kw: _pool().release_retained(**kw)),
+        {"seq": COUNT},
     ),
     "BlockManagerPool.drain_block_switches": (
         lambda **kw: _pool().drain_block_switches(**kw),

@@ -183,7 +183,12 @@ def play(
         w.release(seq)
     w.verify()
     stats = pool.stats()
-    assert stats["num_free_blocks"] == stats["num_total_blocks"] - stats["num_cached_blocks"]
+    # what the linear-state group holds of the one store (linear_state_blocks: its states and
+    # the surplus of slots that went free, until the store asks for it) is all that is used
+    assert stats["num_used_blocks"] == stats["num_linear_state_blocks"]
+    assert stats["num_free_blocks"] == (
+        stats["num_total_blocks"] - stats["num_cached_blocks"] - stats["num_linear_state_blocks"]
+    )
     return w
 
 
@@ -199,6 +204,24 @@ CONFIGS = {
         "checkpoint_interval": 2,
     },
     "linear": {"linear_state_slots": 8, "checkpoint_interval": 2},
+    # linear state in the one store: a state takes 2 blocks of the full-attention store
+    "linear+one_store": {
+        "linear_state_slots": 8,
+        "checkpoint_interval": 2,
+        "linear_state_blocks": 2,
+    },
+    "window+linear+one_store": {
+        "sliding_window": 4,
+        "linear_state_slots": 8,
+        "checkpoint_interval": 2,
+        "linear_state_blocks": 2,
+    },
+    "linear+one_store+promote": {
+        "linear_state_slots": 10,
+        "checkpoint_interval": 2,
+        "linear_state_save": "promote",
+        "linear_state_blocks": 2,
+    },
     "linear+contiguous+promote": {
         "linear_state_slots": 10,
         "checkpoint_interval": 2,  # contiguous: a checkpoint at every block
@@ -224,6 +247,14 @@ HOST_CONFIGS = {
     "host+on_evict": {"offload_policy": "on_evict"},
     "host+window": {"sliding_window": 3, "swa_num_blocks": 48},
     "host+linear": {"linear_state_slots": 8, "checkpoint_interval": 2},
+    "host+window+linear+one_store+dp2": {
+        "dp_size": 2,
+        "sliding_window": 4,
+        "shared_blocks": True,
+        "linear_state_slots": 8,
+        "checkpoint_interval": 2,
+        "linear_state_blocks": 2,
+    },
     "host+window+linear+dp2": {
         "dp_size": 2,
         "sliding_window": 4,
@@ -274,8 +305,18 @@ def test_r7_random_collisions_through_the_host_tier(name):
             },
             ("window_hit_blocks", "restores"),
         ),
+        (
+            {
+                "sliding_window": 4,
+                "shared_blocks": True,
+                "linear_state_slots": 8,
+                "checkpoint_interval": 2,
+                "linear_state_blocks": 2,
+            },
+            ("window_hit_blocks", "restores"),
+        ),
     ],
-    ids=["window", "linear", "window+linear"],
+    ids=["window", "linear", "window+linear", "window+linear+one_store"],
 )
 def test_r7_the_random_workloads_reach_every_kind_of_hit(options, kinds):
     """Not vacuous: with full-width hashes the same workloads hit through the window group, the

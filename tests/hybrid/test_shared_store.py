@@ -178,6 +178,23 @@ def _workload(seed: int, steps: int, **options) -> dict[str, int]:
             "checkpoint_interval": 8,
             "debug_hash_bits": 4,
         },
+        # linear state in the one store too: a state takes 3 blocks of it
+        {
+            "sliding_window": 8,
+            "linear_state_slots": 12,
+            "checkpoint_interval": 8,
+            "linear_state_blocks": 3,
+        },
+        {
+            "sliding_window": 8,
+            "shared_blocks": True,
+            "host_num_blocks": 24,
+            "num_blocks": 36,
+            "linear_state_slots": 10,
+            "checkpoint_interval": 4,
+            "linear_state_blocks": 2,
+            "linear_state_save": "promote",
+        },
     ],
     ids=[
         "window",
@@ -188,6 +205,8 @@ def _workload(seed: int, steps: int, **options) -> dict[str, int]:
         "no-retention",
         "host",
         "host-linear-collisions",
+        "linear-one-store",
+        "host-linear-one-store-promote",
     ],
 )
 def test_shared_store_workload_keeps_every_rule(seed, options):

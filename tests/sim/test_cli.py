@@ -218,6 +218,26 @@ def test_hybrid_and_host_options_run() -> None:
         assert summary[key] > 0, (args, summary)
 
 
+def test_linear_state_in_the_one_store_reports_each_groups_memory() -> None:
+    args = [
+        "--linear-state-slots",
+        "64",
+        "--linear-state-blocks",
+        "4",
+        "--checkpoint-interval",
+        "64",
+    ]
+    p = run("simulate", *SMALL, *args, "-w", "chat", "--check", "--json")
+    assert p.returncode == 0, p.stderr
+    memory = json.loads(p.stdout)["summary"]["group_memory"]
+    assert memory["linear_used_blocks"] >= 4 * memory["linear_state_slots_in_use"] > 0
+    p = run("simulate", *SMALL, *args, "-w", "chat")
+    assert p.returncode == 0, p.stderr
+    assert "memory: linear state" in p.stdout and "memory: full attention" in p.stdout
+    p = run("simulate", *SMALL, "--linear-state-blocks", "4")
+    assert_clean_failure(p, "linear_state_blocks")
+
+
 def test_a_configuration_the_pool_rejects_fails_cleanly() -> None:
     # The host tier composes with linear state (tests/sim/test_tier_combinations.py);
     # what the pool rejects is still a clean failure naming the option.

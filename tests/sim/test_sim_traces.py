@@ -340,6 +340,11 @@ def test_request_order_takes_a_window_and_linear_state() -> None:
     assert 0 < linear["prefix_hit_tokens"] <= full["prefix_hit_tokens"]
     assert linear["checkpoint_hits"] > 0 and linear["checkpoint_saves"] > 0
     assert linear["group_memory"]["linear_state_slots_in_use"] > 0
+    # the states in the one store: their blocks are reported beside the KV's
+    one = summary(linear_state_slots=4096, checkpoint_interval=512, linear_state_blocks=34)
+    assert 0 < one["prefix_hit_tokens"] <= full["prefix_hit_tokens"]
+    used = one["group_memory"]["linear_used_blocks"]
+    assert used >= 34 * one["group_memory"]["linear_state_slots_in_use"] > 0
 
 
 def test_malformed_trace_line_stops_the_command(tmp_path: Path) -> None:

@@ -186,3 +186,49 @@ def test_examples_exist() -> None:
     for p in EXAMPLES:
         first = next(ln for ln in p.read_text().splitlines() if ln and not ln.startswith("#"))
         json.loads(first)
+
+
+def test_agentic_sessions_resend_the_whole_session_after_a_tool_pause() -> None:
+    reqs = generate("agentic", 3000, seed=2, sessions=40, turns=20, tool_pause_s=30)
+    by_id = {r.request_id: r for r in reqs}
+    pauses, last_turn = [], {}
+    for r in reqs:
+        assert r.arrival_s is not None and r.session.type == "agent"
+        assert r.arrival == pytest.approx(r.arrival_s / 0.02)
+        last_turn[r.prefix_group] = max(last_turn.get(r.prefix_group, 0), r.session.turn)
+        if r.session.parent_chat_id < 0:
+            assert r.session.turn == 1
+            continue
+        parent = by_id[r.session.parent_chat_id]
+        assert r.session.turn == parent.session.turn + 1 and r.prefix_group == parent.prefix_group
+        before = np.concatenate([np.asarray(parent.prompt), np.asarray(parent.output)])
+        assert np.array_equal(np.asarray(r.prompt)[: len(before)], before)  # the whole session
+        pauses.append(r.arrival_s - parent.arrival_s - parent.output_len * 0.02)
+    assert 20 < float(np.median(pauses)) < 45  # log-normal, median 30 s
+    # every session starts with the one system prompt the agents share
+    firsts = [np.asarray(r.prompt)[:1024] for r in reqs if r.session.turn == 1]
+    assert all(np.array_equal(f, firsts[0]) for f in firsts)
+    # at most 40 sessions at once: a session starts only when another one ended
+    spans: dict[int, list[float]] = {}
+    for r in reqs:
+        spans.setdefault(r.prefix_group, []).append(r.arrival_s)
+    for t in (r.arrival_s for r in reqs[::50]):
+        assert sum(1 for a in spans.values() if a[0] <= t <= a[-1]) <= 40
+    assert len(spans) > 40 and max(last_turn.values()) > 20  # sessions ended and were replaced
+    with pytest.raises(ValueError, match="agentic"):
+        generate("agentic", 10, sessions=0)
+    with pytest.raises(ValueError, match="agentic"):
+        generate("mixed", 10, weights={"agentic": 1.0})
+
+
+def test_scan_interleaves_one_off_documents_with_a_hot_set() -> None:
+    reqs = generate("scan", 400, seed=1, hot_prompts=4, hot_len=512, scan_every=20, scan_len=10)
+    hot = [r for r in reqs if r.prefix_group is not None]
+    scans = [r for r in reqs if r.prefix_group is None]
+    assert {r.prefix_group for r in hot} == {0, 1, 2, 3}
+    assert len(scans) == 10 * (len(hot) // 20) or len(reqs) == 400
+    documents = {tuple(np.asarray(r.prompt)[:64]) for r in scans}
+    assert len(documents) == len(scans)  # every document is new
+    for r in hot:
+        first = next(h for h in hot if h.prefix_group == r.prefix_group)
+        assert np.array_equal(np.asarray(r.prompt)[:512], np.asarray(first.prompt)[:512])

@@ -58,6 +58,7 @@ SWEEP_KEYS: dict[str, tuple[str, Any]] = {
     "num_requests": ("num_requests", int),
     "linear_state_slots": ("linear_state_slots", int),
     "checkpoint_interval": ("checkpoint_interval", int),
+    "linear_state_blocks": ("linear_state_blocks", int),
     "sliding_window": ("sliding_window", int),
     "cache_tokens": ("cache_tokens", None),
     "host_cache_tokens": ("host_cache_tokens", None),
@@ -65,6 +66,7 @@ SWEEP_KEYS: dict[str, tuple[str, Any]] = {
     "mfu": ("mfu", float),
     "order": ("order", str),
     "eviction": ("eviction", str),
+    "retain_ttl": ("retain_ttl", float),
     "gpu": ("gpu", str),
     "xtensor": ("xtensor", None),
     "page_mib": ("page_mib", float),
@@ -200,6 +202,15 @@ def build_parser(prog: str = "kvpool simulate") -> argparse.ArgumentParser:
         "(farthest next use; needs --order request and one full-attention cache)",
     )
     c.add_argument(
+        "--retain-ttl",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="session hints: retain every finished turn of a session (workloads with sessions: "
+        "-w agentic, chat traces) for SECONDS or until its next turn is admitted "
+        "(docs/sessions.md)",
+    )
+    c.add_argument(
         "--no-prefix-cache",
         dest="prefix_cache",
         action="store_false",
@@ -333,6 +344,14 @@ def build_parser(prog: str = "kvpool simulate") -> argparse.ArgumentParser:
         type=_positive_int,
         default=None,
         help="tokens between linear-state checkpoints (multiple of --block-size)",
+    )
+    h.add_argument(
+        "--linear-state-blocks",
+        type=_nonneg_int,
+        default=0,
+        help="blocks of the KV store one recurrent state takes: the states then share the "
+        "store with the KV (docs/hybrid.md, 'Linear state in the one store'); 0 = slots of "
+        "their own",
     )
     h.add_argument("--linear-state-match", choices=("deepest", "contiguous"), default="deepest")
     h.add_argument(

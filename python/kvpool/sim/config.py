@@ -49,6 +49,7 @@ class SimConfig:
     max_num_batched_tokens: int = 2048  # per rank per step
     max_num_seqs: int = 256  # per rank
     linear_state_slots: int = 0
+    linear_state_blocks: int = 0  # a state's blocks of the one store (0: slots of their own)
     checkpoint_interval: int | None = None
     linear_state_match: str = "deepest"
     sliding_window: int | None = None
@@ -66,6 +67,8 @@ class SimConfig:
     # a pool policy of POOL_EVICTIONS, or "optimal": the offline bound in request order
     # (sim/optimal.py)
     eviction: str = "lru"
+    # session hints: retain every finished turn of a session this many seconds (docs/sessions.md)
+    retain_ttl_s: float | None = None
     step_ms: float = 20.0  # the fixed step time (and an idle step of a step-clocked workload)
     gpu: str | None = None  # a key of timing.GPUS: the roofline step time (needs model_shape)
     tp: int = 1  # GPUs per rank (ideal tensor parallelism)
@@ -87,6 +90,8 @@ class SimConfig:
             if self.checkpoint_interval is not None:
                 kw["checkpoint_interval"] = self.checkpoint_interval
             kw["linear_state_match"] = self.linear_state_match
+            if self.linear_state_blocks:
+                kw["linear_state_blocks"] = self.linear_state_blocks
         if self.sliding_window is not None:
             kw["sliding_window"] = self.sliding_window
             if self.swa_num_blocks is not None:
@@ -132,6 +137,10 @@ class SimConfig:
             raise SimError("max_num_seqs must be >= 1")
         if self.linear_state_slots < 0:
             raise SimError("linear_state_slots must be >= 0")
+        if self.retain_ttl_s is not None and not self.retain_ttl_s >= 0:
+            raise SimError("retain_ttl_s must be >= 0")
+        if self.linear_state_blocks and not self.linear_state_slots:
+            raise SimError("linear_state_blocks needs linear_state_slots > 0")
         if self.checkpoint_interval is not None:
             if not self.linear_state_slots:
                 raise SimError("checkpoint_interval needs linear_state_slots > 0")

@@ -131,6 +131,10 @@ class Simulator:
         self.finished: list[Live] = []
         self.step_no = 0
         self.now_s = 0.0
+        # session hints (retain_ttl_s): the finished turn's chat id -> its sequence id
+        self.hints: dict[int, int] = {}
+        self.retained = 0
+        self.retain_refused = 0
         self.busy_s = 0.0
         self.timeline: list[StepRecord] = []
         self.sched_ns: list[int] = []
@@ -184,6 +188,18 @@ class Simulator:
             self.pool.complete_offloads(plans)
             if self.remote is not None:
                 self.remote.after_offloads(plans)
+
+    def _retain(self, lv: Live, now_s: float) -> None:
+        """A finished turn of a session: a session hint keeps its prefix until the next turn
+        arrives or ``retain_ttl_s`` runs out (docs/sessions.md)."""
+        ttl = self.cfg.retain_ttl_s
+        if ttl is None or lv.req.session is None:
+            return
+        if self.pool.retain(lv.seq, ttl, now_s):
+            self.hints[lv.req.session.chat_id] = lv.seq.seq_id
+            self.retained += 1
+        else:
+            self.retain_refused += 1
 
     def release(self, lv: Live) -> None:
         """Deallocates ``lv``'s sequence (and runs the offloads that planned)."""
@@ -258,6 +274,8 @@ class Simulator:
         preempted = False
         # whether a pool call other than the decode batch's advance ran (the counts may change)
         touched = self.linear
+        if self.hints:
+            self.pool.expire_retained(self.now_s)
         if self.mapped is not None and self.mapped.due(self.now_s):
             # a co-located tenant squeezes (or frees) memory
             touched = self.mapped.apply_due(self.now_s) or touched
@@ -445,6 +463,10 @@ class Simulator:
                     raise AssertionError("plan said yes but allocate failed (R15)")
                 break
             waiting.popleft()
+            if self.hints and lv.req.session is not None:  # the session came back
+                hint = self.hints.pop(lv.req.session.parent_chat_id, None)
+                if hint is not None:
+                    pool.release_retained(hint)
             if self.hier:
                 self.sync_loads()
             rank = lv.rank
@@ -545,6 +567,7 @@ class Simulator:
                 lv.finish_step = step
                 lv.finish_s = end_s
                 lv.state = DONE
+                self._retain(lv, end_s)
                 self.release(lv)
                 lv.seq = None
                 self.finished.append(lv)
@@ -588,9 +611,9 @@ class Simulator:
             distinct = len(
                 {(lv.seq.dp_rank, int(b)) for lv in self.running for b in lv.seq.block_table if b}
             )
-            assert distinct == st["num_used_blocks"], (
-                f"used blocks {st['num_used_blocks']} != held {distinct}"
-            )
+            # the linear-state group's blocks of the one store are used by no table
+            used = st["num_used_blocks"] - st["num_linear_state_blocks"]
+            assert distinct == used, f"used blocks {used} != held {distinct}"
 
     # ------------------------------------------------------------------ driver
     def done(self) -> bool:
@@ -617,7 +640,9 @@ class Simulator:
         wall = time.perf_counter() - t0
         if self.cfg.check and self.done():
             st = self.pool.stats()
-            assert st["num_used_blocks"] == 0, f"blocks leaked after the run: {st}"
+            # the linear-state group's blocks of the one store are all a finished run holds
+            held = st["num_used_blocks"] - st["num_linear_state_blocks"]
+            assert held == 0, f"blocks leaked after the run: {st}"
             self.pool.check()
         return SimResult(self.config_dict(), self.summary(wall), self.timeline)
 

@@ -111,6 +111,38 @@ def _xtensor_rows(s: dict[str, Any], c: dict[str, Any]) -> list[tuple[str, str, 
     return rows
 
 
+def _group_memory_rows(s: dict[str, Any]) -> list[tuple[str, str, str] | None]:
+    """The store's blocks per group at the end of the run (hybrid models only)."""
+    memory = s.get("group_memory")
+    if not memory:
+        return []
+    rows: list[tuple[str, str, str] | None] = []
+    for name, label in (
+        ("full", "full attention"),
+        ("window", "sliding window"),
+        ("linear", "linear state"),
+    ):
+        used, cached = memory.get(f"{name}_used_blocks"), memory.get(f"{name}_cached_blocks")
+        if used is None:
+            continue
+        meaning = f"blocks of the store at the end: {cached:,} cached, {used:,} used"
+        if name == "linear":
+            meaning += f", {memory.get('linear_state_slots_in_use', 0):,} slots in use"
+        rows.append((f"memory: {label}", _int(used + cached), meaning))
+    if "linear_state_slots_in_use" in memory and "linear_used_blocks" not in memory:
+        rows.append(
+            (
+                "memory: linear state",
+                _int(memory["linear_state_slots_in_use"]),
+                "slots in use at the end (a store of their own)",
+            )
+        )
+    rows.append(
+        ("memory: free", _int(memory["free_blocks"]), "free blocks of the store at the end")
+    )
+    return rows
+
+
 def _session_rows(s: dict[str, Any]) -> list[tuple[str, str, str] | None]:
     if "sessions" not in s:
         return []
@@ -173,6 +205,7 @@ def _request_order_rows(res: Any) -> list[tuple[str, str, str] | None]:
             ),
             ("host offloads", _int(s["host_offloads"]), "blocks copied device -> host on release"),
         ]
+    rows += _group_memory_rows(s)
     rows += _session_rows(s)
     rows += _xtensor_rows(s, c)
     rows += [
@@ -284,6 +317,7 @@ def summary_rows(res: Any) -> list[tuple[str, str, str] | None]:
             ),
             ("checkpoint saves", _int(s["checkpoint_saves"]), "linear-state checkpoints written"),
         ]
+    rows += _group_memory_rows(s)
     rows += _session_rows(s)
     rows += _xtensor_rows(s, c)
     rows += _time_rows(s, c)

@@ -150,6 +150,9 @@ def summarize(sim: Any, wall: float) -> dict[str, Any]:
         out["group_memory"] = group_memory(sim.pool)
     if sim.mapped is not None:
         out.update(sim.mapped.summary(st, sim.now_s))
+    if sim.cfg.retain_ttl_s is not None:
+        out["retained_turns"] = sim.retained
+        out["retain_refused"] = sim.retain_refused
     sessions = [lv for lv in fin if lv.req.session is not None]
     if sessions:
         first_turns = [lv for lv in sessions if lv.req.session.parent_chat_id < 0]
@@ -174,12 +177,19 @@ def summarize(sim: Any, wall: float) -> dict[str, Any]:
 def group_memory(pool: Any) -> dict[str, int]:
     """The store's blocks per group at the end of the run, over the ranks (``pool.memory()``):
     ``full_*`` and ``window_*`` cached and used blocks (a window with its own store counts its
-    own), free blocks of the shared store, and the linear-state slots in use."""
+    own), free blocks of the shared store, the linear-state slots in use and, with linear state
+    in the one store, the blocks the states hold (``linear_*``)."""
     out = {"free_blocks": 0}
     for rank in pool.memory():
         out["free_blocks"] += rank["free_blocks"]
+        linear = rank["linear_state"]
         for g in rank["shared"]:
-            name = "full" if g["group"] == 0 else "window"
+            if g["group"] == 0:
+                name = "full"
+            elif linear is not None and g["group"] == linear["group"]:
+                name = "linear"
+            else:
+                name = "window"
             for kind in ("cached", "used"):
                 key = f"{name}_{kind}_blocks"
                 out[key] = out.get(key, 0) + g[f"{kind}_blocks"]

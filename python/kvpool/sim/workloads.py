@@ -15,7 +15,11 @@ Kinds (see docs/simulate.md for what each one models):
 - ``rag``: documents with Zipf popularity; a request is a short shared instruction + k
   retrieved documents + a question (shared only while the retrieved order agrees).
 - ``random``: unique prompts, no sharing at all (the prefix cache's worst case).
-- ``mixed``: a blend of all of the above, interleaved by arrival.
+- ``mixed``: a blend of the five above, interleaved by arrival.
+- ``agentic``: agent sessions of many turns (a median of 43) with tool-call pauses (log-normal,
+  a median of 30 s) between them, 200 sessions at once; each turn resends the whole session.
+- ``scan``: a hot set of shared prefixes reused between scans of one-off long documents (a
+  batch job), which flush an LRU cache with blocks nobody uses again.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from kvpool.sim import traces
-from kvpool.sim.request import VOCAB_SIZE, Request, TraceError
+from kvpool.sim.request import VOCAB_SIZE, Request, Session, TraceError
 
 __all__ = [
     "KINDS",
@@ -44,7 +48,7 @@ __all__ = [
 
 MIN_PROMPT_LEN = 64
 MAX_PROMPT_LEN = 8192
-KINDS = ("system_prompt", "chat", "few_shot", "rag", "random", "mixed")
+KINDS = ("system_prompt", "chat", "few_shot", "rag", "random", "mixed", "agentic", "scan")
 # Default blend of "mixed" (fractions of num_requests).
 MIXED_WEIGHTS = {"system_prompt": 0.3, "chat": 0.3, "few_shot": 0.15, "rag": 0.15, "random": 0.1}
 # Prefix groups of different kinds in "mixed" never collide: kind i uses [i * 10**6, ...).
@@ -219,12 +223,117 @@ def _gen_random(n: int, rng: np.random.Generator, o: dict[str, Any], g0: int) ->
     return [Request(i, float(arr[i]), _tokens(rng, lens[i]), int(outs[i])) for i in range(n)]
 
 
+# Engine step the agentic workload's seconds map to (the simulator's default fixed step time).
+_AGENT_STEP_S = 0.02
+
+
+def _gen_agentic(n: int, rng: np.random.Generator, o: dict[str, Any], g0: int) -> list[Request]:
+    """Agent sessions (an agent loop calling tools, as in RFC vLLM #52113's traffic): every turn
+    resends the whole session (one system prompt all sessions share, the task, then each turn's
+    answer and tool result), turns per session log-normal with a median of ``turns``, the pause
+    between a turn's answer and the next turn (the tool call) log-normal with a median of
+    ``tool_pause_s`` seconds, ``sessions`` sessions at once (one that ends is replaced). Arrivals
+    are in seconds (``arrival_s``); each request carries its :class:`Session` (turn, parent)."""
+    median_turns = float(o.get("turns", 43))
+    pause = float(o.get("tool_pause_s", 30.0))
+    concurrent = int(o.get("sessions", 200))
+    if median_turns < 1 or pause < 0 or concurrent < 1:
+        raise ValueError("agentic: turns >= 1, tool_pause_s >= 0 and sessions >= 1")
+    system = _tokens(rng, int(o.get("system_prompt_len", 1024)))
+    task_mean = float(o.get("user_len", 256))
+    tool_mean = float(o.get("tool_len", 192))
+    reqs: list[Request] = []
+    # (next arrival in seconds, session number); a session's state lives in `live`
+    live: dict[int, dict[str, Any]] = {}
+    queue: list[tuple[float, int]] = []
+    started = 0
+
+    def start(t: float) -> None:
+        nonlocal started
+        turns = max(1, int(round(rng.lognormal(math.log(median_turns), 0.8))))
+        task = _tokens(rng, _lognormal_int(rng, task_mean, 16, 4096, 1)[0])
+        live[started] = {"turns": turns, "turn": 0, "history": np.concatenate([system, task])}
+        queue.append((t, started))
+        started += 1
+
+    for _ in range(concurrent):  # the first sessions start within one pause
+        start(float(rng.uniform(0.0, max(pause, 1.0))))
+    while len(reqs) < n and queue:
+        queue.sort()
+        t, sid = queue.pop(0)
+        st = live[sid]
+        prompt = st["history"]
+        if st["turn"] > 0:  # the tool's result follows the previous answer
+            tool = _tokens(rng, _lognormal_int(rng, tool_mean, 8, 4096, 1)[0])
+            prompt = np.concatenate([prompt, tool])
+        if len(prompt) > o["max_prompt_len"]:
+            del live[sid]
+            start(t)
+            continue
+        prompt = _fit(prompt, o["min_prompt_len"], o["max_prompt_len"], rng)
+        out_len = int(_lognormal_int(rng, o["output_len"], 1, o["max_output_len"], 1)[0])
+        answer = _tokens(rng, out_len)
+        rid = len(reqs)
+        session = Session(
+            chat_id=rid, parent_chat_id=st.get("last", -1), turn=st["turn"] + 1, type="agent"
+        )
+        reqs.append(
+            Request(rid, t / _AGENT_STEP_S, prompt, out_len, None, g0 + sid, answer, t, session)
+        )
+        st.update(history=np.concatenate([prompt, answer]), turn=st["turn"] + 1, last=rid)
+        if st["turn"] >= st["turns"]:
+            del live[sid]
+            start(t + float(rng.exponential(max(pause, 1.0))))
+        else:  # the answer streams out, then the tool runs
+            wait = out_len * _AGENT_STEP_S + float(rng.lognormal(math.log(max(pause, 1e-3)), 1.0))
+            queue.append((t + wait, sid))
+    reqs.sort(key=lambda r: (r.arrival, r.request_id))
+    renumber = {r.request_id: i for i, r in enumerate(reqs)}
+    for r in reqs:
+        r.request_id = renumber[r.request_id]
+        s = r.session
+        r.session = Session(renumber[s.chat_id], renumber.get(s.parent_chat_id, -1), s.turn, s.type)
+    return reqs
+
+
+def _gen_scan(n: int, rng: np.random.Generator, o: dict[str, Any], g0: int) -> list[Request]:
+    """A hot set reused between scans: ``hot_prompts`` shared prefixes of ``hot_len`` tokens,
+    each request one of them (uniformly) and a short question; every ``scan_every`` requests a
+    scan of ``scan_len`` one-off documents of ``doc_len`` tokens arrives at once (a batch job),
+    whose blocks nobody uses again: the case where LRU evicts the hot set for them."""
+    hot = [_tokens(rng, int(o.get("hot_len", 2048))) for _ in range(int(o.get("hot_prompts", 8)))]
+    every, scan_len = int(o.get("scan_every", 50)), int(o.get("scan_len", 32))
+    doc_len = int(o.get("doc_len", 6144))
+    if not hot or every < 1 or scan_len < 0 or doc_len < 1:
+        raise ValueError("scan: hot_prompts >= 1, scan_every >= 1, scan_len >= 0, doc_len >= 1")
+    arr = _arrivals(rng, n, o["rate"])
+    reqs: list[Request] = []
+    served = 0
+    while len(reqs) < n:
+        t = float(arr[len(reqs)])
+        if served and served % every == 0:
+            for _ in range(min(scan_len, n - len(reqs))):
+                doc = _fit(_tokens(rng, doc_len), o["min_prompt_len"], o["max_prompt_len"], rng)
+                reqs.append(Request(len(reqs), t, doc, int(o["output_len"])))
+        if len(reqs) >= n:
+            break
+        which = int(rng.integers(len(hot)))
+        q = _tokens(rng, _lognormal_int(rng, 64, 8, 512, 1)[0])
+        p = _fit(np.concatenate([hot[which], q]), o["min_prompt_len"], o["max_prompt_len"], rng)
+        out = int(_lognormal_int(rng, o["output_len"], 1, o["max_output_len"], 1)[0])
+        reqs.append(Request(len(reqs), t, p, out, None, g0 + which))
+        served += 1
+    return reqs
+
+
 _GENERATORS = {
     "system_prompt": _gen_system_prompt,
     "chat": _gen_chat,
     "few_shot": _gen_few_shot,
     "rag": _gen_rag,
     "random": _gen_random,
+    "agentic": _gen_agentic,
+    "scan": _gen_scan,
 }
 
 
@@ -237,7 +346,11 @@ def generate(kind: str, num_requests: int, *, seed: int = 0, **options: Any) -> 
     Per-kind options: system_prompt: ``num_system_prompts``, ``system_prompt_len``,
     ``user_len``; chat: ``turns``, ``system_prompt_len``, ``user_len``, ``think_steps``;
     few_shot: ``num_tasks``, ``shots``, ``example_len``; rag: ``num_docs``, ``top_k``,
-    ``doc_len``; random: ``prompt_len``; mixed: ``weights`` (dict kind -> fraction).
+    ``doc_len``; random: ``prompt_len``; mixed: ``weights`` (dict kind -> fraction); agentic:
+    ``turns`` (the median, 43), ``tool_pause_s`` (the median, 30), ``sessions`` (200),
+    ``system_prompt_len``, ``user_len``, ``tool_len`` (its prompts may reach 32768 tokens unless
+    ``max_prompt_len`` says otherwise); scan: ``hot_prompts``, ``hot_len``, ``scan_every``,
+    ``scan_len``, ``doc_len``.
     Unknown kinds or options raise ValueError.
     """
     if kind not in KINDS:
@@ -265,6 +378,13 @@ def generate(kind: str, num_requests: int, *, seed: int = 0, **options: Any) -> 
         "top_k",
         "doc_len",
         "prompt_len",
+        "tool_pause_s",
+        "sessions",
+        "tool_len",
+        "hot_prompts",
+        "hot_len",
+        "scan_every",
+        "scan_len",
     }
     unknown = sorted(set(o) - known)
     if unknown:
@@ -273,7 +393,7 @@ def generate(kind: str, num_requests: int, *, seed: int = 0, **options: Any) -> 
     o.setdefault("output_len", 192)
     o.setdefault("max_output_len", 1024)
     o.setdefault("min_prompt_len", MIN_PROMPT_LEN)
-    o.setdefault("max_prompt_len", MAX_PROMPT_LEN)
+    o.setdefault("max_prompt_len", 4 * MAX_PROMPT_LEN if kind == "agentic" else MAX_PROMPT_LEN)
     o["min_prompt_len"] = int(o["min_prompt_len"])
     o["max_prompt_len"] = int(o["max_prompt_len"])
     o["max_output_len"] = int(o["max_output_len"])
@@ -288,6 +408,8 @@ def generate(kind: str, num_requests: int, *, seed: int = 0, **options: Any) -> 
         return _GENERATORS[kind](num_requests, rng, o, 0)
 
     weights = dict(o.pop("weights", None) or MIXED_WEIGHTS)
+    if "agentic" in weights:
+        raise ValueError("mixed weights: agentic sessions run on their own clock, not in a mix")
     bad = sorted(set(weights) - set(_GENERATORS))
     if bad:
         raise ValueError(f"unknown kind(s) in mixed weights: {', '.join(bad)}")

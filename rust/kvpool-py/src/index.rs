@@ -44,22 +44,6 @@ fn rank(dp_rank: &convert::Given<'_>) -> PyResult<u32> {
     }
 }
 
-/// A float argument (a clock), named in errors.
-fn seconds(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<f64> {
-    if obj.is_instance_of::<pyo3::types::PyBool>() {
-        return Err(type_error(name, "must be a number, got bool"));
-    }
-    obj.extract::<f64>()
-        .map_err(|_| type_error(name, format!("must be a number, got {}", type_name(obj))))
-}
-
-fn type_name(obj: &Bound<'_, PyAny>) -> String {
-    obj.get_type()
-        .name()
-        .map(|n| n.to_string())
-        .unwrap_or_else(|_| "?".into())
-}
-
 /// Field `name` of an event given as a dict or an object; `None` (or missing) is `None`.
 fn field<'py>(event: &Bound<'py, PyAny>, name: &str) -> PyResult<Option<Bound<'py, PyAny>>> {
     let value = if let Ok(dict) = event.cast::<PyDict>() {
@@ -81,7 +65,7 @@ fn text(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<String> {
     }
     Err(type_error(
         name,
-        format!("must be a str, got {}", type_name(obj)),
+        format!("must be a str, got {}", crate::convert::type_name(obj)),
     ))
 }
 
@@ -418,7 +402,10 @@ impl PyKVIndex {
         let instance = unsigned(instance, "instance", u64::MAX)?;
         let dp_rank = rank(&dp_rank)?;
         let size = unsigned(block_size, "block_size", u64::from(u32::MAX))? as u32;
-        let (now, ttl) = (seconds(now, "now")?, seconds(ttl, "ttl")?);
+        let (now, ttl) = (
+            crate::convert::seconds(now, "now")?,
+            crate::convert::seconds(ttl, "ttl")?,
+        );
         let request = request(token_ids, extra_key, block_hashes, Some(block_size))?;
         py.detach(|| match request {
             Request::Tokens(tokens, key) => self.inner.insert_speculative_tokens(
@@ -478,7 +465,7 @@ impl PyKVIndex {
 
     /// Drops the speculative entries lapsing at or before `now`; returns how many.
     fn expire(&self, py: Python<'_>, now: &Bound<'_, PyAny>) -> PyResult<usize> {
-        let now = seconds(now, "now")?;
+        let now = crate::convert::seconds(now, "now")?;
         py.detach(|| self.inner.expire(now)).py()
     }
 

@@ -22,6 +22,8 @@ pub(crate) const POOL_OPTIONS: &[&str] = &[
     "checkpoint_interval",
     "linear_state_match",
     "linear_state_save",
+    "linear_state_blocks",
+    "block_bytes",
     "concurrent",
     "enable_events",
     "event_replay",
@@ -33,6 +35,7 @@ pub(crate) const POOL_OPTIONS: &[&str] = &[
     "debug_hash_bits",
     "dedup",
     "eviction",
+    "max_retained_fraction",
 ];
 
 /// The `**options` of a constructor, checked against the names it takes.
@@ -128,6 +131,8 @@ impl<'py> Options<'py> {
             checkpoint_interval: self.count("checkpoint_interval")?,
             linear_state_match,
             linear_state_save,
+            linear_state_blocks: self.count("linear_state_blocks")?.unwrap_or(0),
+            block_bytes: self.count("block_bytes")?.unwrap_or(0) as u64,
             sliding_window: self.count("sliding_window")?,
             swa_num_blocks: self.count("swa_num_blocks")?,
             // None: the default (shared unless the window group is sized on its own)
@@ -142,6 +147,10 @@ impl<'py> Options<'py> {
             xtensor: crate::elastic::xtensor_option(self.get("xtensor")?.as_ref())?,
             dedup: self.flag("dedup", true)?,
             eviction,
+            max_retained_fraction: match self.get("max_retained_fraction")? {
+                None => 0.5,
+                Some(value) => convert::seconds(&value, "max_retained_fraction")?,
+            },
         };
         Ok((config, concurrent))
     }

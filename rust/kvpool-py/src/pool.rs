@@ -416,6 +416,50 @@ impl PyBlockManagerPool {
         self.with_seq(py, seq, |pool, seq| pool.deallocate(seq))
     }
 
+    /// Session hint: keeps seq's published prefix from eviction until now + ttl (the caller's
+    /// clock) or release_retained (docs/sessions.md).
+    fn retain(
+        &self,
+        py: Python<'_>,
+        seq: &Bound<'_, PyAny>,
+        ttl: &Bound<'_, PyAny>,
+        now: &Bound<'_, PyAny>,
+    ) -> PyResult<bool> {
+        let ttl = convert::seconds(ttl, "ttl")?;
+        let now = convert::seconds(now, "now")?;
+        self.with_seq(py, seq, |pool, seq| pool.retain(seq, ttl, now))
+    }
+
+    /// Ends the session hint of the sequence with this id (or of this Sequence).
+    fn release_retained(&self, py: Python<'_>, seq: &Bound<'_, PyAny>) -> PyResult<bool> {
+        let id = match seq.cast::<crate::sequence::PySequence>() {
+            Ok(s) => s.get().inner.lock().seq_id(),
+            Err(_) => convert::uint64(seq, "seq")?,
+        };
+        self.with_pool(py, |pool| Ok(pool.release_retained(id)))
+    }
+
+    /// Drops the session hints whose time to live ran out by now; returns how many.
+    fn expire_retained(&self, py: Python<'_>, now: &Bound<'_, PyAny>) -> PyResult<usize> {
+        let now = convert::seconds(now, "now")?;
+        self.with_pool(py, |pool| pool.expire_retained(now))
+    }
+
+    /// Session hints held now.
+    #[getter]
+    fn num_retained(&self, py: Python<'_>) -> PyResult<usize> {
+        Ok(self.lock(py)?.num_retained())
+    }
+
+    /// Blocks session hints hold, over all ranks (each counted once).
+    #[getter]
+    fn num_retained_blocks(&self, py: Python<'_>) -> PyResult<usize> {
+        let pool = self.lock(py)?;
+        Ok((0..pool.dp_size())
+            .map(|r| pool.num_retained_blocks(r))
+            .sum())
+    }
+
     /// Block tables of seqs: int32 [len(seqs), max_blocks], padded with pad (R19).
     #[pyo3(
         signature = (seqs, group = None, *, pad = None),
@@ -487,6 +531,7 @@ impl PyBlockManagerPool {
             let d = PyDict::new(py);
             d.set_item("num_blocks", rank.num_blocks)?;
             d.set_item("free_blocks", rank.free_blocks)?;
+            d.set_item("block_bytes", rank.block_bytes)?;
             let groups = pyo3::types::PyList::empty(py);
             for (position, cached, used) in rank.shared {
                 let g = PyDict::new(py);

@@ -29,11 +29,13 @@ pub(crate) fn rank_dict<'py>(
     let d = counts_dict(py, &r.counts)?;
     let window = r.window.as_ref().map(|w| counts_dict(py, w)).transpose()?;
     let misses = PyDict::new(py);
+    let memory = PyDict::new(py);
     let mut result = Ok(());
     r.visit(|section, key, value| {
         let target = match section {
             "window" => window.as_ref(),
             "misses" => Some(&misses),
+            "memory" => Some(&memory),
             _ => Some(&d),
         };
         if let (Some(target), Ok(())) = (target, &result) {
@@ -43,6 +45,7 @@ pub(crate) fn rank_dict<'py>(
     result?;
     d.set_item("window", window)?;
     d.set_item("misses", misses)?;
+    d.set_item("memory", memory)?;
     match &r.xtensor {
         Some(x) => d.set_item("xtensor", crate::elastic::xtensor_dict(py, x)?)?,
         None => d.set_item("xtensor", py.None())?,

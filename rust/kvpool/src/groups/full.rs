@@ -212,11 +212,18 @@ impl FullGroup {
     }
 
     /// Whether a hit of `k` blocks, then `entries` table entries, fit, with `shared` more
-    /// blocks the groups of the shared store take: the new blocks come from the available ones
-    /// minus those the hit makes used.
-    pub(crate) fn fits(&self, walk: &Walk, k: usize, entries: usize, shared: usize) -> bool {
+    /// blocks the groups of the shared store take and `spare` blocks they give back: the new
+    /// blocks come from the available ones minus those the hit makes used.
+    pub(crate) fn fits(
+        &self,
+        walk: &Walk,
+        k: usize,
+        entries: usize,
+        shared: usize,
+        spare: usize,
+    ) -> bool {
         entries.saturating_sub(k).saturating_add(shared)
-            <= self.num_available().saturating_sub(walk.cache_only(k))
+            <= (self.num_available() + spare).saturating_sub(walk.cache_only(k))
     }
 
     /// The store of a fixed-memory allocator (the shared store of a rank's groups).

@@ -32,7 +32,9 @@ use crate::hash::BlockHash;
 use crate::linear_state::{LinearStatePrefixCache, Tail};
 use crate::prefix_cache::{is_ticket, ticket, Anchor};
 
-use super::{OwnChain, QueryChain};
+use super::{FullGroup, OwnChain, QueryChain};
+
+mod one_store;
 
 /// R23: which checkpointed boundary a KV prefix hit is trimmed to.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -255,6 +257,14 @@ pub(crate) struct LinearGroup {
     hits: u64,
     /// `reset_prefix_cache` calls so far.
     resets: u64,
+    /// One store (docs/hybrid.md "Linear state in the one store"): how many blocks of the
+    /// full-attention group's store a state takes (0: the slots are a store of their own).
+    blocks_per_state: usize,
+    /// The group's position after full attention: its blocks' owner in the memory census.
+    owner: u8,
+    /// Blocks of the store held for the states: at least `blocks_per_state` per slot in use
+    /// (more after slots went free, until the store asks for them: [`Self::make_room`]).
+    budget: Vec<Block>,
 }
 
 impl LinearGroup {
@@ -275,6 +285,9 @@ impl LinearGroup {
             save,
             hits: 0,
             resets: 0,
+            blocks_per_state: 0,
+            owner: 0,
+            budget: Vec::new(),
         }
     }
 
@@ -364,7 +377,10 @@ impl LinearGroup {
     }
 
     /// Takes the live slot (after the single block, R14); false if none can be had.
-    pub(crate) fn take_slot(&mut self, table: &mut LinearTable) -> bool {
+    pub(crate) fn take_slot(&mut self, full: &mut FullGroup, table: &mut LinearTable) -> bool {
+        if !self.secure_slot(full, true) {
+            return false;
+        }
         table.slot = self.cache.acquire_slot();
         table.slot.is_some()
     }
@@ -420,6 +436,7 @@ impl LinearGroup {
     /// block's tokens, plans its checkpoint (R24).
     pub(crate) fn step(
         &mut self,
+        full: &mut FullGroup,
         table: &mut LinearTable,
         computed: usize,
         save: Option<(BlockHash, Anchor, Tail)>,
@@ -427,7 +444,12 @@ impl LinearGroup {
     ) {
         self.drop_stale_saves(table, computed, ledger);
         if let Some(save) = save {
-            self.plan_save(table, computed, save, ledger);
+            // R23's retention: a junction's checkpoint outlives the intermediate ones (so does
+            // one a hit restored); a prompt's last one does not (measured: docs/hybrid.md).
+            let kept = computed == table.junction;
+            if self.secure_slot(full, false) {
+                self.plan_save(table, (computed, kept), save, ledger);
+            }
         }
     }
 
@@ -487,7 +509,7 @@ impl LinearGroup {
     fn plan_save(
         &mut self,
         table: &mut LinearTable,
-        computed: usize,
+        (computed, kept): (usize, bool),
         (hash, link, tail): (BlockHash, Anchor, Tail),
         ledger: &mut Ledger,
     ) {
@@ -511,7 +533,7 @@ impl LinearGroup {
             LinearStateSave::Copy => {
                 let op = self
                     .cache
-                    .reserve_planned(hash, stored, tail)
+                    .reserve_planned(hash, stored, tail, kept)
                     .map(|dst| LinearOp {
                         dst,
                         boundary: computed,
@@ -522,7 +544,7 @@ impl LinearGroup {
             }
             LinearStateSave::Promote => {
                 let promoted = live.id();
-                match self.cache.promote_anchored(live, hash, stored, tail) {
+                match self.cache.promote_anchored(live, hash, stored, tail, kept) {
                     Ok(fresh) => {
                         let pinned = self.cache.pin(hash);
                         debug_assert!(pinned.is_ok(), "just promoted");
@@ -623,11 +645,30 @@ impl LinearGroup {
     /// forgotten (module doc).
     pub(crate) fn reset(&mut self) {
         self.cache.reset();
+        self.release_surplus();
         self.resets += 1;
     }
 
-    pub(crate) fn check(&self, ledger: &Ledger) -> Result<()> {
+    /// Sets the stamp of the checkpoints listed from now on (the store's clock).
+    pub(crate) fn set_clock(&mut self, clock: u64) {
+        self.cache.set_clock(clock);
+    }
+
+    pub(crate) fn check(&self, full: &FullGroup, ledger: &Ledger) -> Result<()> {
         self.cache.check()?;
+        let k = self.blocks_per_state;
+        ensure_invariant!(
+            self.budget.len() >= k * self.in_use(),
+            "the linear-state group holds {} blocks of the store for {} states of {k} blocks",
+            self.budget.len(),
+            self.in_use()
+        );
+        ensure_invariant!(
+            self.budget
+                .iter()
+                .all(|b| full.owns(b) && b.ref_count() == 1),
+            "a block the linear-state group holds is not its own block of the store"
+        );
         let saves = ledger.num_saves(self.rank);
         ensure_invariant!(
             saves == self.cache.num_planned_checkpoints(),

@@ -100,6 +100,7 @@ pub(crate) struct GroupCounters {
     pub(crate) linear_hits: u64,
     pub(crate) checkpoint_evictions: u64,
     pub(crate) checkpoint_commits: u64,
+    pub(crate) state_blocks: usize,
 }
 
 /// What a group's hit takes a chain from: the query's chain with the ids its device walk
@@ -167,7 +168,33 @@ impl Group {
     pub(crate) fn demand(&self, chain: &QueryChain<'_>, k: usize, entries: usize) -> usize {
         match self {
             Self::SharedWindow(g) => g.demand(chain.device(), k, entries),
-            Self::Window(_) | Self::Linear(_) => 0,
+            Self::Linear(g) => g.demand(chain, k),
+            Self::Window(_) => 0,
+        }
+    }
+
+    /// Blocks of the full-attention group's store this group gives back to the others after
+    /// a hit at `k` (a linear-state group of the one store: its surplus and evictable
+    /// checkpoints, once the new sequence's live slot is counted).
+    pub(crate) fn spare_after(&self, chain: &QueryChain<'_>, k: usize) -> usize {
+        match self {
+            Self::Linear(g) => g.spare_after(chain, k),
+            Self::Window(_) | Self::SharedWindow(_) => 0,
+        }
+    }
+
+    /// Frees blocks of the full-attention group's store until `need` are free, from what this
+    /// group can give back (a linear-state group of the one store, `LinearGroup::make_room`).
+    pub(crate) fn make_room(&mut self, full: &mut FullGroup, need: usize) {
+        if let Self::Linear(g) = self {
+            g.make_room(full, need);
+        }
+    }
+
+    /// Sets the clock the group's listed entries are stamped with (the store's).
+    pub(crate) fn set_clock(&mut self, clock: u64) {
+        if let Self::Linear(g) = self {
+            g.set_clock(clock);
         }
     }
 
@@ -187,10 +214,11 @@ impl Group {
         }
     }
 
-    /// Takes the per-sequence resources after the single block (the live slot).
-    pub(crate) fn take_slot(&mut self, table: &mut GroupTable) -> bool {
+    /// Takes the per-sequence resources after the single block (the live slot; in the one
+    /// store, its memory from `full`'s store as the admission's plan counted it).
+    pub(crate) fn take_slot(&mut self, full: &mut FullGroup, table: &mut GroupTable) -> bool {
         match (self, table) {
-            (Self::Linear(g), GroupTable::Linear(t)) => g.take_slot(t),
+            (Self::Linear(g), GroupTable::Linear(t)) => g.take_slot(full, t),
             (Self::Window(_) | Self::SharedWindow(_), GroupTable::Window(_)) => true,
             _ => mismatch(),
         }
@@ -236,7 +264,8 @@ impl Group {
     }
 
     /// For a group of the shared store, (blocks a growth of the table to `entries` entries
-    /// takes, blocks its slide to `computed` makes available first); (0, 0) otherwise.
+    /// takes, blocks its slide to `computed` or its spare memory makes available first); (0, 0)
+    /// otherwise.
     pub(crate) fn shared_growth(
         &self,
         full: &FullGroup,
@@ -249,6 +278,7 @@ impl Group {
                 entries.saturating_sub(t.len()),
                 g.releasable(full, t, computed),
             ),
+            (Self::Linear(g), GroupTable::Linear(_)) => (0, g.spare()),
             _ => (0, 0),
         }
     }
@@ -321,16 +351,18 @@ impl Group {
     }
 
     /// After a forward step (`cache(seq)`): what the group plans at a step (R24); `save`: the
-    /// prefix hash of the boundary at `computed`, its last block's link and tokens.
+    /// prefix hash of the boundary at `computed`, its last block's link and tokens; a group
+    /// of the one store takes the new checkpoint's memory from `full`'s store.
     pub(crate) fn step(
         &mut self,
+        full: &mut FullGroup,
         table: &mut GroupTable,
         computed: usize,
         save: Option<(BlockHash, Anchor, crate::linear_state::Tail)>,
         ledger: &mut Ledger,
     ) {
         if let (Self::Linear(g), GroupTable::Linear(t)) = (self, table) {
-            g.step(t, computed, save, ledger);
+            g.step(full, t, computed, save, ledger);
         }
     }
 
@@ -404,16 +436,17 @@ impl Group {
                 c.linear_hits = g.hits();
                 c.checkpoint_evictions = s.evictions;
                 c.checkpoint_commits = s.commits;
+                c.state_blocks = g.budget_blocks();
             }
         }
     }
 
     /// Walks the group's structures.
-    pub(crate) fn check(&self, ledger: &Ledger) -> Result<()> {
+    pub(crate) fn check(&self, full: &FullGroup, ledger: &Ledger) -> Result<()> {
         match self {
             Self::Window(g) => g.check(),
             Self::SharedWindow(_) => Ok(()), // the full-attention cache's check covers it
-            Self::Linear(g) => g.check(ledger),
+            Self::Linear(g) => g.check(full, ledger),
         }
     }
 

@@ -1,6 +1,6 @@
 //! `LinearStatePrefixCache::check`: the walk of every structure that tests run after each step
 //! (the invariants of the module doc: each held slot in exactly one state with one handle, the
-//! index covering pending and committed slots, the LRU list holding exactly the unpinned
+//! index covering pending and committed slots, the two LRU lists holding exactly the unpinned
 //! committed ones, and the counters and the slot manager's counts agreeing).
 
 use super::{Held, LinearStatePrefixCache, NIL};
@@ -38,6 +38,10 @@ impl LinearStatePrefixCache {
                 (self.tails[slot].tokens.is_empty() && self.tails[slot].root_key.is_none())
                     || matches!(kind, Held::Pending | Held::Committed),
                 "linear-state slot {slot} ({kind:?}) keeps a checkpoint's tokens"
+            );
+            ensure_invariant!(
+                !self.kept[slot] || matches!(kind, Held::Pending | Held::Committed),
+                "linear-state slot {slot} ({kind:?}) is marked kept"
             );
             ensure_invariant!(
                 !self.planned[slot] || kind == Held::Pending,
@@ -83,27 +87,44 @@ impl LinearStatePrefixCache {
             self.index.len(),
             pending + committed
         );
-        let order = self.lru_order();
-        ensure_invariant!(
-            order.len() == committed - pinned,
-            "LRU holds {} checkpoints, expected {} unpinned committed",
-            order.len(),
-            committed - pinned
-        );
-        for (i, &slot) in order.iter().enumerate() {
+        let mut listed = 0;
+        for list in [super::PLAIN, super::KEPT] {
+            let order = self.list_order(list);
+            listed += order.len();
             ensure_invariant!(
-                self.kind[slot as usize] == Held::Committed && self.pins[slot as usize] == 0,
-                "LRU entry {slot} is not an unpinned committed checkpoint"
+                order.len() == self.listed[list],
+                "LRU list {list} holds {} checkpoints, counted {}",
+                order.len(),
+                self.listed[list]
             );
-            let expected_prev = if i == 0 { NIL } else { order[i - 1] };
+            for (i, &slot) in order.iter().enumerate() {
+                ensure_invariant!(
+                    self.kind[slot as usize] == Held::Committed && self.pins[slot as usize] == 0,
+                    "LRU entry {slot} is not an unpinned committed checkpoint"
+                );
+                ensure_invariant!(
+                    self.list_of(slot) == list,
+                    "checkpoint {slot} is on the other LRU list"
+                );
+                let expected_prev = if i == 0 { NIL } else { order[i - 1] };
+                ensure_invariant!(
+                    self.prev[slot as usize] == expected_prev,
+                    "LRU links broken at slot {slot}"
+                );
+                ensure_invariant!(
+                    i == 0 || self.stamps[order[i - 1] as usize] <= self.stamps[slot as usize],
+                    "LRU stamps decrease at slot {slot}"
+                );
+            }
             ensure_invariant!(
-                self.prev[slot as usize] == expected_prev,
-                "LRU links broken at slot {slot}"
+                self.tail[list] == order.last().copied().unwrap_or(NIL),
+                "LRU tail of list {list} is wrong"
             );
         }
         ensure_invariant!(
-            self.tail == order.last().copied().unwrap_or(NIL),
-            "LRU tail is wrong"
+            listed == committed - pinned,
+            "LRU holds {listed} checkpoints, expected {} unpinned committed",
+            committed - pinned
         );
         let counts = self.slots.counts();
         ensure_invariant!(

@@ -9,16 +9,22 @@
 //!   through [`LinearStatePrefixCache::acquire_live_slot`] (the cache holds it for the caller);
 //! - **pending** checkpoint: reserved for a prefix hash; the worker will write the state into it;
 //!   never matchable;
-//! - **committed** checkpoint: matchable by prefix hash; on an O(1) LRU list unless pinned by a
-//!   planned restore (pinned checkpoints leave the list and come back at its tail).
+//! - **committed** checkpoint: matchable by prefix hash; on one of two O(1) LRU lists unless
+//!   pinned by a planned restore (pinned checkpoints leave their list and come back at its
+//!   tail). The **plain** list holds a pool's intermediate saves (a multiple of the checkpoint
+//!   interval that no other prompt reached yet); the **kept** list holds the checkpoints a hit
+//!   is likely to come back to: a prompt's last boundary, a junction of the prefix tree (R24),
+//!   every checkpoint a hit restored, and every checkpoint of the cache's own API. Eviction
+//!   takes the plain list first (R23's retention: docs/contract.md), each list oldest first.
 //!
 //! Invariants (checked by [`LinearStatePrefixCache::check`]): every pending or committed slot
 //! (and every slot acquired through the API) is held by one cache handle and sits in the hash
 //! index (pending and committed) under its hash. A committed slot that someone else holds too
 //! (a pool's planned copy still writing it: a slot promoted before the copy into it was
 //! confirmed) is pinned, since evicting it would free nothing (F2). The LRU list holds exactly
-//! the unpinned committed slots; `free + live + pending + committed == num_slots - 1`; only
-//! pending and committed slots carry an anchor.
+//! the unpinned committed slots, each on the list its `kept` flag names, stamps increasing
+//! from the oldest end; `free + live + pending + committed == num_slots - 1`; only pending and
+//! committed slots carry an anchor.
 //!
 //! A checkpoint a pool saves records the *link* of its boundary's last block (the anchor of the
 //! full-attention entry before it, `crate::chain`) and that block's tokens: the state summarises
@@ -37,6 +43,7 @@
 
 mod check;
 mod links;
+mod lists;
 
 use crate::alloc;
 use crate::block::Block;
@@ -48,6 +55,11 @@ use crate::prefix_cache::Anchor;
 pub(crate) use links::Tail;
 
 const NIL: u32 = u32::MAX;
+
+/// The LRU list of the intermediate checkpoints (evicted first).
+const PLAIN: usize = 0;
+/// The LRU list of the checkpoints a hit is likely to come back to.
+const KEPT: usize = 1;
 
 /// What the cache holds a slot for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -90,10 +102,19 @@ pub struct LinearStatePrefixCache {
     index: ByHash<u32>,
     prev: Vec<u32>,
     next: Vec<u32>,
-    /// Oldest unpinned committed checkpoint.
-    head: u32,
-    /// Newest unpinned committed checkpoint.
-    tail: u32,
+    /// Which list a committed checkpoint goes on (`true`: kept).
+    kept: Vec<bool>,
+    /// When each listed checkpoint was last put on its list (the clock, below).
+    stamps: Vec<u64>,
+    /// Oldest unpinned committed checkpoint per list (plain, kept).
+    head: [u32; 2],
+    /// Newest unpinned committed checkpoint per list.
+    tail: [u32; 2],
+    /// Checkpoints on each list.
+    listed: [usize; 2],
+    /// The stamp the next listed checkpoint gets: a pool sets it to its prefix cache's clock,
+    /// so a checkpoint's recency compares with the KV blocks' (one store, docs/hybrid.md).
+    clock: u64,
     num_live_held: usize,
     num_pending: usize,
     num_committed: usize,
@@ -101,6 +122,9 @@ pub struct LinearStatePrefixCache {
     stats: LinearStateStats,
     /// Checkpoints committed (`true`) or evicted, for KV events (R21; `pool/events.rs`).
     pub(crate) events: Option<Vec<(bool, BlockHash)>>,
+    /// Whether the API may take slots (`acquire_live_slot`, `reserve_checkpoint`, `promote`):
+    /// not in a pool whose states take blocks of its one store (the pool secures their memory).
+    api_slots: bool,
 }
 
 impl LinearStatePrefixCache {
@@ -120,15 +144,35 @@ impl LinearStatePrefixCache {
             index: ByHash::default(),
             prev: alloc::filled(num_slots, name, || NIL)?,
             next: alloc::filled(num_slots, name, || NIL)?,
-            head: NIL,
-            tail: NIL,
+            kept: alloc::filled(num_slots, name, || false)?,
+            stamps: alloc::filled(num_slots, name, || 0)?,
+            head: [NIL; 2],
+            tail: [NIL; 2],
+            listed: [0; 2],
+            clock: 0,
             num_live_held: 0,
             num_pending: 0,
             num_committed: 0,
             num_pinned: 0,
             stats: LinearStateStats::default(),
             events: None,
+            api_slots: true,
         })
+    }
+
+    /// Refuses the API's slot takers from now on (module doc of `groups/linear.rs`).
+    pub(crate) fn refuse_api_slots(&mut self) {
+        self.api_slots = false;
+    }
+
+    fn ensure_api_slots(&self) -> Result<()> {
+        ensure_arg!(
+            self.api_slots,
+            "self",
+            "this pool's linear states take blocks of its one store (linear_state_blocks): \
+             only the pool takes their slots"
+        );
+        Ok(())
     }
 
     /// Records a commit (`true`) or an eviction of `hash` for KV events, when on.
@@ -147,7 +191,9 @@ impl LinearStatePrefixCache {
             + 1
             + 8
             + std::mem::size_of::<Anchor>()
-            + std::mem::size_of::<Tail>();
+            + std::mem::size_of::<Tail>()
+            + 1
+            + 8;
         num_slots as u128 * (crate::block::BlockStore::BYTES_PER_ID + per_slot as u128)
     }
 
@@ -196,33 +242,13 @@ impl LinearStatePrefixCache {
         self.slots.owns(slot)
     }
 
-    fn unlink(&mut self, slot: u32) {
-        let (prev, next) = (self.prev[slot as usize], self.next[slot as usize]);
-        match prev {
-            NIL => self.head = next,
-            p => self.next[p as usize] = next,
-        }
-        match next {
-            NIL => self.tail = prev,
-            n => self.prev[n as usize] = prev,
-        }
-        self.prev[slot as usize] = NIL;
-        self.next[slot as usize] = NIL;
-    }
-
-    fn push_tail(&mut self, slot: u32) {
-        self.prev[slot as usize] = self.tail;
-        self.next[slot as usize] = NIL;
-        match self.tail {
-            NIL => self.head = slot,
-            t => self.next[t as usize] = slot,
-        }
-        self.tail = slot;
-    }
-
-    /// Evicts the least-recently-used unpinned committed checkpoint; false if there is none.
+    /// Evicts the least-recently-used unpinned committed checkpoint, the plain list first;
+    /// false if there is none.
     fn evict_one(&mut self) -> bool {
-        let slot = self.head;
+        let slot = match self.head[PLAIN] {
+            NIL => self.head[KEPT],
+            slot => slot,
+        };
         if slot == NIL {
             return false;
         }
@@ -238,6 +264,7 @@ impl LinearStatePrefixCache {
         self.kind[slot as usize] = Held::No;
         self.anchors[slot as usize] = 0;
         self.tails[slot as usize] = Tail::default();
+        self.kept[slot as usize] = false;
         self.num_committed -= 1;
         self.stats.evictions += 1;
         self.note(false, hash);
@@ -260,6 +287,7 @@ impl LinearStatePrefixCache {
     /// Takes a live slot that the cache holds for the caller; `OutOfBlocks` when every slot is
     /// live, pending or pinned.
     pub fn acquire_live_slot(&mut self) -> Result<u32> {
+        self.ensure_api_slots()?;
         let slot = self.acquire_slot().ok_or(KvPoolError::OutOfBlocks {
             requested: 1,
             available: 0,
@@ -298,16 +326,20 @@ impl LinearStatePrefixCache {
     /// Reserves a slot for the checkpoint of `prefix_hash` (pending: not matchable). `None` if
     /// the hash is already pending or committed, or if no slot can be had (R22).
     pub fn reserve_checkpoint(&mut self, prefix_hash: BlockHash) -> Option<u32> {
-        self.reserve(prefix_hash, 0)
+        if !self.api_slots {
+            return None;
+        }
+        self.reserve(prefix_hash, 0, true)
     }
 
     /// [`Self::reserve_checkpoint`] of a checkpoint that ends at `anchor` (module doc).
-    fn reserve(&mut self, prefix_hash: BlockHash, anchor: Anchor) -> Option<u32> {
+    fn reserve(&mut self, prefix_hash: BlockHash, anchor: Anchor, kept: bool) -> Option<u32> {
         if self.index.contains_key(&prefix_hash.0) {
             return None;
         }
         let slot = self.acquire_slot()?;
         let id = slot.id();
+        self.kept[id as usize] = kept;
         self.held[id as usize] = Some(slot);
         self.kind[id as usize] = Held::Pending;
         self.hash_of[id as usize] = prefix_hash;
@@ -318,14 +350,16 @@ impl LinearStatePrefixCache {
     }
 
     /// The pool's save plans: [`Self::reserve_checkpoint`] of the state whose last block has
-    /// link `link` and is `tail`, the slot then belonging to the plan (module doc).
+    /// link `link` and is `tail`, the slot then belonging to the plan (module doc); `kept`: it
+    /// goes on the kept list once committed.
     pub(crate) fn reserve_planned(
         &mut self,
         prefix_hash: BlockHash,
         link: Anchor,
         tail: Tail,
+        kept: bool,
     ) -> Option<u32> {
-        let slot = self.reserve(prefix_hash, link)?;
+        let slot = self.reserve(prefix_hash, link, kept)?;
         self.planned[slot as usize] = true;
         self.tails[slot as usize] = tail;
         Some(slot)
@@ -418,6 +452,7 @@ impl LinearStatePrefixCache {
         self.kind[slot as usize] = Held::No;
         self.anchors[slot as usize] = 0;
         self.tails[slot as usize] = Tail::default();
+        self.kept[slot as usize] = false;
         self.num_pending -= 1;
         self.held[slot as usize] = None;
     }
@@ -431,17 +466,18 @@ impl LinearStatePrefixCache {
         live: Block,
         prefix_hash: BlockHash,
     ) -> std::result::Result<Block, Block> {
-        self.promote_anchored(live, prefix_hash, 0, Tail::default())
+        self.promote_anchored(live, prefix_hash, 0, Tail::default(), true)
     }
 
     /// [`Self::promote_slot`] of the state whose last block has link `link` and is `tail` (a
-    /// pool's save, module doc).
+    /// pool's save, module doc); `kept`: it goes on the kept list.
     pub(crate) fn promote_anchored(
         &mut self,
         live: Block,
         prefix_hash: BlockHash,
         link: Anchor,
         tail: Tail,
+        kept: bool,
     ) -> std::result::Result<Block, Block> {
         if self.index.contains_key(&prefix_hash.0) || !self.owns(&live) {
             return Err(live);
@@ -450,6 +486,7 @@ impl LinearStatePrefixCache {
             return Err(live);
         };
         let id = live.id() as usize;
+        self.kept[id] = kept;
         self.adopt_committed(live, prefix_hash, link);
         self.tails[id] = tail;
         Ok(fresh)
@@ -471,6 +508,7 @@ impl LinearStatePrefixCache {
     /// [`Self::promote_slot`] for a live slot acquired through the API: returns the new live
     /// slot; `ValueError`-style errors name the argument and change nothing.
     pub fn promote(&mut self, live_slot: u32, prefix_hash: BlockHash) -> Result<u32> {
+        self.ensure_api_slots()?;
         self.check_slot(live_slot, "live_slot")?;
         ensure_arg!(
             self.kind[live_slot as usize] == Held::Live,
@@ -493,6 +531,7 @@ impl LinearStatePrefixCache {
             )));
         };
         self.num_live_held -= 1;
+        self.kept[live_slot as usize] = true;
         self.adopt_committed(old, prefix_hash, 0);
         let id = fresh.id();
         self.held[id as usize] = Some(fresh);
@@ -512,12 +551,16 @@ impl LinearStatePrefixCache {
         (self.kind[slot as usize] == Held::Committed).then_some(slot)
     }
 
-    /// The slot of the committed checkpoint of `prefix_hash`, refreshing its recency (a hit).
+    /// The slot of the committed checkpoint of `prefix_hash`, refreshing its recency (a hit:
+    /// the checkpoint moves to the kept list).
     pub fn lookup(&mut self, prefix_hash: BlockHash) -> Option<u32> {
         let slot = self.peek(prefix_hash)?;
         if self.pins[slot as usize] == 0 {
             self.unlink(slot);
+            self.kept[slot as usize] = true;
             self.push_tail(slot);
+        } else {
+            self.keep_slot(slot);
         }
         self.stats.hits += 1;
         Some(slot)
@@ -580,17 +623,6 @@ impl LinearStatePrefixCache {
     pub fn reset(&mut self) {
         while self.evict_one() {}
     }
-
-    /// Committed checkpoints from least to most recently used (unpinned ones only).
-    pub fn lru_order(&self) -> Vec<u32> {
-        let mut order = Vec::with_capacity(self.num_committed);
-        let mut slot = self.head;
-        while slot != NIL {
-            order.push(slot);
-            slot = self.next[slot as usize];
-        }
-        order
-    }
 }
 
 impl std::fmt::Debug for LinearStatePrefixCache {
@@ -606,56 +638,4 @@ impl std::fmt::Debug for LinearStatePrefixCache {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn h(x: u128) -> BlockHash {
-        BlockHash(x)
-    }
-
-    #[test]
-    fn pending_never_matches_and_commit_makes_it_matchable() {
-        let mut cache = LinearStatePrefixCache::new(4).unwrap();
-        let slot = cache.reserve_checkpoint(h(1)).unwrap();
-        assert!(!cache.contains(h(1)));
-        assert_eq!(cache.lookup(h(1)), None);
-        assert_eq!(cache.reserve_checkpoint(h(1)), None);
-        assert_eq!(cache.commit_checkpoint(h(1)).unwrap(), slot);
-        assert_eq!(cache.lookup(h(1)), Some(slot));
-        assert_eq!(cache.reserve_checkpoint(h(1)), None);
-        cache.check().unwrap();
-    }
-
-    #[test]
-    fn lru_eviction_skips_pinned() {
-        let mut cache = LinearStatePrefixCache::new(4).unwrap();
-        for x in 1..=3 {
-            cache.reserve_checkpoint(h(x)).unwrap();
-            cache.commit_checkpoint(h(x)).unwrap();
-        }
-        cache.pin(h(1)).unwrap();
-        cache.lookup(h(2));
-        // LRU: 3 then 2 (1 pinned); a live slot evicts 3.
-        let live = cache.acquire_live_slot().unwrap();
-        assert!(!cache.contains(h(3)) && cache.contains(h(1)) && cache.contains(h(2)));
-        cache.check().unwrap();
-        let _ = cache.acquire_live_slot().unwrap(); // evicts 2
-        assert!(cache.acquire_live_slot().is_err()); // 1 is pinned
-        cache.unpin(h(1)).unwrap();
-        assert!(cache.acquire_live_slot().is_ok());
-        cache.release_live_slot(live).unwrap();
-        cache.check().unwrap();
-    }
-
-    #[test]
-    fn promotion_commits_the_old_slot() {
-        let mut cache = LinearStatePrefixCache::new(3).unwrap();
-        let live = cache.acquire_live_slot().unwrap();
-        let fresh = cache.promote(live, h(9)).unwrap();
-        assert_ne!(fresh, live);
-        assert_eq!(cache.lookup(h(9)), Some(live));
-        assert_eq!(cache.num_live_slots(), 1);
-        assert!(cache.promote(fresh, h(9)).is_err());
-        cache.check().unwrap();
-    }
-}
+mod tests;

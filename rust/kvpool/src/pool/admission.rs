@@ -61,7 +61,7 @@ impl BlockManagerPool {
             if !rank.admits() {
                 continue;
             }
-            let available = rank.full.num_available();
+            let available = rank.available();
             if best.is_none_or(|(_, b)| available > b) {
                 best = Some((index, available));
             }
@@ -318,7 +318,9 @@ impl BlockManagerPool {
         // The full-attention group's store also gives the shared groups their blocks.
         let fits = |k: usize, device_hit: usize, entries: usize| {
             let shared: usize = r.groups.iter().map(|g| g.demand(&chain, k, entries)).sum();
-            r.full.fits(&survey.device, device_hit, entries, shared)
+            let spare: usize = r.groups.iter().map(|g| g.spare_after(&chain, k)).sum();
+            r.full
+                .fits(&survey.device, device_hit, entries, shared, spare)
                 && r.groups.iter().all(|g| g.fits(&chain, k, entries))
         };
         let linear = r.groups.iter().any(|g| matches!(g, Group::Linear(_)));
@@ -469,10 +471,26 @@ impl BlockManagerPool {
         }
         let single = if ok { r.single.allocate_one() } else { None };
         ok = single.is_some();
+        if let Some(cache) = r.full.cache() {
+            let clock = cache.clock();
+            r.groups.iter_mut().for_each(|g| g.set_clock(clock));
+        }
         for (group, table) in r.groups.iter_mut().zip(tables.iter_mut()) {
-            ok = ok && group.take_slot(table);
+            ok = ok && group.take_slot(&mut r.full, table);
         }
         let need = decision.entries.saturating_sub(blocks.len());
+        if ok {
+            // What the groups of the store take besides (a window's new blocks).
+            let shared: usize = r
+                .groups
+                .iter()
+                .zip(&tables)
+                .map(|(g, t)| g.shared_growth(&r.full, t, 0, decision.entries).0)
+                .sum();
+            for group in &mut r.groups {
+                group.make_room(&mut r.full, need + shared);
+            }
+        }
         ok = ok && r.full.grow(&mut blocks, need);
         for (group, table) in r.groups.iter_mut().zip(tables.iter_mut()) {
             ok = ok && group.grow(&mut r.full, table, decision.entries);

@@ -17,7 +17,7 @@ impl BlockManagerPool {
             rank.single.check().map_err(|e| e.in_rank(index, ""))?;
             for group in &rank.groups {
                 group
-                    .check(&self.ledger)
+                    .check(&rank.full, &self.ledger)
                     .map_err(|e| e.in_rank(index, ""))?;
             }
         }
@@ -27,6 +27,7 @@ impl BlockManagerPool {
                 .and_then(|r| r.groups.iter().find_map(Group::as_linear))
                 .map(|g| g.cache())
         })?;
+        self.check_hints()?;
         if let Some(host) = &self.host {
             let devices: Vec<_> = self.ranks.iter().filter_map(|r| r.full.paged()).collect();
             host.check(&devices)?;

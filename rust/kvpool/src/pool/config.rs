@@ -51,6 +51,15 @@ pub struct PoolConfig {
     pub linear_state_match: LinearStateMatch,
     /// How a checkpoint is saved (R22).
     pub linear_state_save: LinearStateSave,
+    /// Blocks of the full-attention group's store one recurrent state takes (docs/hybrid.md
+    /// "Linear state in the one store"): the states then draw their memory from that store,
+    /// `linear_state_blocks` blocks per slot in use, and `linear_state_slots` caps the slots
+    /// (the rows of the engine's state tensor). 0 (the default): the slots are a store of
+    /// their own.
+    pub linear_state_blocks: usize,
+    /// Bytes of one block of the store across the layers of one group (a full-attention
+    /// block's K and V); 0: unknown. `memory()` reports bytes with it.
+    pub block_bytes: u64,
     /// Sliding window in tokens of the second group (R25); `None`: one full-attention group.
     pub sliding_window: Option<usize>,
     /// Block ids per rank of a sliding-window group with its own store, padding included.
@@ -76,6 +85,8 @@ pub struct PoolConfig {
     /// How the prefix cache orders what it may evict (`prefix_cache/policy.rs`, R11a): LRU by
     /// default.
     pub eviction: Eviction,
+    /// The most of a rank's blocks session hints may hold (`retain`), in [0, 1].
+    pub max_retained_fraction: f64,
 }
 
 impl PoolConfig {
@@ -94,6 +105,8 @@ impl PoolConfig {
             checkpoint_interval: None,
             linear_state_match: LinearStateMatch::Deepest,
             linear_state_save: LinearStateSave::Copy,
+            linear_state_blocks: 0,
+            block_bytes: 0,
             sliding_window: None,
             swa_num_blocks: None,
             shared_blocks: None,
@@ -102,6 +115,7 @@ impl PoolConfig {
             xtensor: None,
             dedup: true,
             eviction: Eviction::Lru,
+            max_retained_fraction: 0.5,
         }
     }
 
@@ -165,6 +179,31 @@ impl PoolConfig {
                 "checkpoint_interval",
                 "must be a positive multiple of block_size {}, got {interval}",
                 self.block_size
+            );
+        }
+        ensure_arg!(
+            (0.0..=1.0).contains(&self.max_retained_fraction),
+            "max_retained_fraction",
+            "must be in [0, 1], got {}",
+            self.max_retained_fraction
+        );
+        if self.linear_state_blocks > 0 {
+            ensure_arg!(
+                self.linear_state_slots > 0,
+                "linear_state_blocks",
+                "needs linear_state_slots > 0"
+            );
+            ensure_arg!(
+                self.linear_state_blocks < self.num_blocks,
+                "linear_state_blocks",
+                "must be below num_blocks {} (one state must fit in the store), got {}",
+                self.num_blocks,
+                self.linear_state_blocks
+            );
+            ensure_arg!(
+                self.xtensor.is_none(),
+                "linear_state_blocks",
+                "is not supported with xtensor (elastic pages hold full attention only)"
             );
         }
         // R23: "contiguous" needs a checkpoint at every block boundary from block 0, and saves
@@ -304,14 +343,19 @@ impl PoolConfig {
                 let mut cache = LinearStatePrefixCache::new(self.linear_state_slots)
                     .map_err(|e| e.renamed("num_slots", "linear_state_slots"))?;
                 cache.events = self.enable_events.then(Vec::new);
-                groups.push(Group::Linear(LinearGroup::new(
+                let mut group = LinearGroup::new(
                     cache,
                     index,
                     self.block_size,
                     self.checkpoint_interval,
                     self.linear_state_match,
                     self.linear_state_save,
-                )));
+                );
+                if self.linear_state_blocks > 0 {
+                    full.track_owners()?;
+                    group = group.in_one_store(self.linear_state_blocks, groups.len() as u8 + 1);
+                }
+                groups.push(Group::Linear(group));
             }
             if let (Some(window), true) = (self.sliding_window, self.shares_window_store()) {
                 ensure_arg!(

@@ -27,6 +27,7 @@ mod hierarchy;
 mod linear_plans;
 mod plan;
 mod publish;
+mod retain;
 mod stats;
 mod tiers;
 
@@ -92,6 +93,18 @@ impl Rank {
     pub(crate) fn admits(&self) -> bool {
         self.single.counts().free > 0 && self.groups.iter().all(Group::admits)
     }
+
+    /// Blocks of the store available to a growth: free plus evictable, plus what a
+    /// linear-state group of the one store gives back (R15).
+    pub(crate) fn available(&self) -> usize {
+        let spare: usize = self
+            .groups
+            .iter()
+            .filter_map(Group::as_linear)
+            .map(|g| g.spare())
+            .sum();
+        self.full.num_available() + spare
+    }
 }
 
 /// Per-rank block groups behind the sequence-level API.
@@ -120,6 +133,8 @@ pub struct BlockManagerPool {
     block_switches: Vec<(u64, usize, u32, u32)>,
     /// Scratch of one publish's switches (position, old, new).
     switch_scratch: Vec<Switch>,
+    /// Session hints (`retain.rs`).
+    hints: retain::Hints,
 }
 
 // R27: the pool can be shared between threads (behind a lock).
@@ -182,6 +197,7 @@ impl BlockManagerPool {
             generation: 0,
             block_switches: Vec::new(),
             switch_scratch: Vec::new(),
+            hints: retain::Hints::default(),
         })
     }
 
@@ -377,7 +393,7 @@ impl BlockManagerPool {
         if need == 0 {
             return Some(0);
         }
-        if need > rank.full.num_available() {
+        if need > rank.available() {
             return None;
         }
         let computed = seq.num_computed_tokens(); // a confirmed load counts (R16 exactness)
@@ -427,6 +443,15 @@ impl BlockManagerPool {
         let rank_index = alloc.rank;
         let rank = &mut self.ranks[rank_index];
         let before = alloc.blocks.len();
+        let shared: usize = rank
+            .groups
+            .iter()
+            .zip(&alloc.groups)
+            .map(|(g, t)| g.shared_growth(&rank.full, t, 0, entries).0)
+            .sum();
+        for group in &mut rank.groups {
+            group.make_room(&mut rank.full, need + shared);
+        }
         let mut ok = rank.full.grow(&mut alloc.blocks, need);
         for (group, table) in rank.groups.iter_mut().zip(alloc.groups.iter_mut()) {
             ok = ok && group.grow(&mut rank.full, table, entries);

@@ -148,7 +148,10 @@ impl BlockManagerPool {
             }
             group.slide(table, computed);
             if steps {
-                group.step(table, computed, anchored, &mut self.ledger);
+                if let Some(cache) = attention.cache() {
+                    group.set_clock(cache.clock());
+                }
+                group.step(attention, table, computed, anchored, &mut self.ledger);
             }
         }
         self.collect_events(rank_index);

@@ -39,6 +39,18 @@ counters! {
             num_checkpoint_evictions: u64 => "num_checkpoint_evictions",
             /// Checkpoints committed.
             num_checkpoint_commits: u64 => "num_checkpoint_commits",
+            /// Blocks of the store held for recurrent states (linear state in the one store).
+            num_linear_state_blocks: usize => "num_linear_state_blocks",
+        }
+        memory {
+            /// Bytes of the store's free blocks (0 unless the pool knows `block_bytes`).
+            free_bytes: u64 => "free_bytes",
+            /// Bytes of its cached (evictable) KV blocks.
+            cached_bytes: u64 => "cached_bytes",
+            /// Bytes of its KV blocks in use (every group's, the states' excluded).
+            kv_bytes: u64 => "kv_bytes",
+            /// Bytes of its blocks held for recurrent states (linear state in the one store).
+            state_bytes: u64 => "state_bytes",
         }
         window {
             /// Window blocks released behind the window.
@@ -106,6 +118,7 @@ impl BlockManagerPool {
                 num_checkpoint_evictions: g.checkpoint_evictions,
                 num_checkpoint_commits: g.checkpoint_commits,
                 num_window_releases: g.window_releases,
+                num_linear_state_blocks: g.state_blocks,
                 miss_shorter_than_block: rank.misses[MissReason::ShorterThanBlock.index()],
                 miss_no_shared_prefix: rank.misses[MissReason::NoSharedPrefix.index()],
                 miss_evicted: rank.misses[MissReason::Evicted.index()],
@@ -113,6 +126,16 @@ impl BlockManagerPool {
                 miss_no_checkpoint: rank.misses[MissReason::NoCheckpoint.index()],
                 window: g.window,
                 xtensor: rank.full.elastic_manager().map(XTensorRankStats::of),
+                ..RankStats::default()
+            };
+            let counts = r.counts;
+            let bytes = |blocks: usize| blocks as u64 * self.config.block_bytes;
+            let r = RankStats {
+                free_bytes: bytes(counts.free),
+                cached_bytes: bytes(counts.cached),
+                kv_bytes: bytes(counts.used - g.state_blocks),
+                state_bytes: bytes(g.state_blocks),
+                ..r
             };
             stats.total.add(&r);
             stats.ranks.push(r);
@@ -139,6 +162,8 @@ pub struct RankMemory {
     /// The linear-state group: (group position, slots in use: live, pending and committed;
     /// slots in all, padding excluded).
     pub linear_slots: Option<(usize, usize, usize)>,
+    /// Bytes of one block of the store (the pool's `block_bytes`; 0: unknown).
+    pub block_bytes: u64,
 }
 
 impl BlockManagerPool {
@@ -153,6 +178,7 @@ impl BlockManagerPool {
                 let mut memory = RankMemory {
                     num_blocks: rank.full.counts().total,
                     free_blocks: free,
+                    block_bytes: self.config.block_bytes,
                     ..RankMemory::default()
                 };
                 memory.shared.push((0, per_group[0][0], per_group[0][1]));
@@ -164,6 +190,10 @@ impl BlockManagerPool {
                     } else if let Some(window) = group.as_window() {
                         memory.own_window = Some((position, window.counts()));
                     } else if let Some(linear) = group.as_linear() {
+                        if linear.blocks_per_state() > 0 {
+                            let [cached, used] = per_group[position];
+                            memory.shared.push((position, cached, used));
+                        }
                         let cache = linear.cache();
                         let total = cache.num_slots().saturating_sub(1);
                         let in_use = total - cache.num_free_slots();

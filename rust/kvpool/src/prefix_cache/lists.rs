@@ -109,6 +109,27 @@ impl PrefixCache {
         ids
     }
 
+    /// The stamp of what eviction takes next among the listed entries: 0 while the low list
+    /// holds something (what no hit point can use goes before anything else), then the oldest
+    /// node's (under SLRU probation's, then the protected segment's, policy.rs), then the oldest
+    /// protected attachment's; `None` when nothing is listed. A
+    /// linear-state group of the one store compares its kept checkpoints' stamps with it.
+    pub(crate) fn next_victim_stamp(&self) -> Option<u64> {
+        if self.lists.get(List::Low).len > 0 {
+            return Some(0);
+        }
+        [List::Main, List::Protected, List::Keep]
+            .into_iter()
+            .map(|list| self.lists.get(list).oldest)
+            .find(|&id| id != NIL)
+            .map(|id| self.entries[id as usize].stamp)
+    }
+
+    /// The stamp the next listed entry gets.
+    pub(crate) fn clock(&self) -> u64 {
+        self.clock
+    }
+
     /// Puts entry `id` (on no list) at the newest end of `list`, with a fresh stamp.
     pub(super) fn list_push(&mut self, list: List, id: u32) {
         let newest = self.lists.get(list).newest;
