@@ -1132,6 +1132,9 @@ class BlockManagerPool:
         after the others: a scan of one-off prompts cannot flush it. ``"ghost_slru"``: SLRU
         whose protected segment also admits a block recomputed soon after its eviction. Not
         with ``xtensor``, and needs ``enable_prefix_cache``.
+    protected_percent : int
+        The share of the blocks, in percent (0-100, default 20), the protected segment of
+        ``"slru"`` and ``"ghost_slru"`` may hold; no effect under ``"lru"``.
     max_retained_fraction : float
         The most of a rank's blocks session hints (``retain``) may hold, in [0, 1]; default 0.5.
 
@@ -1173,6 +1176,7 @@ class BlockManagerPool:
         xtensor: _XTensorOption | None = None,
         dedup: bool = True,
         eviction: _Eviction = "lru",
+        protected_percent: int = 20,
         max_retained_fraction: float = 0.5,
     ) -> BlockManagerPool: ...
     @property
@@ -1489,6 +1493,10 @@ class BlockManagerPool:
     def eviction(self) -> _Eviction:
         """The prefix cache's eviction policy (R11a): ``"lru"``, ``"slru"`` or
         ``"ghost_slru"``."""
+
+    @property
+    def protected_percent(self) -> int:
+        """The share of the blocks, in percent, SLRU's protected segment may hold (R11a)."""
 
     def last_event_sequence(self, dp_rank: int) -> int:
         """The last event sequence number of rank ``dp_rank`` (0 before its first event)."""
@@ -1987,7 +1995,7 @@ class HierarchyBlockManagerPool(BlockManagerPool):
         holder releases it.
     dp_size, enable_prefix_cache, num_single_blocks, linear_state_slots, checkpoint_interval,
     linear_state_match, linear_state_save, concurrent, enable_events, event_replay, hash_seed,
-    sliding_window, swa_num_blocks, debug_hash_bits, eviction
+    sliding_window, swa_num_blocks, debug_hash_bits, eviction, protected_percent
         As for ``BlockManagerPool``. Without the device prefix cache the host tier stays idle.
 
     Raises
@@ -2025,6 +2033,7 @@ class HierarchyBlockManagerPool(BlockManagerPool):
         debug_hash_bits: int | None = None,
         dedup: bool = True,
         eviction: _Eviction = "lru",
+        protected_percent: int = 20,
         max_retained_fraction: float = 0.5,
     ) -> Self: ...
     @property

@@ -123,6 +123,28 @@ def test_r11a_each_policy_checks_after_every_step_and_stays_under_the_bound(seed
     assert pool.num_free_blocks == num_blocks - 1
 
 
+def test_r29_protected_percent_is_kept_and_checked():
+    pool = kvpool.BlockManagerPool(16, BS, eviction="slru", protected_percent=50)
+    assert pool.protected_percent == 50
+    assert kvpool.BlockManagerPool(16, BS).protected_percent == 20
+    for bad in (101, -1):
+        with pytest.raises(ValueError, match="^protected_percent:"):
+            kvpool.BlockManagerPool(16, BS, eviction="slru", protected_percent=bad)
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1))
+def test_r11a_slru_without_a_protected_segment_is_lru(seed):
+    """A protected segment of 0 blocks gives every promoted block straight back to the newest
+    end of probation: the order of LRU, request for request."""
+    rng = random.Random(seed)
+    prompts = random_prompts(rng)
+    num_blocks = max(-(-len(p) // BS) for p in prompts) + 1 + rng.randrange(12)
+    lru = kvpool.BlockManagerPool(num_blocks, BS)
+    slru = kvpool.BlockManagerPool(num_blocks, BS, eviction="slru", protected_percent=0)
+    assert [serve(lru, p) for p in prompts] == [serve(slru, p) for p in prompts]
+
+
 def _simulate(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "kvpool", "simulate", "--no-progress", *args],
@@ -143,6 +165,16 @@ def test_simulate_runs_each_policy_in_a_sweep():
     for eviction in POLICIES:
         assert runs[eviction]["prefix_query_tokens"] == runs["optimal"]["prefix_query_tokens"]
         assert runs[eviction]["prefix_hit_tokens"] <= runs["optimal"]["prefix_hit_tokens"]
+
+
+def test_simulate_sweeps_the_protected_share():
+    p = _simulate(
+        "-n", "120", "--order", "request", "--num-blocks", "300", "--json",
+        "--eviction", "slru", "--sweep", "protected_percent=10,90",
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    runs = json.loads(p.stdout)["sweep"]
+    assert [run["config"]["protected_percent"] for run in runs] == [10, 90]
 
 
 def test_simulate_checks_each_policy_every_step():

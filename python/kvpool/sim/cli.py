@@ -66,6 +66,7 @@ SWEEP_KEYS: dict[str, tuple[str, Any]] = {
     "mfu": ("mfu", float),
     "order": ("order", str),
     "eviction": ("eviction", str),
+    "protected_percent": ("protected_percent", int),
     "retain_ttl": ("retain_ttl", float),
     "gpu": ("gpu", str),
     "xtensor": ("xtensor", None),
@@ -198,8 +199,17 @@ def build_parser(prog: str = "kvpool simulate") -> argparse.ArgumentParser:
         choices=EVICTIONS,
         default="lru",
         help="lru: the pool's default eviction; slru: segmented LRU (scan resistant, "
-        "docs/eviction.md); optimal: the offline bound in request order "
+        "docs/eviction.md); ghost_slru: SLRU that also protects what is recomputed soon after "
+        "its eviction; optimal: the offline bound in request order "
         "(farthest next use; needs --order request and one full-attention cache)",
+    )
+    c.add_argument(
+        "--protected-percent",
+        type=int,
+        default=None,
+        metavar="P",
+        help="slru, ghost_slru: the share of the blocks (0-100) the protected segment may hold "
+        "(default: the pool's, 20)",
     )
     c.add_argument(
         "--retain-ttl",

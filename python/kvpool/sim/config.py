@@ -67,6 +67,7 @@ class SimConfig:
     # a pool policy of POOL_EVICTIONS, or "optimal": the offline bound in request order
     # (sim/optimal.py)
     eviction: str = "lru"
+    protected_percent: int | None = None  # SLRU's protected segment (the pool's default: 20)
     # session hints: retain every finished turn of a session this many seconds (docs/sessions.md)
     retain_ttl_s: float | None = None
     step_ms: float = 20.0  # the fixed step time (and an idle step of a step-clocked workload)
@@ -104,6 +105,8 @@ class SimConfig:
             kw["enable_events"] = True
         if self.eviction in POOL_EVICTIONS and self.eviction != "lru":
             kw["eviction"] = self.eviction
+            if self.protected_percent is not None:
+                kw["protected_percent"] = self.protected_percent
         return kw
 
     def step_timer(self) -> FixedStepTime | Roofline:

@@ -35,6 +35,7 @@ pub(crate) const POOL_OPTIONS: &[&str] = &[
     "debug_hash_bits",
     "dedup",
     "eviction",
+    "protected_percent",
     "max_retained_fraction",
 ];
 
@@ -147,6 +148,9 @@ impl<'py> Options<'py> {
             xtensor: crate::elastic::xtensor_option(self.get("xtensor")?.as_ref())?,
             dedup: self.flag("dedup", true)?,
             eviction,
+            protected_percent: self
+                .count("protected_percent")?
+                .unwrap_or(kvpool::DEFAULT_PROTECTED_PERCENT),
             max_retained_fraction: match self.get("max_retained_fraction")? {
                 None => 0.5,
                 Some(value) => convert::seconds(&value, "max_retained_fraction")?,

@@ -620,6 +620,12 @@ impl PyBlockManagerPool {
         self.inner.lock().config().eviction.name()
     }
 
+    /// The share of the blocks, in percent, SLRU's protected segment may hold (R11a).
+    #[getter]
+    fn protected_percent(&self) -> usize {
+        self.inner.lock().config().protected_percent
+    }
+
     /// The last event sequence number of dp_rank (0 before its first event).
     fn last_event_sequence(&self, dp_rank: &Bound<'_, PyAny>) -> PyResult<u64> {
         let rank = convert::count(dp_rank, "dp_rank")?;

@@ -228,6 +228,15 @@ fn r29_pool_eviction_is_validated_and_built() {
     config.eviction = Eviction::Slru;
     let pool = BlockManagerPool::new(config).unwrap();
     assert_eq!(pool.config().eviction, Eviction::Slru);
+    let mut over = config;
+    over.protected_percent = 101;
+    match BlockManagerPool::new(over) {
+        Err(KvPoolError::InvalidArgument { name, .. }) => assert_eq!(name, "protected_percent"),
+        other => panic!(
+            "expected an error naming protected_percent, got {:?}",
+            other.err()
+        ),
+    }
     config.enable_prefix_cache = false;
     match BlockManagerPool::new(config) {
         Err(KvPoolError::InvalidArgument { name, .. }) => assert_eq!(name, "eviction"),

@@ -85,6 +85,9 @@ pub struct PoolConfig {
     /// How the prefix cache orders what it may evict (`prefix_cache/policy.rs`, R11a): LRU by
     /// default.
     pub eviction: Eviction,
+    /// The share of the blocks, in percent, SLRU's protected segment may hold (`"slru"`,
+    /// `"ghost_slru"`; R11a).
+    pub protected_percent: usize,
     /// The most of a rank's blocks session hints may hold (`retain`), in [0, 1].
     pub max_retained_fraction: f64,
 }
@@ -115,6 +118,7 @@ impl PoolConfig {
             xtensor: None,
             dedup: true,
             eviction: Eviction::Lru,
+            protected_percent: DEFAULT_PROTECTED_PERCENT,
             max_retained_fraction: 0.5,
         }
     }
@@ -261,6 +265,12 @@ impl PoolConfig {
             self.eviction.name()
         );
         ensure_arg!(
+            self.protected_percent <= 100,
+            "protected_percent",
+            "must be at most 100, got {}",
+            self.protected_percent
+        );
+        ensure_arg!(
             self.eviction == Eviction::Lru || self.enable_prefix_cache,
             "eviction",
             "needs enable_prefix_cache (there is nothing to evict without it), got {:?}",
@@ -301,7 +311,7 @@ impl PoolConfig {
                     if let Some(cache) = blocks.prefix_cache_mut() {
                         cache.set_record_events(self.enable_events);
                         if self.eviction != Eviction::Lru {
-                            cache.set_eviction(self.eviction, DEFAULT_PROTECTED_PERCENT)?;
+                            cache.set_eviction(self.eviction, self.protected_percent)?;
                         }
                         if let (Some(window), true) =
                             (self.sliding_window, self.shares_window_store())
