@@ -22,12 +22,14 @@
 //!   second computation on, ahead of first-time prompts.
 //!
 //! Invariants (checked by `PrefixCache::check`): under LRU the protected segment is empty;
-//! under SLRU and GhostSlru a listed node is on the protected segment iff its [`HIT`] flag is set (a node on
-//! the low list keeps its flag for when it becomes a leaf's parent again), and the segment holds
-//! at most `protected_cap` nodes. Only leaves are evicted from either segment (R10: prefix
-//! closure); the walk is the LRU walk of mod.rs, one cursor per segment, O(1) per block but for
-//! skipped parents. A hit costs one flag write on an entry line the hit touches anyway; ghost
-//! admission one read of the ghost filter per recorded node (GhostSlru only).
+//! under SLRU and GhostSlru a listed node is on the protected segment iff its [`HIT`] flag is
+//! set (a node on the low list keeps its flag: when it gets a child it moves to the segment the
+//! flag names), and the segment holds at most `protected_cap` nodes (`protected_percent` of the
+//! cache's entries). Only leaves are evicted from either segment (R10: prefix closure); the walk
+//! is the LRU walk of evict.rs, one cursor per segment, O(1) per block but for skipped parents.
+//! A hit costs one flag write on an entry line the hit touches anyway; ghost admission one read
+//! of the ghost filter per recorded node (GhostSlru only). With `protected_percent` 0 every
+//! promoted node goes straight back to the newest end of probation: LRU's order.
 
 use crate::error::{KvPoolError, Result};
 
