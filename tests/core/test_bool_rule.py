@@ -164,6 +164,7 @@ POOL_OPTIONS = {
     "dedup": FLAG,
     "retention_tokens": COUNT,
     "shared_blocks": OPTIONAL_FLAG,
+    "protected_percent": COUNT,
 }
 MANAGER_ARGS = {
     "num_blocks": COUNT,

@@ -5,7 +5,7 @@
 //! the flags (`enable_prefix_cache`, `concurrent`, `enable_events`, `dedup`), which must be
 //! bools when given (R29, "One rule for bools").
 
-use kvpool::{LinearStateMatch, LinearStateSave, PoolConfig};
+use kvpool::{Eviction, LinearStateMatch, LinearStateSave, PoolConfig};
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyString};
@@ -35,6 +35,8 @@ pub(crate) const POOL_OPTIONS: &[&str] = &[
     "retention_tokens",
     "debug_hash_bits",
     "dedup",
+    "eviction",
+    "protected_percent",
     "max_retained_fraction",
 ];
 
@@ -111,6 +113,7 @@ impl<'py> Options<'py> {
             LinearStateMatch::parse(&self.choice("linear_state_match", "deepest")?).py()?;
         let linear_state_save =
             LinearStateSave::parse(&self.choice("linear_state_save", "copy")?).py()?;
+        let eviction = Eviction::parse(&self.choice("eviction", "lru")?).py()?;
         let hasher = convert::hasher(
             self.get("hash_seed")?.as_ref(),
             self.get("debug_hash_bits")?.as_ref(),
@@ -146,6 +149,10 @@ impl<'py> Options<'py> {
             host: None,
             xtensor: crate::elastic::xtensor_option(self.get("xtensor")?.as_ref())?,
             dedup: self.flag("dedup", true)?,
+            eviction,
+            protected_percent: self
+                .count("protected_percent")?
+                .unwrap_or(kvpool::DEFAULT_PROTECTED_PERCENT),
             max_retained_fraction: match self.get("max_retained_fraction")? {
                 None => 0.5,
                 Some(value) => convert::seconds(&value, "max_retained_fraction")?,

@@ -8,7 +8,9 @@ use crate::groups::{FullGroup, Group, LinearGroup, SharedWindowGroup, WindowGrou
 use crate::hash::BlockHasher;
 use crate::linear_state::LinearStatePrefixCache;
 use crate::manager::{BlockManagerImpl, ManagerConfig, SingleBlockManager};
-use crate::prefix_cache::{AttachConfig, PrefixCache, MAX_ATTACH_GROUPS};
+use crate::prefix_cache::{
+    AttachConfig, Eviction, PrefixCache, DEFAULT_PROTECTED_PERCENT, MAX_ATTACH_GROUPS,
+};
 use crate::sliding_window::SlidingWindowBlockManager;
 use crate::tiers::HostTierConfig;
 use crate::xtensor::{PageBackend, XTensorBlockManager};
@@ -87,6 +89,12 @@ pub struct PoolConfig {
     /// Dedup on publish (R9 revised): a computed duplicate of a cached block switches to the
     /// cached copy. `false`: first writer wins, as at the physical level.
     pub dedup: bool,
+    /// How the prefix cache orders what it may evict (`prefix_cache/policy.rs`, R11a): LRU by
+    /// default.
+    pub eviction: Eviction,
+    /// The share of the blocks, in percent, SLRU's protected segment may hold (`"slru"`,
+    /// `"ghost_slru"`; R11a).
+    pub protected_percent: usize,
     /// The most of a rank's blocks session hints may hold (`retain`), in [0, 1].
     pub max_retained_fraction: f64,
 }
@@ -117,6 +125,8 @@ impl PoolConfig {
             host: None,
             xtensor: None,
             dedup: true,
+            eviction: Eviction::Lru,
+            protected_percent: DEFAULT_PROTECTED_PERCENT,
             max_retained_fraction: 0.5,
         }
     }
@@ -269,6 +279,24 @@ impl PoolConfig {
         if self.sliding_window.is_some() && !self.shares_window_store() {
             within_caps(self.swa_blocks(), self.block_size, "swa_num_blocks")?;
         }
+        ensure_arg!(
+            self.eviction == Eviction::Lru || self.xtensor.is_none(),
+            "eviction",
+            "must be \"lru\" with xtensor (elastic pages reclaim by their own order), got {:?}",
+            self.eviction.name()
+        );
+        ensure_arg!(
+            self.protected_percent <= 100,
+            "protected_percent",
+            "must be at most 100, got {}",
+            self.protected_percent
+        );
+        ensure_arg!(
+            self.eviction == Eviction::Lru || self.enable_prefix_cache,
+            "eviction",
+            "needs enable_prefix_cache (there is nothing to evict without it), got {:?}",
+            self.eviction.name()
+        );
         if let Some(xtensor) = &self.xtensor {
             xtensor.validate(self)?;
         }
@@ -306,6 +334,9 @@ impl PoolConfig {
                     let mut blocks = BlockManagerImpl::new(self.manager())?;
                     if let Some(cache) = blocks.prefix_cache_mut() {
                         cache.set_record_events(self.enable_events);
+                        if self.eviction != Eviction::Lru {
+                            cache.set_eviction(self.eviction, self.protected_percent)?;
+                        }
                         if let (Some(window), true) =
                             (self.sliding_window, self.shares_window_store())
                         {

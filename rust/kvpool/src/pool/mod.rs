@@ -21,13 +21,13 @@ mod admission;
 mod batch;
 mod check;
 mod config;
-mod retain;
 mod elastic;
 mod events;
 mod hierarchy;
 mod linear_plans;
 mod plan;
 mod publish;
+mod retain;
 mod stats;
 mod tiers;
 
