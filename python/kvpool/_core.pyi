@@ -64,6 +64,7 @@ _ExtraKey: TypeAlias = bytes | str | None
 
 _LinearStateMatch: TypeAlias = Literal["deepest", "contiguous"]
 _LinearStateSave: TypeAlias = Literal["copy", "promote"]
+_Eviction: TypeAlias = Literal["lru", "slru", "ghost_slru"]
 _EventKind: TypeAlias = Literal["stored", "removed", "cleared", "group"]
 
 class _BlockCounts(TypedDict):
@@ -1079,6 +1080,10 @@ class BlockManagerPool:
         Seed of the block hash in ``[0, 2**64)``; None is ``DEFAULT_HASH_SEED``.
     sliding_window : int or None
         Window in tokens of a sliding-window group 1 (R25).
+    window_groups : int
+        Groups of ``sliding_window`` in the shared store (default 1, at most 8): groups 1 to
+        ``window_groups``, each with a table of its own and its ids from the one store (vLLM's
+        several window groups of one spec, e.g. Gemma 3's); more than 1 needs the shared store.
     swa_num_blocks : int or None
         Block ids per rank of a sliding-window group with a store of its own. None (the
         default): the window group draws its blocks from the full-attention group's store, one
@@ -1123,6 +1128,17 @@ class BlockManagerPool:
         cached with another block switches the sequence's table entry to the cached block and
         frees the duplicate (read the switches with ``drain_block_switches``). False keeps first
         writer wins (engines whose workers only append to block tables, as vLLM's do).
+    eviction : {"lru", "slru", "ghost_slru"}
+        How the prefix cache orders what it may evict (R11a, docs/eviction.md), always leaves
+        first (R10) and, in a hybrid pool, what no hit point can use first. ``"lru"`` (the
+        default): least recently released. ``"slru"``: segmented LRU, a block found by a
+        lookup while cached is kept in a protected segment (20% of the blocks) that is evicted
+        after the others: a scan of one-off prompts cannot flush it. ``"ghost_slru"``: SLRU
+        whose protected segment also admits a block recomputed soon after its eviction. Not
+        with ``xtensor``, and needs ``enable_prefix_cache``.
+    protected_percent : int
+        The share of the blocks, in percent (0-100, default 20), the protected segment of
+        ``"slru"`` and ``"ghost_slru"`` may hold; no effect under ``"lru"``.
     max_retained_fraction : float
         The most of a rank's blocks session hints (``retain``) may hold, in [0, 1]; default 0.5.
 
@@ -1154,6 +1170,7 @@ class BlockManagerPool:
         event_replay: int = 4096,
         hash_seed: int | None = None,
         sliding_window: int | None = None,
+        window_groups: int = 1,
         swa_num_blocks: int | None = None,
         shared_blocks: bool | None = None,
         retention_tokens: int = 512,
@@ -1163,6 +1180,8 @@ class BlockManagerPool:
         debug_hash_bits: int | None = None,
         xtensor: _XTensorOption | None = None,
         dedup: bool = True,
+        eviction: _Eviction = "lru",
+        protected_percent: int = 20,
         max_retained_fraction: float = 0.5,
     ) -> BlockManagerPool: ...
     @property
@@ -1199,7 +1218,8 @@ class BlockManagerPool:
 
     @property
     def num_groups(self) -> int:
-        """Block groups of every sequence: 1, or 2 with ``sliding_window`` (R25)."""
+        """Block groups of every sequence: 1, or 1 + ``window_groups`` with ``sliding_window``
+        (R25)."""
 
     def can_allocate(
         self, seq: Sequence, num_tokens: int | None = None, *, num_new_tokens: int | None = None
@@ -1474,6 +1494,15 @@ class BlockManagerPool:
     @property
     def dedup(self) -> bool:
         """Whether the pool dedups on publish (R9 revised)."""
+
+    @property
+    def eviction(self) -> _Eviction:
+        """The prefix cache's eviction policy (R11a): ``"lru"``, ``"slru"`` or
+        ``"ghost_slru"``."""
+
+    @property
+    def protected_percent(self) -> int:
+        """The share of the blocks, in percent, SLRU's protected segment may hold (R11a)."""
 
     def last_event_sequence(self, dp_rank: int) -> int:
         """The last event sequence number of rank ``dp_rank`` (0 before its first event)."""
@@ -1972,7 +2001,7 @@ class HierarchyBlockManagerPool(BlockManagerPool):
         holder releases it.
     dp_size, enable_prefix_cache, num_single_blocks, linear_state_slots, checkpoint_interval,
     linear_state_match, linear_state_save, concurrent, enable_events, event_replay, hash_seed,
-    sliding_window, swa_num_blocks, debug_hash_bits
+    sliding_window, window_groups, swa_num_blocks, debug_hash_bits, eviction, protected_percent
         As for ``BlockManagerPool``. Without the device prefix cache the host tier stays idle.
 
     Raises
@@ -2004,11 +2033,14 @@ class HierarchyBlockManagerPool(BlockManagerPool):
         event_replay: int = 4096,
         hash_seed: int | None = None,
         sliding_window: int | None = None,
+        window_groups: int = 1,
         swa_num_blocks: int | None = None,
         shared_blocks: bool | None = None,
         retention_tokens: int = 512,
         debug_hash_bits: int | None = None,
         dedup: bool = True,
+        eviction: _Eviction = "lru",
+        protected_percent: int = 20,
         max_retained_fraction: float = 0.5,
     ) -> Self: ...
     @property

@@ -158,11 +158,13 @@ POOL_OPTIONS = {
     "event_replay": COUNT,
     "hash_seed": COUNT,
     "sliding_window": COUNT,
+    "window_groups": COUNT,
     "swa_num_blocks": COUNT,
     "debug_hash_bits": COUNT,
     "dedup": FLAG,
     "retention_tokens": COUNT,
     "shared_blocks": OPTIONAL_FLAG,
+    "protected_percent": COUNT,
 }
 MANAGER_ARGS = {
     "num_blocks": COUNT,

@@ -195,6 +195,8 @@ def _workload(seed: int, steps: int, **options) -> dict[str, int]:
             "linear_state_blocks": 2,
             "linear_state_save": "promote",
         },
+        {"sliding_window": 8, "window_groups": 3, "num_blocks": 48},
+        {"sliding_window": 8, "window_groups": 2, "dedup": False, "debug_hash_bits": 4},
     ],
     ids=[
         "window",
@@ -207,6 +209,8 @@ def _workload(seed: int, steps: int, **options) -> dict[str, int]:
         "host-linear-collisions",
         "linear-one-store",
         "host-linear-one-store-promote",
+        "window-groups",
+        "window-groups-no-dedup-collisions",
     ],
 )
 def test_shared_store_workload_keeps_every_rule(seed, options):
@@ -385,3 +389,27 @@ def test_a_shared_prefix_run_outlives_a_running_sequences_own():
     assert probe is not None and probe.kv_hit_tokens == 16
     assert probe.num_cached_tokens == 16, "S's run was kept"
     pool.check()
+
+
+@pytest.mark.parametrize("window_groups", [1, 3])
+def test_a_duplicates_window_runs_are_attached_to_the_cached_originals(window_groups):
+    """First writer wins (R9, dedup off, as under vLLM): B computed P again beside A, so B's
+    full-attention publication stops at P while it runs and publishes the rest at its release.
+    B's window blocks after P are attached when their nodes are cached (at the release, not
+    skipped for good while B runs), so the next turn hits all of B's prompt in every group."""
+    pool = kvpool.BlockManagerPool(
+        96, BS, sliding_window=8, window_groups=window_groups, dedup=False
+    )
+    assert pool.num_groups == 1 + window_groups
+    p, q = list(range(1, 17)), list(range(100, 132))  # 4 and 8 blocks
+    a, b = kvpool.Sequence(p + [999]), kvpool.Sequence(p + q + [998])
+    assert pool.allocate(a) and pool.allocate(b)  # both from scratch: nothing is cached yet
+    for seq in (a, b):
+        seq.num_computed_tokens = len(seq)
+        pool.cache(seq)  # a publishes P; b's P is a duplicate: its publication stops there
+    assert pool.plan(kvpool.Sequence(p + q + [5])).kv_hit_tokens == len(p)
+    pool.deallocate(a)
+    pool.deallocate(b)  # publishes the rest of b's chain, and its window run at the end of Q
+    pool.check()
+    plan = pool.plan(kvpool.Sequence(p + q + [5, 6, 7]))
+    assert (plan.num_cached_tokens, plan.kv_hit_tokens) == (len(p + q), len(p + q))

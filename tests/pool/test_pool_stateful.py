@@ -49,12 +49,14 @@ class PoolMachine(RuleBasedStateMachine):
     DP = 1
     NUM_BLOCKS = 14
     EVENTS = False
+    EVICTION = "lru"
 
     def __init__(self):
         super().__init__()
         self.pool = kvpool.BlockManagerPool(
-            self.NUM_BLOCKS, BS, dp_size=self.DP, enable_events=self.EVENTS
+            self.NUM_BLOCKS, BS, dp_size=self.DP, enable_events=self.EVENTS, eviction=self.EVICTION
         )
+        assert self.pool.eviction == self.EVICTION
         self.waiting: list = []  # not holding blocks (new or preempted)
         self.running: list = []  # holding blocks
         self.kv: dict[tuple, tuple] = {}  # (rank, block id, offset) -> (extra_key, token prefix)
@@ -305,8 +307,23 @@ class PoolMachineDP2(PoolMachine):
     NUM_BLOCKS = 9
 
 
+class PoolMachineSlru(PoolMachine):
+    """R11a: the same rules and invariants under segmented LRU (check() verifies the segments
+    after every step)."""
+
+    EVICTION = "slru"
+
+
+class PoolMachineGhostSlru(PoolMachine):
+    """R11a: the same under SLRU with ghost admission."""
+
+    EVICTION = "ghost_slru"
+
+
 TestPoolStateful = PoolMachine.TestCase
 TestPoolStatefulDP2 = PoolMachineDP2.TestCase
+TestPoolStatefulSlru = PoolMachineSlru.TestCase
+TestPoolStatefulGhostSlru = PoolMachineGhostSlru.TestCase
 
 
 # ---------------------------------------------------------------------------------------------

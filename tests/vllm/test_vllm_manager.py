@@ -250,7 +250,11 @@ def test_bad_input_and_unsupported_configs(bs):
     import torch
     from kvpool.integrations import vllm as kv_vllm
     from vllm.sampling_params import SamplingParams
-    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
+    from vllm.v1.kv_cache_interface import (
+        ChunkedLocalAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+    )
     from vllm.v1.request import Request
 
     manager = h.make_manager("kvpool", 32, bs)
@@ -261,8 +265,8 @@ def test_bad_input_and_unsupported_configs(bs):
         manager.allocate_slots(r, 8, num_external_computed_tokens=16)
     assert manager.pool.stats()["num_used_blocks"] == 0
     full = h.kv_cache_config(32, bs)
-    sliding = SlidingWindowSpec(
-        block_size=bs, num_kv_heads=2, head_size=64, dtype=torch.bfloat16, sliding_window=128
+    local = ChunkedLocalAttentionSpec(
+        block_size=bs, num_kv_heads=2, head_size=64, dtype=torch.bfloat16, attention_chunk_size=128
     )
     kwargs = dict(max_model_len=1024, scheduler_block_size=bs, hash_block_size=bs)
     hybrid = KVCacheConfig(
@@ -270,10 +274,13 @@ def test_bad_input_and_unsupported_configs(bs):
         kv_cache_tensors=[],
         kv_cache_groups=[
             full.kv_cache_groups[0],
-            KVCacheGroupSpec(["model.layers.1.self_attn.attn"], sliding),
+            KVCacheGroupSpec(["model.layers.1.self_attn.attn"], local),
         ],
     )
-    with pytest.raises(NotImplementedError, match="SlidingWindowSpec KV cache group \\(group 1\\)"):
+    # (sliding-window groups are taken: test_vllm_hybrid.py)
+    with pytest.raises(
+        NotImplementedError, match="ChunkedLocalAttentionSpec KV cache group \\(group 1\\)"
+    ):
         kv_vllm.KVCacheManager(kv_cache_config=hybrid, **kwargs)
     with pytest.raises(NotImplementedError, match="use_eagle"):
         kv_vllm.KVCacheManager(kv_cache_config=full, use_eagle=True, **kwargs)

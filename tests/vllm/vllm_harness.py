@@ -62,7 +62,12 @@ from vllm.sampling_params import SamplingParams  # noqa: E402
 from vllm.utils.hashing import get_hash_fn_by_name  # noqa: E402
 from vllm.v1.core.kv_cache_manager import KVCacheManager as VllmKVCacheManager  # noqa: E402
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec  # noqa: E402
+from vllm.v1.kv_cache_interface import (  # noqa: E402
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    SlidingWindowSpec,
+)
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
 
 VOCAB = 32000
@@ -158,14 +163,110 @@ def chat_trace(
 
 
 # -------------------------------------------------------------------------------- managers
-def kv_cache_config(num_blocks: int, block_size: int = 16, num_layers: int = 2) -> KVCacheConfig:
+@dataclass(frozen=True)
+class Hybrid:
+    """A hybrid model's KV cache groups as vLLM builds them: ``window_groups`` sliding-window
+    groups of ``window`` tokens beside one full-attention group; ``window_first``: vLLM's group 0
+    is a window group (gpt-oss's first layer is a window layer). ``retention``: the config's
+    ``prefix_cache_retention_interval`` (vLLM's default 0: sparse window retention; None: vLLM
+    keeps every window block)."""
+
+    window: int
+    window_groups: int = 1
+    window_first: bool = False
+    retention: int | None = 0
+
+
+GPT_OSS = Hybrid(window=128, window_groups=1, window_first=True)  # alternating 128 / full
+# 5 window layers (512) per full one: five window groups here; vLLM's planner splits Gemma 3's
+# layers into six (test_vllm_hybrid.py's test_the_configs_vllms_planner_builds)
+GEMMA3 = Hybrid(window=512, window_groups=5)
+
+
+def kv_cache_config(
+    num_blocks: int, block_size: int = 16, num_layers: int = 2, hybrid: Hybrid | None = None
+) -> KVCacheConfig:
     spec = FullAttentionSpec(
         block_size=block_size, num_kv_heads=2, head_size=64, dtype=torch.bfloat16
     )
-    layers = [f"model.layers.{i}.self_attn.attn" for i in range(num_layers)]
-    return KVCacheConfig(
-        num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(layers, spec)]
+    if hybrid is None:
+        layers = [f"model.layers.{i}.self_attn.attn" for i in range(num_layers)]
+        return KVCacheConfig(
+            num_blocks=num_blocks,
+            kv_cache_tensors=[],
+            kv_cache_groups=[KVCacheGroupSpec(layers, spec)],
+        )
+    window = SlidingWindowSpec(
+        block_size=block_size,
+        num_kv_heads=2,
+        head_size=64,
+        dtype=torch.bfloat16,
+        sliding_window=hybrid.window,
     )
+    n = 1 + hybrid.window_groups  # one layer per group: layer i in group i
+    groups = [
+        KVCacheGroupSpec([f"model.layers.{i}.self_attn.attn"], window if i else spec)
+        for i in range(n)
+    ]
+    if hybrid.window_first:  # window layers first: vLLM's group 0 is a window group
+        groups = groups[1:] + groups[:1]
+    return KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=groups,
+        prefix_cache_retention_interval=hybrid.retention,
+    )
+
+
+def vllm_grouped_config(
+    num_blocks: int, block_size: int, layer_windows: list[int | None]
+) -> KVCacheConfig:
+    """The KV cache config vLLM's own planner groups for a model whose layer i has window
+    ``layer_windows[i]`` (None: full attention): ``get_kv_cache_groups`` of the installed
+    version (gpt-oss: alternating 128 / None; Gemma 3: five windows per full layer)."""
+    from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+    from vllm.v1.core.kv_cache_planning import get_kv_cache_groups
+
+    config = VllmConfig(
+        model_config=ModelConfig(model=model_dir(), skip_tokenizer_init=True, max_model_len=8192),
+        cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=True),
+        scheduler_config=SchedulerConfig(
+            max_num_batched_tokens=512,
+            max_num_seqs=32,
+            max_model_len=8192,
+            is_encoder_decoder=False,
+        ),
+    )
+    config.cache_config.kv_cache_layout = "LBHNC"  # (the engine core resolves it: any will do)
+    common = dict(block_size=block_size, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+    specs = {
+        f"model.layers.{i}.self_attn.attn": (
+            FullAttentionSpec(**common)
+            if w is None
+            else SlidingWindowSpec(sliding_window=w, **common)
+        )
+        for i, w in enumerate(layer_windows)
+    }
+    groups = get_kv_cache_groups(config, specs)
+    return KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=groups,
+        prefix_cache_retention_interval=config.cache_config.prefix_cache_retention_interval,
+    )
+
+
+def group_windows(config: KVCacheConfig) -> list[int | None]:
+    """Each group's window in tokens (None: full attention), in vLLM's order."""
+    return [getattr(g.kv_cache_spec, "sliding_window", None) for g in config.kv_cache_groups]
+
+
+def first_needed(window: int | None, computed: int, block_size: int) -> int:
+    """The first block a query at position ``computed`` reads (vLLM's
+    ``get_num_skipped_tokens`` in blocks; 0 for full attention)."""
+    if window is None:
+        return 0
+    return max(0, computed - window + 1) // block_size
 
 
 class PublishAfterCompute(VllmKVCacheManager):
@@ -206,12 +307,15 @@ def make_manager(
     max_model_len: int = 8192,
     events: bool = False,
     caching: bool = True,
+    hybrid: Hybrid | None = None,
+    config: KVCacheConfig | None = None,
 ):
     """``kind`` "vllm" (vLLM's own), "vllm-r17" (``PublishAfterCompute``) or "kvpool", built
-    with the Scheduler's keyword arguments."""
+    with the Scheduler's keyword arguments; ``hybrid``: window groups beside full attention;
+    ``config``: this KV cache config instead (``num_blocks`` and ``hybrid`` unused)."""
     cls = MANAGERS.get(kind, kv_vllm.KVCacheManager)
     return cls(
-        kv_cache_config=kv_cache_config(num_blocks, block_size),
+        kv_cache_config=config or kv_cache_config(num_blocks, block_size, hybrid=hybrid),
         max_model_len=max_model_len,
         max_in_flight_tokens=2048,
         enable_caching=caching,
@@ -278,15 +382,18 @@ def drive(
     (its result is logged). ``check``: called with the manager after every step.
     """
     bs = manager.kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
+    windows = group_windows(manager.kv_cache_config)  # None: full attention
+    full = windows.index(None)
     params = {}
     pending = collections.deque(trace)
     waiting: collections.deque = collections.deque()
     running: list = []
     reqs: dict[str, Request] = {}
     chains: dict[str, list[bytes]] = {}  # the content each full block of a request stands for
-    tables: dict[str, list[int]] = {}  # the worker's view: NewRequestData, then appends
+    tables: dict[str, list[list[int]]] = {}  # the worker's view per group: NewRequestData, appends
     answers = {str(it.rid): it.output for it in trace}
-    kv_store: dict[int, bytes] = {}  # block id -> content whose KV it holds (full blocks)
+    # block id -> (group, content) whose KV it holds (full blocks; one id space for all groups)
+    kv_store: dict[int, tuple[int, bytes]] = {}
     log = Log()
     step = 0
 
@@ -336,7 +443,8 @@ def drive(
                 break
             ids = new.get_block_ids(allow_none=True)
             if ids is not None:
-                tables[r.request_id].extend(ids[0])
+                for table, more in zip(tables[r.request_id], ids, strict=True):
+                    table.extend(more)
             scheduled[r.request_id] = n
             token_budget -= n
             for j in range(r.num_computed_tokens // bs, (r.num_computed_tokens + n) // bs):
@@ -364,16 +472,22 @@ def drive(
                 break
             waiting.popleft()
             manager.record_prefix_cache_stats(r, hit)
-            table = manager.get_blocks(r.request_id).get_block_ids()[0]
+            groups = manager.get_blocks(r.request_id).get_block_ids()
+            table = groups[full]
             chain = chains[r.request_id]
             shared = False
-            for j in range(hit // bs):  # every hit block holds the KV of its tokens ...
-                if chain[j] in in_flight:  # ... or is being computed this step (vLLM only)
-                    shared = True
-                else:
-                    assert kv_store.get(table[j]) == chain[j], (
-                        f"request {r.request_id}: hit block {j} holds other KV"
-                    )
+            for g, window in enumerate(windows):
+                start = first_needed(window, hit, bs)  # a window's table: null entries before
+                assert not any(groups[g][:start]), (
+                    f"request {r.request_id}: group {g} holds blocks behind its window"
+                )
+                for j in range(start, hit // bs):  # every hit block holds its tokens' KV ...
+                    if chain[j] in in_flight:  # ... or is being computed this step (vLLM only)
+                        shared = True
+                    else:
+                        assert kv_store.get(groups[g][j]) == (g, chain[j]), (
+                            f"request {r.request_id}: hit block {j} of group {g} holds other KV"
+                        )
             log.same_step_shares += shared
             if shared and log.first_share_step is None:
                 log.first_share_step = step
@@ -389,7 +503,7 @@ def drive(
                 log.missed_running += 1
                 if log.first_missed_step is None:
                     log.first_missed_step = step
-            tables[r.request_id] = list(table)
+            tables[r.request_id] = [list(ids) for ids in groups]
             log.admissions.setdefault(int(r.request_id), []).append((step, hit))
             log.hit_tokens += hit
             r.status = RequestStatus.RUNNING
@@ -404,14 +518,31 @@ def drive(
         manager.take_new_block_ids()
         log.steps.append((step, tuple(scheduled.items()), tuple(preempted)))
         # --------------------------------------------------- the forward pass, then update
+        for rid in scheduled:
+            r = reqs[rid]
+            worker, now = tables[rid], manager.get_block_ids(rid)
+            assert worker[full] == now[full], f"request {rid}: table changed under the worker"
+            computed = r.num_computed_tokens
+            for g, window in enumerate(windows):
+                if window is None:
+                    continue
+                # a window table: entries the worker holds, or null once behind the window
+                assert len(worker[g]) == len(now[g]) and all(
+                    b in (a, 0) for a, b in zip(worker[g], now[g], strict=True)
+                ), f"request {rid}: group {g}'s table changed under the worker"
+                # every block a query of this step reads holds its tokens' KV
+                for j in range(first_needed(window, computed, bs), computed // bs):
+                    if chains[rid][j] not in in_flight:
+                        assert kv_store.get(worker[g][j]) == (g, chains[rid][j]), (
+                            f"request {rid}: block {j} of group {g} holds other KV at step {step}"
+                        )
         for rid, n in scheduled.items():
             r = reqs[rid]
-            table = tables[rid]
-            assert table == manager.get_block_ids(rid)[0], (
-                f"request {rid}: table changed under the worker"
-            )
-            for j in range(r.num_computed_tokens // bs, (r.num_computed_tokens + n) // bs):
-                kv_store[table[j]] = chains[rid][j]  # the fake KV of a block once it is full
+            worker = tables[rid]
+            for g in range(len(windows)):
+                for j in range(r.num_computed_tokens // bs, (r.num_computed_tokens + n) // bs):
+                    assert worker[g][j], f"request {rid}: writes block {j} of group {g} to null"
+                    kv_store[worker[g][j]] = (g, chains[rid][j])  # the fake KV, once full
             r.num_computed_tokens += n
         finished = []
         for rid in scheduled:
@@ -489,6 +620,7 @@ def build_scheduler(
     events: bool = False,
     hash_algo: str = "sha256",
     scheduler_options: dict | None = None,
+    hybrid: Hybrid | None = None,
 ):
     """vLLM's real Scheduler (or AsyncScheduler); ``manager`` "vllm" or "kvpool" (kvpool's
     installed through ``scheduler_cls``, the route ``--scheduler-cls`` takes).
@@ -529,7 +661,7 @@ def build_scheduler(
     try:
         scheduler = cls(
             vllm_config=config,
-            kv_cache_config=kv_cache_config(num_blocks, block_size),
+            kv_cache_config=kv_cache_config(num_blocks, block_size, hybrid=hybrid),
             structured_output_manager=StructuredOutputManager(config),
             block_size=block_size,
             hash_block_size=block_size,
@@ -539,6 +671,76 @@ def build_scheduler(
     finally:
         sched_module.KVCacheManager = saved
     return scheduler, config
+
+
+class FakeKV:
+    """A worker's block tables and a fake KV store under vLLM's real Scheduler, every group in
+    one id space: each ``SchedulerOutput`` is executed as the device would, in order, when it is
+    scheduled. Its reads are checked first: a new request's hit blocks of every group (full
+    attention: all of them; a window: those its first query reads, null entries before), and
+    every step, each window block a scheduled query reads, must hold the KV of exactly the
+    tokens they stand for; then its writes are recorded (a block's KV once it is full).
+    ``reads``: blocks checked, per group."""
+
+    def __init__(self, config: KVCacheConfig, trace: list[Item]) -> None:
+        self.bs = config.kv_cache_groups[0].kv_cache_spec.block_size
+        self.windows = group_windows(config)
+        self.chains = {
+            str(it.rid): kvpool.hash_blocks(it.prompt + it.output, self.bs) for it in trace
+        }
+        self.tables: dict[str, list[list[int]]] = {}
+        self.store: dict[int, tuple[int, bytes]] = {}
+        self.reads = [0] * len(self.windows)
+
+    def _read(self, rid: str, g: int, j: int, step: int) -> None:
+        got = self.store.get(self.tables[rid][g][j])
+        assert got == (g, self.chains[rid][j]), (
+            f"step {step}: request {rid} reads block {j} of group {g} "
+            f"(id {self.tables[rid][g][j]}), which holds other KV"
+        )
+        self.reads[g] += 1
+
+    def execute(self, so, step: int) -> None:
+        """Check the reads of scheduler output ``so``, then record its writes."""
+        bs = self.bs
+        for rid in so.finished_req_ids:
+            self.tables.pop(rid, None)
+        for rid in so.preempted_req_ids or ():
+            self.tables.pop(rid, None)
+        computed: dict[str, int] = {}
+        for r in so.scheduled_new_reqs:
+            self.tables[r.req_id] = [list(ids) for ids in r.block_ids]
+            c = computed[r.req_id] = r.num_computed_tokens
+            for g, window in enumerate(self.windows):
+                start = first_needed(window, c, bs)
+                assert not any(self.tables[r.req_id][g][:start]), (
+                    f"request {r.req_id}: group {g} holds blocks behind its window"
+                )
+                for j in range(start, c // bs):  # the hit, as the first query reads it
+                    self._read(r.req_id, g, j, step)
+        cached = so.scheduled_cached_reqs
+        resumed = getattr(cached, "resumed_req_ids", set())
+        for rid, new_ids, c in zip(
+            cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True
+        ):
+            if rid in resumed:
+                self.tables[rid] = [list(ids) for ids in new_ids]
+            elif new_ids is not None:
+                for table, more in zip(self.tables[rid], new_ids, strict=True):
+                    table.extend(more)
+            computed[rid] = c
+            for g, window in enumerate(self.windows):
+                if window is not None:  # every block the step's first query reads
+                    for j in range(first_needed(window, c, bs), c // bs):
+                        self._read(rid, g, j, step)
+        for rid, n in so.num_scheduled_tokens.items():
+            c = computed[rid]
+            for g, table in enumerate(self.tables[rid]):
+                for j in range(c // bs, (c + n) // bs):
+                    assert table[j], (
+                        f"step {step}: request {rid} writes block {j} of group {g} to null"
+                    )
+                    self.store[table[j]] = (g, self.chains[rid][j])
 
 
 @dataclass
@@ -563,10 +765,12 @@ def run_scheduler(
     arrival_scale: float = 1.0,
     hasher=None,
     timed: bool = False,
+    kv: FakeKV | None = None,
 ) -> Run:
     """Feed ``trace`` to the Scheduler as EngineCore does (``step`` for sync,
     ``step_with_batch_queue`` for async: a queue of ``max_concurrent_batches``), with a fake
-    model that samples the trace's answers; ends with ``reset_prefix_cache()`` (must succeed)."""
+    model that samples the trace's answers; ends with ``reset_prefix_cache()`` (must succeed).
+    ``kv``: a ``FakeKV`` that executes and checks every scheduled step."""
     from vllm.v1.outputs import ModelRunnerOutput
 
     answers = {str(it.rid): it.output for it in trace}
@@ -599,6 +803,8 @@ def run_scheduler(
             so = scheduler.schedule()
             if timed:
                 run.schedule_ns.append(clock() - t0)
+            if kv is not None:
+                kv.execute(so, step)
             ids, tokens = list(so.num_scheduled_tokens), []
             for rid in ids:
                 req = scheduler.requests.get(rid)

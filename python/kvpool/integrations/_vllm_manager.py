@@ -14,15 +14,18 @@ from typing import Any
 from vllm import envs
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig
+from vllm.v1.kv_cache_interface import KVCacheConfig
 from vllm.v1.metrics.stats import PrefixCacheStats
 from vllm.v1.request import Request, RequestStatus
 
-from kvpool._core import BlockManagerPool, InvariantError
+from kvpool._core import BlockManagerPool
 from kvpool._core import Sequence as PoolSequence
-from kvpool.integrations._vllm_events import KIND, vllm_event
+from kvpool.integrations._vllm_check import check_manager
+from kvpool.integrations._vllm_events import event_groups, vllm_event
+from kvpool.integrations._vllm_groups import group_layout
 from kvpool.integrations._vllm_versions import hit_unbounded, reads_cache, token_ids
 from kvpool.integrations._vllm_views import (
+    GroupBlocks,
     PoolBlocks,
     _BlockPoolView,
     _CoordinatorView,
@@ -48,16 +51,20 @@ class KVCacheManager:
     Parameters
     ----------
     kv_cache_config : vllm.v1.kv_cache_interface.KVCacheConfig
-        One full-attention group; ``num_blocks`` (null block 0 included) becomes the pool's
-        ``num_blocks`` (padding block 0 included). Its ``prefix_cache_retention_interval`` must
-        be 0 or None (both mean every full block is kept, for full attention).
+        One full-attention group, alone or beside up to 8 sliding-window groups of one window
+        (``_vllm_groups.group_layout``), in any order; ``num_blocks`` (null block 0 included)
+        becomes the pool's ``num_blocks`` (padding block 0 included), one store for every
+        group. Its ``prefix_cache_retention_interval`` must be 0 or None.
     max_model_len : int
         Tables never hold more tokens.
     scheduler_block_size, hash_block_size : int
         Both must equal the group's block size (one group, no DCP): ``hash_block_size`` is
         vLLM's ``prefix_match_unit``, and hits inside a block (partial hash hits) are refused.
-    max_in_flight_tokens, num_prefill_lookahead : int or None
-        Accepted; admission caps and prefill lookahead concern sliding-window and MTP groups.
+    max_in_flight_tokens : int or None
+        With window groups, vLLM's admission cap per window group (the window plus these
+        tokens) in the whole-sequence gate; None: uncapped.
+    num_prefill_lookahead : int or None
+        Accepted; prefill lookahead concerns MTP groups.
     enable_caching : bool
         Prefix caching (``enable_prefix_caching``).
     use_eagle : bool
@@ -107,23 +114,7 @@ class KVCacheManager:
         watermark: float = 0.0,
         enable_mamba_shared_prefix_checkpoint: bool = False,
     ) -> None:
-        groups = list(kv_cache_config.kv_cache_groups)
-        for i, group in enumerate(groups):
-            spec = group.kv_cache_spec
-            if (
-                not isinstance(spec, FullAttentionSpec)
-                or spec.sliding_window
-                or spec.attention_chunk_size
-            ):
-                raise _unsupported(
-                    f"a {type(spec).__name__} KV cache group (group {i}); only "
-                    "full-attention groups are"
-                )
-        if len(groups) != 1:
-            raise _unsupported(
-                f"{len(groups)} KV cache groups (hybrid or attention-free "
-                "models); exactly one full-attention group is"
-            )
+        layout = group_layout(kv_cache_config)  # NotImplementedError for other groups
         for name, value, ok in (
             ("use_eagle", use_eagle, not use_eagle),
             (
@@ -137,8 +128,7 @@ class KVCacheManager:
         ):
             if not ok:
                 raise _unsupported(f"{name}={value!r}")
-        spec = groups[0].kv_cache_spec
-        block_size = spec.block_size
+        block_size = layout.block_size
         if scheduler_block_size != block_size:
             raise ValueError(
                 f"scheduler_block_size: must equal the group's block size {block_size}, "
@@ -150,10 +140,16 @@ class KVCacheManager:
                 f"{block_size} (partial hash hits inside a block)"
             )
         retention = getattr(kv_cache_config, "prefix_cache_retention_interval", None)
-        if retention not in (None, 0):  # (vLLM's own coordinator refuses it too)
+        if retention not in (None, 0):  # (vLLM's own coordinator refuses it for full attention)
             raise ValueError(
-                f"prefix_cache_retention_interval: {retention} has no effect on a "
-                "full-attention group (every full block is kept); set it to 0 or None"
+                f"prefix_cache_retention_interval: {retention} is not taken; "
+                + (
+                    "kvpool keeps the window runs by its own retention rule (every published "
+                    "run while memory allows, docs/hybrid.md), which 0 and None both mean here"
+                    if layout.window_groups
+                    else "it has no effect on a full-attention group (every full block is kept)"
+                )
+                + "; set it to 0 or None"
             )
         num_blocks = kv_cache_config.num_blocks
         if num_blocks < 2:
@@ -169,6 +165,12 @@ class KVCacheManager:
         self.prefix_cache_stats = PrefixCacheStats() if log_stats else None
         self._no_prefix_cache_stats = PrefixCacheStats()
         self._stats_recorded = False  # prefix_cache_stats holds something since it was taken
+        # vLLM's window groups: kvpool's groups 1, 2, ... of one window in the shared store
+        windows: dict[str, int] = (
+            {"sliding_window": layout.sliding_window, "window_groups": layout.window_groups}
+            if layout.sliding_window is not None
+            else {}
+        )
         self.pool = BlockManagerPool(
             num_blocks,
             block_size,
@@ -177,15 +179,35 @@ class KVCacheManager:
             # vLLM's workers only append to a running request's table, so a switched entry
             # would leave one reading a freed block: first writer wins (R9 with dedup off).
             dedup=False,
+            **windows,  # type: ignore[arg-type]
         )
-        self.num_kv_cache_groups = 1
-        self.coordinator = _CoordinatorView((_GroupView(spec, block_size),))
+        self.layout = layout
+        self.num_kv_cache_groups = layout.num_groups
+        self._hybrid = layout.num_groups > 1
+        # the computed tokens go to the pool: to publish (R17), and with window groups to slide
+        # their tables (prefix caching off too: a window table then stays as small as vLLM's)
+        self._publishes = enable_caching or self._hybrid
+        # vLLM's admission cap of a window group, in blocks (None: uncapped)
+        self._window_cap: int | None = None
+        if self._hybrid and max_in_flight_tokens is not None:
+            spec = layout.specs[layout.vllm_groups[1]]
+            self._window_cap = spec.max_admission_blocks_per_request(
+                max_in_flight_tokens=max_in_flight_tokens, max_model_len=max_model_len
+            )
+        self.coordinator = _CoordinatorView(
+            tuple(_GroupView(spec, block_size) for spec in layout.specs)
+        )
         self.block_pool = _BlockPoolView(self.pool)
         self.watermark_blocks = int(watermark * num_blocks)
         self.mamba_shared_prefix_checkpoint = False
         self.retained_hit_group_ids: tuple[int, ...] = ()
-        self.kv_cache_event_metadata = [(KIND, None)]
-        self.empty_kv_cache_blocks: KVCacheBlocks = _EmptyBlocks(((),))
+        self._event_groups = event_groups(layout)
+        self.kv_cache_event_metadata = [
+            self._event_groups[g][1:] for g in layout.pool_groups
+        ]  # vLLM's order
+        self.empty_kv_cache_blocks: KVCacheBlocks = _EmptyBlocks(
+            tuple(() for _ in range(layout.num_groups))
+        )
         self._seqs: dict[str, _Entry] = {}
         # requests whose scheduled tokens fill a block, with the end of those tokens: kept until
         # their full blocks are published (their KV exists then)
@@ -276,9 +298,11 @@ class KVCacheManager:
         n = num_computed_tokens if num_computed_tokens < entry.capacity else entry.capacity
         if n > entry.length:
             n = entry.length
-        if n > entry.computed and self.enable_caching:
+        if n > entry.computed and self._publishes:
             entry.seq.num_computed_tokens = entry.computed = n
             self.pool.cache(entry.seq)
+            if self._hybrid:  # the windows slid: blocks behind them were released
+                self._held_blocks_changed()
 
     # --------------------------------------------------------------------------- the lookup
     def prefix_cache_lookup_enabled(self, request: Request) -> bool:
@@ -398,6 +422,16 @@ class KVCacheManager:
             self._unpublished[request.request_id] = (request, entry, end)  # a block fills this step
         return blocks
 
+    def _whole_fits(self, whole: int, hit_tokens: int) -> bool:
+        """vLLM's whole-sequence gate with window groups: the full-attention blocks of
+        ``whole`` tokens past the hit, and per window group the blocks of ``whole`` tokens up to
+        vLLM's admission cap (a window group never holds more at once: its table slides as the
+        prefill's KV comes into existence), within the free and evictable blocks."""
+        blocks = -(-whole // self.block_size)
+        window = blocks if self._window_cap is None else min(blocks, self._window_cap)
+        demand = blocks - hit_tokens // self.block_size + self.layout.window_groups * window
+        return demand <= self.block_pool.get_num_free_blocks()
+
     def _grow(self, entry: _Entry, need: int) -> KVCacheBlocks | None:
         """The table grown to ``need`` tokens. Either call grows it the same way (the core's
         ``grow(seq, need)``): the sequence may lag behind the request's tokens, which only
@@ -419,7 +453,19 @@ class KVCacheManager:
         entry.ids += new  # the mirror grows in place, as vLLM's own table lists do
         entry.capacity = blocks * bs
         self._held_blocks_changed()
+        if self._hybrid:
+            return GroupBlocks(self._group_ids(entry, old))
         return PoolBlocks(new)
+
+    def _group_ids(self, entry: _Entry, start: int) -> tuple[list[int], ...]:
+        """Each vLLM group's block ids from table entry ``start`` on, in vLLM's order: the full
+        table's mirror, the window tables as the pool has them (0 behind the window: vLLM's null
+        block, as vLLM's own window tables have it)."""
+        seq = entry.seq
+        tables = [entry.ids[start:]]
+        for g in range(1, self.num_kv_cache_groups):
+            tables.append(seq.group_block_table(g)[start:].tolist())
+        return tuple(tables[g] for g in self.layout.pool_groups)
 
     def _admit(
         self,
@@ -438,7 +484,9 @@ class KVCacheManager:
         fresh = isinstance(hit, _Hit) and hit.seq_len == length  # planned at this length
         if must_fit:  # the whole sequence must fit, not only the first chunk (vLLM's gate)
             whole = min(length, self.max_model_len)
-            if fresh and whole == length:
+            if self._hybrid:
+                fits = self._whole_fits(whole, hit_tokens)
+            elif fresh and whole == length:
                 fits = hit.fits  # type: ignore[union-attr]
             else:
                 fits = self.pool.plan(seq, whole) is not None
@@ -481,6 +529,8 @@ class KVCacheManager:
         bs = self.block_size
         entry.capacity = len(ids) * bs
         entry.computed = got
+        if self._hybrid:
+            return GroupBlocks(self._group_ids(entry, got // bs))
         return PoolBlocks(ids[got // bs :])
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
@@ -518,6 +568,8 @@ class KVCacheManager:
         entry = self._seqs.get(request_id)
         if entry is None or not entry.capacity:
             return self.empty_kv_cache_blocks
+        if self._hybrid:
+            return GroupBlocks(self._group_ids(entry, 0))
         return PoolBlocks(entry.ids)  # get_block_ids copies, as vLLM's
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
@@ -528,8 +580,8 @@ class KVCacheManager:
         self, request_id: str, num_computed_tokens: int
     ) -> tuple[list[int], ...]:
         """The request's block ids that hold its first ``num_computed_tokens`` tokens."""
-        (ids,) = self.get_block_ids(request_id)
-        return (ids[: -(-num_computed_tokens // self.block_size)],)
+        end = -(-num_computed_tokens // self.block_size)
+        return tuple(ids[:end] for ids in self.get_block_ids(request_id))
 
     def create_kv_cache_blocks(self, blocks: tuple[Sequence[KVCacheBlock], ...]) -> KVCacheBlocks:
         """vLLM's ``KVCacheBlocks`` of ``blocks``, the empty sentinel when every group is empty."""
@@ -584,7 +636,7 @@ class KVCacheManager:
     def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
         """Deprecated in vLLM 0.33 (its Scheduler never calls it), gone from 0.34's manager:
         zeros, one per group."""
-        return [0]
+        return [0] * self.num_kv_cache_groups
 
     def _held_blocks_changed(self) -> None:
         """Sets ``usage`` from the pool's counters (after an allocation or a release)."""
@@ -613,7 +665,7 @@ class KVCacheManager:
                     request, entry, request.num_computed_tokens - request.num_in_flight_tokens
                 )
                 # scheduled, not computed yet (in flight, or scheduled in the step under way)
-                if entry.computed < end - end % bs and self.enable_caching:
+                if entry.computed < end - end % bs and self._publishes:
                     waiting[rid] = pending
         self._unpublished = waiting
 
@@ -695,57 +747,19 @@ class KVCacheManager:
         return []  # a manager built with KV events has _take_vllm_events as its take_events
 
     def _take_vllm_events(self) -> list[Any]:
-        chain_keys, int_hashes = self._chain_keys, self._int_hashes
-        return [vllm_event(e, chain_keys, int_hashes) for e in self.pool.drain_events()]
+        chain_keys, int_hashes, groups = self._chain_keys, self._int_hashes, self._event_groups
+        return [
+            vllm_event(e, chain_keys, int_hashes, groups[e.group])
+            for e in self.pool.drain_events()
+            if e.kind != "group"  # (the pool's announcement of its groups: vLLM has none)
+        ]
 
     def check(self) -> None:
-        """Walk the pool's structures (R20) and this manager's: ``usage`` (cached since the last
-        allocation or release) and the free count are the pool's stats; each entry mirrors its
-        sequence (length, table capacity, computed tokens), a held table has no id 0 and holds the
-        computed tokens, and every request awaiting publication is tracked.
+        """Walk the pool's structures (R20) and this manager's (``_vllm_check.check_manager``).
 
         Raises
         ------
         kvpool.InvariantError
             A rule is broken.
         """
-        self.pool.check()
-        stats = self.pool.stats()
-        counted = (
-            self.usage,
-            self.block_pool.get_num_free_blocks(),
-        )  # usage: set at the last change
-        if counted != (stats["usage"], stats["num_free_blocks"] + stats["num_cached_blocks"]):
-            raise InvariantError(
-                f"usage and free blocks {counted} disagree with the pool's stats {stats}"
-            )
-        recorded = self.prefix_cache_stats
-        if recorded is not None and self._stats_recorded != bool(
-            recorded.requests or recorded.preempted_requests or recorded.reset
-        ):
-            raise InvariantError(
-                f"prefix cache stats {recorded} but recorded={self._stats_recorded}"
-            )
-        for rid, entry in self._seqs.items():
-            seq = entry.seq
-            table = seq.block_table.tolist()
-            mirror = (
-                entry.length,
-                entry.capacity,
-                entry.computed if entry.capacity else 0,
-                entry.ids if entry.capacity else [],
-            )
-            actual = (len(seq), len(table) * self.block_size, seq.num_computed_tokens, table)
-            if (
-                mirror != actual
-                or (entry.capacity == 0) == seq.is_allocated
-                or 0 in table
-                or entry.computed > entry.capacity
-            ):
-                raise InvariantError(
-                    f"request {rid!r}: entry (length, capacity, computed) "
-                    f"{mirror}, sequence {actual}, table {table}"
-                )
-        for rid, (_, entry, _end) in self._unpublished.items():
-            if self._seqs.get(rid) is not entry:
-                raise InvariantError(f"request {rid!r}: awaits publication but is not tracked")
+        check_manager(self)

@@ -26,13 +26,15 @@ What differs between vLLM 0.33.x and 0.34.x, as the drop-in meets it (read in bo
 - The default block size: 16 in 0.33, 64 in 0.34 (``CacheConfig.DEFAULT_BLOCK_SIZE``). The
   manager takes whatever block size the config carries.
 - Mamba's "all" prefix-caching mode: gone in 0.34, and already in 0.33.0 (both releases'
-  ``MambaCacheMode`` is ``"align"`` or ``"none"``); the drop-in takes one full-attention group
-  under both, so it changes nothing here.
-- Options both versions have, for the one full-attention group: ``prefix_match_unit`` (the hash
-  block size, hits inside a block; vLLM refuses any value but the block size for one group) is
-  refused unless it equals the block size; ``prefix_cache_retention_interval`` (sparse
-  sliding-window and Mamba checkpoints) is honoured as 0 or None, which mean the same for full
-  attention (every full block is kept), and refused otherwise, as vLLM's own coordinator does.
+  ``MambaCacheMode`` is ``"align"`` or ``"none"``); the drop-in takes no Mamba group yet under
+  either, so it changes nothing here.
+- Options both versions have: ``prefix_match_unit`` (the hash block size, hits inside a block;
+  vLLM refuses any value but the block size for one group) is refused unless it equals the
+  block size; ``prefix_cache_retention_interval`` (sparse sliding-window and Mamba checkpoints)
+  is honoured as 0 or None: full attention keeps every full block, and window groups keep their
+  runs by kvpool's retention rule (every published run while memory allows, at least what
+  either setting keeps until memory runs short); a positive value (periodic checkpoints) is
+  refused with a ``ValueError``.
 """
 
 from __future__ import annotations

@@ -49,16 +49,50 @@ class PoolBlocks(KVCacheBlocks):
         return tuple(list(self.block_ids) for _ in groups)
 
 
-class _EmptyBlocks(KVCacheBlocks):
-    """vLLM's empty sentinel (``blocks == ((),)``, compared by identity), answering
-    ``get_block_ids`` without a walk: what most decode steps return."""
+class GroupBlocks(KVCacheBlocks):
+    """vLLM's ``KVCacheBlocks`` for several groups (full attention and sliding windows), holding
+    kvpool's block ids: one list per vLLM group, in vLLM's order; 0 is vLLM's null block (the
+    entries behind a window).
+
+    Parameters
+    ----------
+    groups : tuple of list of int
+        Each group's physical block ids, in table order.
+    """
+
+    def __init__(self, groups: tuple[list[int], ...]) -> None:  # replaces the dataclass __init__
+        self.groups = groups
+
+    @property
+    def blocks(self) -> tuple[list[KVCacheBlock], ...]:  # type: ignore[override]
+        return tuple([KVCacheBlock(i) for i in ids] for ids in self.groups)
 
     def get_block_ids(self, allow_none: bool = False, *, group_ids: Sequence[int] | None = None):  # type: ignore[override]
         if group_ids is None:
-            return None if allow_none else ([],)
-        if any(g != 0 for g in group_ids):
-            raise IndexError(f"group_ids: the KV cache has one group (0), got {list(group_ids)}")
-        return None if allow_none else ([],)
+            if allow_none and not any(self.groups):
+                return None
+            return tuple(ids[:] for ids in self.groups)
+        groups = tuple(group_ids)
+        n = len(self.groups)
+        if any(not 0 <= g < n for g in groups):
+            raise IndexError(f"group_ids: the KV cache has {n} groups, got {list(groups)}")
+        if allow_none and not any(self.groups[g] for g in groups):
+            return None
+        return tuple(self.groups[g][:] for g in groups)
+
+
+class _EmptyBlocks(KVCacheBlocks):
+    """vLLM's empty sentinel (``blocks == ((),) * groups``, compared by identity), answering
+    ``get_block_ids`` without a walk: what most decode steps return."""
+
+    def get_block_ids(self, allow_none: bool = False, *, group_ids: Sequence[int] | None = None):  # type: ignore[override]
+        n = len(self.blocks)
+        if group_ids is None:
+            return None if allow_none else tuple([] for _ in range(n))
+        groups = list(group_ids)
+        if any(not 0 <= g < n for g in groups):
+            raise IndexError(f"group_ids: the KV cache has {n} group(s), got {groups}")
+        return None if allow_none else tuple([] for _ in groups)
 
 
 class _Hit(KVCacheBlocks):

@@ -22,10 +22,12 @@ Invariants this module keeps:
   block, or only a new one, syncs nothing; a request never loses tokens). ``free`` drops it, so
   nothing outlives its request.
 - Block ids are the pool's ids, which are the ids vLLM's workers index: vLLM's null block 0 is
-  kvpool's padding block 0 and never appears in a table; ``kv_cache_config.num_blocks`` counts it
-  in both. An id handed out in ``NewRequestData`` or ``new_block_ids`` stays in the request's
-  table until ``free``: the pool runs first-writer-wins publication (R9, ``dedup=False``), so
-  a table only grows, as vLLM's workers assume.
+  kvpool's padding block 0 and never appears in a full-attention table (a window table has it
+  behind the window, as vLLM's); ``kv_cache_config.num_blocks`` counts it in both, and every
+  group draws from the one store. An id handed out in ``NewRequestData`` or ``new_block_ids``
+  stays in the request's table until ``free`` (a window's slid-out entries become null, which
+  its worker never reads again): the pool runs first-writer-wins publication (R9,
+  ``dedup=False``), so a table only grows, as vLLM's workers assume.
 - Blocks are published when their KV exists (R17), and before anything reads the cache:
   ``seq.num_computed_tokens`` follows ``request.num_computed_tokens -
   request.num_in_flight_tokens`` (the Scheduler's count of tokens whose forward pass has
@@ -44,18 +46,21 @@ Invariants this module keeps:
   leaves the pool and the request as they were.
 
 Covered: one full-attention group (``FullAttentionSpec`` and its subclasses, MLA included),
-prefix caching on or off, cache salts and LoRA (they root the hash chain, R6), KV events, prefix
-cache stats, chunked prefill, decode with lookahead (spec decode slots), recompute preemption,
-the async scheduler's ``cache_blocks``, 0.34's cache-aware admission (its probe). Requests that
-must not read the cache, or (0.34) may read only up to a hit limit, get no hit. Not covered,
-each a clear ``NotImplementedError`` at construction or call: sliding-window, chunked-local,
-Mamba, cross-attention and hybrid (several-group) configs (kvpool's sliding-window group and
-linear-state slots keep their own id spaces, while vLLM's groups share one block pool and one id
-space), EAGLE's hit trimming, hash lookahead, DCP/PCP, KV connectors (external tokens,
-``pop_blocks_for_free``, ``evict_blocks``), ``max_cache_hit_length`` (aux output), the KV cache
-metrics collector, and ``prefix_match_unit`` finer than the block (partial hash hits);
-``prefix_cache_retention_interval`` must be 0 or None (a ``ValueError`` otherwise, as vLLM's own:
-it concerns windows and Mamba only).
+alone or beside up to 8 sliding-window groups of one window (gpt-oss, Gemma 3: one block store,
+``kvpool.integrations._vllm_groups``; each window table has vLLM's shape, null entries behind
+the window; a hit only where every group serves it; window runs kept by kvpool's retention
+rule), prefix caching on or off, cache salts and LoRA (they root the hash chain, R6), KV events,
+prefix cache stats, chunked prefill, decode with lookahead (spec decode slots), recompute
+preemption, the async scheduler's ``cache_blocks``, 0.34's cache-aware admission (its probe).
+Requests that must not read the cache, or (0.34) may read only up to a hit limit, get no hit.
+Not covered, each a clear ``NotImplementedError`` at construction or call: chunked-local, Mamba
+(Gated DeltaNet), cross-attention groups, several full-attention groups, window groups of
+different windows or block sizes or with ``extra_retained_tokens``, EAGLE's hit trimming, hash
+lookahead, DCP/PCP, KV connectors (external tokens, ``pop_blocks_for_free``, ``evict_blocks``),
+``max_cache_hit_length`` (aux output), the KV cache metrics collector, and ``prefix_match_unit``
+finer than the block (partial hash hits); ``prefix_cache_retention_interval`` must be 0 or None
+(a ``ValueError`` otherwise: full attention keeps every block, and window runs follow kvpool's
+retention rule, docs/hybrid.md).
 """
 
 from __future__ import annotations
@@ -81,12 +86,13 @@ from vllm.v1.core.sched.scheduler import Scheduler as _VllmScheduler  # noqa: E4
 from vllm.v1.request import Request  # noqa: E402
 
 from kvpool.integrations._vllm_manager import KVCacheManager  # noqa: E402
-from kvpool.integrations._vllm_views import PoolBlocks  # noqa: E402
+from kvpool.integrations._vllm_views import GroupBlocks, PoolBlocks  # noqa: E402
 
 __all__ = [
     "REQUIRED_VLLM",
     "VLLM_VERSION",
     "KVCacheManager",
+    "GroupBlocks",
     "PoolBlocks",
     "Scheduler",
     "AsyncScheduler",

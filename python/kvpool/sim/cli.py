@@ -20,7 +20,7 @@ from rich.console import Console
 import kvpool
 from kvpool.sim import fleet_cli, report
 from kvpool.sim.capacity import DTYPE_BYTES, MODELS
-from kvpool.sim.config import SimError, check_fits
+from kvpool.sim.config import EVICTIONS, SimError, check_fits
 from kvpool.sim.configure import (
     DEFAULT_NUM_BLOCKS,
     DEFAULT_NUM_REQUESTS,
@@ -66,6 +66,7 @@ SWEEP_KEYS: dict[str, tuple[str, Any]] = {
     "mfu": ("mfu", float),
     "order": ("order", str),
     "eviction": ("eviction", str),
+    "protected_percent": ("protected_percent", int),
     "retain_ttl": ("retain_ttl", float),
     "gpu": ("gpu", str),
     "xtensor": ("xtensor", None),
@@ -195,10 +196,20 @@ def build_parser(prog: str = "kvpool simulate") -> argparse.ArgumentParser:
     )
     c.add_argument(
         "--eviction",
-        choices=("lru", "optimal"),
+        choices=EVICTIONS,
         default="lru",
-        help="lru: the pool's own eviction; optimal: the offline bound in request order "
+        help="lru: the pool's default eviction; slru: segmented LRU (scan resistant, "
+        "docs/eviction.md); ghost_slru: SLRU that also protects what is recomputed soon after "
+        "its eviction; optimal: the offline bound in request order "
         "(farthest next use; needs --order request and one full-attention cache)",
+    )
+    c.add_argument(
+        "--protected-percent",
+        type=int,
+        default=None,
+        metavar="P",
+        help="slru, ghost_slru: the share of the blocks (0-100) the protected segment may hold "
+        "(default: the pool's, 20)",
     )
     c.add_argument(
         "--retain-ttl",
@@ -474,8 +485,11 @@ def _parse_sweep(specs: list[str]) -> list[tuple[str, str, list[Any]]]:
             raise UsageError(f"--sweep {key}: values must be > 0")
         if dest == "order" and any(v not in ("serving", "request") for v in values):
             raise UsageError("--sweep order: values are serving, request")
-        if dest == "eviction" and any(v not in ("lru", "optimal") for v in values):
-            raise UsageError("--sweep eviction: values are lru, optimal")
+        unknown = [v for v in values if v not in EVICTIONS] if dest == "eviction" else []
+        if unknown:
+            raise UsageError(
+                f"--sweep eviction: values are {', '.join(EVICTIONS)}, got {', '.join(unknown)}"
+            )
         if dest == "gpu" and any(v not in GPUS for v in values):
             raise UsageError(f"--sweep gpu: values are {', '.join(sorted(GPUS))}")
         out.append((key, dest, values))

@@ -34,6 +34,12 @@ class UnavailableError(SimError):
     """A feature the options ask for is not in this kvpool build."""
 
 
+# The pool's eviction policies (``BlockManagerPool(eviction=...)``, docs/eviction.md), and every
+# value of ``--eviction``: those and the offline bound.
+POOL_EVICTIONS = ("lru", "slru", "ghost_slru")
+EVICTIONS = (*POOL_EVICTIONS, "optimal")
+
+
 @dataclass
 class SimConfig:
     num_blocks: int = 8192
@@ -58,7 +64,10 @@ class SimConfig:
     max_steps: int | None = None
     seed: int = 0
     order: str = "serving"  # or "request": one request at a time, prompts only
-    eviction: str = "lru"  # or "optimal": the offline bound in request order (sim/optimal.py)
+    # a pool policy of POOL_EVICTIONS, or "optimal": the offline bound in request order
+    # (sim/optimal.py)
+    eviction: str = "lru"
+    protected_percent: int | None = None  # SLRU's protected segment (the pool's default: 20)
     # session hints: retain every finished turn of a session this many seconds (docs/sessions.md)
     retain_ttl_s: float | None = None
     step_ms: float = 20.0  # the fixed step time (and an idle step of a step-clocked workload)
@@ -94,6 +103,10 @@ class SimConfig:
             kw["xtensor"] = dict(self.xtensor)
         if self.enable_events:
             kw["enable_events"] = True
+        if self.eviction in POOL_EVICTIONS and self.eviction != "lru":
+            kw["eviction"] = self.eviction
+            if self.protected_percent is not None:
+                kw["protected_percent"] = self.protected_percent
         return kw
 
     def step_timer(self) -> FixedStepTime | Roofline:

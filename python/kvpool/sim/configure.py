@@ -200,6 +200,7 @@ def make_config(
         seed=args.seed,
         order=args.order,
         eviction=args.eviction,
+        protected_percent=args.protected_percent,
         retain_ttl_s=args.retain_ttl,
         step_ms=args.step_ms or DEFAULT_STEP_MS,
         gpu=args.gpu,

@@ -374,10 +374,14 @@ pub fn choice(value: Option<&Bound<'_, PyAny>>, name: &str, default: &str) -> Py
 /// A float argument (a clock), named in errors.
 pub fn seconds(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<f64> {
     if obj.is_instance_of::<pyo3::types::PyBool>() {
-        return Err(crate::errors::type_error(name, "must be a number, got bool"));
+        return Err(crate::errors::type_error(
+            name,
+            "must be a number, got bool",
+        ));
     }
-    obj.extract::<f64>()
-        .map_err(|_| crate::errors::type_error(name, format!("must be a number, got {}", type_name(obj))))
+    obj.extract::<f64>().map_err(|_| {
+        crate::errors::type_error(name, format!("must be a number, got {}", type_name(obj)))
+    })
 }
 
 pub fn type_name(obj: &Bound<'_, PyAny>) -> String {
@@ -386,4 +390,3 @@ pub fn type_name(obj: &Bound<'_, PyAny>) -> String {
         .map(|n| n.to_string())
         .unwrap_or_else(|_| "?".into())
 }
-

@@ -44,7 +44,6 @@ fn rank(dp_rank: &convert::Given<'_>) -> PyResult<u32> {
     }
 }
 
-
 /// Field `name` of an event given as a dict or an object; `None` (or missing) is `None`.
 fn field<'py>(event: &Bound<'py, PyAny>, name: &str) -> PyResult<Option<Bound<'py, PyAny>>> {
     let value = if let Ok(dict) = event.cast::<PyDict>() {
@@ -403,7 +402,10 @@ impl PyKVIndex {
         let instance = unsigned(instance, "instance", u64::MAX)?;
         let dp_rank = rank(&dp_rank)?;
         let size = unsigned(block_size, "block_size", u64::from(u32::MAX))? as u32;
-        let (now, ttl) = (crate::convert::seconds(now, "now")?, crate::convert::seconds(ttl, "ttl")?);
+        let (now, ttl) = (
+            crate::convert::seconds(now, "now")?,
+            crate::convert::seconds(ttl, "ttl")?,
+        );
         let request = request(token_ids, extra_key, block_hashes, Some(block_size))?;
         py.detach(|| match request {
             Request::Tokens(tokens, key) => self.inner.insert_speculative_tokens(

@@ -5,7 +5,7 @@
 //! the flags (`enable_prefix_cache`, `concurrent`, `enable_events`, `dedup`), which must be
 //! bools when given (R29, "One rule for bools").
 
-use kvpool::{LinearStateMatch, LinearStateSave, PoolConfig};
+use kvpool::{Eviction, LinearStateMatch, LinearStateSave, PoolConfig};
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyString};
@@ -29,11 +29,14 @@ pub(crate) const POOL_OPTIONS: &[&str] = &[
     "event_replay",
     "hash_seed",
     "sliding_window",
+    "window_groups",
     "swa_num_blocks",
     "shared_blocks",
     "retention_tokens",
     "debug_hash_bits",
     "dedup",
+    "eviction",
+    "protected_percent",
     "max_retained_fraction",
 ];
 
@@ -110,6 +113,7 @@ impl<'py> Options<'py> {
             LinearStateMatch::parse(&self.choice("linear_state_match", "deepest")?).py()?;
         let linear_state_save =
             LinearStateSave::parse(&self.choice("linear_state_save", "copy")?).py()?;
+        let eviction = Eviction::parse(&self.choice("eviction", "lru")?).py()?;
         let hasher = convert::hasher(
             self.get("hash_seed")?.as_ref(),
             self.get("debug_hash_bits")?.as_ref(),
@@ -132,6 +136,7 @@ impl<'py> Options<'py> {
             linear_state_blocks: self.count("linear_state_blocks")?.unwrap_or(0),
             block_bytes: self.count("block_bytes")?.unwrap_or(0) as u64,
             sliding_window: self.count("sliding_window")?,
+            window_groups: self.count("window_groups")?.unwrap_or(1),
             swa_num_blocks: self.count("swa_num_blocks")?,
             // None: the default (shared unless the window group is sized on its own)
             shared_blocks: match self.get("shared_blocks")? {
@@ -144,6 +149,10 @@ impl<'py> Options<'py> {
             host: None,
             xtensor: crate::elastic::xtensor_option(self.get("xtensor")?.as_ref())?,
             dedup: self.flag("dedup", true)?,
+            eviction,
+            protected_percent: self
+                .count("protected_percent")?
+                .unwrap_or(kvpool::DEFAULT_PROTECTED_PERCENT),
             max_retained_fraction: match self.get("max_retained_fraction")? {
                 None => 0.5,
                 Some(value) => convert::seconds(&value, "max_retained_fraction")?,

@@ -317,7 +317,7 @@ impl PyBlockManagerPool {
     fn num_used_blocks(&self, py: Python<'_>) -> PyResult<usize> {
         Ok(self.lock(py)?.total_counts().used)
     }
-    /// Block groups of every sequence: 1, or 2 with sliding_window (R25).
+    /// Block groups of every sequence: 1, or 1 + window_groups with sliding_window (R25).
     #[getter]
     fn num_groups(&self, py: Python<'_>) -> PyResult<usize> {
         Ok(self.lock(py)?.num_groups())
@@ -455,7 +455,9 @@ impl PyBlockManagerPool {
     #[getter]
     fn num_retained_blocks(&self, py: Python<'_>) -> PyResult<usize> {
         let pool = self.lock(py)?;
-        Ok((0..pool.dp_size()).map(|r| pool.num_retained_blocks(r)).sum())
+        Ok((0..pool.dp_size())
+            .map(|r| pool.num_retained_blocks(r))
+            .sum())
     }
 
     /// Block tables of seqs: int32 [len(seqs), max_blocks], padded with pad (R19).
@@ -610,6 +612,18 @@ impl PyBlockManagerPool {
     #[getter]
     fn dedup(&self) -> bool {
         self.inner.lock().config().dedup
+    }
+
+    /// The prefix cache's eviction policy (R11a): "lru" (the default), "slru" or "ghost_slru".
+    #[getter]
+    fn eviction(&self) -> &'static str {
+        self.inner.lock().config().eviction.name()
+    }
+
+    /// The share of the blocks, in percent, SLRU's protected segment may hold (R11a).
+    #[getter]
+    fn protected_percent(&self) -> usize {
+        self.inner.lock().config().protected_percent
     }
 
     /// The last event sequence number of dp_rank (0 before its first event).

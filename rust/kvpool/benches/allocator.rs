@@ -8,8 +8,8 @@ use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use kvpool::{
-    BlockManager, BlockManagerImpl, BlockManagerPool, ConcurrentBlockManager, KvCacheManager,
-    ManagerConfig, PoolConfig, Sequence,
+    BlockManager, BlockManagerImpl, BlockManagerPool, ConcurrentBlockManager, Eviction,
+    KvCacheManager, ManagerConfig, PoolConfig, Sequence, DEFAULT_PROTECTED_PERCENT,
 };
 
 fn manager(num_blocks: usize, block_size: usize) -> BlockManagerImpl {
@@ -51,30 +51,59 @@ fn allocate_free(c: &mut Criterion) {
 }
 
 /// Every allocated block must first be evicted from a full cache (64 cache-only blocks, no free
-/// ones); the refill of the cache is not timed.
+/// ones); the refill of the cache is not timed. `64_blocks_all_evicted` is LRU, the default;
+/// the others the same under each eviction policy (R11a), and under SLRU also with every block
+/// hit once before (so all 64 sit in the protected segment, sized to hold them).
 fn allocate_with_eviction(c: &mut Criterion) {
     let mut group = c.benchmark_group("allocate_with_eviction");
     group.throughput(Throughput::Elements(64));
-    group.bench_function("64_blocks_all_evicted", |b| {
-        let mut m = manager(65, 16);
-        let tokens = prompt(64 * 16, 1);
-        b.iter_custom(|iters| {
-            let mut total = Duration::ZERO;
-            for i in 0..iters {
-                let blocks = m.allocate(64).unwrap();
-                let mut tokens = tokens.clone();
-                tokens[0] = i as u32;
-                m.cache(&tokens, &blocks, None).unwrap();
-                m.deallocate(blocks).unwrap();
-                let start = Instant::now();
-                let blocks = m.allocate(black_box(64)).unwrap();
-                total += start.elapsed();
-                drop(blocks);
-                m.reset_prefix_cache();
+    let cases = [
+        ("64_blocks_all_evicted", Eviction::Lru, false),
+        ("64_blocks_all_evicted_slru", Eviction::Slru, false),
+        (
+            "64_blocks_all_evicted_ghost_slru",
+            Eviction::GhostSlru,
+            false,
+        ),
+        ("64_protected_blocks_all_evicted_slru", Eviction::Slru, true),
+    ];
+    for (name, eviction, hit_first) in cases {
+        group.bench_function(name, |b| {
+            let mut m = manager(65, 16);
+            if eviction != Eviction::Lru {
+                let percent = if hit_first {
+                    100
+                } else {
+                    DEFAULT_PROTECTED_PERCENT
+                };
+                m.prefix_cache_mut()
+                    .unwrap()
+                    .set_eviction(eviction, percent)
+                    .unwrap();
             }
-            total
-        })
-    });
+            let tokens = prompt(64 * 16, 1);
+            b.iter_custom(|iters| {
+                let mut total = Duration::ZERO;
+                for i in 0..iters {
+                    let blocks = m.allocate(64).unwrap();
+                    let mut tokens = tokens.clone();
+                    tokens[0] = i as u32;
+                    m.cache(&tokens, &blocks, None).unwrap();
+                    m.deallocate(blocks).unwrap();
+                    if hit_first {
+                        let hit = m.allocate_shared(&tokens, None);
+                        m.deallocate(hit).unwrap();
+                    }
+                    let start = Instant::now();
+                    let blocks = m.allocate(black_box(64)).unwrap();
+                    total += start.elapsed();
+                    drop(blocks);
+                    m.reset_prefix_cache();
+                }
+                total
+            })
+        });
+    }
     group.finish();
 }
 

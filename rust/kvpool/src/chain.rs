@@ -166,7 +166,7 @@ impl<'a> OwnChain<'a> {
     /// (a block a sequence holds carries its prefix's KV, so an entry it holds is its chain's),
     /// else the verified entry under the nearest resolved position before it (a duplicate left
     /// private: a table published without dedup).
-    fn entry(&mut self, i: usize) -> Option<u32> {
+    pub(crate) fn entry(&mut self, i: usize) -> Option<u32> {
         if let Some((j, e)) = self.memo {
             if j == i {
                 return Some(e);

@@ -57,7 +57,9 @@ pub use pool::{
     RankStats, TableExtent, XTensorOptions, XTensorRankStats, DEFAULT_EVENT_REPLAY,
     DEFAULT_RETENTION_TOKENS,
 };
-pub use prefix_cache::{CacheEvent, CacheStats, ExtraKey, PrefixCache, Probe};
+pub use prefix_cache::{
+    CacheEvent, CacheStats, Eviction, ExtraKey, PrefixCache, Probe, DEFAULT_PROTECTED_PERCENT,
+};
 pub use sequence::Sequence;
 pub use sliding_window::{SlidingWindowBlockManager, WindowTable};
 pub use tiers::{

@@ -110,6 +110,16 @@ impl Allocation {
     pub(crate) fn window(&self) -> Option<&WindowTable> {
         self.groups.iter().find_map(GroupTable::as_window)
     }
+
+    /// The `n`-th window table (0: the first window group's), if the rank has that many.
+    pub(crate) fn window_at(&self, n: usize) -> Option<&WindowTable> {
+        self.groups.iter().filter_map(GroupTable::as_window).nth(n)
+    }
+
+    /// Window tables, one per window group of the rank.
+    pub(crate) fn num_windows(&self) -> usize {
+        self.groups.iter().filter_map(GroupTable::as_window).count()
+    }
 }
 
 /// The chain hashes (R6) of a sequence's full blocks, memoized for one hasher and block size.
@@ -250,17 +260,23 @@ impl Sequence {
         self.num_groups
     }
 
-    /// The block table of group `group` (0: full attention; 1: the sliding window, released
-    /// entries 0), or `None` if the sequence has no such group.
+    /// The block table of group `group` (0: full attention; 1, 2, ...: the sliding-window
+    /// groups, released entries 0), or `None` if the sequence has no such group.
     pub fn group_block_ids(&self, group: usize) -> Option<Vec<u32>> {
         match group {
             0 => Some(self.block_ids().collect()),
-            1 if self.num_groups == 2 => Some(
-                self.window_table()
+            g if g < self.num_groups => Some(
+                self.group_window_table(g)
                     .map_or_else(Vec::new, |w| w.ids().collect()),
             ),
             _ => None,
         }
+    }
+
+    /// The table of window group `group` (1, 2, ...), while allocated in a pool with it.
+    pub fn group_window_table(&self, group: usize) -> Option<&WindowTable> {
+        let n = group.checked_sub(1)?;
+        self.alloc.as_ref().and_then(|a| a.window_at(n))
     }
 
     /// The sliding-window table, while allocated in a pool with a sliding window.
@@ -413,7 +429,7 @@ impl Sequence {
     /// Takes an allocation with `cached` tokens from the cache (R14).
     pub(crate) fn attach(&mut self, alloc: Allocation, cached: usize) {
         debug_assert!(self.alloc.is_none());
-        self.num_groups = 1 + usize::from(alloc.window().is_some());
+        self.num_groups = 1 + alloc.num_windows();
         self.dp_rank = Some(alloc.rank);
         self.alloc = Some(alloc);
         self.num_cached_tokens = cached;

@@ -1,10 +1,10 @@
 //! Hybrid models at the pool level: linear-state checkpoints (R22-R24) and sliding-window
 //! groups (R25), with a proptest of random hybrid workloads checking every structure after
-//! every step.
+//! every step (under each eviction policy, R11a).
 
 use kvpool::{
-    BlockHasher, BlockManagerPool, KvCacheManager, LinearStateMatch, LinearStateSave, PoolConfig,
-    Sequence,
+    BlockHasher, BlockManagerPool, Eviction, KvCacheManager, LinearStateMatch, LinearStateSave,
+    PoolConfig, Sequence,
 };
 use proptest::prelude::*;
 
@@ -313,10 +313,15 @@ proptest! {
         slots in 0usize..6,
         promote in any::<bool>(),
         contiguous in any::<bool>(),
+        eviction in prop_oneof![Just(Eviction::Lru), Just(Eviction::Slru), Just(Eviction::GhostSlru)],
+        shared in any::<bool>(),
     ) {
         let mut config = PoolConfig::new(24, 4);
         config.sliding_window = window;
-        config.swa_num_blocks = window.map(|_| 12);
+        // A window store of its own, or one store whose window blocks hang on the nodes
+        // (attachments: the classes every eviction policy orders inside, R11a).
+        config.swa_num_blocks = window.filter(|_| !shared).map(|_| 12);
+        config.eviction = eviction;
         config.linear_state_slots = if slots == 1 { 0 } else { slots };
         if config.linear_state_slots > 0 {
             // "contiguous" hits only with a checkpoint at every block (R23).

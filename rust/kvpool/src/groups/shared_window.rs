@@ -147,23 +147,41 @@ impl SharedWindowGroup {
     }
 
     /// Attaches the table's held blocks among its first `full_count` entries to the nodes of
-    /// the same positions: where the full-attention table's block is the node cached under the
-    /// position's hash (published or switched to by dedup, R9).
+    /// the same positions: the full-attention table's block where it is the node cached under
+    /// the position's hash (published or switched to by dedup, R9), else, for a duplicate the
+    /// full-attention cache did not take (R9, first writer wins), the cached original that the
+    /// chain's verified walk reaches (R7: hash, parent and tokens), unless that node has a
+    /// block of this group already. A window block holds the KV of its position's tokens after
+    /// that prefix, whichever full-attention block holds theirs: without this, a sequence whose
+    /// hit a window cut short would recompute and then drop the very runs the next turn needs.
+    ///
+    /// A position whose full-attention entry is not cached yet (the full-attention publication
+    /// stopped at a duplicate before it, R9, and publishes the rest at release) is tried again
+    /// by the next call: the table's published mark stops there.
     pub(crate) fn publish(&self, table: &mut WindowTable, chain: &mut OwnChain<'_>, full: usize) {
         let (hashes, blocks) = (chain.hashes, chain.blocks());
         let end = full.min(table.len()).min(hashes.len()).min(blocks.len());
-        if let Some(cache) = chain.cache_mut() {
-            for i in table.published.max(table.released)..end {
-                let node = blocks[i].id();
-                if cache.block_id(hashes[i]) != Some(node) {
-                    continue; // a duplicate the full-attention cache did not take (R9)
-                }
-                if let Some(block) = table.get(i) {
+        let mut stuck = None;
+        for i in table.published.max(table.released)..end {
+            let Some(block) = table.get(i) else {
+                continue;
+            };
+            let own = blocks[i].id();
+            let node = match chain.cache_mut() {
+                None => break,
+                Some(cache) if cache.block_id(hashes[i]) == Some(own) => Some(own),
+                Some(_) => chain.entry(i), // a duplicate left private (R9): the original
+            };
+            match (node, chain.cache_mut()) {
+                (Some(node), Some(cache)) => {
                     cache.attach(node, self.group, block);
+                }
+                _ => {
+                    stuck.get_or_insert(i);
                 }
             }
         }
-        table.published = table.published.max(end);
+        table.published = table.published.max(stuck.unwrap_or(end));
     }
 
     /// Drops the handles no future query attends to (R25); returns how many.

@@ -152,7 +152,7 @@ impl BlockManagerPool {
                 for (slot, id) in row.iter_mut().zip(seq.block_ids()) {
                     *slot = id as i32;
                 }
-            } else if let Some(window) = seq.window_table() {
+            } else if let Some(window) = seq.group_window_table(group) {
                 for (slot, id) in row.iter_mut().zip(window.ids()) {
                     *slot = id as i32;
                 }
@@ -223,7 +223,7 @@ impl BlockManagerPool {
         let mut slots = Vec::with_capacity(total);
         for (seq, &end) in seqs.iter().zip(&ends) {
             let blocks = seq.blocks();
-            let window = seq.window_table();
+            let window = seq.group_window_table(group);
             for position in seq.num_computed_tokens()..end {
                 let index = position / block_size;
                 let id = if group == 0 {

@@ -8,7 +8,9 @@ use crate::groups::{FullGroup, Group, LinearGroup, SharedWindowGroup, WindowGrou
 use crate::hash::BlockHasher;
 use crate::linear_state::LinearStatePrefixCache;
 use crate::manager::{BlockManagerImpl, ManagerConfig, SingleBlockManager};
-use crate::prefix_cache::{AttachConfig, PrefixCache};
+use crate::prefix_cache::{
+    AttachConfig, Eviction, PrefixCache, DEFAULT_PROTECTED_PERCENT, MAX_ATTACH_GROUPS,
+};
 use crate::sliding_window::SlidingWindowBlockManager;
 use crate::tiers::HostTierConfig;
 use crate::xtensor::{PageBackend, XTensorBlockManager};
@@ -62,6 +64,11 @@ pub struct PoolConfig {
     pub block_bytes: u64,
     /// Sliding window in tokens of the second group (R25); `None`: one full-attention group.
     pub sliding_window: Option<usize>,
+    /// Groups of `sliding_window` in the shared store (vLLM's several window groups of one
+    /// spec, e.g. Gemma 3's five window layers per full one): each has a table of its own, its
+    /// ids from the one store, and attaches its blocks to the full-attention tree on its own.
+    /// 1 (the default) unless the store is shared; at most 8.
+    pub window_groups: usize,
     /// Block ids per rank of a sliding-window group with its own store, padding included.
     /// `None` (the default): the window group draws from the full-attention group's store (one
     /// free list and id space, `num_blocks` ids in all), unless `shared_blocks` says otherwise.
@@ -82,6 +89,12 @@ pub struct PoolConfig {
     /// Dedup on publish (R9 revised): a computed duplicate of a cached block switches to the
     /// cached copy. `false`: first writer wins, as at the physical level.
     pub dedup: bool,
+    /// How the prefix cache orders what it may evict (`prefix_cache/policy.rs`, R11a): LRU by
+    /// default.
+    pub eviction: Eviction,
+    /// The share of the blocks, in percent, SLRU's protected segment may hold (`"slru"`,
+    /// `"ghost_slru"`; R11a).
+    pub protected_percent: usize,
     /// The most of a rank's blocks session hints may hold (`retain`), in [0, 1].
     pub max_retained_fraction: f64,
 }
@@ -105,12 +118,15 @@ impl PoolConfig {
             linear_state_blocks: 0,
             block_bytes: 0,
             sliding_window: None,
+            window_groups: 1,
             swa_num_blocks: None,
             shared_blocks: None,
             retention_tokens: DEFAULT_RETENTION_TOKENS,
             host: None,
             xtensor: None,
             dedup: true,
+            eviction: Eviction::Lru,
+            protected_percent: DEFAULT_PROTECTED_PERCENT,
             max_retained_fraction: 0.5,
         }
     }
@@ -220,6 +236,19 @@ impl PoolConfig {
             "swa_num_blocks",
             "needs sliding_window"
         );
+        ensure_arg!(
+            (1..=MAX_ATTACH_GROUPS).contains(&self.window_groups),
+            "window_groups",
+            "must be between 1 and {MAX_ATTACH_GROUPS}, got {}",
+            self.window_groups
+        );
+        ensure_arg!(
+            self.window_groups == 1 || self.shares_window_store(),
+            "window_groups",
+            "needs sliding_window in the shared store (no swa_num_blocks, xtensor or host tier), \
+             got {}",
+            self.window_groups
+        );
         if self.shared_blocks == Some(true) {
             ensure_arg!(
                 self.sliding_window.is_some(),
@@ -250,6 +279,24 @@ impl PoolConfig {
         if self.sliding_window.is_some() && !self.shares_window_store() {
             within_caps(self.swa_blocks(), self.block_size, "swa_num_blocks")?;
         }
+        ensure_arg!(
+            self.eviction == Eviction::Lru || self.xtensor.is_none(),
+            "eviction",
+            "must be \"lru\" with xtensor (elastic pages reclaim by their own order), got {:?}",
+            self.eviction.name()
+        );
+        ensure_arg!(
+            self.protected_percent <= 100,
+            "protected_percent",
+            "must be at most 100, got {}",
+            self.protected_percent
+        );
+        ensure_arg!(
+            self.eviction == Eviction::Lru || self.enable_prefix_cache,
+            "eviction",
+            "needs enable_prefix_cache (there is nothing to evict without it), got {:?}",
+            self.eviction.name()
+        );
         if let Some(xtensor) = &self.xtensor {
             xtensor.validate(self)?;
         }
@@ -263,7 +310,10 @@ impl PoolConfig {
             + LinearStatePrefixCache::footprint(self.linear_state_slots)
             + match (self.sliding_window, self.shares_window_store()) {
                 (None, _) => 0,
-                (Some(_), true) => self.num_blocks as u128 * PrefixCache::attach_bytes_per_block(1),
+                (Some(_), true) => {
+                    self.num_blocks as u128
+                        * PrefixCache::attach_bytes_per_block(self.window_groups)
+                }
                 (Some(_), false) => SlidingWindowBlockManager::footprint(
                     self.swa_blocks(),
                     self.block_size,
@@ -284,11 +334,14 @@ impl PoolConfig {
                     let mut blocks = BlockManagerImpl::new(self.manager())?;
                     if let Some(cache) = blocks.prefix_cache_mut() {
                         cache.set_record_events(self.enable_events);
+                        if self.eviction != Eviction::Lru {
+                            cache.set_eviction(self.eviction, self.protected_percent)?;
+                        }
                         if let (Some(window), true) =
                             (self.sliding_window, self.shares_window_store())
                         {
                             cache.enable_attachments(AttachConfig {
-                                windows: vec![window],
+                                windows: vec![window; self.window_groups],
                                 retention_tokens: self.retention_tokens,
                             })?;
                             cache.set_record_attach_events(self.enable_events);
@@ -344,14 +397,16 @@ impl PoolConfig {
                     "sliding_window",
                     "must be at least 1, got {window}"
                 );
-                let owner = groups.len() as u8 + 1;
                 full.track_owners()?;
-                groups.push(Group::SharedWindow(SharedWindowGroup::new(
-                    window,
-                    self.block_size,
-                    0,
-                    owner,
-                )));
+                for attach_group in 0..self.window_groups {
+                    let owner = groups.len() as u8 + 1;
+                    groups.push(Group::SharedWindow(SharedWindowGroup::new(
+                        window,
+                        self.block_size,
+                        attach_group,
+                        owner,
+                    )));
+                }
             } else if let Some(window) = self.sliding_window {
                 let mut manager = SlidingWindowBlockManager::new(
                     self.swa_blocks(),

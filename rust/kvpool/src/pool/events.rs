@@ -252,20 +252,27 @@ impl BlockManagerPool {
             log.record_cache(cache, Medium::Host, bs, rank);
         }
         let r = &mut self.ranks[rank];
+        // The window groups of the shared store: their attachments' events, from the cache
+        // (taken once: each group's are those of its attachment group).
+        let attach_events = match r.full.cache_mut() {
+            Some(cache) if r.groups.iter().any(|g| g.as_shared_window().is_some()) => {
+                cache.take_attach_events()
+            }
+            _ => Vec::new(),
+        };
         for (position, group) in r.groups.iter().enumerate() {
-            // A window group of the shared store: its attachments' events, from the cache.
-            let (Some(shared), Some(cache)) = (group.as_shared_window(), r.full.cache_mut()) else {
+            let Some(shared) = group.as_shared_window() else {
                 continue;
             };
             let window = u32::try_from(shared.window()).unwrap_or(u32::MAX);
-            for attached in cache.take_attach_events() {
+            for attached in &attach_events {
                 if attached.group != shared.attach_group() {
                     continue;
                 }
                 if attached.event == CacheEvent::Cleared {
                     continue; // the rank's device "cleared" covers every group
                 }
-                let mut event = KvEvent::of_cache(attached.event, Medium::Device, bs, rank);
+                let mut event = KvEvent::of_cache(attached.event.clone(), Medium::Device, bs, rank);
                 event.group = position as u32 + 1;
                 event.group_kind = GroupKind::SlidingWindow { window };
                 log.record(event);

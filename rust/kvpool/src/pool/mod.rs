@@ -21,13 +21,13 @@ mod admission;
 mod batch;
 mod check;
 mod config;
-mod retain;
 mod elastic;
 mod events;
 mod hierarchy;
 mod linear_plans;
 mod plan;
 mod publish;
+mod retain;
 mod stats;
 mod tiers;
 
@@ -234,9 +234,13 @@ impl BlockManagerPool {
         self.ranks.len()
     }
 
-    /// Block groups of every sequence: 1, or 2 with a sliding window (R25).
+    /// Block groups of every sequence: 1, or 1 + `window_groups` with a sliding window (R25).
     pub fn num_groups(&self) -> usize {
-        1 + usize::from(self.config.sliding_window.is_some())
+        1 + if self.config.sliding_window.is_some() {
+            self.config.window_groups
+        } else {
+            0
+        }
     }
 
     /// Whether the pool has a host tier (R26).

@@ -77,7 +77,11 @@ impl BlockManagerPool {
     /// false, keeping nothing, when the hint would take the rank's retained blocks over
     /// `max_retained_fraction` of its blocks. Hints that expired by `now` are dropped first.
     pub fn retain(&mut self, seq: &mut Sequence, ttl: f64, now: f64) -> Result<bool> {
-        ensure_arg!(ttl.is_finite() && ttl >= 0.0, "ttl", "must be a finite number >= 0, got {ttl}");
+        ensure_arg!(
+            ttl.is_finite() && ttl >= 0.0,
+            "ttl",
+            "must be a finite number >= 0, got {ttl}"
+        );
         ensure_arg!(now.is_finite(), "now", "must be a finite number, got {now}");
         ensure_arg!(
             !self.has_groups,
@@ -116,7 +120,10 @@ impl BlockManagerPool {
             self.hints.drop_hint(old);
         }
         let counts = &self.hints.counts[rank];
-        let new = blocks.iter().filter(|b| !counts.contains_key(&b.id())).count();
+        let new = blocks
+            .iter()
+            .filter(|b| !counts.contains_key(&b.id()))
+            .count();
         if self.hints.held[rank] + new > self.retain_cap() {
             return Ok(false);
         }
@@ -126,7 +133,14 @@ impl BlockManagerPool {
         }
         self.hints.held[rank] += new;
         let expires = now + ttl;
-        self.hints.hints.insert(id, Hint { rank, blocks, expires });
+        self.hints.hints.insert(
+            id,
+            Hint {
+                rank,
+                blocks,
+                expires,
+            },
+        );
         Ok(true)
     }
 

@@ -406,7 +406,7 @@ impl PrefixCache {
         if entry.list == List::Low as u8 {
             // A cache-only leaf that was no hit point got a child (a release publishing under
             // a cached original, R9): no longer a leaf, it takes its place among the nodes.
-            self.list_move(node, List::Main);
+            self.lift_node(node);
             return;
         }
         if entry.children == 2 && self.attach.groups() > 0 && entry.flags & JUNCTION == 0 {
@@ -435,7 +435,7 @@ impl PrefixCache {
         entry.children -= 1;
         if entry.children == 0
             && entry.kind == NODE
-            && entry.list == List::Main as u8
+            && super::policy::segment_index(entry.list).is_some()
             && self.has_attachments()
             && !self.is_hit_point(node)
         {

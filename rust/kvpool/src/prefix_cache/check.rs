@@ -35,6 +35,7 @@ impl PrefixCache {
                 cache_only += 1;
                 ensure_invariant!(
                     entry.list == List::Main as u8
+                        || entry.list == List::Protected as u8
                         || entry.list == List::Low as u8
                         || state & QUEUED != 0,
                     "cache-only block {id} is neither on an eviction list nor queued for it"
@@ -165,6 +166,7 @@ impl PrefixCache {
         ensure_invariant!(
             self.list_ids(List::Main)
                 .iter()
+                .chain(&self.list_ids(List::Protected))
                 .all(|&id| self.entries[id as usize].kind == NODE)
                 && self
                     .list_ids(List::Keep)
@@ -172,6 +174,6 @@ impl PrefixCache {
                     .all(|&id| self.entries[id as usize].kind != NODE),
             "a node on the keep list or an attachment on the LRU list"
         );
-        Ok(())
+        self.check_segments()
     }
 }

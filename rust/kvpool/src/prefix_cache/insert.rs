@@ -13,7 +13,7 @@ use std::collections::hash_map;
 use crate::block::Block;
 use crate::hash::BlockHash;
 
-use super::{CacheEvent, Entry, ExtraKey, PrefixCache, NIL};
+use super::{CacheEvent, Entry, Eviction, ExtraKey, PrefixCache, NIL};
 
 impl PrefixCache {
     /// Where a publication of blocks `start..` of a chain resumes, after draining the
@@ -82,6 +82,9 @@ impl PrefixCache {
             ..Entry::default()
         };
         self.store.mark_cached(id, hash);
+        if self.eviction == Eviction::GhostSlru {
+            self.admit(id, hash);
+        }
         if !self.graves.is_empty() {
             self.raise(id, hash); // the same chain position computed again (`graves.rs`)
         }

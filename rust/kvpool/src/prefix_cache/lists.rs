@@ -7,6 +7,9 @@
 //!   leaves that are no hit point (attach.rs).
 //! - [`List::Keep`]: attachments a mark protects (the window runs of the hit points a shared
 //!   store keeps), evicted last.
+//! - [`List::Protected`]: under SLRU (policy.rs), the protected segment of the nodes (those
+//!   hit while cached), evicted after [`List::Main`] (then SLRU's probationary segment) and
+//!   before [`List::Keep`]; empty under LRU.
 //!
 //! Invariants (checked by `PrefixCache::check`): an entry is on at most one list, its `list`
 //! field names it; the links of every list are consistent and its stamps increase from the
@@ -25,10 +28,11 @@ pub(super) enum List {
     Main = 0,
     Low = 1,
     Keep = 2,
+    Protected = 3,
 }
 
 impl List {
-    pub(super) const ALL: [List; 3] = [List::Main, List::Low, List::Keep];
+    pub(super) const ALL: [List; 4] = [List::Main, List::Low, List::Keep, List::Protected];
 }
 
 /// Ends and length of one list.
@@ -49,9 +53,9 @@ impl Default for Ends {
     }
 }
 
-/// The three lists' ends.
+/// The four lists' ends.
 #[derive(Clone, Copy, Debug, Default)]
-pub(super) struct Lists([Ends; 3]);
+pub(super) struct Lists([Ends; 4]);
 
 impl Lists {
     pub(super) fn get(&self, list: List) -> &Ends {
@@ -66,36 +70,55 @@ impl Lists {
 impl PrefixCache {
     /// Block ids on the LRU list of nodes, oldest first (cache-only blocks the cache knows
     /// about; with attachments, the useless leaves and the attachments are on the other lists).
+    /// Under SLRU (policy.rs): the probationary segment, then the protected one.
     pub fn lru_order(&self) -> Vec<u32> {
-        self.list_ids(List::Main)
+        let mut ids = self.list_ids(List::Main);
+        if self.lists.get(List::Protected).len > 0 {
+            ids.extend(self.list_ids(List::Protected));
+        }
+        ids
     }
 
     /// The eviction order, oldest first, without draining: the low list and the LRU list (the
-    /// LRU list alone without attachments), then the blocks released since the last drain in
+    /// LRU list alone without attachments; under SLRU probation, then the protected segment,
+    /// each walked for leaves), then the blocks released since the last drain in
     /// release order (where the next drain puts them, F9). Exact only without concurrent handle
-    /// drops and attachments; for tests and debugging.
+    /// drops and attachments, and under SLRU only while the protected segment has room; for
+    /// tests and debugging.
     pub fn eviction_order(&self) -> Vec<u32> {
         let mut ids = self.list_ids(List::Low);
-        ids.extend(self.lru_order());
+        ids.extend(self.list_ids(List::Main));
         let queued = self.store.released.snapshot(); // newest release first
-        ids.extend(queued.into_iter().rev().filter(|&id| {
-            let entry = &self.entries[id as usize];
-            self.store.state(id) & (CACHED | COUNT_MASK) == CACHED | 1
-                && entry.live
-                && entry.list == NONE
-        }));
+        let queued: Vec<u32> = queued
+            .into_iter()
+            .rev()
+            .filter(|&id| {
+                let entry = &self.entries[id as usize];
+                self.store.state(id) & (CACHED | COUNT_MASK) == CACHED | 1
+                    && entry.live
+                    && entry.list == NONE
+            })
+            .collect();
+        // Under SLRU a queued node that was hit goes to the protected segment (policy.rs).
+        let (protected, probation): (Vec<u32>, Vec<u32>) = queued
+            .into_iter()
+            .partition(|&id| self.segment_of(id) == List::Protected);
+        ids.extend(probation);
+        ids.extend(self.list_ids(List::Protected));
+        ids.extend(protected);
         ids
     }
 
     /// The stamp of what eviction takes next among the listed entries: 0 while the low list
     /// holds something (what no hit point can use goes before anything else), then the oldest
-    /// node's, then the oldest protected attachment's; `None` when nothing is listed. A
+    /// node's (under SLRU probation's, then the protected segment's, policy.rs), then the oldest
+    /// protected attachment's; `None` when nothing is listed. A
     /// linear-state group of the one store compares its kept checkpoints' stamps with it.
     pub(crate) fn next_victim_stamp(&self) -> Option<u64> {
         if self.lists.get(List::Low).len > 0 {
             return Some(0);
         }
-        [List::Main, List::Keep]
+        [List::Main, List::Protected, List::Keep]
             .into_iter()
             .map(|list| self.lists.get(list).oldest)
             .find(|&id| id != NIL)

@@ -26,17 +26,22 @@
 //! so it is never evicted. Everything is O(1) per block except skipping entries whose children
 //! are still cached or held, which only arises when a chain's head was released before its
 //! tail.
+//!
+//! That is the default policy, [`Eviction::Lru`]. The others (policy.rs, R11a) split the nodes
+//! into segments, each walked the same way (evict.rs); every policy evicts only leaves.
 
 mod anchors;
 mod attach;
 mod check;
 mod dedup;
 mod describe;
+mod evict;
 mod graves;
 mod insert;
 mod keys;
 mod lists;
 mod physical;
+mod policy;
 
 use crate::alloc;
 use crate::block::{Block, StoreRef, CACHED, COUNT_MASK};
@@ -47,10 +52,12 @@ use crate::prefetch::prefetch;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 pub(crate) use anchors::{is_ticket, ticket, Anchor, ROOT_LINK};
-pub(crate) use attach::AttachConfig;
+pub(crate) use attach::{AttachConfig, MAX_ATTACH_GROUPS};
 pub(crate) use dedup::Switch;
 use keys::{same_tokens, HashIndex};
 use lists::{List, Lists};
+use policy::HIT;
+pub use policy::{Eviction, DEFAULT_PROTECTED_PERCENT};
 
 const NIL: u32 = u32::MAX;
 
@@ -76,7 +83,7 @@ struct Entry {
     list: u8,
     /// [`attach::NODE`], or `1 + g` for an attachment of group `g`.
     kind: u8,
-    /// A node's marks (attach.rs: `END`, `JUNCTION`) and [`ANCHORED`].
+    /// A node's marks (attach.rs: `END`, `JUNCTION`), [`ANCHORED`] and [`HIT`] (policy.rs).
     flags: u8,
     /// When the entry last entered a list (increases from the oldest end to the newest).
     stamp: u64,
@@ -188,6 +195,10 @@ pub struct PrefixCache {
     lists: Lists,
     /// Stamp of the next entry pushed on a list.
     clock: u64,
+    /// How the nodes are ordered for eviction (policy.rs).
+    eviction: Eviction,
+    /// Nodes the protected segment may hold (SLRU, policy.rs).
+    protected_cap: usize,
     /// Blocks attached to nodes by other groups of a shared store (attach.rs); empty without.
     attach: attach::Attachments,
     epoch: u64,
@@ -237,6 +248,8 @@ impl PrefixCache {
             token_base,
             lists: Lists::default(),
             clock: 0,
+            eviction: Eviction::Lru,
+            protected_cap: 0,
             attach: attach::Attachments::default(),
             epoch: 0,
             stats: CacheStats::default(),
@@ -411,6 +424,7 @@ impl PrefixCache {
                 "walked block {id} left the cache"
             );
             self.list_unlink(id);
+            self.entries[id as usize].flags |= HIT;
             let (block, was_cache_only) = refs.retain_cached(id);
             were_cache_only += usize::from(was_cache_only);
             out.push(block);
@@ -446,6 +460,7 @@ impl PrefixCache {
                 break;
             };
             self.list_unlink(id);
+            self.entries[id as usize].flags |= HIT;
             out.push(self.store.retain_cached(id));
             matched += 1;
             parent = id;
@@ -470,125 +485,13 @@ impl PrefixCache {
         });
         // The stack holds the newest release first.
         for &id in batch.iter().rev() {
-            let list = self.class_of(id);
-            self.list_push(list, id);
+            match self.class_of(id) {
+                List::Main if self.eviction != Eviction::Lru => self.push_node(id),
+                list => self.list_push(list, id),
+            }
         }
         batch.clear();
         self.scratch = batch;
-    }
-
-    /// Evicts up to `n` cache-only blocks; returns how many went back to the free list. Without
-    /// attachments: strictly least recently used among the evictable leaves (R10, module doc).
-    /// With them (attach.rs): first what no hit point can use (the low list), then the LRU walk
-    /// of the nodes, then the protected attachments; evicting a node drops its attachments and
-    /// its marks, so what only it made useful goes next.
-    pub fn evict(&mut self, n: usize) -> usize {
-        self.drain_released();
-        let mut evicted = 0;
-        let mut removed = Vec::new();
-        // Every entry older than `cursor` that is still on the LRU list has children.
-        let mut cursor = self.lists.get(List::Main).oldest;
-        while evicted < n {
-            let low = self.lists.get(List::Low).oldest;
-            if low != NIL {
-                evicted += self.evict_entry(low, &mut removed, &mut cursor);
-                continue;
-            }
-            if cursor != NIL && self.entries[cursor as usize].list != List::Main as u8 {
-                // The cursor's entry moved to the low list (a leaf that is no hit point): walk
-                // again from the oldest (every entry skipped before it still has children).
-                cursor = self.lists.get(List::Main).oldest;
-            }
-            if cursor == NIL {
-                let Some(keep) = self.keep_victim() else {
-                    break;
-                };
-                evicted += self.evict_entry(keep, &mut removed, &mut cursor);
-                continue;
-            }
-            let victim = cursor;
-            cursor = self.entries[victim as usize].next;
-            if self.entries[victim as usize].children > 0 {
-                continue;
-            }
-            evicted += self.evict_entry(victim, &mut removed, &mut cursor);
-        }
-        self.stats.evictions += evicted as u64;
-        if let Some(events) = self.events.as_mut() {
-            for (hash, extra_key) in removed {
-                events.push(CacheEvent::Removed {
-                    block_hashes: vec![hash],
-                    extra_key,
-                });
-            }
-        }
-        evicted
-    }
-
-    /// Evicts listed entry `id` (a leaf node or an attachment) and what goes with it; returns
-    /// the blocks freed. A node's removal may turn its parent into an evictable leaf older than
-    /// the LRU walk's `cursor`: the cursor moves back to it, so it goes next in its turn (F8:
-    /// it competes by its own recency).
-    fn evict_entry(
-        &mut self,
-        id: u32,
-        removed: &mut Vec<(BlockHash, Option<ExtraKey>)>,
-        cursor: &mut u32,
-    ) -> usize {
-        if self.entries[id as usize].kind != attach::NODE {
-            self.drop_attachment(id);
-            return 1;
-        }
-        if *cursor == id {
-            // The walk's next entry; or, for an entry that moved off the LRU list under the
-            // cursor, the walk starts again from the oldest (what it skipped has children).
-            *cursor = match self.entries[id as usize].list == List::Main as u8 {
-                true => self.entries[id as usize].next,
-                false => self.lists.get(List::Main).oldest,
-            };
-        }
-        let parent = self.entries[id as usize].parent;
-        let (hash, key, attached) = self.remove_entry(id);
-        if self.events.is_some() {
-            removed.push((hash, key));
-        }
-        if parent != NIL {
-            let p = &self.entries[parent as usize];
-            let older_than_cursor =
-                *cursor == NIL || p.stamp < self.entries[*cursor as usize].stamp;
-            if p.children == 0 && p.list == List::Main as u8 && older_than_cursor {
-                *cursor = parent;
-            }
-        }
-        1 + attached
-    }
-
-    /// Evicts block `id` if it is an evictable leaf: cache-only, on the LRU list (so call
-    /// [`Self::drain_released`] first) and without cached children (R10: the cached set stays
-    /// closed under prefix). Returns whether it did; otherwise nothing changes. The same
-    /// bookkeeping as [`Self::evict`] (statistics, events). For callers that choose victims by
-    /// a policy of their own among the evictable leaves (`XTensorBlockManager` frees whole
-    /// pages); `evict` stays the LRU walk.
-    pub fn evict_leaf(&mut self, id: u32) -> bool {
-        let Some(entry) = self.entries.get(id as usize) else {
-            return false;
-        };
-        if !entry.live
-            || entry.list == lists::NONE
-            || entry.children > 0
-            || entry.kind != attach::NODE
-        {
-            return false;
-        }
-        let (hash, extra_key, _) = self.remove_entry(id);
-        self.stats.evictions += 1;
-        if let Some(events) = self.events.as_mut() {
-            events.push(CacheEvent::Removed {
-                block_hashes: vec![hash],
-                extra_key,
-            });
-        }
-        true
     }
 
     /// The cached parent of cached block `id`: `None` for a chain's first block, or when `id`
@@ -667,13 +570,18 @@ impl PrefixCache {
         }
     }
 
+    /// Whether the ghost filter remembers the eviction of `hash`, cached again or not (a later
+    /// eviction may have overwritten it).
+    #[inline]
+    pub(super) fn ghost_remembers(&self, hash: BlockHash) -> bool {
+        let len = self.ghosts.len() as u128;
+        len > 0 && self.ghosts[(hash.0 % len) as usize] == (hash.0 >> 64) as u64 | 1
+    }
+
     /// Whether block `hash` was evicted from this cache (and is not cached again): the ghost
     /// filter's answer, which may forget an eviction a later one overwrote.
     pub(crate) fn was_evicted(&self, hash: BlockHash) -> bool {
-        let len = self.ghosts.len() as u128;
-        len > 0
-            && self.ghosts[(hash.0 % len) as usize] == (hash.0 >> 64) as u64 | 1
-            && !self.contains(hash)
+        self.ghost_remembers(hash) && !self.contains(hash)
     }
 
     /// Hashes of every node (unordered).

@@ -1,0 +1,146 @@
+"""vLLM's KV cache groups as kvpool's pool holds them (``kvpool.integrations.vllm``).
+
+vLLM 0.33 and 0.34 split a hybrid model's layers into groups of equal page size, one block
+table each, all indexing one set of tensors by block id (block 0 is the null block): gpt-oss
+(alternating window 128 and full attention) has one full-attention and one window group,
+Gemma 3 (five window layers per full one) six window groups of one window and one
+full-attention group (groups of equal layer count: 4 layers each of the 1B model's 26).
+kvpool's pool holds them in one block store (docs/hybrid.md "One block store"): group 0 is
+full attention, groups 1 to ``window_groups`` the window groups of one ``sliding_window``,
+every id from the one free list.
+
+``group_layout`` reads a ``KVCacheConfig`` into that mapping, or raises NotImplementedError
+naming the group it cannot hold. Import ``kvpool.integrations.vllm``, which checks the vLLM
+version first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+try:  # (both supported versions have it; a window MLA group is a window group all the same)
+    from vllm.v1.kv_cache_interface import SlidingWindowMLASpec as _WindowMLA
+except ImportError:  # pragma: no cover
+    _WindowMLA = SlidingWindowSpec
+
+__all__ = ["MAX_WINDOW_GROUPS", "GroupLayout", "group_layout"]
+
+MAX_WINDOW_GROUPS = 8  # the core's limit (``window_groups``)
+
+
+def _unsupported(what: str) -> NotImplementedError:
+    return NotImplementedError(f"kvpool.integrations.vllm.KVCacheManager: {what} is not supported")
+
+
+@dataclass(frozen=True)
+class GroupLayout:
+    """Where each of vLLM's groups lives in kvpool's pool.
+
+    Attributes
+    ----------
+    pool_groups : tuple of int
+        kvpool's group of each vLLM group, in vLLM's order (0: full attention; 1, 2, ...: the
+        window groups in vLLM's order).
+    sliding_window : int or None
+        The window groups' window in tokens; None for one full-attention group.
+    block_size : int
+        Tokens per block, the same in every group.
+    specs : tuple
+        Each vLLM group's ``kv_cache_spec``, in vLLM's order.
+    """
+
+    pool_groups: tuple[int, ...]
+    sliding_window: int | None
+    block_size: int
+    specs: tuple[Any, ...]
+
+    @property
+    def num_groups(self) -> int:
+        """vLLM's groups (kvpool's too)."""
+        return len(self.pool_groups)
+
+    @property
+    def window_groups(self) -> int:
+        """Window groups (0 for full attention only)."""
+        return len(self.pool_groups) - 1
+
+    @property
+    def vllm_groups(self) -> tuple[int, ...]:
+        """vLLM's group of each kvpool group, in kvpool's order (inverse of ``pool_groups``)."""
+        inverse = [0] * len(self.pool_groups)
+        for vllm_group, pool_group in enumerate(self.pool_groups):
+            inverse[pool_group] = vllm_group
+        return tuple(inverse)
+
+
+def _is_full(spec: Any) -> bool:
+    return (
+        isinstance(spec, FullAttentionSpec)
+        and not getattr(spec, "sliding_window", None)
+        and not getattr(spec, "attention_chunk_size", None)
+    )
+
+
+def _is_window(spec: Any) -> bool:
+    return isinstance(spec, (SlidingWindowSpec, _WindowMLA)) and bool(
+        getattr(spec, "sliding_window", None)
+    )
+
+
+def group_layout(kv_cache_config: Any) -> GroupLayout:
+    """kvpool's groups for ``kv_cache_config``'s: one full-attention group and any number (up
+    to ``MAX_WINDOW_GROUPS``) of sliding-window groups of one window, with one block size.
+
+    Raises
+    ------
+    NotImplementedError
+        Any other group (Mamba, chunked local attention, cross attention, ...), several
+        full-attention groups, window groups of different windows or block sizes, a window
+        group retaining tokens below its window (``extra_retained_tokens``, MTP), groups of
+        several precisions (their blocks need zeroing), or no group.
+    """
+    specs = tuple(group.kv_cache_spec for group in kv_cache_config.kv_cache_groups)
+    full = [i for i, spec in enumerate(specs) if _is_full(spec)]
+    windows = [i for i, spec in enumerate(specs) if _is_window(spec)]
+    for i, spec in enumerate(specs):
+        if i not in full and i not in windows:
+            raise _unsupported(
+                f"a {type(spec).__name__} KV cache group (group {i}); full-attention and "
+                "sliding-window groups are"
+            )
+    if len(full) != 1:
+        raise _unsupported(
+            f"{len(full)} full-attention KV cache groups among {len(specs)}; exactly one (beside "
+            "any sliding-window groups) is"
+        )
+    if len(windows) > MAX_WINDOW_GROUPS:
+        raise _unsupported(f"{len(windows)} sliding-window groups; at most {MAX_WINDOW_GROUPS} are")
+    window_sizes = sorted({specs[i].sliding_window for i in windows})
+    if len(window_sizes) > 1:
+        raise _unsupported(f"sliding-window groups of different windows {window_sizes}")
+    block_sizes = sorted({spec.block_size for spec in specs})
+    if len(block_sizes) > 1:
+        raise _unsupported(f"KV cache groups of different block sizes {block_sizes}")
+    for i in windows:
+        extra = getattr(specs[i], "extra_retained_tokens", 0)
+        if extra:
+            raise _unsupported(
+                f"extra_retained_tokens={extra} in sliding-window group {i} (multi-module MTP)"
+            )
+    if getattr(kv_cache_config, "needs_kv_cache_zeroing", False):
+        raise _unsupported(
+            "KV cache groups of several precisions (vLLM's workers zero a block reused across "
+            "groups, which kvpool's manager does not report)"
+        )
+    pool_groups = [0] * len(specs)
+    for position, i in enumerate(windows):
+        pool_groups[i] = position + 1
+    return GroupLayout(
+        pool_groups=tuple(pool_groups),
+        sliding_window=window_sizes[0] if window_sizes else None,
+        block_size=block_sizes[0],
+        specs=specs,
+    )
