@@ -67,7 +67,7 @@ impl LinearGroup {
 
     /// Where a new slot comes from, and the blocks the group could then give back to the
     /// store (surplus and evictable checkpoints), with `pinned` (a hit's checkpoint about to be
-    /// pinned: (hash, on the plain list)) off the evictable ones.
+    /// pinned: whether it is on the plain list) off the evictable ones.
     fn slot_source(&self, pinned: Option<bool>) -> (SlotSource, usize) {
         let k = self.blocks_per_state;
         if k == 0 {
