@@ -183,6 +183,11 @@ impl Group {
         }
     }
 
+    /// Whether [`Self::make_room`] can free anything (a linear-state group of the one store).
+    pub(crate) fn makes_room(&self) -> bool {
+        matches!(self, Self::Linear(g) if g.blocks_per_state() > 0)
+    }
+
     /// Frees blocks of the full-attention group's store until `need` are free, from what this
     /// group can give back (a linear-state group of the one store, `LinearGroup::make_room`).
     pub(crate) fn make_room(&mut self, full: &mut FullGroup, need: usize) {

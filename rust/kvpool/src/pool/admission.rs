@@ -480,16 +480,7 @@ impl BlockManagerPool {
         }
         let need = decision.entries.saturating_sub(blocks.len());
         if ok {
-            // What the groups of the store take besides (a window's new blocks).
-            let shared: usize = r
-                .groups
-                .iter()
-                .zip(&tables)
-                .map(|(g, t)| g.shared_growth(&r.full, t, 0, decision.entries).0)
-                .sum();
-            for group in &mut r.groups {
-                group.make_room(&mut r.full, need + shared);
-            }
+            r.make_room(&tables, decision.entries, need);
         }
         ok = ok && r.full.grow(&mut blocks, need);
         for (group, table) in r.groups.iter_mut().zip(tables.iter_mut()) {

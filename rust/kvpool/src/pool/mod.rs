@@ -94,6 +94,26 @@ impl Rank {
         self.single.counts().free > 0 && self.groups.iter().all(Group::admits)
     }
 
+    /// Before a growth of `need` full-attention blocks (the tables to `entries` entries): a
+    /// linear-state group of the one store frees what the growth and the window groups' new
+    /// blocks need (`LinearGroup::make_room`); nothing for the other pools.
+    pub(crate) fn make_room(
+        &mut self,
+        tables: &[crate::groups::GroupTable],
+        entries: usize,
+        need: usize,
+    ) {
+        if !self.groups.iter().any(Group::makes_room) {
+            return;
+        }
+        let shared: usize = (self.groups.iter().zip(tables))
+            .map(|(g, t)| g.shared_growth(&self.full, t, 0, entries).0)
+            .sum();
+        for group in &mut self.groups {
+            group.make_room(&mut self.full, need + shared);
+        }
+    }
+
     /// Blocks of the store available to a growth: free plus evictable, plus what a
     /// linear-state group of the one store gives back (R15).
     pub(crate) fn available(&self) -> usize {
@@ -447,15 +467,7 @@ impl BlockManagerPool {
         let rank_index = alloc.rank;
         let rank = &mut self.ranks[rank_index];
         let before = alloc.blocks.len();
-        let shared: usize = rank
-            .groups
-            .iter()
-            .zip(&alloc.groups)
-            .map(|(g, t)| g.shared_growth(&rank.full, t, 0, entries).0)
-            .sum();
-        for group in &mut rank.groups {
-            group.make_room(&mut rank.full, need + shared);
-        }
+        rank.make_room(&alloc.groups, entries, need);
         let mut ok = rank.full.grow(&mut alloc.blocks, need);
         for (group, table) in rank.groups.iter_mut().zip(alloc.groups.iter_mut()) {
             ok = ok && group.grow(&mut rank.full, table, entries);
