@@ -23,15 +23,16 @@ block size 16, 4,096 blocks, 2,048-token chunks.
 
 Models (``--models``, each measured on its own): ``full`` (one full-attention group, the
 numbers above); ``gpt-oss`` (window 128 and full attention, vLLM's group 0 the window group)
-and ``gemma3`` (five window groups of 512 beside one full-attention group), the hybrid configs
-of tests/vllm/vllm_harness.py with vLLM's default sparse window retention. A hybrid gets the
+``gemma3`` (five window groups of 512 beside one full-attention group) and ``llama4`` (three
+chunked local attention groups, chunk 512 here, beside one full-attention group), the hybrid
+configs of tests/vllm/vllm_harness.py with vLLM's default window retention. A hybrid gets the
 same memory per group: ``--num-blocks`` times its group count, in vLLM's one pool and kvpool's
 one store. ``--block-size``: the installed vLLM's default when 0 (16 under 0.33, 64 under
 0.34, the sizes issue 33 sets its speed target at); blocks are counted at 16 tokens and
 converted (``--num-blocks`` 4,096 is 1,024 blocks of 64).
 
 Usage: ``VLLM_TARGET_DEVICE=cpu .venv-vllm/bin/python benches/vllm_bench.py [--repeat 3]
-[--models full,gpt-oss,gemma3] [--block-size 0]`` (``make test-vllm`` builds that venv).
+[--models full,gpt-oss,gemma3,llama4] [--block-size 0]`` (``make test-vllm`` builds that venv).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ import vllm_harness as h  # noqa: E402  (imports vLLM)
 from vllm.sampling_params import SamplingParams  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
 
-MODELS = {"full": None, "gpt-oss": h.GPT_OSS, "gemma3": h.GEMMA3}
+MODELS = {"full": None, "gpt-oss": h.GPT_OSS, "gemma3": h.GEMMA3, "llama4": h.LLAMA4}
 
 
 def issue_trace(n: int, seed: int = 0) -> list[h.Item]:
