@@ -16,6 +16,9 @@ Configs (``--configs``; a blank means the manager has no counterpart)::
     w1024, w128  2C/16 blocks, one store for both      FullAttentionSpec(16) + SlidingWindowSpec(16, w):
                  groups (sliding_window=w)             2C/16 blocks, prefix_cache_retention_interval 0
     w1024-dense  (none today)                          as w1024, retention None (every window block)
+    c8192        2C/16 blocks, one store for both      FullAttentionSpec(16) +
+                 groups (attention_chunk_size=8192)    ChunkedLocalAttentionSpec(16, 8192) (Llama 4):
+                                                       2C/16 blocks
     ls512        2C/16 blocks, one store: a state takes FullAttentionSpec(544) + MambaSpec(544, "align"):
                  34 blocks (linear_state_blocks=34,    2C/544 blocks, retention 0
                  544 tokens' KV), at most 2C/544 slots,
@@ -75,7 +78,7 @@ shows it separately; kvpool's counts ``Sequence`` construction (kvpool hashes in
 
 kvpool options: ``--kvpool-options JSON`` (and ``--kvpool-preset NAME``, applied first) are
 keyword arguments merged into every config's ``BlockManagerPool`` arguments. A top-level key that
-names a config kind (``full``, ``window``, ``linear``) or a config (``w128``) with an object value
+names a config kind (``full``, ``window``, ``chunked``, ``linear``) or a config (``w128``) with an object value
 scopes its options to those configs. A string value starting with ``=`` is an integer expression
 of ``C`` (cache tokens), ``BS`` (16), ``W`` (the window, or 0), ``CI`` (the checkpoint interval, or
 0) and ``PAGE`` (544); ``null`` drops the key. ``num_blocks`` is the first positional argument.
@@ -122,14 +125,14 @@ TRACE_DIR = os.path.join(
     os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "data", "mooncake"
 )
 TRACES = {"conversation": "conversation_trace.jsonl", "synthetic": "synthetic_trace.jsonl"}
-MANAGERS = ("kvpool", "vllm")
+MANAGERS = ("kvpool", "vllm", "drop-in")
 
 
 @dataclass(frozen=True)
 class Config:
     name: str
     label: str
-    kind: str  # "full", "window" or "linear"
+    kind: str  # "full", "window", "chunked" or "linear"
     window: int | None = None
     checkpoint_interval: int | None = None
     dense: bool = False  # vLLM keeps every window block (retention None)
@@ -143,6 +146,7 @@ CONFIGS = {
         Config("full", "full attention only", "full"),
         Config("w1024", "+ window 1024", "window", window=1024),
         Config("w128", "+ window 128", "window", window=128),
+        Config("c8192", "+ chunked local attention 8192 (Llama 4)", "chunked", window=8192),
         Config(
             "w1024-dense",
             "+ window 1024, vLLM keeping every window block",
@@ -239,7 +243,7 @@ def eval_expr(text: str, names: dict[str, int]) -> int:
 def scoped_options(options: dict, cfg: Config) -> tuple[dict, bool]:
     """The options that apply to ``cfg`` (global keys, then its kind's, then its own name's), and
     whether any scope named the config itself."""
-    scopes = {"full", "window", "linear", *CONFIGS}
+    scopes = {"full", "window", "chunked", "linear", *CONFIGS}
     out = {k: v for k, v in options.items() if not (k in scopes and isinstance(v, dict))}
     for key in (cfg.kind, cfg.name):
         if isinstance(options.get(key), dict):
@@ -254,6 +258,8 @@ def kvpool_kwargs(cfg: Config, tokens: int, options: dict) -> dict:
     if cfg.kind == "window":
         # one block store of 2C/16 for both groups, as vLLM's one pool (preset "split": C/16 each)
         kw.update(num_blocks=2 * tokens // BS, sliding_window=cfg.window)
+    elif cfg.kind == "chunked":
+        kw.update(num_blocks=2 * tokens // BS, attention_chunk_size=cfg.window)
     elif cfg.kind == "linear":
         # one store of 2C/16 blocks, a state taking a 544-token page of it, as vLLM's one pool
         # (preset "linear-split": C/16 blocks beside C/544 slots of their own)
@@ -283,6 +289,8 @@ def kvpool_kwargs(cfg: Config, tokens: int, options: dict) -> dict:
 def runs_on(cfg: Config, manager: str, options: dict) -> bool:
     if manager == "vllm":
         return cfg.vllm
+    if manager == "drop-in":  # kvpool's vLLM manager takes full and window groups, not Mamba
+        return cfg.vllm and cfg.kind != "linear"
     return cfg.kvpool or scoped_options(options, cfg)[1]
 
 
@@ -455,15 +463,20 @@ def qwen3_next_specs():
     return attn, mamba
 
 
-def build_vllm(cfg: Config, tokens: int):
+def build_vllm(cfg: Config, tokens: int, manager: str = "vllm"):
     """vLLM's real Scheduler on the hybrid KVCacheConfig of ``cfg`` (module doc); returns it with
-    its hash block size and block count."""
+    its hash block size and block count. ``manager`` "drop-in": the Scheduler is kvpool's
+    (``--scheduler-cls kvpool.integrations.vllm.Scheduler``), on kvpool's manager."""
     import torch
     from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
     from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups, get_kv_cache_groups
     from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
     from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+    from vllm.v1.kv_cache_interface import (
+        ChunkedLocalAttentionSpec,
+        FullAttentionSpec,
+        SlidingWindowSpec,
+    )
     from vllm.v1.structured_output import StructuredOutputManager
 
     if cfg.kind == "linear":
@@ -471,17 +484,12 @@ def build_vllm(cfg: Config, tokens: int):
         block, num_blocks = PAGE, 2 * tokens // PAGE
     else:
         attn = FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=256, dtype=torch.bfloat16)
-        other = (
-            None
-            if cfg.kind == "full"
-            else SlidingWindowSpec(
-                block_size=BS,
-                num_kv_heads=2,
-                head_size=256,
-                dtype=torch.bfloat16,
-                sliding_window=cfg.window,
-            )
-        )
+        common = dict(block_size=BS, num_kv_heads=2, head_size=256, dtype=torch.bfloat16)
+        other = {
+            "full": lambda: None,
+            "window": lambda: SlidingWindowSpec(sliding_window=cfg.window, **common),
+            "chunked": lambda: ChunkedLocalAttentionSpec(attention_chunk_size=cfg.window, **common),
+        }[cfg.kind]()
         block, num_blocks = BS, (1 if cfg.kind == "full" else 2) * tokens // BS
     cache = CacheConfig(
         block_size=block,
@@ -511,7 +519,13 @@ def build_vllm(cfg: Config, tokens: int):
     scheduler_block, hash_block = resolve_kv_cache_block_sizes(kv_cache_config, config)
     kv_cache_config.hash_block_size = hash_block
     config.cache_config.num_gpu_blocks = num_blocks
-    scheduler = Scheduler(
+    cls = Scheduler
+    if manager == "drop-in":
+        from kvpool.integrations import vllm as kv_vllm
+
+        config.scheduler_config.scheduler_cls = kv_vllm.Scheduler
+        cls = config.scheduler_config.get_scheduler_cls()
+    scheduler = cls(
         vllm_config=config,
         kv_cache_config=kv_cache_config,
         structured_output_manager=StructuredOutputManager(config),
@@ -523,17 +537,21 @@ def build_vllm(cfg: Config, tokens: int):
     return scheduler, hash_block, num_blocks, scheduler_block
 
 
-def run_vllm(cfg: Config, tokens: int, trace, check_every: int) -> dict:
+def run_vllm(cfg: Config, tokens: int, trace, check_every: int, manager: str = "vllm") -> dict:
+    """``manager`` "vllm": vLLM's own manager; "drop-in": kvpool's (``build_vllm``), driven by
+    the same calls, its Requests without vLLM's block hasher (kvpool hashes in its own calls, as
+    under kvpool's Scheduler, whose engine core hashes nothing for vLLM)."""
     from vllm.sampling_params import SamplingParams
     from vllm.utils.hashing import get_hash_fn_by_name
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
     from vllm.v1.request import Request, RequestStatus
 
-    scheduler, hash_block, num_blocks, scheduler_block = build_vllm(cfg, tokens)
+    scheduler, hash_block, num_blocks, scheduler_block = build_vllm(cfg, tokens, manager)
+    name = "vLLM" if manager == "vllm" else "kvpool's vLLM manager"
     manager = scheduler.kv_cache_manager
     hash_fn = get_hash_fn_by_name("sha256")
     init_none_hash(hash_fn)
-    hasher = get_request_block_hasher(hash_block, hash_fn)
+    hasher = get_request_block_hasher(hash_block, hash_fn) if name == "vLLM" else None
     split = scheduler.need_mamba_block_aligned_split
     params = SamplingParams(max_tokens=1, ignore_eos=True)
     oracle = PrefixOracle() if check_every else None
@@ -570,7 +588,7 @@ def run_vllm(cfg: Config, tokens: int, trace, check_every: int) -> dict:
             )
             if new is None:
                 raise RuntimeError(
-                    f"vLLM {cfg.name} at {size_label(tokens)}: request {i} ({length} tokens) "
+                    f"{name} {cfg.name} at {size_label(tokens)}: request {i} ({length} tokens) "
                     "does not fit"
                 )
             req.status = RequestStatus.RUNNING
@@ -583,7 +601,7 @@ def run_vllm(cfg: Config, tokens: int, trace, check_every: int) -> dict:
                     n = scheduler._mamba_block_aligned_split(req, n)
                 if manager.allocate_slots(req, n, num_lookahead_tokens=0) is None:
                     raise RuntimeError(
-                        f"vLLM {cfg.name}: request {i} ran out of blocks mid-prefill"
+                        f"{name} {cfg.name}: request {i} ran out of blocks mid-prefill"
                     )
                 req.num_computed_tokens += n
                 chunks += 1
@@ -598,14 +616,14 @@ def run_vllm(cfg: Config, tokens: int, trace, check_every: int) -> dict:
                 bound = oracle.bound_and_add(ids, length)
                 if not 0 <= hit <= min(bound, length - 1):
                     raise AssertionError(
-                        f"vLLM request {i}: hit {hit} beyond the shared prefix {bound}"
+                        f"{name} request {i}: hit {hit} beyond the shared prefix {bound}"
                     )
                 if manager.block_pool.get_num_free_blocks() != num_blocks - 1:
-                    raise AssertionError(f"vLLM request {i}: blocks held after free")
+                    raise AssertionError(f"{name} request {i}: blocks held after free")
     finally:
         gc.enable()
     if check_every and not manager.reset_prefix_cache():
-        raise AssertionError("vLLM: reset_prefix_cache failed with nothing running")
+        raise AssertionError(f"{name}: reset_prefix_cache failed with nothing running")
     return {
         "hit_tokens": hits,
         "prompt_tokens": total,
@@ -631,7 +649,7 @@ def run_job(job: dict) -> dict:
     if job["manager"] == "kvpool":
         res = run_kvpool(cfg, job["tokens"], trace, job["options"], job["check_every"])
     else:
-        res = run_vllm(cfg, job["tokens"], trace, job["check_every"])
+        res = run_vllm(cfg, job["tokens"], trace, job["check_every"], job["manager"])
     res.update(
         trace=job["trace"],
         config=cfg.name,
@@ -649,7 +667,7 @@ def versions(managers) -> dict:
     import importlib.metadata as md
 
     out = {"python": platform.python_version()}
-    for dist in ("kvpool", *(["vllm", "torch"] if "vllm" in managers else [])):
+    for dist in ("kvpool", *(["vllm", "torch"] if {"vllm", "drop-in"} & set(managers) else [])):
         try:
             out[dist] = md.version(dist)
         except md.PackageNotFoundError:
@@ -721,20 +739,21 @@ def render(doc: dict) -> str:
             lines += [
                 "",
                 f"## {t}, cache {s} tokens",
-                "| config | kvpool hit % | vLLM hit % | kvpool us/req | vLLM us/req (hashing) |",
-                "|---|---:|---:|---:|---:|",
+                "| config | kvpool hit % | vLLM hit % | drop-in hit % | kvpool us/req "
+                "| vLLM us/req (hashing) | drop-in us/req |",
+                "|---|---:|---:|---:|---:|---:|---:|",
             ]
             for name in a["configs"]:
-                k, v = rows.get((t, name, s, "kvpool")), rows.get((t, name, s, "vllm"))
-                if k is None and v is None:
+                k, v, d = (rows.get((t, name, s, m)) for m in ("kvpool", "vllm", "drop-in"))
+                if k is None and v is None and d is None:
                     continue
-                kus = "" if k is None else f"{k['us_per_request']:.0f}"
+                kus, dus = ("" if r is None else f"{r['us_per_request']:.0f}" for r in (k, d))
                 vus = (
                     ""
                     if v is None
                     else f"{v['us_per_request']:.0f} ({v['hash_us_per_request']:.0f})"
                 )
-                lines.append(f"| {name} | {pct(k)} | {pct(v)} | {kus} | {vus} |")
+                lines.append(f"| {name} | {pct(k)} | {pct(v)} | {pct(d)} | {kus} | {vus} | {dus} |")
     return "\n".join(lines)
 
 

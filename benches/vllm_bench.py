@@ -21,8 +21,18 @@ Trace: the seeded chat trace of the issue (400 requests, 4 shared system prompts
 tokens, histories growing over up to 8 turns, 34 output tokens, about 3.2k prompt tokens each);
 block size 16, 4,096 blocks, 2,048-token chunks.
 
-Usage: ``VLLM_TARGET_DEVICE=cpu .venv-vllm/bin/python benches/vllm_bench.py [--repeat 3]``
-(``make test-vllm`` builds that venv).
+Models (``--models``, each measured on its own): ``full`` (one full-attention group, the
+numbers above); ``gpt-oss`` (window 128 and full attention, vLLM's group 0 the window group)
+``gemma3`` (five window groups of 512 beside one full-attention group) and ``llama4`` (three
+chunked local attention groups, chunk 512 here, beside one full-attention group), the hybrid
+configs of tests/vllm/vllm_harness.py with vLLM's default window retention. A hybrid gets the
+same memory per group: ``--num-blocks`` times its group count, in vLLM's one pool and kvpool's
+one store. ``--block-size``: the installed vLLM's default when 0 (16 under 0.33, 64 under
+0.34, the sizes issue 33 sets its speed target at); blocks are counted at 16 tokens and
+converted (``--num-blocks`` 4,096 is 1,024 blocks of 64).
+
+Usage: ``VLLM_TARGET_DEVICE=cpu .venv-vllm/bin/python benches/vllm_bench.py [--repeat 3]
+[--models full,gpt-oss,gemma3,llama4] [--block-size 0]`` (``make test-vllm`` builds that venv).
 """
 
 from __future__ import annotations
@@ -38,7 +48,7 @@ import vllm_harness as h  # noqa: E402  (imports vLLM)
 from vllm.sampling_params import SamplingParams  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
 
-BS = 16
+MODELS = {"full": None, "gpt-oss": h.GPT_OSS, "gemma3": h.GEMMA3, "llama4": h.LLAMA4}
 
 
 def issue_trace(n: int, seed: int = 0) -> list[h.Item]:
@@ -59,6 +69,9 @@ class NullManager:
     class _Blocks:
         def get_block_ids(self, allow_none=False):
             return None if allow_none else ([],)
+
+        def get_num_blocks(self):
+            return 0
 
     class _Pool:
         def get_num_free_blocks(self):
@@ -90,10 +103,16 @@ class NullManager:
     take_new_block_ids = take_events = make_prefix_cache_stats = free = new_step_starts
 
 
-def manager_round(kind: str, trace, num_blocks: int, budget: int, algo: str | None) -> dict:
+def manager_round(
+    kind: str, trace, num_blocks: int, budget: int, algo: str | None, bs: int, hybrid
+) -> dict:
     """One request at a time through the manager; returns us/request and the hit tokens."""
-    hasher = h.block_hasher(BS, algo) if algo else None
-    kv = NullManager(num_blocks) if kind == "null" else h.make_manager(kind, num_blocks, BS)
+    hasher = h.block_hasher(bs, algo) if algo else None
+    kv = (
+        NullManager(num_blocks)
+        if kind == "null"
+        else h.make_manager(kind, num_blocks, bs, hybrid=hybrid)
+    )
     params = SamplingParams(max_tokens=len(trace[0].output), ignore_eos=True)
     hits = 0
     hash_ns = 0
@@ -163,12 +182,19 @@ def manager_round(kind: str, trace, num_blocks: int, budget: int, algo: str | No
 
 
 def scheduler_round(
-    kind: str, trace, num_blocks: int, budget: int, scale: float, algo: str
+    kind: str, trace, num_blocks: int, budget: int, scale: float, algo: str, bs: int, hybrid
 ) -> dict:
     scheduler, config = h.build_scheduler(
-        kind, num_blocks, budget=budget, max_seqs=128, max_model_len=16384, hash_algo=algo
+        kind,
+        num_blocks,
+        block_size=bs,
+        budget=budget,
+        max_seqs=128,
+        max_model_len=16384,
+        hash_algo=algo,
+        hybrid=hybrid,
     )
-    hasher = h.block_hasher(BS, algo) if kind == "vllm" else None
+    hasher = h.block_hasher(bs, algo) if kind == "vllm" else None
     gc.collect()
     gc.disable()
     run = h.run_scheduler(scheduler, config, trace, arrival_scale=scale, hasher=hasher, timed=True)
@@ -195,77 +221,103 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--requests", type=int, default=400)
     p.add_argument("--repeat", type=int, default=3)
-    p.add_argument("--num-blocks", type=int, default=4096)
+    p.add_argument("--num-blocks", type=int, default=4096, help="per group, in 16-token blocks")
+    p.add_argument("--block-size", type=int, default=0, help="0: the installed vLLM's default")
     p.add_argument("--budget", type=int, default=2048)
     p.add_argument(
         "--arrival-scale", type=float, default=0.2, help="scheduler steps per trace time unit"
     )
     p.add_argument("--only", default="manager,scheduler")
+    p.add_argument(
+        "--models", default=",".join(MODELS), help=f"a comma list of {', '.join(MODELS)}"
+    )
     a = p.parse_args()
+    models = [m for m in a.models.split(",") if m]
+    for m in models:
+        if m not in MODELS:
+            p.error(f"--models: unknown {m!r} (of {', '.join(MODELS)})")
+    bs = a.block_size or h.BS
     trace = issue_trace(a.requests)
     mean = sum(len(it.prompt) for it in trace) / len(trace)
     print(
-        f"trace: {len(trace)} requests, {mean:.0f} prompt tokens mean, {len(trace[0].output)} output; "
-        f"block size {BS}, {a.num_blocks} blocks, chunk {a.budget}; best of {a.repeat} interleaved rounds"
+        f"vLLM {'.'.join(map(str, h.installed_version()))}; trace: {len(trace)} requests, "
+        f"{mean:.0f} prompt tokens mean, {len(trace[0].output)} output; block size {bs}, "
+        f"{h.blocks(a.num_blocks, bs)} blocks per group, chunk {a.budget}; best of {a.repeat} "
+        "interleaved rounds"
     )
-    if "manager" in a.only:
-        peers = [("vllm", "sha256"), ("vllm", "xxhash"), ("kvpool", None), ("null", None)]
-        rounds: dict = {peer: [] for peer in peers}
-        for _ in range(a.repeat):
-            for kind, algo in peers:
-                rounds[(kind, algo)].append(
-                    manager_round(kind, trace, a.num_blocks, a.budget, algo)
-                )
-        # the loop's own cost without the Request construction, which manager_us excludes
-        null = best(rounds[("null", None)], "us")
-        loop = best(rounds[("null", None)], "manager_us")["manager_us"]
-        ours = best(rounds[("kvpool", None)], "us")
-        print(
-            "\nmanager calls alone, one request at a time (us per request). 'calls' excludes the "
-            f"driving loop ({loop:.0f} us, a manager that does nothing) and the Request construction; "
-            "'calls + hashing' adds vLLM's block hashing of the request, what vLLM's manager needs "
-            "and kvpool's does itself (total minus the null manager's total, "
-            f"{null['us']:.0f} us; the issue's accounting)"
-        )
-        print(
-            f"{'manager':<18} {'total':>7} {'hashing':>8} {'calls':>7} {'calls + hashing':>16} "
-            f"{'hit tokens':>11} {'kvpool is (calls + hashing)':>28} {'(calls)':>8}"
-        )
-        for kind, algo in peers[:3]:
-            r = best(rounds[(kind, algo)], "us")
-            name = f"{kind} ({algo})" if algo else "kvpool"
-            calls, with_hashing = r["manager_us"] - loop, r["us"] - null["us"]
-            print(
-                f"{name:<18} {r['us']:>7.0f} {r['hash_us']:>8.0f} {calls:>7.0f} {with_hashing:>16.0f} "
-                f"{r['hits']:>11} {with_hashing / (ours['us'] - null['us']):>27.1f}x "
-                f"{calls / (ours['manager_us'] - loop):>7.1f}x"
-            )
-    if "scheduler" in a.only:
-        peers = [("vllm", "sha256"), ("vllm", "xxhash"), ("kvpool", "sha256")]
-        rounds = {peer: [] for peer in peers}
-        for _ in range(a.repeat):
-            for kind, algo in peers:
-                rounds[(kind, algo)].append(
-                    scheduler_round(kind, trace, a.num_blocks, a.budget, a.arrival_scale, algo)
-                )
-        ours = best(rounds[("kvpool", "sha256")], "request_us")
-        print(
-            f"\nvLLM's Scheduler step (schedule + update_from_output), sync, arrivals x{a.arrival_scale}"
-        )
-        print(
-            f"{'manager':<22} {'steps':>6} {'schedule':>9} {'update':>8} {'per step':>9} "
-            f"{'per req':>8} {'+ hashing':>10} {'hits':>9} {'kvpool is':>10}"
-        )
+    for model in models:
+        hybrid = MODELS[model]
+        groups = 1 if hybrid is None else 1 + hybrid.window_groups
+        num_blocks = h.blocks(a.num_blocks * groups, bs)
+        print(f"\n## {model}: {groups} group(s), {num_blocks} blocks in one pool")
+        if "manager" in a.only:
+            manager_table(trace, num_blocks, a, bs, hybrid)
+        if "scheduler" in a.only:
+            scheduler_table(trace, num_blocks, a, bs, hybrid)
+
+
+def manager_table(trace, num_blocks: int, a, bs: int, hybrid) -> None:
+    peers = [("vllm", "sha256"), ("vllm", "xxhash"), ("kvpool", None), ("null", None)]
+    rounds: dict = {peer: [] for peer in peers}
+    for _ in range(a.repeat):
         for kind, algo in peers:
-            r = best(rounds[(kind, algo)], "request_us")
-            name = f"{kind} ({algo})" if kind == "vllm" else "kvpool"
-            with_hash = r["request_us"] + r["hash_us"]
-            ratio = with_hash / (ours["request_us"] + ours["hash_us"])
-            print(
-                f"{name:<22} {r['steps']:>6} {r['schedule_us']:>9.0f} {r['update_us']:>8.0f} "
-                f"{r['step_us']:>9.0f} {r['request_us']:>8.0f} {with_hash:>10.0f} {r['hits']:>9} "
-                f"{ratio:>9.1f}x"
+            rounds[(kind, algo)].append(
+                manager_round(kind, trace, num_blocks, a.budget, algo, bs, hybrid)
             )
+    # the loop's own cost without the Request construction, which manager_us excludes
+    null = best(rounds[("null", None)], "us")
+    loop = best(rounds[("null", None)], "manager_us")["manager_us"]
+    ours = best(rounds[("kvpool", None)], "us")
+    print(
+        "\nmanager calls alone, one request at a time (us per request). 'calls' excludes the "
+        f"driving loop ({loop:.0f} us, a manager that does nothing) and the Request construction; "
+        "'calls + hashing' adds vLLM's block hashing of the request, what vLLM's manager needs "
+        "and kvpool's does itself (total minus the null manager's total, "
+        f"{null['us']:.0f} us; the issue's accounting)"
+    )
+    print(
+        f"{'manager':<18} {'total':>7} {'hashing':>8} {'calls':>7} {'calls + hashing':>16} "
+        f"{'hit tokens':>11} {'kvpool is (calls + hashing)':>28} {'(calls)':>8}"
+    )
+    for kind, algo in peers[:3]:
+        r = best(rounds[(kind, algo)], "us")
+        name = f"{kind} ({algo})" if algo else "kvpool"
+        calls, with_hashing = r["manager_us"] - loop, r["us"] - null["us"]
+        print(
+            f"{name:<18} {r['us']:>7.0f} {r['hash_us']:>8.0f} {calls:>7.0f} {with_hashing:>16.0f} "
+            f"{r['hits']:>11} {with_hashing / (ours['us'] - null['us']):>27.1f}x "
+            f"{calls / (ours['manager_us'] - loop):>7.1f}x"
+        )
+
+
+def scheduler_table(trace, num_blocks: int, a, bs: int, hybrid) -> None:
+    peers = [("vllm", "sha256"), ("vllm", "xxhash"), ("kvpool", "sha256")]
+    rounds: dict = {peer: [] for peer in peers}
+    for _ in range(a.repeat):
+        for kind, algo in peers:
+            rounds[(kind, algo)].append(
+                scheduler_round(
+                    kind, trace, num_blocks, a.budget, a.arrival_scale, algo, bs, hybrid
+                )
+            )
+    ours = best(rounds[("kvpool", "sha256")], "request_us")
+    print(
+        f"\nvLLM's Scheduler step (schedule + update_from_output), sync, arrivals x{a.arrival_scale}"
+    )
+    print(
+        f"{'manager':<22} {'steps':>6} {'schedule':>9} {'update':>8} {'per step':>9} "
+        f"{'per req':>8} {'+ hashing':>10} {'hits':>9} {'kvpool is':>10}"
+    )
+    for kind, algo in peers:
+        r = best(rounds[(kind, algo)], "request_us")
+        name = f"{kind} ({algo})" if kind == "vllm" else "kvpool"
+        with_hash = r["request_us"] + r["hash_us"]
+        ratio = with_hash / (ours["request_us"] + ours["hash_us"])
+        print(
+            f"{name:<22} {r['steps']:>6} {r['schedule_us']:>9.0f} {r['update_us']:>8.0f} "
+            f"{r['step_us']:>9.0f} {r['request_us']:>8.0f} {with_hash:>10.0f} {r['hits']:>9} "
+            f"{ratio:>9.1f}x"
+        )
 
 
 if __name__ == "__main__":

@@ -1080,6 +1080,12 @@ class BlockManagerPool:
         Seed of the block hash in ``[0, 2**64)``; None is ``DEFAULT_HASH_SEED``.
     sliding_window : int or None
         Window in tokens of a sliding-window group 1 (R25).
+    attention_chunk_size : int or None
+        In place of ``sliding_window``: the window groups are chunked local attention groups of
+        this chunk in tokens (Llama 4's ``attention_chunk_size``, a multiple of ``block_size``):
+        a query at position p reads the tokens from its chunk's start ``p - p % chunk``, so a
+        group's table holds its blocks from there and a hit at a chunk's end needs none of them.
+        Needs the shared store (docs/hybrid.md "Chunked local attention").
     window_groups : int
         Groups of ``sliding_window`` in the shared store (default 1, at most 8): groups 1 to
         ``window_groups``, each with a table of its own and its ids from the one store (vLLM's
@@ -1170,6 +1176,7 @@ class BlockManagerPool:
         event_replay: int = 4096,
         hash_seed: int | None = None,
         sliding_window: int | None = None,
+        attention_chunk_size: int | None = None,
         window_groups: int = 1,
         swa_num_blocks: int | None = None,
         shared_blocks: bool | None = None,
@@ -2001,7 +2008,8 @@ class HierarchyBlockManagerPool(BlockManagerPool):
         holder releases it.
     dp_size, enable_prefix_cache, num_single_blocks, linear_state_slots, checkpoint_interval,
     linear_state_match, linear_state_save, concurrent, enable_events, event_replay, hash_seed,
-    sliding_window, window_groups, swa_num_blocks, debug_hash_bits, eviction, protected_percent
+    sliding_window, attention_chunk_size, window_groups, swa_num_blocks, debug_hash_bits,
+    eviction, protected_percent
         As for ``BlockManagerPool``. Without the device prefix cache the host tier stays idle.
 
     Raises
@@ -2033,6 +2041,7 @@ class HierarchyBlockManagerPool(BlockManagerPool):
         event_replay: int = 4096,
         hash_seed: int | None = None,
         sliding_window: int | None = None,
+        attention_chunk_size: int | None = None,
         window_groups: int = 1,
         swa_num_blocks: int | None = None,
         shared_blocks: bool | None = None,

@@ -158,6 +158,7 @@ POOL_OPTIONS = {
     "event_replay": COUNT,
     "hash_seed": COUNT,
     "sliding_window": COUNT,
+    "attention_chunk_size": COUNT,
     "window_groups": COUNT,
     "swa_num_blocks": COUNT,
     "debug_hash_bits": COUNT,

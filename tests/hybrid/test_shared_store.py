@@ -56,13 +56,21 @@ class Worker:
                     self.kv[(g, table[i])] = tuple(tokens[: (i + 1) * BS])
         seq.num_computed_tokens = upto
 
-    def verify(self, seq: kvpool.Sequence, groups: int, window: int | None, upto: int) -> int:
-        """Every entry a query at `upto` reads holds this sequence's prefix; returns how many
+    def verify(
+        self, seq: kvpool.Sequence, groups: int, window: int | None, upto: int, chunk: int = 0
+    ) -> int:
+        """Every entry a query at `upto` reads holds this sequence's prefix (a window group's
+        from `upto - window + 1`, a chunked group's from its chunk's start); returns how many
         entries were checked."""
         tokens = seq.token_ids
         checked = 0
         for g, table in enumerate(self.tables(seq, groups)):
-            first = 0 if g == 0 or window is None else max(0, upto - window + 1) // BS
+            if g == 0 or (window is None and not chunk):
+                first = 0
+            elif chunk:
+                first = upto // chunk * chunk // BS
+            else:
+                first = max(0, upto - window + 1) // BS
             for i in range(first, upto // BS):
                 assert table[i], f"group {g} entry {i} released but needed at {upto}"
                 got = self.kv.get((g, table[i]))
@@ -76,6 +84,7 @@ class Worker:
 def _workload(seed: int, steps: int, **options) -> dict[str, int]:
     rng = random.Random(seed)
     window = options.get("sliding_window")
+    attention_chunk = options.get("attention_chunk_size", 0)
     num_blocks = options.pop("num_blocks", 40)
     host = options.pop("host_num_blocks", None)
     if host is None:
@@ -109,7 +118,7 @@ def _workload(seed: int, steps: int, **options) -> dict[str, int]:
                 hit = seq.num_cached_tokens
                 if hit:
                     seen["hits"] += 1
-                    seen["checked"] += worker.verify(seq, groups, window, hit)
+                    seen["checked"] += worker.verify(seq, groups, window, hit, attention_chunk)
                 running.append(seq)
         elif op < 0.75:
             seq = rng.choice(running)
@@ -118,7 +127,9 @@ def _workload(seed: int, steps: int, **options) -> dict[str, int]:
                 worker.compute(seq, min(len(seq), held), groups)
                 pool.cache(seq)
                 worker.transfers(pool)
-                seen["checked"] += worker.verify(seq, groups, window, seq.num_computed_tokens)
+                seen["checked"] += worker.verify(
+                    seq, groups, window, seq.num_computed_tokens, attention_chunk
+                )
             else:
                 seq.append_token(rng.randrange(6))
                 lookahead = rng.choice([0, 0, 2])
@@ -197,6 +208,10 @@ def _workload(seed: int, steps: int, **options) -> dict[str, int]:
         },
         {"sliding_window": 8, "window_groups": 3, "num_blocks": 48},
         {"sliding_window": 8, "window_groups": 2, "dedup": False, "debug_hash_bits": 4},
+        {"attention_chunk_size": 8},
+        {"attention_chunk_size": 12, "window_groups": 3, "num_blocks": 48, "retention_tokens": 0},
+        {"attention_chunk_size": 8, "dedup": False, "debug_hash_bits": 3, "num_blocks": 28},
+        {"attention_chunk_size": 8, "shared_blocks": True, "host_num_blocks": 24, "num_blocks": 30},
     ],
     ids=[
         "window",
@@ -211,6 +226,10 @@ def _workload(seed: int, steps: int, **options) -> dict[str, int]:
         "host-linear-one-store-promote",
         "window-groups",
         "window-groups-no-dedup-collisions",
+        "chunked",
+        "chunked-groups-no-retention",
+        "chunked-no-dedup-collisions-tight",
+        "chunked-host",
     ],
 )
 def test_shared_store_workload_keeps_every_rule(seed, options):

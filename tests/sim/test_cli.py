@@ -209,6 +209,7 @@ def test_hybrid_and_host_options_run() -> None:
             "checkpoint_hits",
         ),
         (["--sliding-window", "256", "-w", "chat"], "prefix_hit_rate"),
+        (["--attention-chunk-size", "256", "-w", "chat"], "prefix_hit_rate"),
         (["--host-blocks", "512", "--num-blocks", "128", "-w", "chat"], "host_loads"),
     ]
     for args, key in cases:

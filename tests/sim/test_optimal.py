@@ -163,6 +163,7 @@ def test_simulate_reports_the_bound_beside_lru():
     [
         ([], "--eviction optimal needs --order request"),
         (["--order", "request", "--sliding-window", "64"], "drop --sliding-window"),
+        (["--order", "request", "--attention-chunk-size", "64"], "drop --attention-chunk-size"),
         (["--order", "request", "--dp", "2"], "drop --dp"),
         (["--order", "request", "--host-blocks", "64"], "drop --host-blocks"),
     ],

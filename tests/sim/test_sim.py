@@ -114,6 +114,8 @@ def test_exact_fit_request() -> None:
         {"linear_state_slots": 64, "linear_state_match": "contiguous", "checkpoint_interval": 16},
         {"sliding_window": 128, "swa_num_blocks": 256},
         {"sliding_window": 64, "linear_state_slots": 64, "checkpoint_interval": 32, "dp_size": 2},
+        {"attention_chunk_size": 128},
+        {"attention_chunk_size": 64, "dp_size": 2},
     ],
 )
 def test_hybrid_models_check_every_step(options) -> None:
@@ -137,6 +139,10 @@ def test_bad_config() -> None:
         Simulator(SimConfig(num_blocks=1), [])
     with pytest.raises(SimError, match="multiple of block_size"):
         Simulator(SimConfig(linear_state_slots=4, checkpoint_interval=10), [])
+    with pytest.raises(SimError, match="attention_chunk_size must be a positive multiple"):
+        Simulator(SimConfig(attention_chunk_size=24), [])
+    with pytest.raises(SimError, match="attention_chunk_size is not with sliding_window"):
+        Simulator(SimConfig(attention_chunk_size=32, sliding_window=32), [])
 
 
 def test_execute_numpy_backend() -> None:

@@ -1,7 +1,9 @@
-"""benches/hybrid_bench.py, vLLM 0.33.0's side: every config on a tiny written Mooncake-format
-trace, checked (hits within the shared prefix, nothing held after ``free``, a clean reset).
+"""benches/hybrid_bench.py, vLLM's side: every config on a tiny written Mooncake-format trace,
+checked (hits within the shared prefix, nothing held after ``free``, a clean reset), with vLLM's
+own manager and kvpool's drop-in (``--managers drop-in``: kvpool's Scheduler and manager, the
+same calls).
 
-Skipped unless vLLM 0.33.0 is installed (``make test-vllm``).
+Skipped unless vLLM 0.33.0 or 0.34.0 is installed (``make test-vllm`` runs both).
 """
 
 from __future__ import annotations
@@ -20,8 +22,10 @@ try:
     _FOUND = importlib.metadata.version("vllm").split("+")[0]
 except importlib.metadata.PackageNotFoundError:
     _FOUND = None
-if _FOUND != "0.33.0":  # the bench measures vLLM 0.33.0's own hybrid manager (issue 33, 1 and 4)
-    pytest.skip(f"needs vLLM 0.33.0 (found {_FOUND}): make test-vllm", allow_module_level=True)
+if _FOUND not in ("0.33.0", "0.34.0"):  # the bench measures vLLM's own hybrid manager (issue 33)
+    pytest.skip(
+        f"needs vLLM 0.33.0 or 0.34.0 (found {_FOUND}): make test-vllm", allow_module_level=True
+    )
 
 _ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(_ROOT / "benches"))
@@ -78,6 +82,11 @@ def test_every_config_runs_on_the_resolved_vllm_config(doc):
         assert got[("w1024", size, "vllm")]["vllm_retention_interval"] == 0
         assert got[("w1024-dense", size, "vllm")]["vllm_retention_interval"] is None
     assert ("ls2048", "10M", "vllm") not in got and ("w1024-dense", "10M", "kvpool") not in got
+    # the drop-in takes vLLM's full and window configs (not Mamba yet): vLLM's very config
+    for name in ("full", "w1024", "w128", "w1024-dense"):
+        r, v = got[(name, "10M", "drop-in")], got[(name, "10M", "vllm")]
+        assert (r["vllm_num_blocks"], r["vllm_block_size"]) == (v["vllm_num_blocks"], 16)
+    assert ("ls512", "10M", "drop-in") not in got
 
 
 def test_unbounded_hits(doc):
@@ -94,3 +103,16 @@ def test_unbounded_hits(doc):
     for name in ("w1024", "w128", "ls512"):
         assert 0 < got[(name, "10M", "vllm")] <= full
         assert got[(name, "100k", "vllm")] <= got[("full", "10M", "vllm")]
+
+
+def test_the_drop_in_hits_at_least_as_much_as_vllm(doc):
+    """Issue 33's binding target on the tiny trace: kvpool's vLLM manager serves at least vLLM's
+    own hits in every config and size, and (nothing evicted) every window config serves the
+    full-attention hit, which vLLM's sparse window retention does not."""
+    d, _ = doc
+    got = {(r["config"], r["size"], r["manager"]): r["hit_tokens"] for r in d["results"]}
+    for name in ("full", "w1024", "w128", "w1024-dense"):
+        for size in ("100k", "10M"):
+            assert got[(name, size, "drop-in")] >= got[(name, size, "vllm")], (name, size)
+        assert got[(name, "10M", "drop-in")] == got[("full", "10M", "vllm")]
+    assert got[("w128", "10M", "drop-in")] > got[("w128", "10M", "vllm")]

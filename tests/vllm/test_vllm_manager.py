@@ -251,9 +251,9 @@ def test_bad_input_and_unsupported_configs(bs):
     from kvpool.integrations import vllm as kv_vllm
     from vllm.sampling_params import SamplingParams
     from vllm.v1.kv_cache_interface import (
-        ChunkedLocalAttentionSpec,
         KVCacheConfig,
         KVCacheGroupSpec,
+        MambaSpec,
     )
     from vllm.v1.request import Request
 
@@ -265,22 +265,18 @@ def test_bad_input_and_unsupported_configs(bs):
         manager.allocate_slots(r, 8, num_external_computed_tokens=16)
     assert manager.pool.stats()["num_used_blocks"] == 0
     full = h.kv_cache_config(32, bs)
-    local = ChunkedLocalAttentionSpec(
-        block_size=bs, num_kv_heads=2, head_size=64, dtype=torch.bfloat16, attention_chunk_size=128
-    )
+    mamba = MambaSpec(block_size=bs, shapes=((2, 4),), dtypes=(torch.float32,))
     kwargs = dict(max_model_len=1024, scheduler_block_size=bs, hash_block_size=bs)
     hybrid = KVCacheConfig(
         num_blocks=32,
         kv_cache_tensors=[],
         kv_cache_groups=[
             full.kv_cache_groups[0],
-            KVCacheGroupSpec(["model.layers.1.self_attn.attn"], local),
+            KVCacheGroupSpec(["model.layers.1.linear_attn"], mamba),
         ],
     )
-    # (sliding-window groups are taken: test_vllm_hybrid.py)
-    with pytest.raises(
-        NotImplementedError, match="ChunkedLocalAttentionSpec KV cache group \\(group 1\\)"
-    ):
+    # (sliding-window and chunked local attention groups are taken: test_vllm_hybrid.py)
+    with pytest.raises(NotImplementedError, match="MambaSpec KV cache group \\(group 1\\)"):
         kv_vllm.KVCacheManager(kv_cache_config=hybrid, **kwargs)
     with pytest.raises(NotImplementedError, match="use_eagle"):
         kv_vllm.KVCacheManager(kv_cache_config=full, use_eagle=True, **kwargs)

@@ -63,6 +63,7 @@ from vllm.utils.hashing import get_hash_fn_by_name  # noqa: E402
 from vllm.v1.core.kv_cache_manager import KVCacheManager as VllmKVCacheManager  # noqa: E402
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
 from vllm.v1.kv_cache_interface import (  # noqa: E402
+    ChunkedLocalAttentionSpec,
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
@@ -169,18 +170,23 @@ class Hybrid:
     groups of ``window`` tokens beside one full-attention group; ``window_first``: vLLM's group 0
     is a window group (gpt-oss's first layer is a window layer). ``retention``: the config's
     ``prefix_cache_retention_interval`` (vLLM's default 0: sparse window retention; None: vLLM
-    keeps every window block)."""
+    keeps every window block). ``chunked``: the window groups are chunked local attention
+    groups of chunk ``window`` (Llama 4)."""
 
     window: int
     window_groups: int = 1
     window_first: bool = False
     retention: int | None = 0
+    chunked: bool = False
 
 
 GPT_OSS = Hybrid(window=128, window_groups=1, window_first=True)  # alternating 128 / full
 # 5 window layers (512) per full one: five window groups here; vLLM's planner splits Gemma 3's
 # layers into six (test_vllm_hybrid.py's test_the_configs_vllms_planner_builds)
 GEMMA3 = Hybrid(window=512, window_groups=5)
+# Llama 4: 3 chunked local attention layers (chunk 8,192) per full one, three chunked groups; a
+# chunk of 512 here, so the chat trace's prompts (about 3.2k tokens) cross chunk boundaries
+LLAMA4 = Hybrid(window=512, window_groups=3, chunked=True)
 
 
 def kv_cache_config(
@@ -196,12 +202,11 @@ def kv_cache_config(
             kv_cache_tensors=[],
             kv_cache_groups=[KVCacheGroupSpec(layers, spec)],
         )
-    window = SlidingWindowSpec(
-        block_size=block_size,
-        num_kv_heads=2,
-        head_size=64,
-        dtype=torch.bfloat16,
-        sliding_window=hybrid.window,
+    common = dict(block_size=block_size, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+    window = (
+        ChunkedLocalAttentionSpec(attention_chunk_size=hybrid.window, **common)
+        if hybrid.chunked
+        else SlidingWindowSpec(sliding_window=hybrid.window, **common)
     )
     n = 1 + hybrid.window_groups  # one layer per group: layer i in group i
     groups = [
@@ -257,16 +262,35 @@ def vllm_grouped_config(
 
 
 def group_windows(config: KVCacheConfig) -> list[int | None]:
-    """Each group's window in tokens (None: full attention), in vLLM's order."""
-    return [getattr(g.kv_cache_spec, "sliding_window", None) for g in config.kv_cache_groups]
+    """Each group's window in tokens (a chunked local attention group's chunk; None: full
+    attention), in vLLM's order."""
+    return [
+        getattr(g.kv_cache_spec, "sliding_window", None)
+        or getattr(g.kv_cache_spec, "attention_chunk_size", None)
+        for g in config.kv_cache_groups
+    ]
+
+
+def group_chunked(config: KVCacheConfig) -> list[bool]:
+    """Whether each group is a chunked local attention group, in vLLM's order."""
+    return [isinstance(g.kv_cache_spec, ChunkedLocalAttentionSpec) for g in config.kv_cache_groups]
 
 
 def first_needed(window: int | None, computed: int, block_size: int) -> int:
-    """The first block a query at position ``computed`` reads (vLLM's
-    ``get_num_skipped_tokens`` in blocks; 0 for full attention)."""
+    """The first block a table must hold for a query at position ``computed`` (a sliding
+    window's ``get_num_skipped_tokens`` in blocks; 0 for full attention): entries before it are
+    null. A chunked group's chunk counts as its window here (kvpool keeps that much)."""
     if window is None:
         return 0
     return max(0, computed - window + 1) // block_size
+
+
+def first_read(window: int | None, chunked: bool, computed: int, block_size: int) -> int:
+    """The first block a query at position ``computed`` reads: ``first_needed``, or for a
+    chunked local attention group its chunk's start (vLLM's ``get_num_skipped_tokens``)."""
+    if chunked and window:
+        return computed // window * window // block_size
+    return first_needed(window, computed, block_size)
 
 
 class PublishAfterCompute(VllmKVCacheManager):
@@ -351,6 +375,7 @@ class Log:
         default_factory=dict
     )  # rid -> [(step, hit)]
     same_step_shares: int = 0  # admissions whose hit includes blocks scheduled, not computed
+    share_tokens: int = 0  # the hit tokens from the first such block on (vLLM only)
     first_share_step: int | None = None
     missed_running: int = 0  # hits stopping at a block a running request computed, unpublished
     first_missed_step: int | None = None
@@ -383,6 +408,7 @@ def drive(
     """
     bs = manager.kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
     windows = group_windows(manager.kv_cache_config)  # None: full attention
+    chunked = group_chunked(manager.kv_cache_config)
     full = windows.index(None)
     params = {}
     pending = collections.deque(trace)
@@ -481,7 +507,8 @@ def drive(
                 assert not any(groups[g][:start]), (
                     f"request {r.request_id}: group {g} holds blocks behind its window"
                 )
-                for j in range(start, hit // bs):  # every hit block holds its tokens' KV ...
+                start = first_read(window, chunked[g], hit, bs)
+                for j in range(start, hit // bs):  # every hit block read holds its tokens' KV ...
                     if chain[j] in in_flight:  # ... or is being computed this step (vLLM only)
                         shared = True
                     else:
@@ -489,6 +516,9 @@ def drive(
                             f"request {r.request_id}: hit block {j} of group {g} holds other KV"
                         )
             log.same_step_shares += shared
+            if shared:
+                first = next(j for j in range(hit // bs) if chain[j] in in_flight)
+                log.share_tokens += hit - first * bs
             if shared and log.first_share_step is None:
                 log.first_share_step = step
             j = hit // bs  # the first block missed: computed by a running request, unpublished?
@@ -531,7 +561,7 @@ def drive(
                     b in (a, 0) for a, b in zip(worker[g], now[g], strict=True)
                 ), f"request {rid}: group {g}'s table changed under the worker"
                 # every block a query of this step reads holds its tokens' KV
-                for j in range(first_needed(window, computed, bs), computed // bs):
+                for j in range(first_read(window, chunked[g], computed, bs), computed // bs):
                     if chains[rid][j] not in in_flight:
                         assert kv_store.get(worker[g][j]) == (g, chains[rid][j]), (
                             f"request {rid}: block {j} of group {g} holds other KV at step {step}"
@@ -685,6 +715,7 @@ class FakeKV:
     def __init__(self, config: KVCacheConfig, trace: list[Item]) -> None:
         self.bs = config.kv_cache_groups[0].kv_cache_spec.block_size
         self.windows = group_windows(config)
+        self.chunked = group_chunked(config)
         self.chains = {
             str(it.rid): kvpool.hash_blocks(it.prompt + it.output, self.bs) for it in trace
         }
@@ -716,7 +747,8 @@ class FakeKV:
                 assert not any(self.tables[r.req_id][g][:start]), (
                     f"request {r.req_id}: group {g} holds blocks behind its window"
                 )
-                for j in range(start, c // bs):  # the hit, as the first query reads it
+                # the hit, as the first query reads it
+                for j in range(first_read(window, self.chunked[g], c, bs), c // bs):
                     self._read(r.req_id, g, j, step)
         cached = so.scheduled_cached_reqs
         resumed = getattr(cached, "resumed_req_ids", set())
@@ -731,7 +763,7 @@ class FakeKV:
             computed[rid] = c
             for g, window in enumerate(self.windows):
                 if window is not None:  # every block the step's first query reads
-                    for j in range(first_needed(window, c, bs), c // bs):
+                    for j in range(first_read(window, self.chunked[g], c, bs), c // bs):
                         self._read(rid, g, j, step)
         for rid, n in so.num_scheduled_tokens.items():
             c = computed[rid]

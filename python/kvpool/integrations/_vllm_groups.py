@@ -5,9 +5,15 @@ table each, all indexing one set of tensors by block id (block 0 is the null blo
 (alternating window 128 and full attention) has one full-attention and one window group,
 Gemma 3 (five window layers per full one) six window groups of one window and one
 full-attention group (groups of equal layer count: 4 layers each of the 1B model's 26).
-kvpool's pool holds them in one block store (docs/hybrid.md "One block store"): group 0 is
-full attention, groups 1 to ``window_groups`` the window groups of one ``sliding_window``,
-every id from the one free list.
+Llama 4 (three chunked local attention layers of 8,192 tokens per full one) three chunked
+groups beside one full-attention group. kvpool's pool holds them in one block store
+(docs/hybrid.md "One block store"): group 0 is full attention, groups 1 to ``window_groups``
+the window groups of one ``sliding_window``, every id from the one free list.
+
+Chunked local attention groups are the pool's window groups with ``attention_chunk_size``: a
+query at position p reads the tokens from its chunk's start ``p - p % chunk``, so the tables
+hold the blocks from there (null entries before, as vLLM's own chunked tables), and a hit at a
+boundary needs each chunked group's blocks from that boundary's chunk start only.
 
 ``group_layout`` reads a ``KVCacheConfig`` into that mapping, or raises NotImplementedError
 naming the group it cannot hold. Import ``kvpool.integrations.vllm``, which checks the vLLM
@@ -19,14 +25,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+from vllm.v1.kv_cache_interface import (
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    SlidingWindowSpec,
+)
 
 try:  # (both supported versions have it; a window MLA group is a window group all the same)
     from vllm.v1.kv_cache_interface import SlidingWindowMLASpec as _WindowMLA
 except ImportError:  # pragma: no cover
     _WindowMLA = SlidingWindowSpec
 
-__all__ = ["MAX_WINDOW_GROUPS", "GroupLayout", "group_layout"]
+__all__ = ["MAX_WINDOW_GROUPS", "GroupLayout", "group_layout", "window_of"]
 
 MAX_WINDOW_GROUPS = 8  # the core's limit (``window_groups``)
 
@@ -45,7 +55,10 @@ class GroupLayout:
         kvpool's group of each vLLM group, in vLLM's order (0: full attention; 1, 2, ...: the
         window groups in vLLM's order).
     sliding_window : int or None
-        The window groups' window in tokens; None for one full-attention group.
+        The window groups' window in tokens (a chunked local attention group's: its chunk);
+        None for one full-attention group.
+    chunked : bool
+        The window groups are chunked local attention groups, ``sliding_window`` their chunk.
     block_size : int
         Tokens per block, the same in every group.
     specs : tuple
@@ -54,6 +67,7 @@ class GroupLayout:
 
     pool_groups: tuple[int, ...]
     sliding_window: int | None
+    chunked: bool
     block_size: int
     specs: tuple[Any, ...]
 
@@ -84,32 +98,37 @@ def _is_full(spec: Any) -> bool:
     )
 
 
-def _is_window(spec: Any) -> bool:
-    return isinstance(spec, (SlidingWindowSpec, _WindowMLA)) and bool(
-        getattr(spec, "sliding_window", None)
-    )
+def window_of(spec: Any) -> int | None:
+    """The window kvpool keeps for a group of ``spec``: a sliding window's size, a chunked
+    local attention group's chunk (module doc); None for any other group."""
+    if isinstance(spec, (SlidingWindowSpec, _WindowMLA)):
+        return getattr(spec, "sliding_window", None) or None
+    if isinstance(spec, ChunkedLocalAttentionSpec):
+        return spec.attention_chunk_size or None
+    return None
 
 
 def group_layout(kv_cache_config: Any) -> GroupLayout:
     """kvpool's groups for ``kv_cache_config``'s: one full-attention group and any number (up
-    to ``MAX_WINDOW_GROUPS``) of sliding-window groups of one window, with one block size.
+    to ``MAX_WINDOW_GROUPS``) of sliding-window or chunked local attention groups of one window
+    (or chunk), with one block size.
 
     Raises
     ------
     NotImplementedError
-        Any other group (Mamba, chunked local attention, cross attention, ...), several
-        full-attention groups, window groups of different windows or block sizes, a window
-        group retaining tokens below its window (``extra_retained_tokens``, MTP), groups of
-        several precisions (their blocks need zeroing), or no group.
+        Any other group (Mamba, cross attention, ...), several full-attention groups, window
+        groups of different windows or block sizes, a window group retaining tokens below its
+        window (``extra_retained_tokens``, MTP), groups of several precisions (their blocks
+        need zeroing), or no group.
     """
     specs = tuple(group.kv_cache_spec for group in kv_cache_config.kv_cache_groups)
     full = [i for i, spec in enumerate(specs) if _is_full(spec)]
-    windows = [i for i, spec in enumerate(specs) if _is_window(spec)]
+    windows = [i for i, spec in enumerate(specs) if i not in full and window_of(spec)]
     for i, spec in enumerate(specs):
         if i not in full and i not in windows:
             raise _unsupported(
-                f"a {type(spec).__name__} KV cache group (group {i}); full-attention and "
-                "sliding-window groups are"
+                f"a {type(spec).__name__} KV cache group (group {i}); full-attention, "
+                "sliding-window and chunked local attention groups are"
             )
     if len(full) != 1:
         raise _unsupported(
@@ -118,7 +137,10 @@ def group_layout(kv_cache_config: Any) -> GroupLayout:
         )
     if len(windows) > MAX_WINDOW_GROUPS:
         raise _unsupported(f"{len(windows)} sliding-window groups; at most {MAX_WINDOW_GROUPS} are")
-    window_sizes = sorted({specs[i].sliding_window for i in windows})
+    chunked = {isinstance(specs[i], ChunkedLocalAttentionSpec) for i in windows}
+    if len(chunked) > 1:
+        raise _unsupported("sliding-window and chunked local attention groups in one model")
+    window_sizes = sorted({window_of(specs[i]) or 0 for i in windows})  # (each is positive)
     if len(window_sizes) > 1:
         raise _unsupported(f"sliding-window groups of different windows {window_sizes}")
     block_sizes = sorted({spec.block_size for spec in specs})
@@ -141,6 +163,7 @@ def group_layout(kv_cache_config: Any) -> GroupLayout:
     return GroupLayout(
         pool_groups=tuple(pool_groups),
         sliding_window=window_sizes[0] if window_sizes else None,
+        chunked=chunked == {True},
         block_size=block_sizes[0],
         specs=specs,
     )

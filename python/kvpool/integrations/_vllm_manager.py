@@ -167,7 +167,12 @@ class KVCacheManager:
         self._stats_recorded = False  # prefix_cache_stats holds something since it was taken
         # vLLM's window groups: kvpool's groups 1, 2, ... of one window in the shared store
         windows: dict[str, int] = (
-            {"sliding_window": layout.sliding_window, "window_groups": layout.window_groups}
+            {
+                "attention_chunk_size" if layout.chunked else "sliding_window": (
+                    layout.sliding_window
+                ),
+                "window_groups": layout.window_groups,
+            }
             if layout.sliding_window is not None
             else {}
         )

@@ -60,6 +60,7 @@ SWEEP_KEYS: dict[str, tuple[str, Any]] = {
     "checkpoint_interval": ("checkpoint_interval", int),
     "linear_state_blocks": ("linear_state_blocks", int),
     "sliding_window": ("sliding_window", int),
+    "attention_chunk_size": ("attention_chunk_size", int),
     "cache_tokens": ("cache_tokens", None),
     "host_cache_tokens": ("host_cache_tokens", None),
     "tp": ("tp", int),
@@ -369,6 +370,13 @@ def build_parser(prog: str = "kvpool simulate") -> argparse.ArgumentParser:
         type=_positive_int,
         default=None,
         help="window of the sliding-window attention group, in tokens",
+    )
+    h.add_argument(
+        "--attention-chunk-size",
+        type=_positive_int,
+        default=None,
+        help="chunk of a chunked local attention group (Llama 4), in tokens, in place of "
+        "--sliding-window: a query reads from its chunk's start (docs/hybrid.md)",
     )
     h.add_argument(
         "--swa-num-blocks",

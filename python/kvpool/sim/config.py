@@ -53,6 +53,8 @@ class SimConfig:
     checkpoint_interval: int | None = None
     linear_state_match: str = "deepest"
     sliding_window: int | None = None
+    # chunked local attention groups (Llama 4) of this chunk, in place of sliding_window
+    attention_chunk_size: int | None = None
     swa_num_blocks: int | None = None
     host_num_blocks: int = 0
     remote: str | None = (
@@ -81,6 +83,11 @@ class SimConfig:
     xtensor: dict[str, Any] | None = None
     memory_limit_schedule: tuple[tuple[float, float | None], ...] = ()
 
+    @property
+    def has_window_groups(self) -> bool:
+        """Whether the pool has window groups (a sliding window or chunked local attention)."""
+        return self.sliding_window is not None or self.attention_chunk_size is not None
+
     def pool_kwargs(self) -> dict[str, Any]:
         kw: dict[str, Any] = {
             "dp_size": self.dp_size,
@@ -97,6 +104,8 @@ class SimConfig:
             kw["sliding_window"] = self.sliding_window
             if self.swa_num_blocks is not None:
                 kw["swa_num_blocks"] = self.swa_num_blocks
+        if self.attention_chunk_size is not None:
+            kw["attention_chunk_size"] = self.attention_chunk_size
         if self.hash_seed is not None:
             kw["hash_seed"] = self.hash_seed
         if self.xtensor is not None:
@@ -158,6 +167,14 @@ class SimConfig:
             raise SimError("sliding_window must be >= 1")
         if self.swa_num_blocks is not None and self.sliding_window is None:
             raise SimError("swa_num_blocks needs sliding_window")
+        if self.attention_chunk_size is not None:
+            if self.sliding_window is not None:
+                raise SimError("attention_chunk_size is not with sliding_window")
+            if self.attention_chunk_size < 1 or self.attention_chunk_size % self.block_size:
+                raise SimError(
+                    "attention_chunk_size must be a positive multiple of block_size "
+                    f"({self.block_size}), got {self.attention_chunk_size}"
+                )
         if self.host_num_blocks < 0:
             raise SimError("host_num_blocks must be >= 0")
         if self.remote is not None and not self.host_num_blocks:

@@ -192,6 +192,7 @@ def make_config(
         checkpoint_interval=args.checkpoint_interval,
         linear_state_match=args.linear_state_match,
         sliding_window=args.sliding_window,
+        attention_chunk_size=args.attention_chunk_size,
         swa_num_blocks=args.swa_num_blocks,
         host_num_blocks=host_blocks,
         remote=args.remote,
@@ -225,6 +226,7 @@ def _check_optimal(args: argparse.Namespace, host_blocks: int, xtensor: Any) -> 
         raise UsageError("--eviction optimal needs --order request (the future is then known)")
     for flag, given in (
         ("--sliding-window", args.sliding_window is not None),
+        ("--attention-chunk-size", args.attention_chunk_size is not None),
         ("--linear-state-slots", bool(args.linear_state_slots)),
         ("--host-blocks/--host-cache-tokens", bool(host_blocks)),
         ("--remote", args.remote is not None),

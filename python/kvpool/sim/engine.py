@@ -606,7 +606,7 @@ class Simulator:
             assert lv.seq is None or len(lv.seq.block_table) == 0, (
                 "a waiting (preempted) sequence still holds blocks"
             )
-        if cfg.sliding_window is None and not self.hier:
+        if not cfg.has_window_groups and not self.hier:
             # shared blocks count once in the pool and once per holder here
             distinct = len(
                 {(lv.seq.dp_rank, int(b)) for lv in self.running for b in lv.seq.block_table if b}

@@ -130,7 +130,7 @@ class Executor:
         self.notes: list[str] = []
         if cfg.linear_state_slots:
             self.notes.append("linear-state layers are not executed (plans are counted only)")
-        if cfg.sliding_window is not None:
+        if cfg.has_window_groups:
             self.notes.append("only the full-attention group is executed")
 
     # -------------------------------------------------------------- setup

@@ -119,7 +119,7 @@ def _group_memory_rows(s: dict[str, Any]) -> list[tuple[str, str, str] | None]:
     rows: list[tuple[str, str, str] | None] = []
     for name, label in (
         ("full", "full attention"),
-        ("window", "sliding window"),
+        ("window", "chunked attention" if memory.get("chunked") else "sliding window"),
         ("linear", "linear state"),
     ):
         used, cached = memory.get(f"{name}_used_blocks"), memory.get(f"{name}_cached_blocks")

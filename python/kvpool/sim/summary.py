@@ -146,8 +146,9 @@ def summarize(sim: Any, wall: float) -> dict[str, Any]:
     }
     if sim.trace_read_s is not None:
         out["trace_read_s"] = sim.trace_read_s
-    if sim.cfg.sliding_window is not None or sim.cfg.linear_state_slots:
+    if sim.cfg.has_window_groups or sim.cfg.linear_state_slots:
         out["group_memory"] = group_memory(sim.pool)
+        out["group_memory"]["chunked"] = int(sim.cfg.attention_chunk_size is not None)
     if sim.mapped is not None:
         out.update(sim.mapped.summary(st, sim.now_s))
     if sim.cfg.retain_ttl_s is not None:

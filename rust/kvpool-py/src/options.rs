@@ -29,6 +29,7 @@ pub(crate) const POOL_OPTIONS: &[&str] = &[
     "event_replay",
     "hash_seed",
     "sliding_window",
+    "attention_chunk_size",
     "window_groups",
     "swa_num_blocks",
     "shared_blocks",
@@ -136,6 +137,7 @@ impl<'py> Options<'py> {
             linear_state_blocks: self.count("linear_state_blocks")?.unwrap_or(0),
             block_bytes: self.count("block_bytes")?.unwrap_or(0) as u64,
             sliding_window: self.count("sliding_window")?,
+            attention_chunk_size: self.count("attention_chunk_size")?,
             window_groups: self.count("window_groups")?.unwrap_or(1),
             swa_num_blocks: self.count("swa_num_blocks")?,
             // None: the default (shared unless the window group is sized on its own)

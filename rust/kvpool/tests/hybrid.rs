@@ -281,6 +281,85 @@ fn window_hits_only_while_the_window_is_held_or_kept() {
     pool.check().unwrap();
 }
 
+/// Computes `tokens` whole in `pool` and releases them.
+fn computed_and_released(pool: &mut BlockManagerPool, tokens: Vec<u32>) {
+    let n = tokens.len();
+    let mut seq = Sequence::new(tokens, None, None);
+    assert!(pool.allocate(&mut seq, None).unwrap());
+    seq.set_num_computed_tokens(n).unwrap();
+    pool.cache(&mut seq).unwrap();
+    pool.deallocate(&mut seq).unwrap();
+}
+
+#[test]
+fn chunked_groups_read_from_the_chunk_start_and_keep_chunk_end_hits() {
+    // Chunk 16 at block size 4: a query at p reads from p - p % 16. Under a stream of unrelated
+    // prompts a sliding window of 16 loses the conversation's hit points (each needs the
+    // window's blocks before it); the chunked group's hits at chunk ends need none of its
+    // blocks and stay.
+    let conversation: Vec<u32> = (100..164).collect();
+    let mut hits = Vec::new();
+    for chunked in [true, false] {
+        let mut config = PoolConfig::new(44, 4);
+        config.retention_tokens = 0;
+        if chunked {
+            config.attention_chunk_size = Some(16);
+        } else {
+            config.sliding_window = Some(16);
+        }
+        let mut pool = BlockManagerPool::new(config).unwrap();
+        let mut a = Sequence::new(conversation.clone(), None, None);
+        assert!(pool.allocate(&mut a, None).unwrap());
+        a.set_num_computed_tokens(26).unwrap();
+        pool.cache(&mut a).unwrap();
+        // the query at 26 reads from 16 (chunked) or 11 (window): blocks before are released
+        let table = a.group_block_ids(1).unwrap();
+        let released = table.iter().take_while(|&&id| id == 0).count();
+        assert_eq!(released, if chunked { 4 } else { 2 });
+        a.set_num_computed_tokens(64).unwrap();
+        pool.deallocate(&mut a).unwrap();
+        for k in 0..6u32 {
+            computed_and_released(&mut pool, (0..8).map(|t| k * 1000 + t).collect());
+            pool.check().unwrap();
+        }
+        let got: Vec<usize> = [64usize, 48, 32]
+            .iter()
+            .map(|&n| {
+                let mut probe = conversation[..n].to_vec();
+                probe.push(7);
+                let mut seq = Sequence::new(probe, None, None);
+                assert!(pool.allocate(&mut seq, None).unwrap());
+                let hit = seq.num_cached_tokens();
+                pool.deallocate(&mut seq).unwrap();
+                hit
+            })
+            .collect();
+        pool.check().unwrap();
+        hits.push(got);
+    }
+    assert_eq!(hits, vec![vec![64, 48, 32], vec![0, 0, 0]]);
+}
+
+#[test]
+fn chunk_options_are_checked() {
+    for (chunk, window, own) in [
+        (Some(6), None, None),
+        (Some(0), None, None),
+        (Some(8), Some(8), None),
+        (Some(8), None, Some(8)),
+    ] {
+        let mut config = PoolConfig::new(16, 4);
+        config.attention_chunk_size = chunk;
+        config.sliding_window = window;
+        config.swa_num_blocks = own;
+        let error = BlockManagerPool::new(config).err().expect("refused");
+        assert!(
+            error.to_string().contains("attention_chunk_size"),
+            "{error}"
+        );
+    }
+}
+
 #[derive(Clone, Debug)]
 enum Op {
     Allocate { prefix: u8, len: u8, chunk: bool },

@@ -3,6 +3,9 @@
 //! space) and are published by attaching them to the full-attention prefix tree
 //! (`prefix_cache/attach.rs`).
 //!
+//! A chunked local attention group (`attention_chunk_size`) is one whose query reads from its
+//! chunk's start: its `first_needed` is that start, and so is its run's.
+//!
 //! Hit limit: the deepest boundary whose run (`first_needed(k)..k`) is attached to the nodes
 //! the full-attention walk verified (R7 through the node); taking the hit shares exactly that
 //! run. The table grows with the full-attention table (one entry per block). A slide drops
@@ -25,6 +28,8 @@ use crate::prefix_cache::PrefixCache;
 /// A sliding-window group whose blocks live in the full-attention group's store.
 pub(crate) struct SharedWindowGroup {
     window: usize,
+    /// Chunked local attention: `window` is the chunk, and a query reads from its chunk's start.
+    chunked: bool,
     block_size: usize,
     /// Its attachment group in the full-attention cache.
     group: usize,
@@ -35,9 +40,16 @@ pub(crate) struct SharedWindowGroup {
 }
 
 impl SharedWindowGroup {
-    pub(crate) fn new(window: usize, block_size: usize, group: usize, owner: u8) -> Self {
+    pub(crate) fn new(
+        window: usize,
+        chunked: bool,
+        block_size: usize,
+        group: usize,
+        owner: u8,
+    ) -> Self {
         Self {
             window,
+            chunked,
             block_size,
             group,
             owner,
@@ -56,10 +68,14 @@ impl SharedWindowGroup {
     }
 
     /// The first block the query at position `computed` attends to (R25; exact for every
-    /// `usize`, F5).
+    /// `usize`, F5): a chunked group's chunk start.
     #[inline]
     pub(crate) fn first_needed_block(&self, computed: usize) -> usize {
-        computed.saturating_sub(self.window - 1) / self.block_size
+        if self.chunked {
+            computed / self.window * self.window / self.block_size
+        } else {
+            computed.saturating_sub(self.window - 1) / self.block_size
+        }
     }
 
     /// The deepest boundary `k <= limit` whose run is attached to the walked nodes (`device`:

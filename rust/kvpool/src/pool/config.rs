@@ -64,6 +64,12 @@ pub struct PoolConfig {
     pub block_bytes: u64,
     /// Sliding window in tokens of the second group (R25); `None`: one full-attention group.
     pub sliding_window: Option<usize>,
+    /// Chunked local attention in tokens (Llama 4's `attention_chunk_size`), in place of
+    /// `sliding_window`: the window groups' query at position `p` reads the tokens from its
+    /// chunk's start `p - p % chunk`, so a hit at a boundary needs the group's blocks from that
+    /// chunk's start only (none at a chunk's end). A multiple of `block_size`; needs the shared
+    /// store. `None`: the window groups are sliding windows.
+    pub attention_chunk_size: Option<usize>,
     /// Groups of `sliding_window` in the shared store (vLLM's several window groups of one
     /// spec, e.g. Gemma 3's five window layers per full one): each has a table of its own, its
     /// ids from the one store, and attaches its blocks to the full-attention tree on its own.
@@ -118,6 +124,7 @@ impl PoolConfig {
             linear_state_blocks: 0,
             block_bytes: 0,
             sliding_window: None,
+            attention_chunk_size: None,
             window_groups: 1,
             swa_num_blocks: None,
             shared_blocks: None,
@@ -144,6 +151,12 @@ impl PoolConfig {
         self.num_single_blocks.unwrap_or(self.num_blocks)
     }
 
+    /// The window groups' window in tokens: `sliding_window`, or the chunk of
+    /// `attention_chunk_size` (the most tokens before a query it reads, plus one).
+    pub fn window(&self) -> Option<usize> {
+        self.sliding_window.or(self.attention_chunk_size)
+    }
+
     fn swa_blocks(&self) -> usize {
         self.swa_num_blocks.unwrap_or(self.num_blocks)
     }
@@ -153,7 +166,7 @@ impl PoolConfig {
     /// `xtensor`) and there is no host tier (with one, a window store of its own keeps the runs
     /// of the chains whose full-attention blocks went to the host: docs/host_tier.md).
     pub fn shares_window_store(&self) -> bool {
-        self.sliding_window.is_some()
+        self.window().is_some()
             && self.shared_blocks.unwrap_or(
                 self.swa_num_blocks.is_none() && self.xtensor.is_none() && self.host.is_none(),
             )
@@ -231,6 +244,25 @@ impl PoolConfig {
                 self.block_size
             );
         }
+        if let Some(chunk) = self.attention_chunk_size {
+            ensure_arg!(
+                self.sliding_window.is_none(),
+                "attention_chunk_size",
+                "is not with sliding_window (the window groups are one or the other)"
+            );
+            ensure_arg!(
+                chunk >= self.block_size && chunk % self.block_size == 0,
+                "attention_chunk_size",
+                "must be a positive multiple of block_size {}, got {chunk}",
+                self.block_size
+            );
+            ensure_arg!(
+                self.shares_window_store(),
+                "attention_chunk_size",
+                "needs the shared store (no swa_num_blocks, shared_blocks=False, xtensor or host \
+                 tier)"
+            );
+        }
         ensure_arg!(
             self.swa_num_blocks.is_none() || self.sliding_window.is_some(),
             "swa_num_blocks",
@@ -251,7 +283,7 @@ impl PoolConfig {
         );
         if self.shared_blocks == Some(true) {
             ensure_arg!(
-                self.sliding_window.is_some(),
+                self.window().is_some(),
                 "shared_blocks",
                 "needs sliding_window (the groups that share the store)"
             );
@@ -308,7 +340,7 @@ impl PoolConfig {
         let per_rank = allocator
             + self.num_single() as u128 * BlockStore::BYTES_PER_ID
             + LinearStatePrefixCache::footprint(self.linear_state_slots)
-            + match (self.sliding_window, self.shares_window_store()) {
+            + match (self.window(), self.shares_window_store()) {
                 (None, _) => 0,
                 (Some(_), true) => {
                     self.num_blocks as u128
@@ -337,11 +369,10 @@ impl PoolConfig {
                         if self.eviction != Eviction::Lru {
                             cache.set_eviction(self.eviction, self.protected_percent)?;
                         }
-                        if let (Some(window), true) =
-                            (self.sliding_window, self.shares_window_store())
-                        {
+                        if let (Some(window), true) = (self.window(), self.shares_window_store()) {
                             cache.enable_attachments(AttachConfig {
                                 windows: vec![window; self.window_groups],
+                                chunked: self.attention_chunk_size.is_some(),
                                 retention_tokens: self.retention_tokens,
                             })?;
                             cache.set_record_attach_events(self.enable_events);
@@ -391,7 +422,7 @@ impl PoolConfig {
                 }
                 groups.push(Group::Linear(group));
             }
-            if let (Some(window), true) = (self.sliding_window, self.shares_window_store()) {
+            if let (Some(window), true) = (self.window(), self.shares_window_store()) {
                 ensure_arg!(
                     window >= 1,
                     "sliding_window",
@@ -402,6 +433,7 @@ impl PoolConfig {
                     let owner = groups.len() as u8 + 1;
                     groups.push(Group::SharedWindow(SharedWindowGroup::new(
                         window,
+                        self.attention_chunk_size.is_some(),
                         self.block_size,
                         attach_group,
                         owner,

@@ -182,8 +182,8 @@ impl BlockManagerPool {
         let id = NEXT_POOL_ID.fetch_add(1, Ordering::Relaxed);
         // Where links outlive their chains (checkpoints; window tails behind a host tier), the
         // caches keep graves so that a chain computed again takes its anchors back (R7).
-        let graves = config.linear_state_slots > 0
-            || (config.sliding_window.is_some() && config.host.is_some());
+        let graves =
+            config.linear_state_slots > 0 || (config.window().is_some() && config.host.is_some());
         for rank in &mut ranks {
             if let Some(cache) = rank.full.cache_mut() {
                 cache.keep_graves(graves);
@@ -256,7 +256,7 @@ impl BlockManagerPool {
 
     /// Block groups of every sequence: 1, or 1 + `window_groups` with a sliding window (R25).
     pub fn num_groups(&self) -> usize {
-        1 + if self.config.sliding_window.is_some() {
+        1 + if self.config.window().is_some() {
             self.config.window_groups
         } else {
             0

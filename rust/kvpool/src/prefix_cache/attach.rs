@@ -7,7 +7,8 @@
 //! the node, never by a hash lookup of its own, so a hash collision cannot hand out another
 //! prefix's window block, and it lives no longer than its node (R10: evicting a node drops its
 //! attachments). A hit at boundary `k` needs the window group's run before `k`, the
-//! attachments of positions `first_needed(k)..k` (R25).
+//! attachments of positions `first_needed(k)..k` (R25; a chunked local attention group's run
+//! starts at its chunk's start, none at a chunk's end).
 //!
 //! Which hit points are kept (the retention rule). Every window block that slides out of a
 //! sequence stays attached (cached, evictable) instead of being freed; eviction then ranks
@@ -63,6 +64,9 @@ pub(crate) const MAX_ATTACH_GROUPS: usize = 8;
 pub(crate) struct AttachConfig {
     /// The sliding window, in tokens, of each attaching group (`g` = its position).
     pub(crate) windows: Vec<usize>,
+    /// The windows are chunks of chunked local attention: the run before boundary `k` starts at
+    /// its chunk's start (multiples of the block size).
+    pub(crate) chunked: bool,
     /// The tokens before a released sequence's end whose boundaries' runs its end mark keeps.
     pub(crate) retention_tokens: usize,
 }
@@ -80,8 +84,11 @@ pub(crate) struct AttachEvent {
 #[derive(Default)]
 pub(super) struct Attachments {
     config: AttachConfig,
-    /// Blocks of the runs: `ceil((window - 1) / block_size)` per group.
+    /// Blocks of the runs: `ceil((window - 1) / block_size)` per group; the longest run of a
+    /// chunked group.
     runs: Vec<usize>,
+    /// Blocks of a chunk per group (chunked local attention), or 0 (a sliding window).
+    chunk_blocks: Vec<usize>,
     /// Boundaries of an end mark's tail, and positions of a chain's protected head.
     tail_blocks: usize,
     /// Node id * groups + g -> the attachment's id, or NIL.
@@ -110,6 +117,11 @@ impl PrefixCache {
             .windows
             .iter()
             .map(|&w| w.saturating_sub(1).div_ceil(bs))
+            .collect();
+        self.attach.chunk_blocks = config
+            .windows
+            .iter()
+            .map(|&w| if config.chunked { w / bs } else { 0 })
             .collect();
         self.attach.tail_blocks = config.retention_tokens.div_ceil(bs);
         self.attach.slots = alloc::filled(self.entries.len() * groups, "num_blocks", || NIL)?;
@@ -239,10 +251,20 @@ impl PrefixCache {
         true
     }
 
-    /// Blocks of group `g`'s run before boundary `k` (`first_needed(k)..k`).
+    /// Blocks of group `g`'s run before boundary `k`: `runs[g]`, or for a chunked group the
+    /// blocks since its chunk's start.
+    #[inline]
+    fn run_len(&self, g: usize, k: usize) -> usize {
+        match self.attach.chunk_blocks[g] {
+            0 => self.attach.runs[g],
+            chunk => k % chunk,
+        }
+    }
+
+    /// First position of group `g`'s run before boundary `k` (`first_needed(k)..k`).
     #[inline]
     fn run_start(&self, g: usize, k: usize) -> usize {
-        k.saturating_sub(self.attach.runs[g])
+        k.saturating_sub(self.run_len(g, k))
     }
 
     /// The deepest boundary `k <= limit` whose run of group `g` is attached to the walked nodes
@@ -311,9 +333,10 @@ impl PrefixCache {
 
     /// Whether node `node`'s boundary is a hit point: every group's run before it is attached.
     fn is_hit_point(&self, node: u32) -> bool {
+        let boundary = self.entries[node as usize].depth as usize + 1;
         (0..self.attach.groups()).all(|g| {
             let mut id = node;
-            for _ in 0..self.attach.runs[g] {
+            for _ in 0..self.run_len(g, boundary) {
                 if id == NIL {
                     return true; // the run starts at the chain's first block
                 }
@@ -379,8 +402,13 @@ impl PrefixCache {
         } else {
             0
         };
+        let boundary = self.entries[node as usize].depth as usize + 1;
         for g in 0..self.attach.groups() {
-            let count = self.attach.runs[g] + tail;
+            // With a tail, the runs of its boundaries: from the run's start before the first
+            // (a sliding window's runs are equal; a chunked group's earliest start is the first
+            // boundary's chunk start).
+            let first = boundary.saturating_sub(tail);
+            let count = tail + self.run_len(g, first);
             self.protect_up(node, g, count, delta);
         }
     }
