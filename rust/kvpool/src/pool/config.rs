@@ -422,6 +422,7 @@ impl PoolConfig {
                             cache.enable_attachments(AttachConfig {
                                 windows: vec![window; self.num_window_groups()],
                                 chunked: self.attention_chunk_size.is_some(),
+                                states: self.state_groups > 0,
                                 retention_tokens: self.retention_tokens,
                             })?;
                             cache.set_record_attach_events(self.enable_events);

@@ -67,6 +67,10 @@ pub(crate) struct AttachConfig {
     /// The windows are chunks of chunked local attention: the run before boundary `k` starts at
     /// its chunk's start (multiples of the block size).
     pub(crate) chunked: bool,
+    /// The groups are state groups (`groups/shared_window.rs`): every attachment is a cached
+    /// state, a hit point of its own, so one no mark protects ranks with the protected ones (it
+    /// goes with its node, by the nodes' order) instead of first.
+    pub(crate) states: bool,
     /// The tokens before a released sequence's end whose boundaries' runs its end mark keeps.
     pub(crate) retention_tokens: usize,
 }
@@ -353,7 +357,7 @@ impl PrefixCache {
     pub(super) fn class_of(&self, id: u32) -> List {
         let entry = &self.entries[id as usize];
         if entry.kind != NODE {
-            return if entry.children > 0 {
+            return if entry.children > 0 || self.attach.config.states {
                 List::Keep
             } else {
                 List::Low
@@ -386,7 +390,7 @@ impl PrefixCache {
                 };
                 match (before, entry.children) {
                     (0, 1) => self.list_move(att, List::Keep),
-                    (1, 0) => self.list_move(att, List::Low),
+                    (1, 0) if !self.attach.config.states => self.list_move(att, List::Low),
                     _ => {}
                 }
             }
@@ -605,8 +609,11 @@ impl PrefixCache {
                 let list = entry.list;
                 ensure_invariant!(
                     list == NONE && state & crate::block::QUEUED != 0
-                        || list == List::Keep as u8 && entry.children > 0
-                        || list == List::Low as u8 && entry.children == 0,
+                        || list == List::Keep as u8
+                            && (entry.children > 0 || self.attach.config.states)
+                        || list == List::Low as u8
+                            && entry.children == 0
+                            && !self.attach.config.states,
                     "cache-only attachment {att} is on the wrong list"
                 );
             } else {
