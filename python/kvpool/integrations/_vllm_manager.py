@@ -56,7 +56,8 @@ class KVCacheManager:
     Parameters
     ----------
     kv_cache_config : vllm.v1.kv_cache_interface.KVCacheConfig
-        One full-attention group, alone or beside up to 8 sliding-window groups of one window
+        One full-attention group, alone or beside up to 8 sliding-window groups of one window,
+        chunked local attention groups of one chunk or Mamba groups in "align" mode
         (``_vllm_groups.group_layout``), in any order; ``num_blocks`` (null block 0 included)
         becomes the pool's ``num_blocks`` (padding block 0 included), one store for every
         group. Its ``prefix_cache_retention_interval`` must be 0 or None.
@@ -88,7 +89,7 @@ class KVCacheManager:
     watermark : float
         Fraction of the blocks kept free when admitting while others run (as vLLM).
     enable_mamba_shared_prefix_checkpoint : bool
-        Accepted; Mamba groups are not supported.
+        Accepted; it concerns EAGLE/MTP siblings, which are not supported.
 
     Raises
     ------
