@@ -27,8 +27,8 @@ import json
 import os
 import tempfile
 import time
-from typing import Any
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 

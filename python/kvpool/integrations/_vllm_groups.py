@@ -199,7 +199,9 @@ def group_layout(kv_cache_config: Any) -> GroupLayout:
     pool_groups = [0] * len(specs)
     for position, i in enumerate(windows or states):
         pool_groups[i] = position + 1
-    kind = "state" if states else "chunked" if chunked == {True} else "window" if windows else "full"
+    kind = (
+        "state" if states else "chunked" if chunked == {True} else "window" if windows else "full"
+    )
     return GroupLayout(
         pool_groups=tuple(pool_groups),
         sliding_window=window_sizes[0] if window_sizes else None,

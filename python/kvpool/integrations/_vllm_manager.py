@@ -461,7 +461,9 @@ class KVCacheManager:
         seq, bs = entry.seq, self.block_size
         old = entry.capacity // bs
         if self.layout.kind == "state":  # the state moves on: the step end it left first
-            self._publish(request, entry, request.num_computed_tokens - request.num_in_flight_tokens)
+            self._publish(
+                request, entry, request.num_computed_tokens - request.num_in_flight_tokens
+            )
         if need <= entry.length:
             ok = self.pool.allocate(seq, need)
         else:

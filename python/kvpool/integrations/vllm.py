@@ -52,9 +52,10 @@ Jamba): one block store, ``kvpool.integrations._vllm_groups``; each table has vL
 (null entries behind a window or chunk start; a Mamba table holds the previous and the current
 state block); a hit only where every group serves it; window runs and states kept by kvpool's
 retention rule; new attention blocks reported for zeroing where vLLM's workers zero them
-(Mamba, mixed precisions), prefix caching on or off, cache salts and LoRA (they root the hash chain, R6), KV events,
-prefix cache stats, chunked prefill, decode with lookahead (spec decode slots), recompute
-preemption, the async scheduler's ``cache_blocks``, 0.34's cache-aware admission (its probe).
+(Mamba, mixed precisions), prefix caching on or off, cache salts and LoRA (they root the
+hash chain, R6), KV events, prefix cache stats, chunked prefill, decode with lookahead (spec
+decode slots), recompute preemption, the async scheduler's ``cache_blocks``, 0.34's
+cache-aware admission (its probe).
 Requests that must not read the cache, or (0.34) may read only up to a hit limit, get no hit.
 Not covered, each a clear ``NotImplementedError`` at construction or call: Mamba groups in
 another mode or with speculative or prefill checkpoint blocks, cross-attention groups, several

@@ -26,9 +26,9 @@
 //! holds only blocks of the rank's store; its published watermark never passes what the full
 //! table published.
 
+use crate::block::Block;
 use crate::block::{CACHED, COUNT_MASK};
 use crate::error::{ensure_invariant, Result};
-use crate::block::Block;
 use crate::sliding_window::WindowTable;
 
 use super::{FullGroup, OwnChain};
