@@ -31,11 +31,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm.v1.kv_cache_interface import (
+    AttentionSpec,
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
     MambaSpec,
     SlidingWindowSpec,
 )
+
+try:  # (a circular buffer group's blocks are not zeroed: vLLM's rule)
+    from vllm.v1.kv_cache_interface import CircularBufferSpec as _CircularBuffer
+except ImportError:  # pragma: no cover
+    _CircularBuffer = ()  # type: ignore[assignment,misc]
 
 try:  # (both supported versions have it; a window MLA group is a window group all the same)
     from vllm.v1.kv_cache_interface import SlidingWindowMLASpec as _WindowMLA
@@ -93,6 +99,17 @@ class GroupLayout:
     def chunked(self) -> bool:
         """The groups beside full attention are chunked local attention groups."""
         return self.kind == "chunked"
+
+    def zeroed_groups(self, kv_cache_config: Any) -> tuple[int, ...]:
+        """vLLM's groups whose new blocks its workers zero (``needs_kv_cache_zeroing``: Mamba
+        states or several precisions share the ids): the attention groups, in vLLM's order."""
+        if not getattr(kv_cache_config, "needs_kv_cache_zeroing", False):
+            return ()
+        return tuple(
+            g
+            for g, spec in enumerate(self.specs)
+            if isinstance(spec, AttentionSpec) and not isinstance(spec, _CircularBuffer)
+        )
 
     def pool_options(self) -> dict[str, int]:
         """``BlockManagerPool`` options of the groups beside full attention."""

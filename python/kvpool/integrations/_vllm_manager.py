@@ -14,7 +14,7 @@ from typing import Any
 from vllm import envs
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
-from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheConfig
+from vllm.v1.kv_cache_interface import KVCacheConfig
 from vllm.v1.metrics.stats import PrefixCacheStats
 from vllm.v1.request import Request, RequestStatus
 
@@ -34,11 +34,6 @@ from kvpool.integrations._vllm_views import (
     _GroupView,
     _Hit,
 )
-
-try:  # (a circular buffer group's blocks are not zeroed: vLLM's rule)
-    from vllm.v1.kv_cache_interface import CircularBufferSpec as _CircularBuffer
-except ImportError:  # pragma: no cover
-    _CircularBuffer = ()  # type: ignore[assignment,misc]
 
 __all__ = ["KVCacheManager"]
 
@@ -185,15 +180,7 @@ class KVCacheManager:
         )
         self.layout = layout
         self.num_kv_cache_groups = layout.num_groups
-        # vLLM's workers zero the new blocks of attention groups when the config says so (Mamba
-        # states and mixed precisions share the ids): those groups, in vLLM's order
-        self._zeroed = tuple(
-            g
-            for g, spec in enumerate(layout.specs)
-            if getattr(kv_cache_config, "needs_kv_cache_zeroing", False)
-            and isinstance(spec, AttentionSpec)
-            and not isinstance(spec, _CircularBuffer)
-        )
+        self._zeroed = layout.zeroed_groups(kv_cache_config)  # (take_new_block_ids)
         self._to_zero: list[int] = []
         self._hybrid = layout.num_groups > 1
         # the computed tokens go to the pool: to publish (R17), and with window groups to slide
