@@ -433,6 +433,7 @@ impl PrefixCache {
     /// protection the next drain applies (after the publication attached its blocks).
     #[inline]
     pub(super) fn child_added(&mut self, node: u32) {
+        self.walk_parent(node);
         let entry = &mut self.entries[node as usize];
         entry.children += 1;
         if entry.list == List::Low as u8 {
@@ -461,18 +462,21 @@ impl PrefixCache {
     }
 
     /// A child of `node` was removed: a cache-only node that became a leaf and is no hit point
-    /// moves to the low list. A junction keeps its mark (module doc) until the node goes.
+    /// moves to the low list; one that stays on its segment may be a late leaf of its walk
+    /// (segment_walk.rs). A junction keeps its mark (module doc) until the node goes.
     pub(super) fn child_removed(&mut self, node: u32) {
         let entry = &mut self.entries[node as usize];
         entry.children -= 1;
-        if entry.children == 0
-            && entry.kind == NODE
-            && super::policy::segment_index(entry.list).is_some()
+        if entry.children > 0 || entry.kind != NODE {
+            return;
+        }
+        if super::policy::segment_index(entry.list).is_some()
             && self.has_attachments()
             && !self.is_hit_point(node)
         {
             self.list_move(node, List::Low);
         }
+        self.walk_leaf(node);
     }
 
     /// Drops node `node`'s marks and their protection (the node is being removed).
