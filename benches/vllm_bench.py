@@ -23,9 +23,12 @@ block size 16, 4,096 blocks, 2,048-token chunks.
 
 Models (``--models``, each measured on its own): ``full`` (one full-attention group, the
 numbers above); ``gpt-oss`` (window 128 and full attention, vLLM's group 0 the window group)
-``gemma3`` (five window groups of 512 beside one full-attention group) and ``llama4`` (three
-chunked local attention groups, chunk 512 here, beside one full-attention group), the hybrid
-configs of tests/vllm/vllm_harness.py with vLLM's default window retention. A hybrid gets the
+``gemma3`` (five window groups of 512 beside one full-attention group), ``llama4`` (three
+chunked local attention groups, chunk 512 here, beside one full-attention group) and
+``qwen3-next`` (three Mamba groups in "align" mode beside full attention, at the 544-token
+block vLLM picks for Qwen3-Next's state page; prefill chunks end on block boundaries, as the
+Scheduler splits them), the hybrid configs of tests/vllm/vllm_harness.py with vLLM's default
+retention. A hybrid gets the
 same memory per group: ``--num-blocks`` times its group count, in vLLM's one pool and kvpool's
 one store. ``--block-size``: the installed vLLM's default when 0 (16 under 0.33, 64 under
 0.34, the sizes issue 33 sets its speed target at); blocks are counted at 16 tokens and
@@ -48,7 +51,23 @@ import vllm_harness as h  # noqa: E402  (imports vLLM)
 from vllm.sampling_params import SamplingParams  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
 
-MODELS = {"full": None, "gpt-oss": h.GPT_OSS, "gemma3": h.GEMMA3, "llama4": h.LLAMA4}
+MODELS = {
+    "full": None,
+    "gpt-oss": h.GPT_OSS,
+    "gemma3": h.GEMMA3,
+    "llama4": h.LLAMA4,
+    "qwen3-next": h.QWEN3_NEXT,
+}
+MAMBA_BLOCK = 544  # Qwen3-Next's attention block at the GDN state's page (benches/hybrid_bench.py)
+
+
+def aligned(req, n: int, computed: int, bs: int, hybrid) -> int:
+    """With Mamba groups, the Scheduler's split: a prefill chunk ends on a block boundary, or at
+    the prompt's end (``_mamba_block_aligned_split``, simplified)."""
+    end = computed + n
+    if hybrid is None or not hybrid.mamba or end >= req.num_prompt_tokens:
+        return n
+    return max(end // bs * bs, (computed // bs + 1) * bs) - computed
 
 
 def issue_trace(n: int, seed: int = 0) -> list[h.Item]:
@@ -125,7 +144,7 @@ def manager_round(
         hash_ns += time.perf_counter_ns() - t0
         kv.new_step_starts()
         blocks, hit, _ = kv.get_computed_blocks(req)
-        n = min(req.num_tokens - hit, budget)
+        n = aligned(req, min(req.num_tokens - hit, budget), hit, bs, hybrid)
         new = kv.allocate_slots(
             req,
             n,
@@ -166,6 +185,7 @@ def manager_round(
                 break
             kv.new_step_starts()
             n = min(req.num_tokens_with_spec - req.num_computed_tokens, budget)
+            n = aligned(req, n, req.num_computed_tokens, bs, hybrid)
             new = kv.allocate_slots(req, n, num_lookahead_tokens=0)
             assert new is not None, "out of blocks"
             new.get_block_ids(allow_none=True)
@@ -248,6 +268,7 @@ def main() -> None:
     for model in models:
         hybrid = MODELS[model]
         groups = 1 if hybrid is None else 1 + hybrid.window_groups
+        bs = MAMBA_BLOCK if hybrid is not None and hybrid.mamba else a.block_size or h.BS
         num_blocks = h.blocks(a.num_blocks * groups, bs)
         print(f"\n## {model}: {groups} group(s), {num_blocks} blocks in one pool")
         if "manager" in a.only:

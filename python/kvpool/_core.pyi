@@ -1090,6 +1090,13 @@ class BlockManagerPool:
         Groups of ``sliding_window`` in the shared store (default 1, at most 8): groups 1 to
         ``window_groups``, each with a table of its own and its ids from the one store (vLLM's
         several window groups of one spec, e.g. Gemma 3's); more than 1 needs the shared store.
+    state_groups : int
+        Recurrent-state groups in the shared store, in place of window groups (default 0, at
+        most 8; vLLM's Mamba groups in "align" mode, docs/hybrid.md "State groups"): groups 1
+        to ``state_groups``. A step's state lives in the block of its last token, copied by the
+        engine from the previous step's block (which the table holds until the step is done);
+        a block is cached only when a step ended on its end boundary, and a hit at a boundary
+        needs the one block before it.
     swa_num_blocks : int or None
         Block ids per rank of a sliding-window group with a store of its own. None (the
         default): the window group draws its blocks from the full-attention group's store, one
@@ -1178,6 +1185,7 @@ class BlockManagerPool:
         sliding_window: int | None = None,
         attention_chunk_size: int | None = None,
         window_groups: int = 1,
+        state_groups: int = 0,
         swa_num_blocks: int | None = None,
         shared_blocks: bool | None = None,
         retention_tokens: int = 512,
@@ -2008,8 +2016,8 @@ class HierarchyBlockManagerPool(BlockManagerPool):
         holder releases it.
     dp_size, enable_prefix_cache, num_single_blocks, linear_state_slots, checkpoint_interval,
     linear_state_match, linear_state_save, concurrent, enable_events, event_replay, hash_seed,
-    sliding_window, attention_chunk_size, window_groups, swa_num_blocks, debug_hash_bits,
-    eviction, protected_percent
+    sliding_window, attention_chunk_size, window_groups, state_groups, swa_num_blocks,
+    debug_hash_bits, eviction, protected_percent
         As for ``BlockManagerPool``. Without the device prefix cache the host tier stays idle.
 
     Raises
@@ -2043,6 +2051,7 @@ class HierarchyBlockManagerPool(BlockManagerPool):
         sliding_window: int | None = None,
         attention_chunk_size: int | None = None,
         window_groups: int = 1,
+        state_groups: int = 0,
         swa_num_blocks: int | None = None,
         shared_blocks: bool | None = None,
         retention_tokens: int = 512,

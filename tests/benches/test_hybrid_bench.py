@@ -155,7 +155,9 @@ def test_kvpool_runs_checked_and_full_attention_matches_the_oracle(tmp_path, cap
     )
     got = {(r["config"], r["size"]): r for r in doc["results"]}
     assert set(got) == {
-        (c, s) for c in ("full", "w1024", "w128", "ls512", "ls2048") for s in ("20k", "10M")
+        (c, s)
+        for c in ("full", "w1024", "w128", "c8192", "ls512", "ls2048")
+        for s in ("20k", "10M")
     }
     assert all(r["checks"] >= 120 // 7 for r in doc["results"])
     # an unbounded full-attention cache serves exactly the shared full blocks (last token recomputed)
@@ -168,6 +170,7 @@ def test_kvpool_runs_checked_and_full_attention_matches_the_oracle(tmp_path, cap
     for name in (
         "w1024",
         "w128",
+        "c8192",
         "ls512",
         "ls2048",
     ):  # a hybrid never serves more than full attention

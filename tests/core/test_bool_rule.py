@@ -160,6 +160,7 @@ POOL_OPTIONS = {
     "sliding_window": COUNT,
     "attention_chunk_size": COUNT,
     "window_groups": COUNT,
+    "state_groups": COUNT,
     "swa_num_blocks": COUNT,
     "debug_hash_bits": COUNT,
     "dedup": FLAG,

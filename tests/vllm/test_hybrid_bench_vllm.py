@@ -82,11 +82,14 @@ def test_every_config_runs_on_the_resolved_vllm_config(doc):
         assert got[("w1024", size, "vllm")]["vllm_retention_interval"] == 0
         assert got[("w1024-dense", size, "vllm")]["vllm_retention_interval"] is None
     assert ("ls2048", "10M", "vllm") not in got and ("w1024-dense", "10M", "kvpool") not in got
-    # the drop-in takes vLLM's full and window configs (not Mamba yet): vLLM's very config
-    for name in ("full", "w1024", "w128", "w1024-dense"):
+    # the drop-in takes vLLM's full, window, chunked and Mamba ("align") configs: vLLM's very
+    # config (its block count and block size)
+    for name in ("full", "w1024", "w128", "w1024-dense", "c8192", "ls512"):
         r, v = got[(name, "10M", "drop-in")], got[(name, "10M", "vllm")]
-        assert (r["vllm_num_blocks"], r["vllm_block_size"]) == (v["vllm_num_blocks"], 16)
-    assert ("ls512", "10M", "drop-in") not in got
+        assert (r["vllm_num_blocks"], r["vllm_block_size"]) == (
+            v["vllm_num_blocks"],
+            v["vllm_block_size"],
+        )
 
 
 def test_unbounded_hits(doc):
@@ -111,8 +114,11 @@ def test_the_drop_in_hits_at_least_as_much_as_vllm(doc):
     full-attention hit, which vLLM's sparse window retention does not."""
     d, _ = doc
     got = {(r["config"], r["size"], r["manager"]): r["hit_tokens"] for r in d["results"]}
-    for name in ("full", "w1024", "w128", "w1024-dense"):
+    for name in ("full", "w1024", "w128", "w1024-dense", "c8192", "ls512"):
         for size in ("100k", "10M"):
             assert got[(name, size, "drop-in")] >= got[(name, size, "vllm")], (name, size)
+    for name in ("full", "w1024", "w128", "w1024-dense", "c8192"):
         assert got[(name, "10M", "drop-in")] == got[("full", "10M", "vllm")]
     assert got[("w128", "10M", "drop-in")] > got[("w128", "10M", "vllm")]
+    # Mamba: states at the boundaries prefill chunks end on (the Scheduler's), as vLLM's
+    assert got[("ls512", "10M", "drop-in")] == got[("ls512", "10M", "vllm")] > 0

@@ -188,8 +188,15 @@ def test_unsupported_hybrid_configs():
         3,
     )
     mamba = MambaSpec(block_size=bs, shapes=((2, 4),), dtypes=(torch.float32,))
-    with pytest.raises(NotImplementedError, match="MambaSpec KV cache group"):
-        manager(mamba)
+    with pytest.raises(NotImplementedError, match="mamba_cache_mode='none'"):
+        manager(mamba)  # (vLLM's prefix caching needs "align" too)
+    align = dataclasses.replace(mamba, mamba_cache_mode="align")
+    with pytest.raises(NotImplementedError, match="num_speculative_blocks=1"):
+        manager(dataclasses.replace(align, num_speculative_blocks=1))
+    with pytest.raises(NotImplementedError, match="Mamba groups beside sliding-window"):
+        manager(align, window(128))
+    states = manager(align, align, align)
+    assert (states.layout.kind, states.pool.num_groups) == ("state", 4)
     with pytest.raises(NotImplementedError, match="different windows"):
         manager(window(128), window(256))
     with pytest.raises(NotImplementedError, match="extra_retained_tokens"):
@@ -201,8 +208,8 @@ def test_unsupported_hybrid_configs():
     half = SlidingWindowSpec(
         sliding_window=128, block_size=bs, num_kv_heads=2, head_size=64, dtype=torch.float16
     )
-    with pytest.raises(NotImplementedError, match="several precisions"):
-        manager(half)
+    mixed = manager(half)  # several precisions: taken, the new attention blocks reported for
+    assert mixed.kv_cache_config.needs_kv_cache_zeroing  # zeroing (take_new_block_ids)
     with pytest.raises(ValueError, match="prefix_cache_retention_interval"):
         manager(window(128), retention=4 * bs)
     assert manager(*[window(128)] * 8).num_kv_cache_groups == 9
@@ -431,3 +438,68 @@ def test_the_fake_kv_store_catches_a_wrong_window_block():
     manager._group_ids = swapped
     with pytest.raises(AssertionError, match="holds other KV"):
         h.drive(manager, h.chat_trace(40, seed=0))
+
+
+# ----------------------------------------------------------------- Mamba groups ("align")
+# blocks of 16 per group: light load (no eviction) and memory pressure (arrivals twice as dense)
+MAMBA_BLOCKS = {False: 8192, True: 1400}
+
+
+@pytest.mark.parametrize("async_", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("pressure", [False, True], ids=["light", "pressure"])
+def test_mamba_groups_under_the_real_scheduler_with_a_fake_state_store(pressure, async_):
+    """Qwen3-Next-like: three Mamba groups in "align" mode beside full attention, the Scheduler
+    splitting prefills at block boundaries. The fake store runs vLLM's worker protocol: every
+    step copies the state from the block of the previous step's last token (a new request: of
+    its hit's last token), which must hold the state of exactly the request's prefix there (a
+    hit's state too: never a full-attention hit with a missing or wrong state, vLLM #43090)."""
+    bs, trace = h.BS, h.chat_trace(160, seed=0)
+    num_blocks, scale = h.blocks(MAMBA_BLOCKS[pressure], bs), 0.5 if pressure else 1.0
+    runs, reads = {}, None
+    for kind in ("kvpool", "vllm"):
+        scheduler, config = h.build_scheduler(
+            kind, num_blocks, block_size=bs, hybrid=h.QWEN3_NEXT, async_=async_
+        )
+        kv = h.FakeKV(scheduler.kv_cache_manager.kv_cache_config, trace)
+        runs[kind] = h.run_scheduler(
+            scheduler,
+            config,
+            trace,
+            arrival_scale=scale,
+            hasher=None if kind == "kvpool" else hasher_for(bs),
+            kv=kv if kind == "kvpool" else None,
+        )
+        assert runs[kind].finished == len(trace)
+        if kind == "kvpool":
+            reads = kv.reads
+            scheduler.kv_cache_manager.check()
+    k, v = runs["kvpool"], runs["vllm"]
+    print(
+        f"\nMamba, {'async' if async_ else 'sync'}, {num_blocks} blocks of {bs}: hits kvpool "
+        f"{k.hits}, vllm {v.hits} of {k.queries}; preemptions {k.preemptions}/{v.preemptions}; "
+        f"states and blocks read and checked per group {reads}"
+    )
+    assert all(reads)  # every group's hits (and every state copy) were checked
+    assert k.hits >= v.hits > 0  # at least vLLM's own manager's hits, at equal memory
+
+
+def test_mamba_configs_have_the_new_attention_blocks_zeroed():
+    """vLLM's workers zero the attention groups' new blocks when Mamba states share the ids
+    (``needs_kv_cache_zeroing``): the manager reports each such block once, and none for a
+    config without Mamba or mixed precisions."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
+    bs = 16
+    sp = SamplingParams(max_tokens=4)
+    for hybrid, zeroed in ((h.QWEN3_NEXT, True), (h.GPT_OSS, False)):
+        manager = h.make_manager("kvpool", 256, bs, hybrid=hybrid)
+        assert manager.kv_cache_config.needs_kv_cache_zeroing == zeroed
+        r = Request("r", list(range(100, 100 + 5 * bs)), sp, None)
+        blocks, hit, _ = manager.get_computed_blocks(r)
+        new = manager.allocate_slots(r, 3 * bs, hit, blocks)
+        full = manager.layout.vllm_groups[0]
+        assert manager.take_new_block_ids() == (new.get_block_ids()[full] if zeroed else [])
+        assert manager.take_new_block_ids() == []  # taken once
+        manager.free(r)
+        manager.check()

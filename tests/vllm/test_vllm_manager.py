@@ -275,8 +275,8 @@ def test_bad_input_and_unsupported_configs(bs):
             KVCacheGroupSpec(["model.layers.1.linear_attn"], mamba),
         ],
     )
-    # (sliding-window and chunked local attention groups are taken: test_vllm_hybrid.py)
-    with pytest.raises(NotImplementedError, match="MambaSpec KV cache group \\(group 1\\)"):
+    # (sliding-window, chunked and Mamba "align" groups are taken: test_vllm_hybrid.py)
+    with pytest.raises(NotImplementedError, match="Mamba group 1 in mamba_cache_mode='none'"):
         kv_vllm.KVCacheManager(kv_cache_config=hybrid, **kwargs)
     with pytest.raises(NotImplementedError, match="use_eagle"):
         kv_vllm.KVCacheManager(kv_cache_config=full, use_eagle=True, **kwargs)

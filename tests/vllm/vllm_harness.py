@@ -28,6 +28,7 @@ import os
 import tempfile
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -67,6 +68,7 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
+    MambaSpec,
     SlidingWindowSpec,
 )
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
@@ -171,13 +173,16 @@ class Hybrid:
     is a window group (gpt-oss's first layer is a window layer). ``retention``: the config's
     ``prefix_cache_retention_interval`` (vLLM's default 0: sparse window retention; None: vLLM
     keeps every window block). ``chunked``: the window groups are chunked local attention
-    groups of chunk ``window`` (Llama 4)."""
+    groups of chunk ``window`` (Llama 4). ``mamba``: they are Mamba groups in "align" mode
+    (Qwen3-Next's GDN layers; ``window`` unused), the Scheduler splitting prefills at block
+    boundaries."""
 
     window: int
     window_groups: int = 1
     window_first: bool = False
     retention: int | None = 0
     chunked: bool = False
+    mamba: bool = False
 
 
 GPT_OSS = Hybrid(window=128, window_groups=1, window_first=True)  # alternating 128 / full
@@ -187,6 +192,8 @@ GEMMA3 = Hybrid(window=512, window_groups=5)
 # Llama 4: 3 chunked local attention layers (chunk 8,192) per full one, three chunked groups; a
 # chunk of 512 here, so the chat trace's prompts (about 3.2k tokens) cross chunk boundaries
 LLAMA4 = Hybrid(window=512, window_groups=3, chunked=True)
+# Qwen3-Next: GDN (Mamba "align") layers 3:1 beside full attention, three Mamba groups
+QWEN3_NEXT = Hybrid(window=0, window_groups=3, mamba=True)
 
 
 def kv_cache_config(
@@ -203,11 +210,17 @@ def kv_cache_config(
             kv_cache_groups=[KVCacheGroupSpec(layers, spec)],
         )
     common = dict(block_size=block_size, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
-    window = (
-        ChunkedLocalAttentionSpec(attention_chunk_size=hybrid.window, **common)
-        if hybrid.chunked
-        else SlidingWindowSpec(sliding_window=hybrid.window, **common)
-    )
+    if hybrid.mamba:
+        window: Any = MambaSpec(
+            block_size=block_size,
+            shapes=((2, 8), (4, 16)),
+            dtypes=(torch.float32, torch.float32),
+            mamba_cache_mode="align",
+        )
+    elif hybrid.chunked:
+        window = ChunkedLocalAttentionSpec(attention_chunk_size=hybrid.window, **common)
+    else:
+        window = SlidingWindowSpec(sliding_window=hybrid.window, **common)
     n = 1 + hybrid.window_groups  # one layer per group: layer i in group i
     groups = [
         KVCacheGroupSpec([f"model.layers.{i}.self_attn.attn"], window if i else spec)
@@ -269,6 +282,11 @@ def group_windows(config: KVCacheConfig) -> list[int | None]:
         or getattr(g.kv_cache_spec, "attention_chunk_size", None)
         for g in config.kv_cache_groups
     ]
+
+
+def group_states(config: KVCacheConfig) -> list[bool]:
+    """Whether each group is a Mamba group (a state per block), in vLLM's order."""
+    return [isinstance(g.kv_cache_spec, MambaSpec) for g in config.kv_cache_groups]
 
 
 def group_chunked(config: KVCacheConfig) -> list[bool]:
@@ -665,6 +683,9 @@ def build_scheduler(
     cache = CacheConfig(
         block_size=block_size, enable_prefix_caching=True, prefix_caching_hash_algo=hash_algo
     )
+    if hybrid is not None and hybrid.mamba:  # the Scheduler splits prefills at block boundaries
+        cache.mamba_cache_mode = "align"
+        cache.mamba_block_size = block_size
     sched = SchedulerConfig(
         max_num_batched_tokens=budget,
         max_num_seqs=max_seqs,
@@ -709,18 +730,23 @@ class FakeKV:
     scheduled. Its reads are checked first: a new request's hit blocks of every group (full
     attention: all of them; a window: those its first query reads, null entries before), and
     every step, each window block a scheduled query reads, must hold the KV of exactly the
-    tokens they stand for; then its writes are recorded (a block's KV once it is full).
-    ``reads``: blocks checked, per group."""
+    tokens they stand for; then its writes are recorded (a block's KV once it is full). A
+    Mamba group runs vLLM's "align" protocol (``mamba_utils.preprocess_mamba``): each step
+    copies the state from the block of the previous step's last token (a new or resumed
+    request: of its hit's last token) to the block of this step's, checking that it is the
+    state of exactly the request's prefix there, then writes the state after the step.
+    ``reads``: blocks (a Mamba group: states) checked, per group."""
 
     def __init__(self, config: KVCacheConfig, trace: list[Item]) -> None:
         self.bs = config.kv_cache_groups[0].kv_cache_spec.block_size
         self.windows = group_windows(config)
         self.chunked = group_chunked(config)
-        self.chains = {
-            str(it.rid): kvpool.hash_blocks(it.prompt + it.output, self.bs) for it in trace
-        }
+        self.states = group_states(config)
+        self.tokens = {str(it.rid): it.prompt + it.output for it in trace}
+        self.chains = {rid: kvpool.hash_blocks(t, self.bs) for rid, t in self.tokens.items()}
+        self.state_idx: dict[str, int] = {}  # the worker's mamba_state_idx
         self.tables: dict[str, list[list[int]]] = {}
-        self.store: dict[int, tuple[int, bytes]] = {}
+        self.store: dict[int, tuple[int, Any]] = {}
         self.reads = [0] * len(self.windows)
 
     def _read(self, rid: str, g: int, j: int, step: int) -> None:
@@ -731,18 +757,50 @@ class FakeKV:
         )
         self.reads[g] += 1
 
+    def _state(self, rid: str, p: int) -> tuple:
+        """The state after ``p`` tokens of request ``rid``'s sequence (its prefix's identity)."""
+        full = p // self.bs
+        head = self.chains[rid][full - 1] if full else b""
+        return (head, tuple(self.tokens[rid][full * self.bs : p]))
+
+    def _run_states(self, rid: str, c: int, n: int, step: int) -> None:
+        """vLLM's Mamba step: copy the state to the step's block, then write the new one."""
+        bs, table_of = self.bs, self.tables[rid]
+        prev = self.state_idx.get(rid, (c - 1) // bs)
+        curr = -(-(c + n) // bs) - 1
+        for g, state in enumerate(self.states):
+            if not state:
+                continue
+            table = table_of[g]
+            assert table[curr], f"step {step}: request {rid} has no state block {curr} (group {g})"
+            if prev >= 0:
+                assert table[prev], f"step {step}: request {rid}'s state block {prev} is null"
+                got = self.store.get(table[prev])
+                assert got == (g, self._state(rid, c)), (
+                    f"step {step}: request {rid} copies the state of block {prev} of group {g} "
+                    f"(id {table[prev]}), which holds another state"
+                )
+                self.reads[g] += 1
+            self.store[table[curr]] = (g, self._state(rid, c + n))
+        self.state_idx[rid] = curr
+
     def execute(self, so, step: int) -> None:
         """Check the reads of scheduler output ``so``, then record its writes."""
         bs = self.bs
         for rid in so.finished_req_ids:
             self.tables.pop(rid, None)
+            self.state_idx.pop(rid, None)
         for rid in so.preempted_req_ids or ():
             self.tables.pop(rid, None)
+            self.state_idx.pop(rid, None)
         computed: dict[str, int] = {}
         for r in so.scheduled_new_reqs:
             self.tables[r.req_id] = [list(ids) for ids in r.block_ids]
             c = computed[r.req_id] = r.num_computed_tokens
+            self.state_idx.pop(r.req_id, None)
             for g, window in enumerate(self.windows):
+                if self.states[g]:
+                    continue  # its hit's state is read by the step's copy
                 start = first_needed(window, c, bs)
                 assert not any(self.tables[r.req_id][g][:start]), (
                     f"request {r.req_id}: group {g} holds blocks behind its window"
@@ -757,6 +815,7 @@ class FakeKV:
         ):
             if rid in resumed:
                 self.tables[rid] = [list(ids) for ids in new_ids]
+                self.state_idx.pop(rid, None)
             elif new_ids is not None:
                 for table, more in zip(self.tables[rid], new_ids, strict=True):
                     table.extend(more)
@@ -767,7 +826,10 @@ class FakeKV:
                         self._read(rid, g, j, step)
         for rid, n in so.num_scheduled_tokens.items():
             c = computed[rid]
+            self._run_states(rid, c, n, step)
             for g, table in enumerate(self.tables[rid]):
+                if self.states[g]:
+                    continue
                 for j in range(c // bs, (c + n) // bs):
                     assert table[j], (
                         f"step {step}: request {rid} writes block {j} of group {g} to null"

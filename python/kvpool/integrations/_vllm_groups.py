@@ -10,6 +10,11 @@ groups beside one full-attention group. kvpool's pool holds them in one block st
 (docs/hybrid.md "One block store"): group 0 is full attention, groups 1 to ``window_groups``
 the window groups of one ``sliding_window``, every id from the one free list.
 
+Qwen3-Next / Qwen3.5 (Gated DeltaNet layers beside full attention), NemotronH and Jamba have
+Mamba groups in "align" mode: the pool's state groups (``state_groups``, docs/hybrid.md "State
+groups"), whose tables hold the block of a step's state where vLLM's worker reads and writes
+it (the previous step's block, carried until the step is done, and the current one).
+
 Chunked local attention groups are the pool's window groups with ``attention_chunk_size``: a
 query at position p reads the tokens from its chunk's start ``p - p % chunk``, so the tables
 hold the blocks from there (null entries before, as vLLM's own chunked tables), and a hit at a
@@ -26,10 +31,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm.v1.kv_cache_interface import (
+    AttentionSpec,
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
+    MambaSpec,
     SlidingWindowSpec,
 )
+
+try:  # (a circular buffer group's blocks are not zeroed: vLLM's rule)
+    from vllm.v1.kv_cache_interface import CircularBufferSpec as _CircularBuffer
+except ImportError:  # pragma: no cover
+    _CircularBuffer = ()  # type: ignore[assignment,misc]
 
 try:  # (both supported versions have it; a window MLA group is a window group all the same)
     from vllm.v1.kv_cache_interface import SlidingWindowMLASpec as _WindowMLA
@@ -57,8 +69,10 @@ class GroupLayout:
     sliding_window : int or None
         The window groups' window in tokens (a chunked local attention group's: its chunk);
         None for one full-attention group.
-    chunked : bool
-        The window groups are chunked local attention groups, ``sliding_window`` their chunk.
+    kind : str
+        What the groups beside full attention are: ``"window"`` (sliding windows),
+        ``"chunked"`` (chunked local attention, ``sliding_window`` their chunk), ``"state"``
+        (Mamba groups in "align" mode), or ``"full"`` (none).
     block_size : int
         Tokens per block, the same in every group.
     specs : tuple
@@ -67,7 +81,7 @@ class GroupLayout:
 
     pool_groups: tuple[int, ...]
     sliding_window: int | None
-    chunked: bool
+    kind: str
     block_size: int
     specs: tuple[Any, ...]
 
@@ -78,8 +92,33 @@ class GroupLayout:
 
     @property
     def window_groups(self) -> int:
-        """Window groups (0 for full attention only)."""
+        """Groups beside full attention (window, chunked or state groups; 0 for none)."""
         return len(self.pool_groups) - 1
+
+    @property
+    def chunked(self) -> bool:
+        """The groups beside full attention are chunked local attention groups."""
+        return self.kind == "chunked"
+
+    def zeroed_groups(self, kv_cache_config: Any) -> tuple[int, ...]:
+        """vLLM's groups whose new blocks its workers zero (``needs_kv_cache_zeroing``: Mamba
+        states or several precisions share the ids): the attention groups, in vLLM's order."""
+        if not getattr(kv_cache_config, "needs_kv_cache_zeroing", False):
+            return ()
+        return tuple(
+            g
+            for g, spec in enumerate(self.specs)
+            if isinstance(spec, AttentionSpec) and not isinstance(spec, _CircularBuffer)
+        )
+
+    def pool_options(self) -> dict[str, int]:
+        """``BlockManagerPool`` options of the groups beside full attention."""
+        if self.kind == "state":
+            return {"state_groups": self.window_groups}
+        if self.sliding_window is None:
+            return {}
+        name = "attention_chunk_size" if self.chunked else "sliding_window"
+        return {name: self.sliding_window, "window_groups": self.window_groups}
 
     @property
     def vllm_groups(self) -> tuple[int, ...]:
@@ -108,28 +147,50 @@ def window_of(spec: Any) -> int | None:
     return None
 
 
+def _state_group(spec: Any, i: int) -> bool:
+    """Whether ``spec`` is a Mamba group kvpool takes (group ``i``): "align" mode, no
+    speculative or prefill checkpoint blocks (NotImplementedError naming what else)."""
+    if not isinstance(spec, MambaSpec):
+        return False
+    mode = getattr(spec, "mamba_cache_mode", None)
+    if mode != "align":
+        raise _unsupported(f"Mamba group {i} in mamba_cache_mode={mode!r} ('align' is)")
+    for name in ("num_speculative_blocks", "num_prefill_checkpoint_blocks"):
+        if getattr(spec, name, 0):
+            raise _unsupported(f"{name}={getattr(spec, name)} in Mamba group {i}")
+    return True
+
+
 def group_layout(kv_cache_config: Any) -> GroupLayout:
     """kvpool's groups for ``kv_cache_config``'s: one full-attention group and any number (up
     to ``MAX_WINDOW_GROUPS``) of sliding-window or chunked local attention groups of one window
-    (or chunk), with one block size.
+    (or chunk), or of Mamba groups in "align" mode, with one block size.
 
     Raises
     ------
     NotImplementedError
-        Any other group (Mamba, cross attention, ...), several full-attention groups, window
-        groups of different windows or block sizes, a window group retaining tokens below its
-        window (``extra_retained_tokens``, MTP), groups of several precisions (their blocks
-        need zeroing), or no group.
+        Any other group (cross attention, Mamba in another mode or with speculative or
+        prefill checkpoint blocks, ...), several full-attention groups, window groups of
+        different windows or block sizes, groups of several kinds beside full attention, a
+        window group retaining tokens below its window (``extra_retained_tokens``, MTP), or no
+        group.
     """
     specs = tuple(group.kv_cache_spec for group in kv_cache_config.kv_cache_groups)
     full = [i for i, spec in enumerate(specs) if _is_full(spec)]
-    windows = [i for i, spec in enumerate(specs) if i not in full and window_of(spec)]
+    states = [i for i, spec in enumerate(specs) if i not in full and _state_group(spec, i)]
+    windows = [
+        i for i, spec in enumerate(specs) if i not in full and i not in states and window_of(spec)
+    ]
     for i, spec in enumerate(specs):
-        if i not in full and i not in windows:
+        if i not in full and i not in windows and i not in states:
             raise _unsupported(
                 f"a {type(spec).__name__} KV cache group (group {i}); full-attention, "
-                "sliding-window and chunked local attention groups are"
+                "sliding-window, chunked local attention and Mamba ('align') groups are"
             )
+    if states and windows:
+        raise _unsupported("Mamba groups beside sliding-window or chunked groups in one model")
+    if len(states) > MAX_WINDOW_GROUPS:
+        raise _unsupported(f"{len(states)} Mamba groups; at most {MAX_WINDOW_GROUPS} are")
     if len(full) != 1:
         raise _unsupported(
             f"{len(full)} full-attention KV cache groups among {len(specs)}; exactly one (beside "
@@ -152,18 +213,16 @@ def group_layout(kv_cache_config: Any) -> GroupLayout:
             raise _unsupported(
                 f"extra_retained_tokens={extra} in sliding-window group {i} (multi-module MTP)"
             )
-    if getattr(kv_cache_config, "needs_kv_cache_zeroing", False):
-        raise _unsupported(
-            "KV cache groups of several precisions (vLLM's workers zero a block reused across "
-            "groups, which kvpool's manager does not report)"
-        )
     pool_groups = [0] * len(specs)
-    for position, i in enumerate(windows):
+    for position, i in enumerate(windows or states):
         pool_groups[i] = position + 1
+    kind = (
+        "state" if states else "chunked" if chunked == {True} else "window" if windows else "full"
+    )
     return GroupLayout(
         pool_groups=tuple(pool_groups),
         sliding_window=window_sizes[0] if window_sizes else None,
-        chunked=chunked == {True},
+        kind=kind,
         block_size=block_sizes[0],
         specs=specs,
     )

@@ -51,7 +51,8 @@ class KVCacheManager:
     Parameters
     ----------
     kv_cache_config : vllm.v1.kv_cache_interface.KVCacheConfig
-        One full-attention group, alone or beside up to 8 sliding-window groups of one window
+        One full-attention group, alone or beside up to 8 sliding-window groups of one window,
+        chunked local attention groups of one chunk or Mamba groups in "align" mode
         (``_vllm_groups.group_layout``), in any order; ``num_blocks`` (null block 0 included)
         becomes the pool's ``num_blocks`` (padding block 0 included), one store for every
         group. Its ``prefix_cache_retention_interval`` must be 0 or None.
@@ -83,7 +84,7 @@ class KVCacheManager:
     watermark : float
         Fraction of the blocks kept free when admitting while others run (as vLLM).
     enable_mamba_shared_prefix_checkpoint : bool
-        Accepted; Mamba groups are not supported.
+        Accepted; it concerns EAGLE/MTP siblings, which are not supported.
 
     Raises
     ------
@@ -165,17 +166,8 @@ class KVCacheManager:
         self.prefix_cache_stats = PrefixCacheStats() if log_stats else None
         self._no_prefix_cache_stats = PrefixCacheStats()
         self._stats_recorded = False  # prefix_cache_stats holds something since it was taken
-        # vLLM's window groups: kvpool's groups 1, 2, ... of one window in the shared store
-        windows: dict[str, int] = (
-            {
-                "attention_chunk_size" if layout.chunked else "sliding_window": (
-                    layout.sliding_window
-                ),
-                "window_groups": layout.window_groups,
-            }
-            if layout.sliding_window is not None
-            else {}
-        )
+        # vLLM's window, chunked or Mamba groups: kvpool's groups 1, 2, ... of the shared store
+        windows = layout.pool_options()
         self.pool = BlockManagerPool(
             num_blocks,
             block_size,
@@ -188,13 +180,17 @@ class KVCacheManager:
         )
         self.layout = layout
         self.num_kv_cache_groups = layout.num_groups
+        self._zeroed = layout.zeroed_groups(kv_cache_config)  # (take_new_block_ids)
+        self._to_zero: list[int] = []
         self._hybrid = layout.num_groups > 1
         # the computed tokens go to the pool: to publish (R17), and with window groups to slide
         # their tables (prefix caching off too: a window table then stays as small as vLLM's)
         self._publishes = enable_caching or self._hybrid
         # vLLM's admission cap of a window group, in blocks (None: uncapped)
         self._window_cap: int | None = None
-        if self._hybrid and max_in_flight_tokens is not None:
+        if layout.kind == "state":  # a step takes one block per state group (its state's)
+            self._window_cap = 1
+        elif self._hybrid and max_in_flight_tokens is not None:
             spec = layout.specs[layout.vllm_groups[1]]
             self._window_cap = spec.max_admission_blocks_per_request(
                 max_in_flight_tokens=max_in_flight_tokens, max_model_len=max_model_len
@@ -225,6 +221,10 @@ class KVCacheManager:
         self.usage = 0.0
         if enable_kv_cache_events:  # the class's methods (no events) are the cheaper calls
             self.take_events = self._take_vllm_events  # type: ignore[method-assign]
+            self.publish_at_step_start()
+        if layout.kind == "state":
+            # A state group caches the state of a boundary a step ended on only while the pool
+            # sees that very step end: publish at every step's start, and before a growth.
             self.publish_at_step_start()
 
     # ------------------------------------------------------------------------------ requests
@@ -324,7 +324,9 @@ class KVCacheManager:
         -------
         (KVCacheBlocks, int, int)
             The hit (to hand to ``allocate_slots``), its token count (block-aligned, at most
-            ``request.num_tokens - 1``, R8) and the shared-prefix boundary (always 0).
+            ``request.num_tokens - 1``, R8) and the shared-prefix boundary: with Mamba groups
+            the full-attention hit where it goes past the hit (the Scheduler then ends a prefill
+            chunk there, so that the state of that junction is cached), else 0.
         """
         if max_cache_hit_length is not None and max_cache_hit_length < request.num_tokens - 1:
             raise _unsupported("max_cache_hit_length (aux output connectors)")
@@ -334,14 +336,16 @@ class KVCacheManager:
         if entry.capacity:
             raise ValueError(f"request: {request.request_id!r} already holds blocks")
         plan = self.pool.plan(entry.seq)
-        if plan is not None:
-            hit = plan.num_cached_tokens
-        else:  # the whole sequence does not fit now: the hit alone, for the Scheduler's budget
-            small = self.pool.plan(entry.seq, 1)
-            hit = small.num_cached_tokens if small is not None else 0
+        probe = plan
+        if probe is None:  # the whole sequence does not fit now: the hit alone, for the budget
+            probe = self.pool.plan(entry.seq, 1)
+        hit = probe.num_cached_tokens if probe is not None else 0
+        junction = 0
+        if self.layout.kind == "state" and probe is not None and probe.kv_hit_tokens > hit:
+            junction = probe.kv_hit_tokens
         if not hit_unbounded(request):  # (its own chain key never hits anyway, _extra_key)
-            hit = 0
-        return _Hit(plan, plan is not None, hit, entry.length), hit, 0
+            hit = junction = 0
+        return _Hit(plan, plan is not None, hit, entry.length), hit, junction
 
     # ----------------------------------------------------------------------- the allocation
     def allocate_slots(
@@ -409,7 +413,7 @@ class KVCacheManager:
             if need <= entry.capacity:
                 blocks = self.empty_kv_cache_blocks
             else:
-                blocks = self._grow(entry, need)  # a count only: the tokens can wait
+                blocks = self._grow(entry, need, request)  # a count only: the tokens can wait
         else:
             entry = self._entry(request)
             blocks = self._admit(
@@ -437,12 +441,16 @@ class KVCacheManager:
         demand = blocks - hit_tokens // self.block_size + self.layout.window_groups * window
         return demand <= self.block_pool.get_num_free_blocks()
 
-    def _grow(self, entry: _Entry, need: int) -> KVCacheBlocks | None:
+    def _grow(self, entry: _Entry, need: int, request: Request) -> KVCacheBlocks | None:
         """The table grown to ``need`` tokens. Either call grows it the same way (the core's
         ``grow(seq, need)``): the sequence may lag behind the request's tokens, which only
         hashing reads."""
         seq, bs = entry.seq, self.block_size
         old = entry.capacity // bs
+        if self.layout.kind == "state":  # the state moves on: the step end it left first
+            self._publish(
+                request, entry, request.num_computed_tokens - request.num_in_flight_tokens
+            )
         if need <= entry.length:
             ok = self.pool.allocate(seq, need)
         else:
@@ -459,8 +467,17 @@ class KVCacheManager:
         entry.capacity = blocks * bs
         self._held_blocks_changed()
         if self._hybrid:
-            return GroupBlocks(self._group_ids(entry, old))
-        return PoolBlocks(new)
+            return self._new_blocks(GroupBlocks(self._group_ids(entry, old)))
+        return self._new_blocks(PoolBlocks(new))
+
+    def _new_blocks(self, blocks: KVCacheBlocks) -> KVCacheBlocks:
+        """``blocks``, newly allocated; their ids in the groups vLLM zeroes are kept for
+        ``take_new_block_ids``."""
+        if self._zeroed:
+            ids = blocks.get_block_ids()
+            for g in self._zeroed:
+                self._to_zero.extend(i for i in ids[g] if i)
+        return blocks
 
     def _group_ids(self, entry: _Entry, start: int) -> tuple[list[int], ...]:
         """Each vLLM group's block ids from table entry ``start`` on, in vLLM's order: the full
@@ -535,8 +552,8 @@ class KVCacheManager:
         entry.capacity = len(ids) * bs
         entry.computed = got
         if self._hybrid:
-            return GroupBlocks(self._group_ids(entry, got // bs))
-        return PoolBlocks(ids[got // bs :])
+            return self._new_blocks(GroupBlocks(self._group_ids(entry, got // bs)))
+        return self._new_blocks(PoolBlocks(ids[got // bs :]))
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Publish the request's full blocks within ``num_computed_tokens`` (the async Scheduler
@@ -675,8 +692,11 @@ class KVCacheManager:
         self._unpublished = waiting
 
     def take_new_block_ids(self) -> list[int]:
-        """Blocks to zero: none (only Mamba and mixed-precision groups need zeroing)."""
-        return []
+        """The attention groups' blocks allocated since the last call, for vLLM's workers to
+        zero (``needs_kv_cache_zeroing``: Mamba states or several precisions share the ids);
+        none otherwise."""
+        taken, self._to_zero = self._to_zero, []
+        return taken
 
     def take_kv_cache_block_copies(self) -> tuple[list[Any], list[KVCacheBlock]]:
         """Copy-on-write of partial hits: none (hits are whole blocks). The Scheduler reads the

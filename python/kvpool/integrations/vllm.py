@@ -46,15 +46,20 @@ Invariants this module keeps:
   leaves the pool and the request as they were.
 
 Covered: one full-attention group (``FullAttentionSpec`` and its subclasses, MLA included),
-alone or beside up to 8 sliding-window groups of one window (gpt-oss, Gemma 3: one block store,
-``kvpool.integrations._vllm_groups``; each window table has vLLM's shape, null entries behind
-the window; a hit only where every group serves it; window runs kept by kvpool's retention
-rule), prefix caching on or off, cache salts and LoRA (they root the hash chain, R6), KV events,
-prefix cache stats, chunked prefill, decode with lookahead (spec decode slots), recompute
-preemption, the async scheduler's ``cache_blocks``, 0.34's cache-aware admission (its probe).
+alone or beside up to 8 sliding-window groups of one window (gpt-oss, Gemma 3), chunked local
+attention groups of one chunk (Llama 4) or Mamba groups in "align" mode (Qwen3-Next, NemotronH,
+Jamba): one block store, ``kvpool.integrations._vllm_groups``; each table has vLLM's shape
+(null entries behind a window or chunk start; a Mamba table holds the previous and the current
+state block); a hit only where every group serves it; window runs and states kept by kvpool's
+retention rule; new attention blocks reported for zeroing where vLLM's workers zero them
+(Mamba, mixed precisions), prefix caching on or off, cache salts and LoRA (they root the
+hash chain, R6), KV events, prefix cache stats, chunked prefill, decode with lookahead (spec
+decode slots), recompute preemption, the async scheduler's ``cache_blocks``, 0.34's
+cache-aware admission (its probe).
 Requests that must not read the cache, or (0.34) may read only up to a hit limit, get no hit.
-Not covered, each a clear ``NotImplementedError`` at construction or call: chunked-local, Mamba
-(Gated DeltaNet), cross-attention groups, several full-attention groups, window groups of
+Not covered, each a clear ``NotImplementedError`` at construction or call: Mamba groups in
+another mode or with speculative or prefill checkpoint blocks, cross-attention groups, several
+full-attention groups, groups of several kinds beside full attention, window groups of
 different windows or block sizes or with ``extra_retained_tokens``, EAGLE's hit trimming, hash
 lookahead, DCP/PCP, KV connectors (external tokens, ``pop_blocks_for_free``, ``evict_blocks``),
 ``max_cache_hit_length`` (aux output), the KV cache metrics collector, and ``prefix_match_unit``

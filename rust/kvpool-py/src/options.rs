@@ -31,6 +31,7 @@ pub(crate) const POOL_OPTIONS: &[&str] = &[
     "sliding_window",
     "attention_chunk_size",
     "window_groups",
+    "state_groups",
     "swa_num_blocks",
     "shared_blocks",
     "retention_tokens",
@@ -139,6 +140,7 @@ impl<'py> Options<'py> {
             sliding_window: self.count("sliding_window")?,
             attention_chunk_size: self.count("attention_chunk_size")?,
             window_groups: self.count("window_groups")?.unwrap_or(1),
+            state_groups: self.count("state_groups")?.unwrap_or(0),
             swa_num_blocks: self.count("swa_num_blocks")?,
             // None: the default (shared unless the window group is sized on its own)
             shared_blocks: match self.get("shared_blocks")? {

@@ -494,3 +494,90 @@ impl BlockManager for SingleBlockManager {
         self.inner.check()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    //! The cost of the prefix cache's eviction walk (prefix_cache/segment_walk.rs) under ghost
+    //! admission, through the manager, with the ghost filter told of evictions directly.
+    use super::{BlockManager, BlockManagerImpl, ManagerConfig};
+    use crate::block::Block;
+    use crate::prefix_cache::{Eviction, PrefixCache};
+
+    /// Chains of the test, each two blocks under its own parent: as many as the protected
+    /// segment holds.
+    const CHAINS: u32 = 400;
+
+    /// A ghost SLRU cache of `4 * CHAINS` blocks of 2 tokens: the protected segment holds a
+    /// quarter, `CHAINS` nodes.
+    fn manager() -> BlockManagerImpl {
+        let mut m = BlockManagerImpl::new(ManagerConfig::new(4 * CHAINS as usize, 2)).unwrap();
+        let cache = m.prefix_cache_mut().unwrap();
+        cache.set_eviction(Eviction::GhostSlru, 25).unwrap();
+        m
+    }
+
+    /// Computes chain `tokens` in fresh blocks after the ghost filter was told that its last
+    /// block was evicted (and not its first: its slot went to a later eviction), publishes it
+    /// and releases it (tail first). Returns the ids.
+    fn publish_recomputed_tail(m: &mut BlockManagerImpl, tokens: &[u32]) -> Vec<u32> {
+        let cache = m.prefix_cache_mut().unwrap();
+        let hashes = cache.hasher().chain(tokens, 2, None);
+        cache.ghost_remember(hashes[hashes.len() - 1]);
+        let blocks = m.allocate(tokens.len() / 2).unwrap();
+        m.cache(tokens, &blocks, None).unwrap();
+        let ids = blocks.iter().map(Block::id).collect();
+        m.deallocate(blocks).unwrap();
+        ids
+    }
+
+    /// The pathological shape of the Mooncake conversation trace: parents in probation whose
+    /// only child the ghost filter admitted to the protected segment. Each child goes back to
+    /// probation only when the protected segment overflows, behind every such parent; evicting
+    /// it makes its parent the oldest leaf. A walk that starts again from the oldest end on each
+    /// call, and goes on from that parent, passes the other parents again each time (quadratic:
+    /// 81 000 entries looked at here before 2026-12-03); the walk that keeps its place passes
+    /// each once (1 200: one per parent passed, one per evicted block).
+    #[test]
+    fn the_eviction_walk_passes_each_parent_once_under_ghost_admission() {
+        let mut m = manager();
+        let chains: Vec<Vec<u32>> = (0..CHAINS)
+            .map(|i| publish_recomputed_tail(&mut m, &[1, i, 2, i]))
+            .collect();
+        let cache = m.prefix_cache().unwrap();
+        assert_eq!(cache.protected_order().len(), CHAINS as usize);
+        // One-block prompts recomputed after their eviction: each pushes the oldest child out of
+        // the protected segment, to the newest end of probation.
+        for i in 0..CHAINS {
+            publish_recomputed_tail(&mut m, &[3, i]);
+        }
+        m.check().unwrap();
+        let before = m.prefix_cache().unwrap().eviction_walk_steps();
+        // Half the chains one call each (child, then its parent: the oldest leaf), then the rest
+        // in one call.
+        for chain in &chains[..CHAINS as usize / 2] {
+            assert_eq!(m.evict(2), 2);
+            let cache = m.prefix_cache().unwrap();
+            assert!(chain.iter().all(|&id| !is_cached(cache, id)));
+        }
+        assert_eq!(m.evict(CHAINS as usize), CHAINS as usize);
+        m.check().unwrap();
+        let cache = m.prefix_cache().unwrap();
+        assert!(chains.iter().flatten().all(|&id| !is_cached(cache, id)));
+        assert_eq!(
+            cache.protected_order().len(),
+            CHAINS as usize,
+            "the prompts stay"
+        );
+        let steps = cache.eviction_walk_steps() - before;
+        let evicted = 2 * u64::from(CHAINS);
+        assert!(
+            steps <= 2 * evicted,
+            "the walk looked at {steps} entries to evict {evicted}"
+        );
+    }
+
+    /// Whether block `id` is cached (an entry of the cache).
+    fn is_cached(cache: &PrefixCache, id: u32) -> bool {
+        cache.entries().any(|(entry, _)| entry == id)
+    }
+}

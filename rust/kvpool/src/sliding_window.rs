@@ -64,6 +64,12 @@ pub struct WindowTable {
     pub(crate) blocks: Vec<Block>,
     /// Leading blocks published in the window index.
     pub(crate) published: usize,
+    /// A state group's previous state block (`groups/shared_window.rs`): one entry among the
+    /// released ones still held, the source of the step's state copy, until the step is done.
+    pub(crate) carry: Option<(usize, Block)>,
+    /// A state group's boundary states whose full-attention node is not cached yet (its chain's
+    /// publication stopped at a duplicate, R9): attached once it is, at the latest at release.
+    pub(crate) pending: Vec<(usize, Block)>,
 }
 
 impl WindowTable {
@@ -87,21 +93,32 @@ impl WindowTable {
         &self.blocks
     }
 
-    /// Block id of every entry, 0 for released ones.
+    /// Block id of every entry, 0 for released ones (but a carried one).
     pub fn ids(&self) -> impl Iterator<Item = u32> + '_ {
-        std::iter::repeat_n(0, self.released).chain(self.blocks.iter().map(Block::id))
+        let carry = self.carry.as_ref().map(|(i, b)| (*i, b.id()));
+        (0..self.released)
+            .map(move |i| match carry {
+                Some((at, id)) if at == i => id,
+                _ => 0,
+            })
+            .chain(self.blocks.iter().map(Block::id))
     }
 
     /// The block of entry `index`, if held.
     pub fn get(&self, index: usize) -> Option<&Block> {
-        index
-            .checked_sub(self.released)
-            .and_then(|i| self.blocks.get(i))
+        match &self.carry {
+            Some((at, block)) if *at == index => Some(block),
+            _ => index
+                .checked_sub(self.released)
+                .and_then(|i| self.blocks.get(i)),
+        }
     }
 
     /// Drops every handle and empties the table.
     pub fn clear(&mut self) {
         self.blocks.clear();
+        self.carry = None;
+        self.pending.clear();
         self.released = 0;
         self.published = 0;
     }

@@ -2,9 +2,11 @@
 //! demotion and scan resistance beside LRU, prefix closure under both (R10), the policy's
 //! validation, and a model-based test with `check()` after every step for each policy.
 
+use std::collections::{BTreeSet, HashMap};
+
 use kvpool::{
     Block, BlockHasher, BlockManager, BlockManagerImpl, BlockManagerPool, Eviction, KvPoolError,
-    ManagerConfig, PoolConfig,
+    ManagerConfig, PoolConfig, PrefixCache,
 };
 use proptest::prelude::*;
 
@@ -154,6 +156,55 @@ fn r11a_slru_protected_segment_overflows_into_probation() {
     m.check().unwrap();
 }
 
+#[test]
+fn r11a_parents_that_become_leaves_behind_the_walk_go_oldest_first() {
+    for eviction in [Eviction::Lru, Eviction::Slru, Eviction::GhostSlru] {
+        let mut m = manager(16, 2, eviction); // 15 usable blocks, 3 protected
+        let prefixes: Vec<u32> = [1u32, 2, 3]
+            .iter()
+            .map(|&c| publish(&mut m, &[c, c])[0])
+            .collect();
+        for c in [1u32, 2, 3] {
+            assert_eq!(request(&mut m, &[c, c]), 1);
+        }
+        // A held child under each of the first two prefixes, whose own handles go back.
+        let mut children = Vec::new();
+        for c in [1u32, 2] {
+            let tokens = [c, c, 5, c];
+            let mut blocks = m.allocate_shared(&tokens, None);
+            blocks.extend(m.allocate(1).unwrap());
+            m.cache(&tokens, &blocks, None).unwrap();
+            children.push(blocks.pop().unwrap());
+            m.deallocate(blocks).unwrap();
+        }
+        // The third prefix, newest: the walk passes the first two (children held) to evict it.
+        assert_eq!(request(&mut m, &[3, 3]), 1);
+        assert_eq!(m.evict(1), 1);
+        let cache = m.prefix_cache().unwrap();
+        assert!(cache.entries().all(|(id, _)| id != prefixes[2]));
+        // The children come back, the second one's first; each eviction of a child leaves its
+        // prefix a leaf behind the walk.
+        let [first, second]: [Block; 2] = children.try_into().unwrap();
+        m.deallocate(vec![second]).unwrap();
+        m.deallocate(vec![first]).unwrap();
+        m.check().unwrap();
+        assert_eq!(m.evict(3), 3);
+        m.check().unwrap();
+        let left: Vec<u32> = m
+            .prefix_cache()
+            .unwrap()
+            .entries()
+            .map(|(id, _)| id)
+            .collect();
+        match eviction {
+            // One list: the second prefix is older than the first child.
+            Eviction::Lru => assert_eq!(left, vec![prefixes[0]]),
+            // Probation (the children) first, then the older prefix of the protected segment.
+            Eviction::Slru | Eviction::GhostSlru => assert_eq!(left, vec![prefixes[1]]),
+        }
+    }
+}
+
 /// A hot prefix, used twice, then reused between scans of one-off prompts, each scan larger
 /// than the cache: returns the hot prefix's hits after the warm-up and the blocks asked.
 fn scan_hits(eviction: Eviction) -> (usize, usize) {
@@ -244,6 +295,41 @@ fn r29_pool_eviction_is_validated_and_built() {
     }
 }
 
+/// The blocks `evict(n)` takes (R10, R11a), from the lists of a drained cache without
+/// attachments: `n` times the oldest leaf of probation, else of the protected segment.
+fn expected_victims(cache: &PrefixCache, n: usize) -> BTreeSet<u32> {
+    let protected = cache.protected_order();
+    let nodes = cache.lru_order();
+    let mut segments = [nodes[..nodes.len() - protected.len()].to_vec(), protected];
+    let mut children: HashMap<u32, usize> = HashMap::new();
+    for (_, parent) in cache.entries() {
+        if let Some(parent) = parent {
+            *children.entry(parent).or_default() += 1;
+        }
+    }
+    let mut victims = BTreeSet::new();
+    for _ in 0..n {
+        let leaf = segments.iter().enumerate().find_map(|(s, segment)| {
+            let leaf = |id: &u32| children.get(id).copied().unwrap_or(0) == 0;
+            segment.iter().position(leaf).map(|at| (s, at))
+        });
+        let Some((s, at)) = leaf else {
+            break;
+        };
+        let id = segments[s].remove(at);
+        if let Some(parent) = cache.parent_of(id) {
+            *children.get_mut(&parent).unwrap() -= 1;
+        }
+        victims.insert(id);
+    }
+    victims
+}
+
+/// The cached block ids.
+fn cached_ids(cache: &PrefixCache) -> BTreeSet<u32> {
+    cache.entries().map(|(id, _)| id).collect()
+}
+
 /// Operations of the model-based test.
 #[derive(Clone, Debug)]
 enum Op {
@@ -287,8 +373,9 @@ fn chain_tokens(chain: u8, blocks: usize) -> Vec<u32> {
 proptest! {
     #![proptest_config(ProptestConfig { cases: 192, ..ProptestConfig::default() })]
     /// R2, R10, R11a for each policy and a small protected segment: after every step the handles
-    /// held are exactly the used ids and check() passes (segments, flags, caps); at the end
-    /// every id is free exactly once.
+    /// held are exactly the used ids and check() passes (segments, flags, caps, the walks); an
+    /// eviction takes exactly the oldest leaves of probation, then of the protected segment;
+    /// at the end every id is free exactly once.
     #[test]
     fn r11a_model_based_random_workload_for_each_policy(
         ops in proptest::collection::vec(op(), 1..120),
@@ -331,7 +418,14 @@ proptest! {
                     }
                 }
                 Op::Evict(n) => {
+                    let cache = m.prefix_cache_mut().unwrap();
+                    cache.drain_released();
+                    let expected = expected_victims(cache, n);
+                    let cached = cached_ids(cache);
                     let evicted = m.evict(n);
+                    let left = cached_ids(m.prefix_cache().unwrap());
+                    let taken: BTreeSet<u32> = cached.difference(&left).copied().collect();
+                    prop_assert_eq!(taken, expected, "each policy takes its oldest leaves");
                     prop_assert!(evicted <= n);
                     prop_assert_eq!(m.counts().cached + evicted, before.cached);
                     // Evicts as many as it may: every cache-only block is evictable eventually.
@@ -354,5 +448,93 @@ proptest! {
         m.reset_prefix_cache();
         m.check().unwrap();
         prop_assert_eq!(m.counts().free, num_blocks - 1, "every id came back exactly once");
+    }
+}
+
+/// Steps of the eviction-order test: a request (its prompt's hit, the rest computed, published
+/// and released), one whose blocks stay held, the release of held blocks, an eviction.
+#[derive(Clone, Debug)]
+enum Step {
+    Request(Vec<(u8, u8)>),
+    Hold(Vec<(u8, u8)>),
+    Release(usize),
+    Evict(usize),
+}
+
+fn step() -> impl Strategy<Value = Step> {
+    // Blocks from a small alphabet: the prompts share prefixes and branch.
+    let prompt = proptest::collection::vec((0u8..3, 0u8..2), 1..7);
+    prop_oneof![
+        5 => prompt.clone().prop_map(Step::Request),
+        2 => prompt.prop_map(Step::Hold),
+        2 => any::<usize>().prop_map(Step::Release),
+        3 => (1usize..8).prop_map(Step::Evict),
+    ]
+}
+
+/// A prompt's hit and the rest computed and published; `None` (the hit released) when the
+/// rest does not fit.
+fn compute(m: &mut BlockManagerImpl, prompt: &[(u8, u8)]) -> Option<Vec<Block>> {
+    let tokens: Vec<u32> = prompt
+        .iter()
+        .flat_map(|&(a, b)| [u32::from(a), u32::from(b)])
+        .collect();
+    let mut blocks = m.allocate_shared(&tokens, None);
+    let need = prompt.len() - blocks.len();
+    if m.counts().available() < need {
+        m.deallocate(blocks).unwrap();
+        return None;
+    }
+    blocks.extend(m.allocate(need).unwrap());
+    m.cache(&tokens, &blocks, None).unwrap();
+    Some(blocks)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+    /// R10, R11, R11a: under each policy every eviction takes exactly the oldest leaves of
+    /// probation, then of the protected segment, whatever the walks passed before (parents kept
+    /// by a held or protected child, demotions, ghost admissions, short hashes that collide);
+    /// check() passes after every step.
+    #[test]
+    fn r11a_each_policy_evicts_exactly_its_oldest_leaves(
+        steps in proptest::collection::vec(step(), 1..150),
+        eviction in prop_oneof![Just(Eviction::Lru), Just(Eviction::Slru), Just(Eviction::GhostSlru)],
+        percent in prop_oneof![Just(0usize), Just(25usize), Just(50usize)],
+        bits in prop_oneof![Just(128u32), Just(4u32)],
+    ) {
+        let mut config = ManagerConfig::new(24, 2);
+        config.hasher = BlockHasher::with_debug_bits(7, bits);
+        let mut m = BlockManagerImpl::new(config).unwrap();
+        m.prefix_cache_mut().unwrap().set_eviction(eviction, percent).unwrap();
+        let mut held: Vec<Vec<Block>> = Vec::new();
+        for step in steps {
+            match step {
+                Step::Request(prompt) => {
+                    if let Some(blocks) = compute(&mut m, &prompt) {
+                        m.deallocate(blocks).unwrap();
+                    }
+                }
+                Step::Hold(prompt) => held.extend(compute(&mut m, &prompt)),
+                Step::Release(i) if !held.is_empty() => {
+                    let blocks = held.swap_remove(i % held.len());
+                    m.deallocate(blocks).unwrap();
+                }
+                Step::Evict(n) => {
+                    let cache = m.prefix_cache_mut().unwrap();
+                    cache.drain_released();
+                    let expected = expected_victims(cache, n);
+                    let cached = cached_ids(cache);
+                    prop_assert_eq!(m.evict(n), expected.len());
+                    let left = cached_ids(m.prefix_cache().unwrap());
+                    let taken: BTreeSet<u32> = cached.difference(&left).copied().collect();
+                    prop_assert_eq!(taken, expected);
+                }
+                _ => {}
+            }
+            if let Err(e) = m.check() {
+                prop_assert!(false, "check failed: {e}");
+            }
+        }
     }
 }

@@ -831,3 +831,57 @@ fn window_removals_of_concurrent_drops_reach_the_index() {
     }
     index.check().unwrap();
 }
+
+#[test]
+fn state_groups_move_the_state_and_cache_only_boundary_states() {
+    // Block size 4, one state group: a step's state lives in the block of its last token; the
+    // previous block is carried until the step is done; a block is cached only when a step
+    // ended on its end boundary.
+    let mut config = PoolConfig::new(64, 4);
+    config.state_groups = 1;
+    let mut pool = BlockManagerPool::new(config).unwrap();
+    let prompt: Vec<u32> = (100..111).collect();
+    let mut a = Sequence::new(prompt.clone(), None, None);
+    assert!(pool.allocate(&mut a, Some(8)).unwrap());
+    let ids = a.group_block_ids(1).unwrap();
+    assert!(
+        ids[0] == 0 && ids[1] != 0,
+        "one block, the step's last: {ids:?}"
+    );
+    a.set_num_computed_tokens(8).unwrap();
+    pool.cache(&mut a).unwrap(); // ended on boundary 8: block 1 is cached
+    let cached = ids[1];
+    assert!(pool.allocate(&mut a, Some(11)).unwrap());
+    let ids = a.group_block_ids(1).unwrap();
+    assert_eq!((ids[0], ids[1]), (0, cached), "the source is carried");
+    assert!(ids[2] != 0);
+    a.set_num_computed_tokens(11).unwrap();
+    pool.cache(&mut a).unwrap();
+    let ids = a.group_block_ids(1).unwrap();
+    assert_eq!((ids[0], ids[1]), (0, 0), "the step is done");
+    pool.deallocate(&mut a).unwrap();
+    pool.check().unwrap();
+    // a hit at 8 takes the cached state block; 11 (inside a step's block) is no hit point
+    let mut probe = prompt[..10].to_vec();
+    probe.push(7);
+    let mut b = Sequence::new(probe, None, None);
+    assert!(pool.allocate(&mut b, None).unwrap());
+    assert_eq!(b.num_cached_tokens(), 8);
+    assert_eq!(b.group_block_ids(1).unwrap()[1], cached);
+    pool.deallocate(&mut b).unwrap();
+    // one step through boundaries 4, 8 and 12 caches none of them
+    let other: Vec<u32> = (200..213).collect();
+    let mut c = Sequence::new(other.clone(), None, None);
+    assert!(pool.allocate(&mut c, None).unwrap());
+    c.set_num_computed_tokens(13).unwrap();
+    pool.deallocate(&mut c).unwrap();
+    let mut d = Sequence::new(
+        other[..12].iter().copied().chain([1, 2]).collect(),
+        None,
+        None,
+    );
+    assert!(pool.allocate(&mut d, None).unwrap());
+    assert_eq!(d.num_cached_tokens(), 0);
+    pool.deallocate(&mut d).unwrap();
+    pool.check().unwrap();
+}

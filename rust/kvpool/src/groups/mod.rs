@@ -39,7 +39,7 @@ pub(crate) use full::{FullGroup, Walk};
 pub(crate) use linear::{Ledger, LinearGroup, LinearTable, OpKind};
 pub use linear::{LinearStateMatch, LinearStateSave};
 pub use misses::{Miss, MissReason};
-pub(crate) use shared_window::SharedWindowGroup;
+pub(crate) use shared_window::{SharedWindowGroup, WindowKind};
 pub(crate) use window::WindowGroup;
 
 /// A group of a rank besides full attention.
@@ -279,10 +279,9 @@ impl Group {
         entries: usize,
     ) -> (usize, usize) {
         match (self, table) {
-            (Self::SharedWindow(g), GroupTable::Window(t)) => (
-                entries.saturating_sub(t.len()),
-                g.releasable(full, t, computed),
-            ),
+            (Self::SharedWindow(g), GroupTable::Window(t)) => {
+                (g.growth(t, entries), g.releasable(full, t, computed))
+            }
             (Self::Linear(g), GroupTable::Linear(_)) => (0, g.spare()),
             _ => (0, 0),
         }
@@ -301,11 +300,11 @@ impl Group {
         matches!(self, Self::Window(_) | Self::SharedWindow(_))
     }
 
-    /// Whether [`Self::publish`] has work below `full` full computed blocks.
-    pub(crate) fn wants_publish(&self, table: &GroupTable, full: usize) -> bool {
+    /// Whether [`Self::publish`] has work below `full` full computed blocks (`computed` tokens).
+    pub(crate) fn wants_publish(&self, table: &GroupTable, full: usize, computed: usize) -> bool {
         match (self, table) {
             (Self::Window(g), GroupTable::Window(t)) => g.wants_publish(t, full),
-            (Self::SharedWindow(g), GroupTable::Window(t)) => g.wants_publish(t, full),
+            (Self::SharedWindow(g), GroupTable::Window(t)) => g.wants_publish(t, full, computed),
             _ => false,
         }
     }
@@ -318,10 +317,11 @@ impl Group {
         table: &mut GroupTable,
         chain: &mut OwnChain<'_>,
         full: usize,
+        computed: usize,
     ) {
         match (self, table) {
             (Self::Window(g), GroupTable::Window(t)) => g.publish(t, chain, full),
-            (Self::SharedWindow(g), GroupTable::Window(t)) => g.publish(t, chain, full),
+            (Self::SharedWindow(g), GroupTable::Window(t)) => g.publish(t, chain, full, computed),
             _ => {}
         }
     }

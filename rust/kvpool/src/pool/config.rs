@@ -4,7 +4,7 @@
 use crate::alloc;
 use crate::block::BlockStore;
 use crate::error::{ensure_arg, Result};
-use crate::groups::{FullGroup, Group, LinearGroup, SharedWindowGroup, WindowGroup};
+use crate::groups::{FullGroup, Group, LinearGroup, SharedWindowGroup, WindowGroup, WindowKind};
 use crate::hash::BlockHasher;
 use crate::linear_state::LinearStatePrefixCache;
 use crate::manager::{BlockManagerImpl, ManagerConfig, SingleBlockManager};
@@ -70,6 +70,12 @@ pub struct PoolConfig {
     /// chunk's start only (none at a chunk's end). A multiple of `block_size`; needs the shared
     /// store. `None`: the window groups are sliding windows.
     pub attention_chunk_size: Option<usize>,
+    /// Recurrent-state groups in the shared store, in place of window groups (vLLM's Mamba
+    /// groups in "align" mode, docs/hybrid.md "State groups"): each block of such a group holds
+    /// the state at its end boundary once a step ended there; a step's state moves to the block
+    /// of its last token, copied by the engine from the previous one; a hit at a boundary needs
+    /// the one block before it. 0 (the default): none. At most 8; needs the shared store.
+    pub state_groups: usize,
     /// Groups of `sliding_window` in the shared store (vLLM's several window groups of one
     /// spec, e.g. Gemma 3's five window layers per full one): each has a table of its own, its
     /// ids from the one store, and attaches its blocks to the full-attention tree on its own.
@@ -126,6 +132,7 @@ impl PoolConfig {
             sliding_window: None,
             attention_chunk_size: None,
             window_groups: 1,
+            state_groups: 0,
             swa_num_blocks: None,
             shared_blocks: None,
             retention_tokens: DEFAULT_RETENTION_TOKENS,
@@ -154,7 +161,28 @@ impl PoolConfig {
     /// The window groups' window in tokens: `sliding_window`, or the chunk of
     /// `attention_chunk_size` (the most tokens before a query it reads, plus one).
     pub fn window(&self) -> Option<usize> {
-        self.sliding_window.or(self.attention_chunk_size)
+        // (a state group reads the block of the token before a query: a window of two tokens)
+        self.sliding_window
+            .or(self.attention_chunk_size)
+            .or((self.state_groups > 0).then_some(2))
+    }
+
+    /// The groups of the shared store beside full attention: `state_groups` or `window_groups`.
+    pub fn num_window_groups(&self) -> usize {
+        if self.state_groups > 0 {
+            self.state_groups
+        } else {
+            self.window_groups
+        }
+    }
+
+    /// What the groups beside full attention are.
+    fn window_kind(&self) -> WindowKind {
+        match (self.state_groups > 0, self.attention_chunk_size.is_some()) {
+            (true, _) => WindowKind::State,
+            (false, true) => WindowKind::Chunked,
+            (false, false) => WindowKind::Sliding,
+        }
     }
 
     fn swa_blocks(&self) -> usize {
@@ -242,6 +270,27 @@ impl PoolConfig {
                 "must equal block_size {} with linear_state_match=\"contiguous\" (a hit needs a \
                  checkpoint at every block boundary), got {interval}",
                 self.block_size
+            );
+        }
+        if self.state_groups > 0 {
+            ensure_arg!(
+                self.state_groups <= MAX_ATTACH_GROUPS,
+                "state_groups",
+                "must be at most {MAX_ATTACH_GROUPS}, got {}",
+                self.state_groups
+            );
+            ensure_arg!(
+                self.sliding_window.is_none()
+                    && self.attention_chunk_size.is_none()
+                    && self.window_groups == 1,
+                "state_groups",
+                "is not with sliding_window, attention_chunk_size or window_groups (the groups \
+                 beside full attention are one kind)"
+            );
+            ensure_arg!(
+                self.shares_window_store(),
+                "state_groups",
+                "needs the shared store (no shared_blocks=False, xtensor or host tier)"
             );
         }
         if let Some(chunk) = self.attention_chunk_size {
@@ -344,7 +393,7 @@ impl PoolConfig {
                 (None, _) => 0,
                 (Some(_), true) => {
                     self.num_blocks as u128
-                        * PrefixCache::attach_bytes_per_block(self.window_groups)
+                        * PrefixCache::attach_bytes_per_block(self.num_window_groups())
                 }
                 (Some(_), false) => SlidingWindowBlockManager::footprint(
                     self.swa_blocks(),
@@ -371,8 +420,9 @@ impl PoolConfig {
                         }
                         if let (Some(window), true) = (self.window(), self.shares_window_store()) {
                             cache.enable_attachments(AttachConfig {
-                                windows: vec![window; self.window_groups],
+                                windows: vec![window; self.num_window_groups()],
                                 chunked: self.attention_chunk_size.is_some(),
+                                states: self.state_groups > 0,
                                 retention_tokens: self.retention_tokens,
                             })?;
                             cache.set_record_attach_events(self.enable_events);
@@ -429,11 +479,11 @@ impl PoolConfig {
                     "must be at least 1, got {window}"
                 );
                 full.track_owners()?;
-                for attach_group in 0..self.window_groups {
+                for attach_group in 0..self.num_window_groups() {
                     let owner = groups.len() as u8 + 1;
                     groups.push(Group::SharedWindow(SharedWindowGroup::new(
                         window,
-                        self.attention_chunk_size.is_some(),
+                        self.window_kind(),
                         self.block_size,
                         attach_group,
                         owner,

@@ -257,7 +257,7 @@ impl BlockManagerPool {
     /// Block groups of every sequence: 1, or 1 + `window_groups` with a sliding window (R25).
     pub fn num_groups(&self) -> usize {
         1 + if self.config.window().is_some() {
-            self.config.window_groups
+            self.config.num_window_groups()
         } else {
             0
         }

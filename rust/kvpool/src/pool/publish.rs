@@ -113,7 +113,7 @@ impl BlockManagerPool {
         }
         let step = when == Publish::Step;
         for (group, table) in groups.iter_mut().zip(alloc.groups.iter_mut()) {
-            let publish = epoch.is_some() && group.wants_publish(table, full);
+            let publish = epoch.is_some() && group.wants_publish(table, full, computed);
             let steps = step && group.steps();
             let save =
                 steps && epoch.is_some() && full > 0 && group.saves_at(table, computed, prompt);
@@ -133,7 +133,7 @@ impl BlockManagerPool {
                     alloc.published,
                 );
                 if publish {
-                    group.publish(table, &mut own, full);
+                    group.publish(table, &mut own, full, computed);
                 }
                 if resolve {
                     group.anchor_saves(table, &mut own);
@@ -182,7 +182,7 @@ impl BlockManagerPool {
             false => 0,
         };
         for (group, table) in groups.iter_mut().zip(alloc.groups.iter_mut()) {
-            if group.wants_publish(table, full) {
+            if group.wants_publish(table, full, computed) {
                 let raw_key = key.map(|k| &**k);
                 let hasher = attention.hasher();
                 let hashes = chain.ensure(&hasher, block_size, tokens, raw_key, full * block_size);
@@ -195,7 +195,7 @@ impl BlockManagerPool {
                     block_size,
                     reach,
                 );
-                group.publish(table, &mut own, full);
+                group.publish(table, &mut own, full, computed);
             }
             group.slide(table, computed);
         }

@@ -67,6 +67,10 @@ pub(crate) struct AttachConfig {
     /// The windows are chunks of chunked local attention: the run before boundary `k` starts at
     /// its chunk's start (multiples of the block size).
     pub(crate) chunked: bool,
+    /// The groups are state groups (`groups/shared_window.rs`): every attachment is a cached
+    /// state, a hit point of its own, so one no mark protects ranks with the protected ones (it
+    /// goes with its node, by the nodes' order) instead of first.
+    pub(crate) states: bool,
     /// The tokens before a released sequence's end whose boundaries' runs its end mark keeps.
     pub(crate) retention_tokens: usize,
 }
@@ -353,7 +357,7 @@ impl PrefixCache {
     pub(super) fn class_of(&self, id: u32) -> List {
         let entry = &self.entries[id as usize];
         if entry.kind != NODE {
-            return if entry.children > 0 {
+            return if entry.children > 0 || self.attach.config.states {
                 List::Keep
             } else {
                 List::Low
@@ -386,7 +390,7 @@ impl PrefixCache {
                 };
                 match (before, entry.children) {
                     (0, 1) => self.list_move(att, List::Keep),
-                    (1, 0) => self.list_move(att, List::Low),
+                    (1, 0) if !self.attach.config.states => self.list_move(att, List::Low),
                     _ => {}
                 }
             }
@@ -429,6 +433,7 @@ impl PrefixCache {
     /// protection the next drain applies (after the publication attached its blocks).
     #[inline]
     pub(super) fn child_added(&mut self, node: u32) {
+        self.walk_parent(node);
         let entry = &mut self.entries[node as usize];
         entry.children += 1;
         if entry.list == List::Low as u8 {
@@ -457,18 +462,21 @@ impl PrefixCache {
     }
 
     /// A child of `node` was removed: a cache-only node that became a leaf and is no hit point
-    /// moves to the low list. A junction keeps its mark (module doc) until the node goes.
+    /// moves to the low list; one that stays on its segment may be a late leaf of its walk
+    /// (segment_walk.rs). A junction keeps its mark (module doc) until the node goes.
     pub(super) fn child_removed(&mut self, node: u32) {
         let entry = &mut self.entries[node as usize];
         entry.children -= 1;
-        if entry.children == 0
-            && entry.kind == NODE
-            && super::policy::segment_index(entry.list).is_some()
+        if entry.children > 0 || entry.kind != NODE {
+            return;
+        }
+        if super::policy::segment_index(entry.list).is_some()
             && self.has_attachments()
             && !self.is_hit_point(node)
         {
             self.list_move(node, List::Low);
         }
+        self.walk_leaf(node);
     }
 
     /// Drops node `node`'s marks and their protection (the node is being removed).
@@ -605,8 +613,11 @@ impl PrefixCache {
                 let list = entry.list;
                 ensure_invariant!(
                     list == NONE && state & crate::block::QUEUED != 0
-                        || list == List::Keep as u8 && entry.children > 0
-                        || list == List::Low as u8 && entry.children == 0,
+                        || list == List::Keep as u8
+                            && (entry.children > 0 || self.attach.config.states)
+                        || list == List::Low as u8
+                            && entry.children == 0
+                            && !self.attach.config.states,
                     "cache-only attachment {att} is on the wrong list"
                 );
             } else {

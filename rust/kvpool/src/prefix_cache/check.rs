@@ -174,6 +174,7 @@ impl PrefixCache {
                     .all(|&id| self.entries[id as usize].kind != NODE),
             "a node on the keep list or an attachment on the LRU list"
         );
-        self.check_segments()
+        self.check_segments()?;
+        self.check_walks()
     }
 }

@@ -1,18 +1,17 @@
-//! Eviction: [`PrefixCache::evict`], the walk that takes the cache-only blocks the policy
-//! (policy.rs) orders first, and [`PrefixCache::evict_leaf`] for callers with an order of their
-//! own.
+//! Eviction: [`PrefixCache::evict`], which takes the cache-only blocks the policy (policy.rs)
+//! orders first, and [`PrefixCache::evict_leaf`] for callers with an order of their own.
 //!
 //! Invariants kept: only cache-only leaves are evicted (R10: the cached set stays closed under
 //! prefix; a held block is on no list, so it is never a candidate); the classes go in order
 //! (the low list, the node segments, the protected attachments); within a segment of nodes the
-//! walk is strictly least recently released among its leaves. Every entry older than a
-//! segment's cursor that is still on the segment has children, so a walk never revisits one
-//! and costs O(1) per evicted block, but for skipped parents (a chain's head released before
-//! its tail).
+//! victim is strictly its least recently released leaf. Each segment's walk keeps its place
+//! between calls (segment_walk.rs), so a parent that still has children is passed once, not
+//! once per call or per parent evicted behind it: O(1) per evicted block amortized, O(log n)
+//! for a parent that becomes a leaf after the walk passed it.
 
 use super::attach;
 use super::lists::{List, NONE};
-use super::policy::{segment_index, SEGMENTS};
+use super::policy::SEGMENTS;
 use super::{BlockHash, CacheEvent, ExtraKey, PrefixCache, NIL};
 
 impl PrefixCache {
@@ -26,28 +25,11 @@ impl PrefixCache {
         self.drain_released();
         let mut evicted = 0;
         let mut removed = Vec::new();
-        // One walk per segment of nodes (policy.rs; under LRU the second is empty): every entry
-        // older than `cursors[s]` that is still on segment `s` has children.
-        let mut cursors = SEGMENTS.map(|list| self.lists.get(list).oldest);
         while evicted < n {
-            let low = self.lists.get(List::Low).oldest;
-            if low != NIL {
-                evicted += self.evict_entry(low, &mut removed, &mut cursors);
-                continue;
-            }
-            let Some(segment) = self.walking_segment(&mut cursors) else {
-                let Some(keep) = self.keep_victim() else {
-                    break;
-                };
-                evicted += self.evict_entry(keep, &mut removed, &mut cursors);
-                continue;
+            let Some(victim) = self.next_victim() else {
+                break;
             };
-            let victim = cursors[segment];
-            cursors[segment] = self.entries[victim as usize].next;
-            if self.entries[victim as usize].children > 0 {
-                continue;
-            }
-            evicted += self.evict_entry(victim, &mut removed, &mut cursors);
+            evicted += self.evict_entry(victim, &mut removed);
         }
         self.stats.evictions += evicted as u64;
         if let Some(events) = self.events.as_mut() {
@@ -61,60 +43,31 @@ impl PrefixCache {
         evicted
     }
 
-    /// The first segment whose walk has entries left (its cursor not `NIL`), or `None` when
-    /// both are done. A cursor whose entry moved to the low list (a leaf that is no hit point)
-    /// walks again from its segment's oldest: every entry skipped before it still has children.
-    #[inline]
-    fn walking_segment(&self, cursors: &mut [u32; 2]) -> Option<usize> {
-        for (segment, list) in SEGMENTS.into_iter().enumerate() {
-            let cursor = cursors[segment];
-            if cursor != NIL && self.entries[cursor as usize].list != list as u8 {
-                cursors[segment] = self.lists.get(list).oldest;
-            }
-            if cursors[segment] != NIL {
-                return Some(segment);
-            }
+    /// What [`Self::evict`] takes next: the oldest entry of the low list, else the oldest leaf
+    /// of the first node segment that has one (segment_walk.rs), else a protected attachment;
+    /// `None` when nothing is listed.
+    fn next_victim(&mut self) -> Option<u32> {
+        let low = self.lists.get(List::Low).oldest;
+        if low != NIL {
+            return Some(low);
         }
-        None
+        (0..SEGMENTS.len())
+            .find_map(|segment| self.segment_victim(segment))
+            .or_else(|| self.keep_victim())
     }
 
     /// Evicts listed entry `id` (a leaf node or an attachment) and what goes with it; returns
-    /// the blocks freed. A node's removal may turn its parent into an evictable leaf older than
-    /// its segment's walk `cursors`: that cursor moves back to it, so it goes next in its turn
-    /// (F8: it competes by its own recency).
-    fn evict_entry(
-        &mut self,
-        id: u32,
-        removed: &mut Vec<(BlockHash, Option<ExtraKey>)>,
-        cursors: &mut [u32; 2],
-    ) -> usize {
+    /// the blocks freed. A node's removal may turn its parent into an evictable leaf: the
+    /// segment walks see it (`child_removed`, segment_walk.rs), so it competes by its own
+    /// recency (F8).
+    fn evict_entry(&mut self, id: u32, removed: &mut Vec<(BlockHash, Option<ExtraKey>)>) -> usize {
         if self.entries[id as usize].kind != attach::NODE {
             self.drop_attachment(id);
             return 1;
         }
-        for (segment, list) in SEGMENTS.into_iter().enumerate() {
-            if cursors[segment] == id {
-                // The walk's next entry; or, for an entry that moved off the segment under the
-                // cursor, the walk starts again from the oldest (what it skipped has children).
-                cursors[segment] = match self.entries[id as usize].list == list as u8 {
-                    true => self.entries[id as usize].next,
-                    false => self.lists.get(list).oldest,
-                };
-            }
-        }
-        let parent = self.entries[id as usize].parent;
         let (hash, key, attached) = self.remove_entry(id);
         if self.events.is_some() {
             removed.push((hash, key));
-        }
-        if parent != NIL {
-            let p = &self.entries[parent as usize];
-            if let (0, Some(segment)) = (p.children, segment_index(p.list)) {
-                let cursor = cursors[segment];
-                if cursor == NIL || p.stamp < self.entries[cursor as usize].stamp {
-                    cursors[segment] = parent;
-                }
-            }
         }
         1 + attached
     }

@@ -130,7 +130,8 @@ impl PrefixCache {
         self.clock
     }
 
-    /// Puts entry `id` (on no list) at the newest end of `list`, with a fresh stamp.
+    /// Puts entry `id` (on no list) at the newest end of `list`, with a fresh stamp (a walk that
+    /// passed its whole segment stands before it, segment_walk.rs).
     pub(super) fn list_push(&mut self, list: List, id: u32) {
         let newest = self.lists.get(list).newest;
         {
@@ -150,10 +151,13 @@ impl PrefixCache {
         let ends = self.lists.get_mut(list);
         ends.newest = id;
         ends.len += 1;
+        self.walk_pushed(list, id);
     }
 
-    /// Takes entry `id` off its list (nothing if it is on none).
+    /// Takes entry `id` off its list (nothing if it is on none); its segment's walk lets go of
+    /// it (segment_walk.rs).
     pub(super) fn list_unlink(&mut self, id: u32) {
+        self.walk_unlinked(id);
         let (list, prev, next) = {
             let entry = &mut self.entries[id as usize];
             if entry.list == NONE {
@@ -202,8 +206,10 @@ impl PrefixCache {
         ids
     }
 
-    /// Empties every list (the entries' fields are the caller's).
+    /// Empties every list (the entries' fields are the caller's) and starts the segments'
+    /// walks again (segment_walk.rs).
     pub(super) fn lists_clear(&mut self) {
         self.lists = Lists::default();
+        self.restart_walks();
     }
 }

@@ -19,13 +19,14 @@
 //!
 //! "Least recently used" is the time a block last became cache-only (its last holder released
 //! it; a hit makes it held, so the release after a hit refreshes it). Eviction is strictly LRU
-//! among the evictable leaves (cache-only entries without children): one walk from the oldest
-//! end skips entries that still have children; when an eviction turns an older, skipped parent
-//! into a leaf, that parent is the oldest evictable leaf and goes next, so it competes by its
-//! own recency and no second pass is needed. A block some sequence holds is never on the list,
-//! so it is never evicted. Everything is O(1) per block except skipping entries whose children
-//! are still cached or held, which only arises when a chain's head was released before its
-//! tail.
+//! among the evictable leaves (cache-only entries without children): a walk from the oldest
+//! end passes entries that still have children and keeps its place between evictions; when an
+//! eviction turns a parent it passed into a leaf, that parent competes by its own recency (F8)
+//! among the late leaves, which go before the rest of the walk (segment_walk.rs). A block some
+//! sequence holds is never on the list, so it is never evicted. Everything is O(1) per block
+//! amortized (each parent is passed once while it stays listed), and O(log n) for a parent that
+//! becomes a leaf after the walk passed it, which only arises when a chain's head was released
+//! before its tail (or, under SLRU, sits in another segment).
 //!
 //! That is the default policy, [`Eviction::Lru`]. The others (policy.rs, R11a) split the nodes
 //! into segments, each walked the same way (evict.rs); every policy evicts only leaves.
@@ -42,6 +43,7 @@ mod keys;
 mod lists;
 mod physical;
 mod policy;
+mod segment_walk;
 
 use crate::alloc;
 use crate::block::{Block, StoreRef, CACHED, COUNT_MASK};
@@ -83,7 +85,8 @@ struct Entry {
     list: u8,
     /// [`attach::NODE`], or `1 + g` for an attachment of group `g`.
     kind: u8,
-    /// A node's marks (attach.rs: `END`, `JUNCTION`), [`ANCHORED`] and [`HIT`] (policy.rs).
+    /// A node's marks (attach.rs: `END`, `JUNCTION`), [`ANCHORED`], [`HIT`] (policy.rs) and
+    /// `LATE` (segment_walk.rs).
     flags: u8,
     /// When the entry last entered a list (increases from the oldest end to the newest).
     stamp: u64,
@@ -218,6 +221,10 @@ pub struct PrefixCache {
     /// hash stops because that block was evicted ("why no hit", docs/hybrid.md). A filter: a
     /// later eviction may overwrite a slot.
     ghosts: Vec<u64>,
+    /// Where the eviction walk of each node segment stands (segment_walk.rs).
+    segment_walks: segment_walk::SegmentWalks,
+    /// Entries those walks looked at (a debug counter, segment_walk.rs).
+    segment_walk_steps: u64,
 }
 
 /// Bit set on an id [`PrefixCache::walk`] reports when the cache alone holds the block (ids are
@@ -260,6 +267,8 @@ impl PrefixCache {
             burying: false,
             walks: AtomicU64::new(0),
             ghosts: alloc::filled(n, "num_blocks", || 0)?,
+            segment_walks: segment_walk::SegmentWalks::default(),
+            segment_walk_steps: 0,
         })
     }
 
@@ -568,6 +577,13 @@ impl PrefixCache {
         if len > 0 {
             self.ghosts[(hash.0 % len) as usize] = (hash.0 >> 64) as u64 | 1;
         }
+    }
+
+    /// Tells the ghost filter that `hash` was evicted, as an eviction does (tests of ghost
+    /// admission that choose what it remembers).
+    #[cfg(test)]
+    pub(crate) fn ghost_remember(&mut self, hash: BlockHash) {
+        self.remember_evicted(hash);
     }
 
     /// Whether the ghost filter remembers the eviction of `hash`, cached again or not (a later

@@ -26,7 +26,10 @@
 //! set (a node on the low list keeps its flag: when it gets a child it moves to the segment the
 //! flag names), and the segment holds at most `protected_cap` nodes (`protected_percent` of the
 //! cache's entries). Only leaves are evicted from either segment (R10: prefix closure); the walk
-//! is the LRU walk of evict.rs, one cursor per segment, O(1) per block but for skipped parents.
+//! is the LRU walk of evict.rs, one per segment keeping its place between calls
+//! (segment_walk.rs): O(1) per block amortized, O(log n) for a parent left behind by its walk
+//! that becomes a leaf (ghost admission makes many: a child in the protected segment under a
+//! parent in probation).
 //! A hit costs one flag write on an entry line the hit touches anyway; ghost admission one read
 //! of the ghost filter per recorded node (GhostSlru only). With `protected_percent` 0 every
 //! promoted node goes straight back to the newest end of probation: LRU's order.
@@ -122,6 +125,7 @@ impl PrefixCache {
             }
             self.push_node(id);
         }
+        self.restart_walks();
         Ok(())
     }
 
