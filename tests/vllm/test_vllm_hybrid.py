@@ -308,18 +308,15 @@ def _assert_same_or_hit_first(a, b):
     )
 
 
-@pytest.mark.parametrize("async_", [False, True], ids=["sync", "async"])
-@pytest.mark.parametrize("pressure", [False, True], ids=["light", "pressure"])
-@pytest.mark.parametrize("name", list(CONFIGS))
-def test_real_scheduler_to_completion_with_fake_kv(name, pressure, async_):
-    bs, hybrid = h.BS, CONFIGS[name]
-    trace = h.chat_trace(160, seed=0)
-    num_blocks = (PRESSURE if pressure else LIGHT)[name]
-    scale = 0.5 if pressure else 1.0
+def _scheduled(kinds, trace, num_blocks, bs, scale, async_):
+    """vLLM's real Scheduler over ``trace`` for each (manager kind, hybrid config), to
+    completion; kvpool's run executes every step on a fake KV store (vLLM shares blocks
+    scheduled, not computed, so its own runs are not checked) and ends with ``check()``.
+    Returns the runs by kind and the blocks (states) kvpool's store checked per group."""
     runs, reads = {}, None
-    for kind, config in (("kvpool", hybrid), ("vllm-r17", dense(hybrid)), ("vllm", hybrid)):
+    for kind, config in kinds:
         scheduler, vllm_config = h.build_scheduler(
-            kind, h.blocks(num_blocks, bs), block_size=bs, hybrid=config, async_=async_
+            kind, num_blocks, block_size=bs, hybrid=config, async_=async_
         )
         kv = h.FakeKV(scheduler.kv_cache_manager.kv_cache_config, trace)
         runs[kind] = h.run_scheduler(
@@ -328,12 +325,31 @@ def test_real_scheduler_to_completion_with_fake_kv(name, pressure, async_):
             trace,
             arrival_scale=scale,
             hasher=None if kind == "kvpool" else hasher_for(bs),
-            kv=kv if kind == "kvpool" else None,  # (vLLM shares blocks scheduled, not computed)
+            kv=kv if kind == "kvpool" else None,
         )
         assert runs[kind].finished == len(trace)
         if kind == "kvpool":
             reads = kv.reads
             scheduler.kv_cache_manager.check()
+    return runs, reads
+
+
+@pytest.mark.parametrize("async_", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("pressure", [False, True], ids=["light", "pressure"])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_real_scheduler_to_completion_with_fake_kv(name, pressure, async_):
+    bs, hybrid = h.BS, CONFIGS[name]
+    trace = h.chat_trace(160, seed=0)
+    num_blocks = (PRESSURE if pressure else LIGHT)[name]
+    scale = 0.5 if pressure else 1.0
+    runs, reads = _scheduled(
+        (("kvpool", hybrid), ("vllm-r17", dense(hybrid)), ("vllm", hybrid)),
+        trace,
+        h.blocks(num_blocks, bs),
+        bs,
+        scale,
+        async_,
+    )
     k, r, v = runs["kvpool"], runs["vllm-r17"], runs["vllm"]
     first = _first_difference(k, r)
     print(
@@ -455,24 +471,9 @@ def test_mamba_groups_under_the_real_scheduler_with_a_fake_state_store(pressure,
     hit's state too: never a full-attention hit with a missing or wrong state, vLLM #43090)."""
     bs, trace = h.BS, h.chat_trace(160, seed=0)
     num_blocks, scale = h.blocks(MAMBA_BLOCKS[pressure], bs), 0.5 if pressure else 1.0
-    runs, reads = {}, None
-    for kind in ("kvpool", "vllm"):
-        scheduler, config = h.build_scheduler(
-            kind, num_blocks, block_size=bs, hybrid=h.QWEN3_NEXT, async_=async_
-        )
-        kv = h.FakeKV(scheduler.kv_cache_manager.kv_cache_config, trace)
-        runs[kind] = h.run_scheduler(
-            scheduler,
-            config,
-            trace,
-            arrival_scale=scale,
-            hasher=None if kind == "kvpool" else hasher_for(bs),
-            kv=kv if kind == "kvpool" else None,
-        )
-        assert runs[kind].finished == len(trace)
-        if kind == "kvpool":
-            reads = kv.reads
-            scheduler.kv_cache_manager.check()
+    runs, reads = _scheduled(
+        (("kvpool", h.QWEN3_NEXT), ("vllm", h.QWEN3_NEXT)), trace, num_blocks, bs, scale, async_
+    )
     k, v = runs["kvpool"], runs["vllm"]
     print(
         f"\nMamba, {'async' if async_ else 'sync'}, {num_blocks} blocks of {bs}: hits kvpool "
