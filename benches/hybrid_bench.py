@@ -25,6 +25,7 @@ Configs (``--configs``; a blank means the manager has no counterpart)::
                  checkpoint_interval=512 (preset
                  "linear-split": C/16 blocks + C/544
                  slots of their own)
+    ls512-dense  (none today)                          as ls512, retention None (every state)
     ls2048       as ls512, checkpoint_interval=2048    (none)
 
 kvpool, per request: ``Sequence(tokens)``, ``allocate`` (the whole prompt), hit =
@@ -160,6 +161,14 @@ CONFIGS = {
             '+ linear state, checkpoint every 512 (kvpool) / vLLM "align" at 544',
             "linear",
             checkpoint_interval=512,
+        ),
+        Config(
+            "ls512-dense",
+            '+ linear state: vLLM "align" at 544 keeping every state (retention None)',
+            "linear",
+            checkpoint_interval=512,
+            dense=True,
+            kvpool=False,
         ),
         Config(
             "ls2048",
