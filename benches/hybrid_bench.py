@@ -296,9 +296,7 @@ def kvpool_kwargs(cfg: Config, tokens: int, options: dict) -> dict:
 
 
 def runs_on(cfg: Config, manager: str, options: dict) -> bool:
-    if manager == "vllm":
-        return cfg.vllm
-    if manager == "drop-in":  # kvpool's vLLM manager takes the configs vLLM builds
+    if manager in ("vllm", "drop-in"):  # kvpool's vLLM manager takes the configs vLLM builds
         return cfg.vllm
     return cfg.kvpool or scoped_options(options, cfg)[1]
 

@@ -286,33 +286,6 @@ def test_differential_memory_pressure(name, bs):
 
 
 # ------------------------------------------------------------------- the real Scheduler
-def _first_difference(a, b):
-    for x, y in zip(a.records, b.records, strict=False):
-        if x != y:
-            return x, y
-    return None
-
-
-def _first_step(a, b):
-    diff = _first_difference(a, b)
-    return None if diff is None else diff[0][0]
-
-
-def _assert_same_or_hit_first(a, b):
-    """Identical schedules, or the first differing step admits a request with another hit."""
-    diff = _first_difference(a, b)
-    if diff is None:
-        assert len(a.records) == len(b.records)
-        return
-    (step, new_a, cached_a, *_), (_, new_b, cached_b, *_) = diff
-    assert cached_a == cached_b, f"step {step}: running requests scheduled differently"
-    hits_a = {rid: computed for rid, computed, _ in new_a}
-    hits_b = {rid: computed for rid, computed, _ in new_b}
-    assert any(hits_a[x] != hits_b[x] for x in hits_a.keys() & hits_b.keys()), (
-        f"step {step}: the schedules part without a hit difference: {diff}"
-    )
-
-
 def _scheduled(kinds, trace, num_blocks, bs, scale, async_):
     """vLLM's real Scheduler over ``trace`` for each (manager kind, hybrid config), to
     completion; kvpool's run executes every step on a fake KV store (vLLM shares blocks
@@ -356,18 +329,17 @@ def test_real_scheduler_to_completion_with_fake_kv(name, pressure, async_):
         async_,
     )
     k, r, v = runs["kvpool"], runs["vllm-r17"], runs["vllm"]
-    first = _first_difference(k, r)
     print(
         f"\n{name}, {'async' if async_ else 'sync'}, {h.blocks(num_blocks, bs)} blocks of {bs}: "
         f"hits kvpool {k.hits}, vllm-r17 dense {r.hits}, vllm {v.hits} of {k.queries}; "
         f"preemptions {k.preemptions}/{r.preemptions}/{v.preemptions}; first step scheduled "
-        f"differently from vllm-r17 dense: {None if first is None else first[0][0]}; blocks read "
+        f"differently from vllm-r17 dense: {h.first_differing_step(k, r)}; blocks read "
         f"and checked per group {reads}"
     )
     assert all(reads)  # every group's hits and window reads were checked
     if not pressure:  # under pressure eviction and admission part them by design (module doc)
         assert k.records == r.records and k.hits == r.hits > 0
-        _assert_same_or_hit_first(k, v)
+        h.assert_same_or_hit_first(k, v)
         # at least vLLM's own manager's hits; for chunked groups vLLM's default keeps every
         # block, so it is vllm-r17 (equal above) but for its same-step shares (by design, R17)
         assert k.hits >= v.hits or CONFIGS[name].chunked
@@ -387,15 +359,7 @@ def test_window_groups_publish_vllm_kv_events(name):
     manager = h.make_manager(
         "kvpool", 200 * (1 + hybrid.window_groups), bs, events=True, hybrid=hybrid
     )
-    seen = []
-    original = manager.take_events
-
-    def take():
-        events = original()
-        seen.extend(events)
-        return events
-
-    manager.take_events = take
+    seen = h.record_events(manager)
     h.drive(manager, h.chat_trace(30, seed=6), arrival_scale=0.3)
     stored = [e for e in seen if isinstance(e, BlockStored)]
     by_group = {(e.group_idx, e.kv_cache_spec_kind, e.kv_cache_spec_sliding_window) for e in stored}
@@ -482,7 +446,7 @@ def test_mamba_groups_under_the_real_scheduler_with_a_fake_state_store(pressure,
     print(
         f"\nMamba, {'async' if async_ else 'sync'}, {num_blocks} blocks of {bs}: hits kvpool "
         f"{k.hits}, vllm-r17 dense {r.hits}, vllm {v.hits} of {k.queries}; first step scheduled "
-        f"differently from vllm-r17 dense: {_first_step(k, r)}; preemptions "
+        f"differently from vllm-r17 dense: {h.first_differing_step(k, r)}; preemptions "
         f"{k.preemptions}/{v.preemptions}; "
         f"states and blocks read and checked per group {reads}"
     )
@@ -493,7 +457,7 @@ def test_mamba_groups_under_the_real_scheduler_with_a_fake_state_store(pressure,
         # first admission whose hit differs: by design, a state a running request computed
         # after a recomputed duplicate (R9) waits for its release (its chain is private until
         # then), where vLLM's hash lookup finds it at once
-        _assert_same_or_hit_first(k, r)
+        h.assert_same_or_hit_first(k, r)
 
 
 def test_mamba_configs_have_the_new_attention_blocks_zeroed():

@@ -160,15 +160,7 @@ def test_prefix_cache_stats_and_events_are_vllms_types(bs):
     stats = manager.make_prefix_cache_stats()
     assert isinstance(stats, PrefixCacheStats) and stats.requests == 0  # drained each step
     manager = h.make_manager("kvpool", num_blocks, bs, events=True)
-    seen = []
-    original = manager.take_events
-
-    def take():
-        events = original()
-        seen.extend(events)
-        return events
-
-    manager.take_events = take
+    seen = h.record_events(manager)
     log = h.drive(manager, trace)
     assert log.stats_hits == log.hit_tokens > 0  # no preemption: every hit is counted
     stored = [e for e in seen if isinstance(e, BlockStored)]

@@ -66,13 +66,6 @@ def _three(trace, hasher, num_blocks, bs=BS, **kw):
     return runs
 
 
-def _first_difference(a, b):
-    for x, y in zip(a.records, b.records, strict=False):
-        if x != y:
-            return x, y
-    return None
-
-
 def _report(name, runs):
     k, r, v = runs["kvpool"], runs["vllm-r17"], runs["vllm"]
 
@@ -89,22 +82,6 @@ def _report(name, runs):
     )
 
 
-def _assert_same_or_hit_first(a, b):
-    """Identical schedules, or the first differing step admits a request with another hit."""
-    diff = _first_difference(a, b)
-    if diff is None:
-        assert len(a.records) == len(b.records)
-        return
-    (step, new_a, cached_a, *rest_a), (_, new_b, cached_b, *rest_b) = diff
-    assert cached_a == cached_b, f"step {step}: running requests scheduled differently"
-    hits_a = {rid: computed for rid, computed, _ in new_a}
-    hits_b = {rid: computed for rid, computed, _ in new_b}
-    common = hits_a.keys() & hits_b.keys()
-    assert any(hits_a[rid] != hits_b[rid] for rid in common), (
-        f"step {step}: the schedules part without a hit difference: {diff}"
-    )
-
-
 @pytest.mark.parametrize("bs", SIZES, ids=SIZE_IDS)
 def test_scheduler_light_load_identical(bs):
     # no memory pressure, and (seeded, deterministic) no R9 duplicate: nothing by design differs
@@ -113,14 +90,14 @@ def test_scheduler_light_load_identical(bs):
     _report(f"sync Scheduler, {h.blocks(4096, bs)} blocks of {bs}", runs)
     assert runs["kvpool"].records == runs["vllm-r17"].records
     assert runs["kvpool"].hits == runs["vllm-r17"].hits > 0
-    _assert_same_or_hit_first(runs["kvpool"], runs["vllm"])
+    h.assert_same_or_hit_first(runs["kvpool"], runs["vllm"])
 
 
 def test_scheduler_denser_trace_parts_at_a_hit(hasher):
     runs = _three(h.chat_trace(160, seed=2), hasher, 4096)
     _report(f"sync Scheduler, {h.blocks(4096, BS)} blocks of {BS}, 160 requests", runs)
-    _assert_same_or_hit_first(runs["kvpool"], runs["vllm-r17"])
-    _assert_same_or_hit_first(runs["kvpool"], runs["vllm"])
+    h.assert_same_or_hit_first(runs["kvpool"], runs["vllm-r17"])
+    h.assert_same_or_hit_first(runs["kvpool"], runs["vllm"])
 
 
 @pytest.mark.parametrize("bs", SIZES, ids=SIZE_IDS)
@@ -131,8 +108,8 @@ def test_scheduler_dense_pressure_and_async(async_, bs):
     name = "AsyncScheduler" if async_ else "Scheduler"
     _report(f"{name}, {h.blocks(400, bs)} blocks of {bs}, dense arrivals", runs)
     assert runs["kvpool"].preemptions > 0
-    _assert_same_or_hit_first(runs["kvpool"], runs["vllm-r17"])
-    _assert_same_or_hit_first(runs["vllm-r17"], runs["vllm"])
+    h.assert_same_or_hit_first(runs["kvpool"], runs["vllm-r17"])
+    h.assert_same_or_hit_first(runs["vllm-r17"], runs["vllm"])
 
 
 def test_scheduler_publishes_vllm_kv_events(hasher):

@@ -851,6 +851,51 @@ class Run:
     hash_ns: int = 0
 
 
+def first_difference(a: Run, b: Run) -> tuple | None:
+    """The first pair of records in which two Scheduler runs differ (None: a prefix of one
+    another)."""
+    for x, y in zip(a.records, b.records, strict=False):
+        if x != y:
+            return x, y
+    return None
+
+
+def first_differing_step(a: Run, b: Run) -> int | None:
+    """The step at which two runs are first scheduled differently, or None."""
+    diff = first_difference(a, b)
+    return None if diff is None else diff[0][0]
+
+
+def assert_same_or_hit_first(a: Run, b: Run) -> None:
+    """Identical schedules, or the first differing step admits a request with another hit."""
+    diff = first_difference(a, b)
+    if diff is None:
+        assert len(a.records) == len(b.records)
+        return
+    (step, new_a, cached_a, *_), (_, new_b, cached_b, *_) = diff
+    assert cached_a == cached_b, f"step {step}: running requests scheduled differently"
+    hits_a = {rid: computed for rid, computed, _ in new_a}
+    hits_b = {rid: computed for rid, computed, _ in new_b}
+    assert any(hits_a[x] != hits_b[x] for x in hits_a.keys() & hits_b.keys()), (
+        f"step {step}: the schedules part without a hit difference: {diff}"
+    )
+
+
+def record_events(manager) -> list:
+    """Every KV event ``manager.take_events`` hands out from now on, in order (the list grows
+    as the Scheduler takes them)."""
+    seen: list = []
+    original = manager.take_events
+
+    def take():
+        events = original()
+        seen.extend(events)
+        return events
+
+    manager.take_events = take
+    return seen
+
+
 def run_scheduler(
     scheduler,
     config,

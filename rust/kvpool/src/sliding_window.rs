@@ -95,12 +95,14 @@ impl WindowTable {
 
     /// Block id of every entry, 0 for released ones (but a carried one).
     pub fn ids(&self) -> impl Iterator<Item = u32> + '_ {
-        let carry = self.carry.as_ref().map(|(i, b)| (*i, b.id()));
-        (0..self.released)
-            .map(move |i| match carry {
-                Some((at, id)) if at == i => id,
-                _ => 0,
-            })
+        // zeros, the carried id at its entry (always a released one), zeros, the held ids
+        let (at, carried) = match &self.carry {
+            Some((at, block)) => (*at, Some(block.id())),
+            None => (self.released, None),
+        };
+        std::iter::repeat_n(0, at)
+            .chain(carried)
+            .chain(std::iter::repeat_n(0, self.released.saturating_sub(at + 1)))
             .chain(self.blocks.iter().map(Block::id))
     }
 

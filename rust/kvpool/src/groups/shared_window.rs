@@ -205,7 +205,7 @@ impl SharedWindowGroup {
     ) -> usize {
         let first = self.first_needed_block(computed).min(table.len());
         let store = full.store();
-        let alone = |b: &crate::block::Block| {
+        let alone = |b: &Block| {
             let state = store.state(b.id());
             let count = state & COUNT_MASK;
             count == 1 || (state & CACHED != 0 && count == 2)
