@@ -26,18 +26,7 @@ difference is counted and printed, and the runs must agree up to the first one:
 
 from __future__ import annotations
 
-import importlib.metadata
-
 import pytest
-from kvpool.integrations._vllm_versions import SUPPORTED, SUPPORTED_MINORS, version_of
-
-try:  # the installed distribution (tests/vllm itself would pass for a namespace package)
-    _FOUND = importlib.metadata.version("vllm")
-except importlib.metadata.PackageNotFoundError:
-    _FOUND = None
-if version_of(_FOUND or "") not in SUPPORTED_MINORS:
-    pytest.skip(f"needs vLLM{SUPPORTED} (found {_FOUND}): make test-vllm", allow_module_level=True)
-
 import vllm_harness as h  # noqa: E402  (imports vLLM: 15-25 s, once per process)
 
 SIZES = sorted({16, 64, h.BS})  # h.BS: the installed version's default

@@ -21,16 +21,8 @@ import importlib.metadata
 import sys
 
 import pytest
-from kvpool.integrations._vllm_versions import SUPPORTED, SUPPORTED_MINORS, version_of
-
-try:  # the installed distribution (tests/vllm itself would pass for a namespace package)
-    _FOUND = importlib.metadata.version("vllm")
-except importlib.metadata.PackageNotFoundError:
-    _FOUND = None
-if version_of(_FOUND or "") not in SUPPORTED_MINORS:
-    pytest.skip(f"needs vLLM{SUPPORTED} (found {_FOUND}): make test-vllm", allow_module_level=True)
-
 import vllm_harness as h  # noqa: E402  (imports vLLM: 15-25 s, once per process)
+from kvpool.integrations._vllm_versions import SUPPORTED, version_of
 from vllm.sampling_params import SamplingParams  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
 

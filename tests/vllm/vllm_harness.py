@@ -1,6 +1,7 @@
 """Shared by tests/vllm and benches/vllm_bench.py: vLLM 0.33 or 0.34 on CPU, both managers, traces.
 
-Importing this module imports vLLM (15-25 s): callers check ``vllm_available()`` first. It sets
+Importing this module imports vLLM (15-25 s); without a supported vLLM it skips the importing
+test module instead (``vllm_available()`` asks first). It sets
 ``VLLM_TARGET_DEVICE=cpu`` and ``HF_HUB_OFFLINE=1`` (no hub, no GPU).
 
 - ``chat_trace``: a seeded multi-turn chat trace (shared system prompts, growing histories).
@@ -54,6 +55,15 @@ def vllm_available() -> bool:
 
     return installed_version() in SUPPORTED_MINORS
 
+
+if not vllm_available():  # the test modules importing this one are skipped: make test-vllm
+    import pytest
+    from kvpool.integrations._vllm_versions import SUPPORTED
+
+    pytest.skip(
+        f"needs vLLM{SUPPORTED} (found {installed_version()}): make test-vllm",
+        allow_module_level=True,
+    )
 
 import kvpool  # noqa: E402
 import torch  # noqa: E402
